@@ -1,0 +1,29 @@
+# Two commands for a newcomer: `make demo` and `make test`. Both set up .venv first when needed.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test lint clean
+
+setup: $(STAMP)
+
+# torch first and pinned: the CPU wheel on these machines; anything looser pulls CUDA packages.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: setup
+	$(PY) -m medusa_trt.demo --workdir build/demo
+
+test: setup
+	$(PY) -m pytest -q
+
+lint: setup
+	$(PY) -m ruff check medusa_trt tests benchmarks
+
+clean:
+	rm -rf build .pytest_cache

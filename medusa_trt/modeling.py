@@ -1,0 +1,272 @@
+"""PyTorch reference model: a Llama-family decoder plus Medusa heads.
+
+It reads the merged checkpoint's own weight names (the TensorRT-LLM layout: fused qkv, `mlp.fc` is
+HF gate_proj, `mlp.gate` is HF up_proj) so every backend is checked against one model that loads the
+exact bytes they build from. Everything a tree verify needs is explicit in `forward`: position ids
+(tree nodes share positions by depth), a boolean attention mask over [past + new] keys (causal for a
+prompt, the tree mask for a verify step), and the past key/values. The module holds no cache state,
+which keeps it exportable to ONNX as one graph.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # {"type": "llama3"|"linear", "factor", ...} or None
+    norm_eps: float = 1e-6
+    max_position_embeddings: int = 2048
+    qkv_bias: bool = False
+    num_medusa_heads: int = 0
+    num_medusa_layers: int = 1
+    sliding_window: int | None = None
+    dtype: str = "float32"
+
+    @classmethod
+    def from_checkpoint_config(cls, cfg: dict) -> ModelConfig:
+        """Reads the merged checkpoint's config.json (TensorRT-LLM key names)."""
+        heads = cfg["num_attention_heads"]
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_size") or cfg["hidden_size"] // heads,
+            rope_theta=float(cfg.get("rotary_base", 10000.0)),
+            rope_scaling=cfg.get("rotary_scaling"),
+            norm_eps=float(cfg.get("norm_epsilon", 1e-6)),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            qkv_bias=bool(cfg.get("attn_bias", cfg.get("model_type") == "qwen2")),
+            num_medusa_heads=cfg.get("num_medusa_heads", 0),
+            num_medusa_layers=cfg.get("num_medusa_layers", 1),
+            sliding_window=cfg.get("sliding_window"),
+            dtype=cfg.get("dtype", "float32"),
+        )
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2], with llama3 or linear scaling applied."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("type") or scaling.get("rope_type") or "default"
+    if kind == "linear":
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif kind == "llama3":
+        # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, a smooth blend between.
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_ctx = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        smooth = ((old_ctx / wavelen) - low) / (high - low)
+        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        inv_freq = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+        medium = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
+        inv_freq = torch.where(medium, blended, inv_freq)
+    elif kind != "default":
+        raise ValueError(f"rotary_scaling type {kind!r} is not supported; expected llama3, linear or none")
+    return inv_freq.to(torch.float32)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [B, H, S, D]; cos/sin [B, 1, S, D]; GPT-NeoX style: rotate the two halves.
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """q [B, Hq, S, D], k/v [B, Hkv, P+S, D], mask [B, S, P+S] bool -> [B, Hq, S, D].
+
+    Plain ops (repeat for GQA, masked softmax in float32) so the graph exports to ONNX as-is; a
+    fully masked row (padding) gets a uniform distribution instead of NaN.
+    """
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    scores = scores.masked_fill(~mask[:, None], torch.finfo(torch.float32).min)
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.matmul(probs, v)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.qkv = nn.Linear(cfg.hidden_size, qkv_out, bias=cfg.qkv_bias)
+        self.dense = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.post_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.fc = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)  # HF gate_proj
+        self.gate = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)  # HF up_proj
+        self.proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)  # HF down_proj
+
+    def forward(self, x, cos, sin, mask, past_k, past_v):
+        cfg = self.cfg
+        b, s, _ = x.shape
+        qkv = self.qkv(self.input_layernorm(x))
+        q, k, v = qkv.split(
+            [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim], -1
+        )
+        q = q.view(b, s, cfg.num_heads, cfg.head_dim).transpose(1, 2)
+        k = k.view(b, s, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        v = v.view(b, s, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = attention(q, torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2), mask)
+        x = x + self.dense(out.transpose(1, 2).reshape(b, s, -1))
+        h = self.post_layernorm(x)
+        x = x + self.proj(F.silu(self.fc(h)) * self.gate(h))
+        return x, k, v
+
+
+class MedusaModel(nn.Module):
+    """Base decoder + Medusa heads. See `forward` for the contract every backend reproduces."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        d, n_heads, n_layers = cfg.hidden_size, cfg.num_medusa_heads, cfg.num_medusa_layers
+        self.vocab_embedding = nn.Embedding(cfg.vocab_size, d)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.ln_f = RMSNorm(d, cfg.norm_eps)
+        self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False)
+        # Heads stacked so all of them run as one batched matmul per ResBlock layer.
+        self.medusa_w = nn.Parameter(torch.zeros(n_heads, n_layers, d, d))  # [H, L, out, in]
+        self.medusa_b = nn.Parameter(torch.zeros(n_heads, n_layers, d))
+        self.medusa_lm_head = nn.Parameter(torch.zeros(n_heads, cfg.vocab_size, d))
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def medusa_heads(self, h: torch.Tensor) -> torch.Tensor:
+        """h [B, S, d] final normed hidden state -> [H, B, S, V] float32 logits (head k predicts t+2+k)."""
+        x = h.unsqueeze(0).expand(self.cfg.num_medusa_heads, *h.shape)  # [H, B, S, d]
+        for layer in range(self.cfg.num_medusa_layers):
+            w, b = self.medusa_w[:, layer], self.medusa_b[:, layer]  # [H, d, d], [H, d]
+            x = x + F.silu(torch.einsum("hbsi,hoi->hbso", x, w) + b[:, None, None, :])
+        return torch.einsum("hbsi,hvi->hbsv", x, self.medusa_lm_head).float()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [B, S] int64
+        position_ids: torch.Tensor,  # [B, S] int64, absolute positions (tree nodes: prefix length + depth)
+        attention_mask: torch.Tensor,  # [B, S, P+S] bool, True = may attend
+        past_keys: torch.Tensor,  # [L, B, Hkv, P, D]
+        past_values: torch.Tensor,  # [L, B, Hkv, P, D]
+        logit_positions: torch.Tensor | None = None,  # [B, K] int64: rows of S to produce logits for
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns logits [B, K, V] f32, medusa_logits [H, B, K, V] f32, and the NEW tokens' present
+        keys/values [L, B, Hkv, S, D] (the caller owns the cache and decides where they go).
+        K = S when `logit_positions` is None; prompts pass their last position to skip the
+        [S, V] products nobody reads."""
+        x = self.vocab_embedding(input_ids)
+        freqs = position_ids[..., None].float() * self.inv_freq  # [B, S, D/2]
+        emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # [B, 1, S, D]
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        new_k, new_v = [], []
+        for i, layer in enumerate(self.layers):
+            x, k, v = layer(x, cos, sin, attention_mask, past_keys[i], past_values[i])
+            new_k.append(k)
+            new_v.append(v)
+        h = self.ln_f(x)
+        if logit_positions is not None:
+            h = torch.gather(h, 1, logit_positions[..., None].expand(-1, -1, h.shape[-1]))
+        logits = self.lm_head(h).float()
+        return logits, self.medusa_heads(h), torch.stack(new_k), torch.stack(new_v)
+
+    def empty_cache(self, batch: int, length: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        shape = (cfg.num_layers, batch, cfg.num_kv_heads, length, cfg.head_dim)
+        return torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype)
+
+    # -- loading -------------------------------------------------------------------------------
+
+    @classmethod
+    def from_weights(cls, config: dict, weights: dict[str, torch.Tensor], dtype: str | None = None) -> MedusaModel:
+        """Builds the model from a merged checkpoint's config and full (unsharded) weights."""
+        cfg = ModelConfig.from_checkpoint_config(config)
+        torch_dtype = _DTYPES[dtype or cfg.dtype]
+        with torch.device("meta"):
+            model = cls(cfg)
+        model.load_state_dict(_to_module_names(cfg, weights), assign=True, strict=True)
+        model.inv_freq = rope_inv_freq(cfg)
+        return model.to(torch_dtype).eval()
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path, dtype: str | None = None) -> MedusaModel:
+        from medusa_trt.checkpoint import load_checkpoint
+
+        config, weights = load_checkpoint(path)
+        return cls.from_weights(config, weights, dtype)
+
+
+def _to_module_names(cfg: ModelConfig, w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """TensorRT-LLM checkpoint names -> this module's parameter names (lm_heads unpadded)."""
+    v = cfg.vocab_size
+    out = {
+        "vocab_embedding.weight": w["transformer.vocab_embedding.weight"],
+        "ln_f.weight": w["transformer.ln_f.weight"],
+        "lm_head.weight": w["lm_head.weight"][:v],
+    }
+    for i in range(cfg.num_layers):
+        src, dst = f"transformer.layers.{i}.", f"layers.{i}."
+        names = {
+            "input_layernorm.weight": "input_layernorm.weight",
+            "attention.qkv.weight": "qkv.weight",
+            "attention.dense.weight": "dense.weight",
+            "post_layernorm.weight": "post_layernorm.weight",
+            "mlp.fc.weight": "fc.weight",
+            "mlp.gate.weight": "gate.weight",
+            "mlp.proj.weight": "proj.weight",
+        }
+        if cfg.qkv_bias:
+            names["attention.qkv.bias"] = "qkv.bias"
+        out.update({dst + b: w[src + a] for a, b in names.items()})
+    H, L = cfg.num_medusa_heads, cfg.num_medusa_layers
+    if H:
+        head = "medusa_heads.{}.medusa_layers.{}.linear.{}"
+        out["medusa_w"] = torch.stack([torch.stack([w[head.format(h, l, "weight")] for l in range(L)]) for h in range(H)])
+        out["medusa_b"] = torch.stack([torch.stack([w[head.format(h, l, "bias")] for l in range(L)]) for h in range(H)])
+        out["medusa_lm_head"] = torch.stack(
+            [w.get(f"medusa_heads.{h}.lm_head.weight", w["lm_head.weight"])[:v] for h in range(H)]
+        )
+    else:
+        d = cfg.hidden_size
+        out.update(medusa_w=torch.zeros(0, L, d, d), medusa_b=torch.zeros(0, L, d), medusa_lm_head=torch.zeros(0, v, d))
+    return out

@@ -1,0 +1,105 @@
+"""The one interface every engine implements for the decoding loop, and the PyTorch backend.
+
+A backend owns the KV cache and the committed length of each sequence; the decoding loop only says
+what to run and which of the new tokens to keep. Cache layout (shared by all backends): per
+sequence, committed entries occupy [0, length[b]); a forward writes its S new tokens at [P, P+S)
+with P = max(length) (shorter sequences leave a masked gap); `commit` then moves the kept ones to
+follow each committed prefix. That keeps one dense [L, B, Hkv, P, D] past tensor for any batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from medusa_trt.modeling import MedusaModel
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    vocab_size: int
+    num_medusa_heads: int
+    max_seq_len: int  # positions the model supports (prompt + generated + tree depth)
+    max_draft_len: int  # largest tree (nodes, root excluded) the engine was built for
+
+
+class Backend(Protocol):
+    info: ModelInfo
+    lengths: torch.Tensor  # [B] int64 committed length of each sequence
+
+    def start(self, batch: int, capacity: int) -> None:
+        """Empties the cache for `batch` sequences of at most `capacity` cached positions."""
+
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, new_mask: torch.Tensor,
+        logit_positions: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Runs S new tokens per sequence ([B, S] ids and positions, [B, S, S] bool mask among the
+        new tokens; each also sees its sequence's committed prefix). Returns float32 logits
+        [B, K, V] and medusa logits [H, B, K, V] (K = S, or the given [B, K] positions). The new
+        tokens' KV stays pending until `commit`."""
+
+    def commit(self, slots: torch.Tensor, counts: torch.Tensor) -> None:
+        """Keeps, for sequence b, pending tokens slots[b, :counts[b]] (in order) after its prefix."""
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Drops every sequence not in `rows` (finished sequences stop costing work)."""
+
+
+def full_attention_mask(lengths: torch.Tensor, past: int, new_mask: torch.Tensor) -> torch.Tensor:
+    """[B, S, past + S] bool: the committed prefix of each sequence, then the mask among new tokens."""
+    b, s, _ = new_mask.shape
+    prefix = torch.arange(past)[None, None, :] < lengths[:, None, None]  # [B, 1, P]
+    return torch.cat([prefix.expand(b, s, past), new_mask], dim=-1)
+
+
+def commit_indices(lengths: torch.Tensor, past: int, slots: torch.Tensor, counts: torch.Tensor):
+    """Flat (batch, source, destination) cache indices of a commit, shared by the array backends."""
+    batch = torch.repeat_interleave(torch.arange(len(counts)), counts)
+    keep = torch.arange(slots.shape[1])[None, :] < counts[:, None]  # [B, A]
+    src = past + slots[keep]
+    dst = (lengths[:, None] + torch.arange(slots.shape[1])[None, :])[keep]
+    return batch, src, dst
+
+
+class TorchBackend:
+    """The PyTorch reference model behind the backend interface, cache preallocated once per batch."""
+
+    def __init__(self, model: MedusaModel, max_draft_len: int = 63):
+        self.model = model
+        cfg = model.cfg
+        self.info = ModelInfo(cfg.vocab_size, cfg.num_medusa_heads, cfg.max_position_embeddings, max_draft_len)
+        self.start(1, 0)
+
+    def start(self, batch: int, capacity: int) -> None:
+        self.keys, self.values = self.model.empty_cache(batch, capacity)  # [L, B, Hkv, cap, D]
+        self.lengths = torch.zeros(batch, dtype=torch.long)
+        self._past = 0  # P: where the pending tokens of the last forward were written
+
+    @torch.inference_mode()
+    def forward(self, input_ids, position_ids, new_mask, logit_positions=None):
+        past = int(self.lengths.max()) if len(self.lengths) else 0
+        s = input_ids.shape[1]
+        if past + s > self.keys.shape[3]:
+            raise ValueError(f"KV cache overflow: {past} + {s} positions > capacity {self.keys.shape[3]}")
+        mask = full_attention_mask(self.lengths, past, new_mask)
+        logits, medusa, new_k, new_v = self.model(
+            input_ids, position_ids, mask, self.keys[..., :past, :], self.values[..., :past, :], logit_positions
+        )
+        self.keys[..., past : past + s, :] = new_k
+        self.values[..., past : past + s, :] = new_v
+        self._past = past
+        return logits, medusa
+
+    def commit(self, slots: torch.Tensor, counts: torch.Tensor) -> None:
+        b, src, dst = commit_indices(self.lengths, self._past, slots, counts)
+        # Gather before scatter: destinations may overlap sources of the same commit.
+        self.keys[:, b, :, dst] = self.keys[:, b, :, src].clone()
+        self.values[:, b, :, dst] = self.values[:, b, :, src].clone()
+        self.lengths = self.lengths + counts
+
+    def keep(self, rows: torch.Tensor) -> None:
+        self.keys, self.values = self.keys[:, rows], self.values[:, rows]
+        self.lengths = self.lengths[rows]

@@ -1,0 +1,90 @@
+"""medusa-run: generate text from a merged checkpoint (PyTorch) or a built engine."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from medusa_trt.runtime.decoding import GenerationConfig, SequenceStats, generate
+from medusa_trt.runtime.loading import load_backend, load_tokenizer, stop_tokens
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="medusa-run", description=__doc__)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", type=Path, help="merged checkpoint dir (runs the PyTorch reference)")
+    src.add_argument("--engine", type=Path, help="engine dir written by medusa-build")
+    inp = p.add_mutually_exclusive_group(required=True)
+    inp.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
+    inp.add_argument("--batch-file", type=Path, help="a text file with one prompt per line")
+    p.add_argument("--medusa-choices", default=None, help="preset name, list of paths, file or brace form")
+    p.add_argument("--no-medusa", action="store_true", help="plain decoding on the same backend")
+    p.add_argument("--acceptance", choices=["greedy", "typical"], default="greedy")
+    p.add_argument("--temperature", type=float, default=0.7, help="typical acceptance temperature")
+    p.add_argument("--posterior-threshold", type=float, default=0.09, help="typical acceptance epsilon")
+    p.add_argument("--posterior-alpha", type=float, default=0.3, help="typical acceptance delta")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="checkpoint dtype override")
+    p.add_argument("--device", default=None, help="engine device (cpu, cuda)")
+    p.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of text")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        if args.batch_file:
+            if not args.batch_file.is_file():
+                raise ValueError(f"{args.batch_file}: prompt file not found")
+            texts = [line.rstrip("\n") for line in args.batch_file.read_text().splitlines() if line.strip()]
+            if not texts:
+                raise ValueError(f"{args.batch_file}: no prompts (expected one per line)")
+        else:
+            texts = args.prompt
+        directory = args.engine or args.checkpoint
+        backend = load_backend(directory, dtype=args.dtype, device=args.device)
+        tok = load_tokenizer(directory)
+        extra = {"medusa_choices": args.medusa_choices} if args.medusa_choices is not None else {}
+        cfg = GenerationConfig(
+            max_new_tokens=args.max_new_tokens, use_medusa=not args.no_medusa, acceptance=args.acceptance,
+            temperature=args.temperature, posterior_threshold=args.posterior_threshold,
+            posterior_alpha=args.posterior_alpha, stop_token_ids=stop_tokens(directory, tok), **extra,
+        )
+        prompts = [tok.encode(t) for t in texts]
+        stats = [SequenceStats() for _ in prompts]
+        tokens: list[list[int]] = [[] for _ in prompts]
+        stream = len(prompts) == 1 and not args.json
+        shown = ""
+        for step in generate(backend, prompts, cfg, stats):
+            for i, new in enumerate(step.new_tokens):
+                tokens[i].extend(new)
+            if stream:
+                text = tok.decode(tokens[0], skip_special_tokens=True)
+                sys.stdout.write(text[len(shown):] if text.startswith(shown) else "\n" + text)
+                sys.stdout.flush()
+                shown = text
+    except ValueError as e:
+        print(f"medusa-run: error: {e}", file=sys.stderr)
+        return 2
+    for i, text in enumerate(texts):
+        out = tok.decode(tokens[i], skip_special_tokens=True)
+        if args.json:
+            print(json.dumps({"prompt": text, "text": out, "output_ids": tokens[i], **stats[i].as_dict()}))
+            continue
+        if not stream:
+            print(f"[{i}] {text}{out}")
+        s = stats[i]
+        print(
+            f"\n-- {s.new_tokens} tokens in {s.steps} steps ({s.tokens_per_step:.2f} tokens/step), "
+            f"accepted {s.accepted_draft_tokens}/{s.draft_tokens} draft tokens "
+            f"({100 * s.acceptance_rate:.1f}%), prefill {1000 * s.prefill_s:.1f} ms, "
+            f"decode {s.new_tokens / max(s.decode_s, 1e-9):.1f} tokens/s",
+            file=sys.stderr if args.json else sys.stdout,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,253 @@
+"""The Medusa decoding loop, shared by every backend.
+
+Each step: candidates from the base argmax (root) and each head's top-k at the last accepted
+position, one forward over all tree slots with the tree mask, acceptance (greedy or typical),
+commit of the accepted slots' KV, and the next logits are those at the last accepted slot. Greedy
+acceptance emits exactly the tokens plain greedy decoding would.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from medusa_trt.runtime.backend import Backend
+from medusa_trt.tree import DEFAULT_TREE, TreeBuffers, build_tree
+
+
+@dataclass
+class GenerationConfig:
+    max_new_tokens: int = 64
+    medusa_choices: object = DEFAULT_TREE  # anything tree.parse_medusa_choices accepts
+    use_medusa: bool = True
+    acceptance: str = "greedy"  # "greedy" | "typical"
+    temperature: float = 0.7  # typical acceptance only; 0 means greedy
+    posterior_threshold: float = 0.09  # epsilon
+    posterior_alpha: float = 0.3  # delta
+    stop_token_ids: tuple[int, ...] = ()  # EOS and any other token that ends a sequence
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.acceptance not in ("greedy", "typical"):
+            raise ValueError(f"acceptance must be 'greedy' or 'typical', got {self.acceptance!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+
+
+@dataclass
+class SequenceStats:
+    steps: int = 0
+    new_tokens: int = 0
+    accepted_draft_tokens: int = 0
+    draft_tokens: int = 0  # tree nodes verified (root excluded), as TensorRT-LLM counts them
+    accepted_per_depth: list[int] = field(default_factory=list)  # steps whose path reached depth d+1
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.new_tokens / self.steps if self.steps else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_draft_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "steps": self.steps, "new_tokens": self.new_tokens, "tokens_per_step": round(self.tokens_per_step, 4),
+            "accepted_draft_tokens": self.accepted_draft_tokens, "draft_tokens": self.draft_tokens,
+            "acceptance_rate": round(self.acceptance_rate, 4), "accepted_per_depth": self.accepted_per_depth,
+            "prefill_s": round(self.prefill_s, 6), "decode_s": round(self.decode_s, 6),
+        }
+
+
+@dataclass
+class StepOutput:
+    """Tokens each sequence gained in one step (empty for finished ones), for streaming."""
+
+    new_tokens: list[list[int]]
+    finished: list[bool]
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[list[int]]  # new tokens per sequence (stop token included when hit)
+    stats: list[SequenceStats]
+
+
+def typical_accept(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, epsilon: float, delta: float):
+    """Whether each token is accepted under the distribution of its logits, and its log-probability.
+
+    logits [..., V], tokens [...]: accept while p(x) > min(epsilon, delta * exp(-H(p))), p at the
+    given temperature (the reference's typical acceptance)."""
+    probs = torch.softmax(logits / temperature, dim=-1)
+    entropy = -(probs * torch.log(probs + 1e-5)).sum(-1)
+    threshold = torch.minimum(torch.full_like(entropy, epsilon), delta * torch.exp(-entropy))
+    p = probs.gather(-1, tokens[..., None]).squeeze(-1)
+    return p > threshold, torch.log(p + 1e-10)
+
+
+def accept_paths(
+    ret: torch.Tensor, tokens: torch.Tensor, logits: torch.Tensor, cfg: GenerationConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Best path per sequence. ret [N, D+1] retrieve indices (-1 padded), tokens [B, T] tree
+    tokens, logits [B, T, V] at every slot.
+
+    Returns (best path index [B], accepted draft count [B]); ties go to the first path (greedy) or
+    to the larger sum of log-probabilities (typical)."""
+    valid = ret[:, 1:] >= 0
+    cand = tokens[:, ret[:, 1:].clamp(min=0)]  # [B, N, D] candidate at each depth
+    prev_logits = logits[:, ret[:, :-1].clamp(min=0)]  # [B, N, D, V] logits that judge it
+    if cfg.acceptance == "greedy" or cfg.temperature == 0:
+        match = cand == prev_logits.argmax(-1)
+        accepted = (match & valid).long().cumprod(-1).sum(-1)  # [B, N]
+        return accepted.argmax(-1), accepted.max(-1).values  # argmax returns the first maximum
+    ok, logp = typical_accept(prev_logits, cand, cfg.temperature, cfg.posterior_threshold, cfg.posterior_alpha)
+    keep = (ok & valid).long().cumprod(-1)
+    accepted = keep.sum(-1)
+    score = (logp * keep).sum(-1).masked_fill(accepted < accepted.max(-1, keepdim=True).values, -torch.inf)
+    return score.argmax(-1), accepted.max(-1).values
+
+
+def generate(backend: Backend, prompts: list[list[int]], cfg: GenerationConfig,
+             stats: list[SequenceStats] | None = None) -> Iterator[StepOutput]:
+    """Decodes all prompts together, yielding each step's new tokens. `stats` (one per prompt) is
+    filled in place when given."""
+    info = backend.info
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    if cfg.use_medusa and info.num_medusa_heads == 0:
+        raise ValueError("this model has no Medusa heads; decode with use_medusa=False")
+    tree = _Tree.of(build_tree(cfg.medusa_choices, info.num_medusa_heads, info.max_draft_len)) if cfg.use_medusa else None
+    depth = tree.max_depth if tree else 0
+    longest = max(len(p) for p in prompts)
+    if longest + cfg.max_new_tokens + depth > info.max_seq_len:
+        raise ValueError(
+            f"prompt ({longest} tokens) + max_new_tokens ({cfg.max_new_tokens}) + tree depth ({depth}) "
+            f"exceeds the model's maximum sequence length {info.max_seq_len}"
+        )
+    n = len(prompts)
+    stats = stats if stats is not None else [SequenceStats() for _ in prompts]
+    width = tree.num_slots if tree else 1
+    backend.start(n, longest + cfg.max_new_tokens + width + 1)
+
+    t0 = time.perf_counter()
+    logits, medusa = _prefill(backend, prompts)  # [B, V], [H, B, V]
+    for s in stats:
+        s.prefill_s = time.perf_counter() - t0
+        s.accepted_per_depth = [0] * depth
+
+    active = torch.arange(n)  # prompt index of each row still in the backend
+    produced = [0] * n
+    stop = set(cfg.stop_token_ids)
+    while len(active):
+        t_step = time.perf_counter()
+        root = logits.argmax(-1)  # [B] greedy root in both acceptance modes
+        if tree is None:
+            emitted, logits, medusa = _plain_step(backend, root)
+        else:
+            emitted, logits, medusa = _tree_step(backend, tree, root, medusa, cfg, stats, active)
+        elapsed = time.perf_counter() - t_step
+        out = [[] for _ in range(n)]
+        finished = [False] * n
+        still = []
+        for row, idx in enumerate(active.tolist()):
+            toks = emitted[row][: cfg.max_new_tokens - produced[idx]]
+            hit = next((i for i, t in enumerate(toks) if t in stop), None)
+            if hit is not None:
+                toks = toks[: hit + 1]
+            produced[idx] += len(toks)
+            out[idx] = toks
+            st = stats[idx]
+            st.steps += 1
+            st.new_tokens += len(toks)
+            st.decode_s += elapsed
+            finished[idx] = hit is not None or produced[idx] >= cfg.max_new_tokens
+            if not finished[idx]:
+                still.append(row)
+        yield StepOutput(out, finished)
+        if len(still) < len(active):
+            rows = torch.tensor(still, dtype=torch.long)
+            backend.keep(rows)
+            active, logits, medusa = active[rows], logits[rows], medusa[:, rows]
+
+
+def decode(backend: Backend, prompts: list[list[int]], cfg: GenerationConfig) -> GenerationResult:
+    """Non-streaming `generate`: the new tokens and statistics of every prompt."""
+    stats = [SequenceStats() for _ in prompts]
+    tokens: list[list[int]] = [[] for _ in prompts]
+    for step in generate(backend, prompts, cfg, stats):
+        for i, t in enumerate(step.new_tokens):
+            tokens[i].extend(t)
+    return GenerationResult(tokens, stats)
+
+
+def _prefill(backend: Backend, prompts: list[list[int]]):
+    """All prompts in one right-padded forward; logits at each prompt's last token."""
+    lens = torch.tensor([len(p) for p in prompts])
+    s = int(lens.max())
+    ids = torch.zeros(len(prompts), s, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, : len(p)] = torch.tensor(p)
+    pos = torch.arange(s)[None].expand(len(prompts), s)
+    valid = torch.arange(s)[None, :] < lens[:, None]  # [B, S] padding keys are never seen
+    mask = torch.ones(s, s, dtype=torch.bool).tril()[None] & valid[:, None, :]
+    logits, medusa = backend.forward(ids, pos, mask, (lens - 1)[:, None])
+    backend.commit(pos.contiguous(), lens)
+    return logits[:, 0], medusa[:, :, 0]
+
+
+def _plain_step(backend: Backend, root: torch.Tensor):
+    b = len(root)
+    pos = backend.lengths[:, None]
+    logits, medusa = backend.forward(root[:, None], pos, torch.ones(b, 1, 1, dtype=torch.bool))
+    backend.commit(torch.zeros(b, 1, dtype=torch.long), torch.ones(b, dtype=torch.long))
+    return [[t] for t in root.tolist()], logits[:, 0], medusa[:, :, 0]
+
+
+@dataclass(frozen=True)
+class _Tree:
+    """The tree buffers the loop reads every step, as torch tensors (converted once per request)."""
+
+    num_slots: int
+    max_depth: int
+    topk: int  # largest per-depth top-k
+    head: torch.Tensor  # [T-1] head giving each non-root slot's token
+    rank: torch.Tensor  # [T-1]
+    position_offsets: torch.Tensor  # [T]
+    mask: torch.Tensor  # [T, T] bool
+    retrieve: torch.Tensor  # [N, D+1] -1 padded
+
+    @classmethod
+    def of(cls, t: TreeBuffers) -> _Tree:
+        return cls(t.num_slots, t.max_depth, int(t.topk_per_depth.max()), torch.tensor(t.head[1:]),
+                   torch.tensor(t.rank[1:]), torch.tensor(t.position_offsets), torch.tensor(t.attention_mask),
+                   torch.tensor(t.retrieve_indices))
+
+
+def _tree_step(backend, tree: _Tree, root, medusa, cfg, stats, active):
+    b = len(root)
+    # Candidate of slot j: rank-r token of head d-1 (per-depth top-k, the TensorRT-LLM layout).
+    topk = medusa.topk(tree.topk, dim=-1).indices  # [H, B, k]
+    tokens = torch.cat([root[:, None], topk[tree.head, :, tree.rank].T], dim=1)  # [B, T]
+    pos = backend.lengths[:, None] + tree.position_offsets[None]
+    logits, medusa_all = backend.forward(tokens, pos, tree.mask[None].expand(b, -1, -1))  # [B,T,V], [H,B,T,V]
+
+    best, accepted = accept_paths(tree.retrieve, tokens, logits, cfg)
+    slots = tree.retrieve[best].clamp(min=0)  # [B, D+1] root first
+    counts = accepted + 1
+    backend.commit(slots, counts)
+    last = slots.gather(1, accepted[:, None]).squeeze(1)  # slot whose logits continue
+    rows = torch.arange(b)
+    emitted = [tokens[i, slots[i, : counts[i]]].tolist() for i in range(b)]
+    for i, idx in enumerate(active.tolist()):
+        st = stats[idx]
+        st.accepted_draft_tokens += int(accepted[i])
+        st.draft_tokens += tree.num_slots - 1
+        for d in range(int(accepted[i])):
+            st.accepted_per_depth[d] += 1
+    return emitted, logits[rows, last], medusa_all[:, rows, last]

@@ -1,0 +1,260 @@
+"""Medusa trees: parse and validate medusa_choices, and build the buffers every backend shares.
+
+Semantics (reference/FORMATS.md section 3): nodes sorted by (depth, path); slot 0 is the root (the
+base model's own token) and sorted node j is slot j + 1.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import json
+import logging
+import math
+import os
+import re
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TREE = "mc_sim_7b_63"
+REFERENCE_TOPK = 10  # the FasterDecoding reference keeps the top 10 tokens of every head
+_TREE_FILE_SUFFIXES = (".json", ".yaml", ".yml")
+
+
+class TreeError(ValueError):
+    """A medusa_choices input that cannot be used; the message names the input and the bad value."""
+
+
+@functools.cache
+def _presets() -> dict[str, list[list[int]]]:
+    data = resources.files("medusa_trt").joinpath("presets/medusa_choices.json").read_text()
+    return json.loads(data)["presets"]
+
+
+def __getattr__(name: str) -> Any:
+    # PRESETS is loaded on first use so importing this module never touches package data.
+    if name == "PRESETS":
+        return _presets()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _short(obj: Any, limit: int = 60) -> str:
+    text = repr(obj)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _as_path_list(obj: Any, where: str) -> list[list[Any]]:
+    """Check the shape (a list of lists); values are checked by validate_and_expand."""
+    if not isinstance(obj, (list, tuple)):
+        raise TreeError(f"{where}: got {_short(obj)}; expected a list of paths such as [[0], [0, 1]]")
+    for i, path in enumerate(obj):
+        if not isinstance(path, (list, tuple)):
+            raise TreeError(f"{where}: path #{i} is {_short(path)}; expected a list of ints such as [0, 1]")
+    return [list(path) for path in obj]
+
+
+def _parse_brace(text: str, where: str) -> list[list[Any]]:
+    # Triton's form "{0}, {0, 1}", optionally inside one more pair of braces: "{{0}, {0, 1}}".
+    compact = re.sub(r"\s+", "", text)
+    if not re.fullmatch(r"[{}0-9,+-]*", compact):
+        raise TreeError(f"{where}: brace form may hold only braces, commas and integers")
+    body = compact.replace("{", "[").replace("}", "]")
+    if not compact.startswith("{{"):
+        body = f"[{body}]"
+    try:
+        return _as_path_list(ast.literal_eval(body), where)
+    except (ValueError, SyntaxError) as err:
+        raise TreeError(f"{where}: malformed brace form ({err}); expected e.g. '{{0}}, {{0, 1}}'") from None
+
+
+def _parse_file(path: Path) -> list[list[Any]]:
+    where = f"tree file {str(path)!r}"
+    suffix = path.suffix.lower()
+    if suffix not in _TREE_FILE_SUFFIXES:
+        raise TreeError(f"{where}: unsupported suffix {suffix!r}; expected one of {_TREE_FILE_SUFFIXES}")
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise TreeError(f"{where}: cannot read it ({err.strerror or err})") from None
+    try:
+        if suffix == ".json":
+            data = json.loads(text)
+        else:
+            import yaml  # only needed for YAML trees
+
+            data = yaml.safe_load(text)
+    except Exception as err:  # json and yaml raise unrelated error types
+        raise TreeError(f"{where}: cannot parse it as {suffix[1:].upper()} ({err})") from None
+    if isinstance(data, dict):
+        if "medusa_choices" not in data:
+            raise TreeError(f"{where}: mapping has keys {sorted(data)}; expected a 'medusa_choices' key")
+        data = data["medusa_choices"]
+    return _as_path_list(data, where)
+
+
+def parse_medusa_choices(spec: str | os.PathLike | list | tuple) -> list[list[int]]:
+    """Turn any accepted tree spelling into a list of paths (not yet validated or expanded).
+
+    Accepts a preset name, a list of lists, a JSON or Python-literal string, a .json/.yaml/.yml file
+    (a bare list or a mapping with 'medusa_choices'), or Triton's brace form "{0}, {0, 1}".
+    """
+    if isinstance(spec, np.ndarray):
+        spec = spec.tolist()
+    if isinstance(spec, (list, tuple)):
+        return _as_path_list(spec, "medusa_choices")
+    if isinstance(spec, os.PathLike):
+        return _parse_file(Path(spec))
+    if not isinstance(spec, str):
+        raise TreeError(f"medusa_choices: got {type(spec).__name__} {_short(spec)}; expected a preset "
+                        "name, a list of paths, a string or a file path")
+    text = spec.strip()
+    where = f"medusa_choices {_short(spec)}"
+    if text in _presets():
+        return [list(path) for path in _presets()[text]]
+    if text.startswith("["):
+        try:
+            data = json.loads(text)
+        except ValueError:
+            try:
+                data = ast.literal_eval(text)  # Python literals: tuples, trailing commas
+            except (ValueError, SyntaxError) as err:
+                raise TreeError(f"{where}: malformed list ({err.__class__.__name__}: {err}); "
+                                "expected e.g. '[[0], [0, 1]]'") from None
+        return _as_path_list(data, where)
+    if text.startswith("{"):
+        return _parse_brace(text, where)
+    path = Path(text)
+    if path.suffix.lower() in _TREE_FILE_SUFFIXES or path.exists():
+        return _parse_file(path)
+    raise TreeError(f"{where}: unknown preset name; expected one of {sorted(_presets())}, "
+                    "a list such as '[[0], [0, 1]]', a brace form '{0}, {0, 1}' or a .json/.yaml file")
+
+
+def validate_and_expand(choices: list, num_heads: int, max_draft_len: int | None = None) -> list[list[int]]:
+    """Check paths, add missing prefixes, and return the nodes sorted by (depth, path)."""
+    if not isinstance(choices, (list, tuple)) or not choices:
+        raise TreeError(f"medusa_choices: got {_short(choices)}; expected a non-empty list of paths")
+    given: set[tuple[int, ...]] = set()
+    for i, path in enumerate(choices):
+        where = f"medusa_choices[{i}] = {_short(path)}"
+        if not isinstance(path, (list, tuple)) or not path:
+            raise TreeError(f"{where}: expected a non-empty list of ranks such as [0, 1]")
+        for r in path:
+            # bool is a subclass of int, but True as a rank is almost surely a mistake.
+            if isinstance(r, bool) or not isinstance(r, (int, np.integer)):
+                raise TreeError(f"{where}: rank {r!r} ({type(r).__name__}) is not an integer")
+            if r < 0:
+                raise TreeError(f"{where}: rank {r} is negative; expected ranks >= 0")
+        if len(path) > num_heads:
+            raise TreeError(f"{where}: depth {len(path)} exceeds num_heads={num_heads}; "
+                            "expected depth <= number of Medusa heads")
+        key = tuple(int(r) for r in path)
+        if key in given:
+            raise TreeError(f"{where}: duplicate path {list(key)}; expected each path once")
+        given.add(key)
+    nodes = {key[:d] for key in given for d in range(1, len(key) + 1)}
+    if len(nodes) > len(given):
+        log.info("medusa_choices: added %d missing prefix nodes (%d given, %d total)",
+                 len(nodes) - len(given), len(given), len(nodes))
+    if max_draft_len is not None and len(nodes) > max_draft_len:
+        raise TreeError(f"medusa_choices: tree has {len(nodes)} nodes after adding prefixes; "
+                        f"expected at most max_draft_len={max_draft_len}")
+    return [list(p) for p in sorted(nodes, key=lambda p: (len(p), p))]
+
+
+@dataclass(frozen=True, eq=False)  # eq=False: numpy fields make == ambiguous
+class TreeBuffers:
+    """Everything a backend needs about one tree. Arrays are read-only (they are shared via a cache)."""
+
+    nodes: tuple[tuple[int, ...], ...]  # sorted paths; node j lives in slot j + 1
+    num_slots: int  # T = nodes + root
+    depth: np.ndarray  # [T] root 0
+    parent: np.ndarray  # [T] slot of the parent; root -1
+    head: np.ndarray  # [T] head whose top-k gives this slot's token (depth - 1); root -1
+    rank: np.ndarray  # [T] last rank of the path; root 0
+    position_offsets: np.ndarray  # [T] = depth
+    topk_per_depth: np.ndarray  # [max_depth] 1 + max rank at each depth (TensorRT-LLM's top-k)
+    candidate_k: int  # K of the reference candidate vector: 10, or more if a rank needs it
+    candidate_indices: np.ndarray  # [T] index into [root, top-K of head 0, top-K of head 1, ...]
+    attention_mask: np.ndarray  # [T, T] bool: root, ancestors and self
+    packed_mask: np.ndarray  # [T, W] int32, bit j % 32 of word j // 32
+    retrieve_indices: np.ndarray  # [num_leaves, max_depth + 1] root..leaf slots, -1 padded
+    max_depth: int
+    num_leaves: int
+
+
+def pack_mask(mask: np.ndarray, num_words: int) -> np.ndarray:
+    """Pack a [R, T] bool mask into [R, num_words] int32 words, little-endian bit order."""
+    rows, cols = mask.shape
+    if cols > 32 * num_words:
+        raise TreeError(f"packed mask: {cols} columns do not fit in {num_words} 32-bit words")
+    padded = np.zeros((rows, 32 * num_words), dtype=bool)
+    padded[:, :cols] = mask
+    # Bytes in little-endian bit order read as little-endian uint32 give bit j%32 of word j//32;
+    # viewing as int32 keeps bit 31 as the sign bit, which is what TensorRT-LLM stores.
+    return np.packbits(padded, axis=1, bitorder="little").view("<u4").view("<i4").astype(np.int32)
+
+
+def unpack_mask(packed: np.ndarray, num_slots: int) -> np.ndarray:
+    """Inverse of the packed mask: [..., W] int32 words -> [..., num_slots] bool."""
+    words = np.ascontiguousarray(packed, dtype="<i4")
+    bits = np.unpackbits(words.view(np.uint8), axis=-1, bitorder="little")
+    return bits[..., :num_slots].astype(bool)
+
+
+@functools.lru_cache(maxsize=64)
+def _build(nodes: tuple[tuple[int, ...], ...], max_draft_len: int | None) -> TreeBuffers:
+    T = len(nodes) + 1
+    slot_of = {path: j + 1 for j, path in enumerate(nodes)}
+    depth = np.array([0] + [len(p) for p in nodes], dtype=np.int64)
+    rank = np.array([0] + [p[-1] for p in nodes], dtype=np.int64)
+    parent = np.array([-1] + [slot_of.get(p[:-1], 0) for p in nodes], dtype=np.int64)
+    max_depth = int(depth.max())
+    topk = np.zeros(max_depth, dtype=np.int64)
+    np.maximum.at(topk, depth[1:] - 1, rank[1:] + 1)
+    k = max(REFERENCE_TOPK, int(rank.max()) + 1)
+    candidates = np.where(depth > 0, 1 + k * (depth - 1) + rank, 0)
+
+    # Parents come before children in (depth, path) order, so one pass copies each parent's row.
+    mask = np.zeros((T, T), dtype=bool)
+    mask[0, 0] = True
+    for s in range(1, T):
+        mask[s] = mask[parent[s]]
+        mask[s, s] = True
+    num_words = math.ceil(((max_draft_len if max_draft_len is not None else T - 1) + 1) / 32)
+
+    is_parent = np.zeros(T, dtype=bool)
+    is_parent[parent[1:]] = True
+    leaves = np.flatnonzero(~is_parent)
+    retrieve = np.full((len(leaves), max_depth + 1), -1, dtype=np.int64)
+    for row, leaf in enumerate(leaves):
+        chain = [int(leaf)]
+        while chain[-1] != 0:
+            chain.append(int(parent[chain[-1]]))
+        retrieve[row, : len(chain)] = chain[::-1]
+
+    arrays = dict(depth=depth, parent=parent, head=np.where(depth > 0, depth - 1, -1), rank=rank,
+                  position_offsets=depth.copy(), topk_per_depth=topk, candidate_indices=candidates,
+                  attention_mask=mask, packed_mask=pack_mask(mask, num_words), retrieve_indices=retrieve)
+    for a in arrays.values():
+        a.flags.writeable = False
+    return TreeBuffers(nodes=nodes, num_slots=T, candidate_k=k, max_depth=max_depth,
+                       num_leaves=len(leaves), **arrays)
+
+
+def build_tree(spec: Any, num_heads: int, max_draft_len: int | None = None) -> TreeBuffers:
+    """Parse, validate and expand a tree, then build (or fetch from cache) its buffers."""
+    nodes = validate_and_expand(parse_medusa_choices(spec), num_heads, max_draft_len)
+    # num_heads only bounds the depth, which validation has checked; the buffers do not depend on it.
+    return _build(tuple(tuple(p) for p in nodes), max_draft_len)
+
+
+def tree_to_brace(choices: list) -> str:
+    """Triton's brace spelling, e.g. "{0}, {0, 0}"; parse_medusa_choices reads it back."""
+    return ", ".join("{" + ", ".join(str(int(r)) for r in path) + "}" for path in choices)

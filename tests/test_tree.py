@@ -1,0 +1,350 @@
+"""Tests for medusa_trt.tree. Expected buffers are recomputed here from the definition in
+reference/FORMATS.md section 3 (prefix relations on raw paths), not from the implementation's
+parent pointers."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+
+import numpy as np
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from medusa_trt import tree
+from medusa_trt.tree import (
+    DEFAULT_TREE,
+    TreeError,
+    build_tree,
+    parse_medusa_choices,
+    tree_to_brace,
+    unpack_mask,
+    validate_and_expand,
+)
+
+SMALL = [[0], [1], [0, 0], [0, 1]]
+
+
+# ---- independent oracle -------------------------------------------------------------------------
+
+
+def is_prefix(a: tuple, b: tuple) -> bool:
+    return len(a) <= len(b) and b[: len(a)] == a
+
+
+def expected_buffers(choices: list[list[int]], max_draft_len: int | None = None) -> dict:
+    paths = sorted({tuple(p[:d]) for p in choices for d in range(1, len(p) + 1)}, key=lambda p: (len(p), p))
+    slot = {p: i + 1 for i, p in enumerate(paths)}
+    T = len(paths) + 1
+    k = max(10, 1 + max(p[-1] for p in paths))
+    mask = [[j == 0 for j in range(T)] for _ in range(T)]
+    for i, pi in enumerate(paths, start=1):
+        for j, pj in enumerate(paths, start=1):
+            mask[i][j] = is_prefix(pj, pi)
+    words = math.ceil(((max_draft_len if max_draft_len is not None else T - 1) + 1) / 32)
+    packed = []
+    for row in mask:
+        row_words = []
+        for w in range(words):
+            v = sum(1 << (j - 32 * w) for j in range(32 * w, min(32 * w + 32, T)) if row[j])
+            row_words.append(v - (1 << 32) if v >= 1 << 31 else v)  # two's complement int32
+        packed.append(row_words)
+    leaves = [p for p in paths if not any(len(q) > len(p) and is_prefix(p, q) for q in paths)]
+    max_depth = max(len(p) for p in paths)
+    retrieve = [[0] + [slot[leaf[:d]] for d in range(1, len(leaf) + 1)] for leaf in leaves]
+    retrieve = [r + [-1] * (max_depth + 1 - len(r)) for r in retrieve]
+    return dict(
+        nodes=tuple(paths),
+        position_offsets=[0] + [len(p) for p in paths],
+        candidate_indices=[0] + [1 + k * (len(p) - 1) + p[-1] for p in paths],
+        candidate_k=k,
+        attention_mask=mask,
+        packed_mask=packed,
+        retrieve_indices=retrieve,
+        max_depth=max_depth,
+        num_leaves=len(leaves),
+        topk_per_depth=[1 + max(p[-1] for p in paths if len(p) == d) for d in range(1, max_depth + 1)],
+    )
+
+
+def assert_matches_oracle(buf: tree.TreeBuffers, choices: list[list[int]], max_draft_len: int | None = None):
+    exp = expected_buffers(choices, max_draft_len)
+    assert buf.nodes == exp["nodes"]
+    assert buf.num_slots == len(exp["nodes"]) + 1
+    for name in ("position_offsets", "candidate_indices", "topk_per_depth", "retrieve_indices"):
+        np.testing.assert_array_equal(getattr(buf, name), np.array(exp[name]), err_msg=name)
+    np.testing.assert_array_equal(buf.attention_mask, np.array(exp["attention_mask"], dtype=bool))
+    assert buf.packed_mask.dtype == np.int32
+    assert [[int(x) for x in row] for row in buf.packed_mask] == exp["packed_mask"]
+    assert (buf.candidate_k, buf.max_depth, buf.num_leaves) == (
+        exp["candidate_k"], exp["max_depth"], exp["num_leaves"])
+    np.testing.assert_array_equal(buf.depth, buf.position_offsets)
+
+
+# ---- presets and the default tree -------------------------------------------------------------
+
+
+def test_default_tree_shape_and_buffers():
+    choices = tree.PRESETS[DEFAULT_TREE]
+    buf = build_tree(DEFAULT_TREE, num_heads=4)
+    assert len(buf.nodes) == 63 and buf.num_slots == 64
+    assert np.bincount(buf.depth[1:]).tolist() == [0, 10, 28, 23, 2]
+    assert buf.num_leaves == 42 and buf.retrieve_indices.shape == (42, 5)
+    assert buf.topk_per_depth.tolist() == [10, 10, 10, 2]
+    assert buf.packed_mask.shape == (64, 2)
+    assert_matches_oracle(buf, choices)
+    # TensorRT-LLM sizes the packed mask by max_draft_len, not by the tree.
+    wide = build_tree(DEFAULT_TREE, num_heads=4, max_draft_len=100)
+    assert wide.packed_mask.shape == (64, 4)
+    assert_matches_oracle(wide, choices, max_draft_len=100)
+
+
+def test_bit_31_is_sign_bit():
+    # Slot 31 sets bit 31 of word 0 in its own row (and its descendants'): stored as a negative int32.
+    buf = build_tree(DEFAULT_TREE, num_heads=4)
+    assert int(buf.packed_mask[31, 0]) < 0
+    assert int(buf.packed_mask[31, 0]) & 0xFFFFFFFF & (1 << 31)
+    assert int(buf.packed_mask[63, 1]) & 0xFFFFFFFF & (1 << 31)
+
+
+@pytest.mark.parametrize("name", ["mc_sim_7b_63", "vicuna_7b_stage2", "zephyr_stage2"])
+def test_all_presets_build(name):
+    choices = parse_medusa_choices(name)
+    assert choices == tree.PRESETS[name] and choices is not tree.PRESETS[name]
+    assert_matches_oracle(build_tree(name, num_heads=4, max_draft_len=63), choices, max_draft_len=63)
+
+
+def test_small_tree_exact():
+    buf = build_tree(SMALL, num_heads=2)
+    assert buf.nodes == ((0,), (1,), (0, 0), (0, 1))
+    assert buf.parent.tolist() == [-1, 0, 0, 1, 1]
+    assert buf.head.tolist() == [-1, 0, 0, 1, 1]
+    assert buf.rank.tolist() == [0, 0, 1, 0, 1]
+    assert buf.position_offsets.tolist() == [0, 1, 1, 2, 2]
+    assert buf.topk_per_depth.tolist() == [2, 2]
+    assert buf.candidate_indices.tolist() == [0, 1, 2, 11, 12]
+    assert buf.attention_mask.astype(int).tolist() == [
+        [1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0],
+        [1, 0, 1, 0, 0],
+        [1, 1, 0, 1, 0],
+        [1, 1, 0, 0, 1],
+    ]
+    assert buf.packed_mask.tolist() == [[0b1], [0b11], [0b101], [0b1011], [0b10011]]
+    assert buf.retrieve_indices.tolist() == [[0, 2, -1], [0, 1, 3], [0, 1, 4]]
+    assert (buf.max_depth, buf.num_leaves, buf.candidate_k) == (2, 3, 10)
+
+
+def test_large_rank_widens_candidate_k():
+    buf = build_tree([[0], [12], [12, 3]], num_heads=2)
+    assert buf.candidate_k == 13
+    assert buf.candidate_indices.tolist() == [0, 1, 13, 1 + 13 + 3]
+    assert buf.topk_per_depth.tolist() == [13, 4]
+
+
+def test_buffers_are_cached_and_read_only():
+    a = build_tree(SMALL, num_heads=2)
+    assert build_tree([list(p) for p in SMALL], num_heads=3) is a
+    with pytest.raises(ValueError):
+        a.attention_mask[0, 1] = True
+
+
+# ---- every input form --------------------------------------------------------------------------
+
+
+def test_input_forms(tmp_path):
+    want = [[0], [0, 1], [2]]
+    (tmp_path / "t.json").write_text(json.dumps(want))
+    (tmp_path / "d.json").write_text(json.dumps({"medusa_choices": want, "note": "x"}))
+    (tmp_path / "t.yaml").write_text(yaml.safe_dump(want))
+    (tmp_path / "d.yml").write_text(yaml.safe_dump({"medusa_choices": want}))
+    forms = [
+        want,
+        [tuple(p) for p in want],
+        "[[0], [0, 1], [2]]",
+        "[(0,), (0, 1), (2,),]",  # python literal: tuples and a trailing comma
+        " [[0],[0,1],[2]] ",
+        str(tmp_path / "t.json"),
+        tmp_path / "d.json",
+        str(tmp_path / "t.yaml"),
+        tmp_path / "d.yml",
+        "{0}, {0, 1}, {2}",
+        "{{0},{0,1},{2}}",
+        "{ {0}, {0, 1}, {2} }",
+    ]
+    for form in forms:
+        assert parse_medusa_choices(form) == want, form
+
+
+def test_preset_name_and_default():
+    assert parse_medusa_choices(DEFAULT_TREE) == tree.PRESETS["mc_sim_7b_63"]
+    assert set(tree.PRESETS) == {"mc_sim_7b_63", "vicuna_7b_stage2", "zephyr_stage2"}
+
+
+def test_brace_round_trip_small():
+    assert tree_to_brace(SMALL) == "{0}, {1}, {0, 0}, {0, 1}"
+    assert parse_medusa_choices(tree_to_brace(tree.PRESETS[DEFAULT_TREE])) == tree.PRESETS[DEFAULT_TREE]
+
+
+# ---- every error names what is wrong ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "choices, num_heads, max_draft_len, needles",
+    [
+        ([], 4, None, ["[]", "non-empty"]),
+        ([[0], []], 4, None, ["medusa_choices[1]", "[]", "non-empty"]),
+        ([[0], [0, -1]], 4, None, ["[0, -1]", "rank -1", ">= 0"]),
+        ([[0], [True]], 4, None, ["[True]", "rank True", "bool"]),
+        ([[0], [0, 1.0]], 4, None, ["[0, 1.0]", "rank 1.0", "float"]),
+        ([[0], [0, 0, 0]], 2, None, ["[0, 0, 0]", "depth 3", "num_heads=2"]),
+        ([[0], [1], [0]], 4, None, ["medusa_choices[2]", "duplicate", "[0]"]),
+        ([[0, 0, 0]], 4, 2, ["3 nodes", "max_draft_len=2"]),
+        ("[[0], 1]", 4, None, ["path #1", "1"]),
+        ([[0], "ab"], 4, None, ["path #1", "'ab'"]),
+    ],
+)
+def test_validation_errors(choices, num_heads, max_draft_len, needles):
+    with pytest.raises(TreeError) as err:
+        build_tree(choices, num_heads, max_draft_len)
+    for needle in needles:
+        assert needle in str(err.value), (needle, str(err.value))
+    assert isinstance(err.value, ValueError)
+
+
+def test_max_draft_len_counts_expanded_nodes():
+    assert len(validate_and_expand([[0, 0, 0]], 4, max_draft_len=3)) == 3
+    with pytest.raises(TreeError, match="63 nodes.*max_draft_len=62"):
+        build_tree(DEFAULT_TREE, num_heads=4, max_draft_len=62)
+
+
+@pytest.mark.parametrize(
+    "spec, needles",
+    [
+        ("mc_sim_7b_64", ["mc_sim_7b_64", "unknown preset", "mc_sim_7b_63"]),
+        ("[[0], [0, 1]", ["[[0], [0, 1]", "malformed"]),
+        ("[[0], [0, x]]", ["[[0], [0, x]]", "malformed"]),
+        ("{0}, {0, 1", ["{0}, {0, 1", "malformed"]),
+        ("{0}, {0; 1}", ["{0}, {0; 1}", "brace form"]),
+        ("{0}, {a}", ["{0}, {a}", "brace form"]),
+        ("[0, 1]", ["[0, 1]", "path #0", "0"]),
+        ('{"medusa_choices": [[0]]}', ["medusa_choices", "brace form"]),
+        (42, ["int", "42"]),
+    ],
+)
+def test_parse_errors(spec, needles):
+    with pytest.raises(TreeError) as err:
+        parse_medusa_choices(spec)
+    for needle in needles:
+        assert needle in str(err.value), (needle, str(err.value))
+
+
+def test_long_inputs_are_shortened_in_messages():
+    spec = "[[0], " + "[1], " * 200 + "oops]"
+    with pytest.raises(TreeError) as err:
+        parse_medusa_choices(spec)
+    assert len(str(err.value)) < 300 and "[[0], [1]" in str(err.value)
+
+
+def test_file_errors(tmp_path):
+    missing = tmp_path / "missing.json"
+    with pytest.raises(TreeError, match="missing.json.*cannot read"):
+        parse_medusa_choices(str(missing))
+    bad_json = tmp_path / "bad.json"
+    bad_json.write_text("[[0], [0,")
+    with pytest.raises(TreeError, match="bad.json.*JSON"):
+        parse_medusa_choices(bad_json)
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("medusa_choices: [[0], [0\n  - x: {")
+    with pytest.raises(TreeError, match="bad.yaml.*YAML"):
+        parse_medusa_choices(bad_yaml)
+    no_key = tmp_path / "nokey.yml"
+    no_key.write_text("choices: [[0]]\n")
+    with pytest.raises(TreeError, match=r"nokey.yml.*\['choices'\].*medusa_choices"):
+        parse_medusa_choices(no_key)
+    scalar = tmp_path / "scalar.json"
+    scalar.write_text("7")
+    with pytest.raises(TreeError, match="scalar.json.*got 7"):
+        parse_medusa_choices(scalar)
+    wrong_suffix = tmp_path / "tree.txt"
+    wrong_suffix.write_text("[[0]]")
+    with pytest.raises(TreeError, match=r"tree.txt.*'\.txt'"):
+        parse_medusa_choices(str(wrong_suffix))
+    a_dir = tmp_path / "dir.json"
+    a_dir.mkdir()
+    with pytest.raises(TreeError, match="dir.json.*cannot read"):
+        parse_medusa_choices(a_dir)
+
+
+# ---- prefix expansion ---------------------------------------------------------------------------
+
+
+def test_leaves_expand_to_all_prefixes(caplog):
+    with caplog.at_level(logging.INFO, logger="medusa_trt.tree"):
+        nodes = validate_and_expand([[1, 2, 0], [0, 3]], num_heads=3, max_draft_len=None)
+    assert nodes == [[0], [1], [0, 3], [1, 2], [1, 2, 0]]
+    assert any(r.levelno == logging.INFO and "added 3" in r.getMessage() for r in caplog.records)
+
+
+def test_complete_tree_logs_nothing(caplog):
+    with caplog.at_level(logging.INFO, logger="medusa_trt.tree"):
+        validate_and_expand(SMALL, num_heads=2, max_draft_len=4)
+    assert not caplog.records
+
+
+def test_leaf_only_default_tree_gives_same_buffers():
+    full = tree.PRESETS[DEFAULT_TREE]
+    leaves = [p for p in full if not any(len(q) > len(p) and q[: len(p)] == p for q in full)]
+    assert len(leaves) == 42
+    a, b = build_tree(full, 4), build_tree(leaves, 4)
+    np.testing.assert_array_equal(a.packed_mask, b.packed_mask)
+    np.testing.assert_array_equal(a.retrieve_indices, b.retrieve_indices)
+
+
+# ---- properties over random trees ---------------------------------------------------------------
+
+random_paths = st.lists(
+    st.lists(st.integers(min_value=0, max_value=11), min_size=1, max_size=4),
+    min_size=1, max_size=40,
+).map(lambda ps: sorted({tuple(p) for p in ps}))
+
+
+def prefix_closed(paths: list[tuple]) -> list[list[int]]:
+    return [list(p) for p in sorted({p[:d] for p in paths for d in range(1, len(p) + 1)})]
+
+
+@settings(max_examples=100, deadline=None)
+@given(random_paths, st.booleans(), st.randoms(use_true_random=False))
+def test_random_trees(paths, closed, rnd):
+    choices = prefix_closed(paths) if closed else [list(p) for p in paths]
+    rnd.shuffle(choices)  # input order must not matter
+    buf = build_tree(choices, num_heads=4)
+    assert_matches_oracle(buf, choices)
+
+    # Every node attends to exactly root, its ancestors and itself (by walking paths, not slots).
+    slot_path = {0: ()} | {i + 1: p for i, p in enumerate(buf.nodes)}
+    for i in range(buf.num_slots):
+        attended = set(np.flatnonzero(buf.attention_mask[i]).tolist())
+        assert attended == {j for j, p in slot_path.items() if is_prefix(p, slot_path[i])}
+
+    # Every retrieve row is a root-to-leaf chain; every leaf appears once.
+    for row in buf.retrieve_indices:
+        chain = [int(s) for s in row if s >= 0]
+        assert chain[0] == 0 and all(s == -1 for s in row[len(chain):])
+        for prev, cur in zip(chain[:-1], chain[1:], strict=True):
+            assert buf.parent[cur] == prev and slot_path[cur][:-1] == slot_path[prev]
+    assert sorted(int(r[r >= 0][-1]) for r in buf.retrieve_indices) == [
+        s for s in range(1, buf.num_slots) if s not in set(buf.parent.tolist())]
+
+    # Packing round-trips, including a wider word count.
+    np.testing.assert_array_equal(unpack_mask(buf.packed_mask, buf.num_slots), buf.attention_mask)
+    wide = build_tree(choices, num_heads=4, max_draft_len=130)
+    assert wide.packed_mask.shape == (buf.num_slots, 5)
+    np.testing.assert_array_equal(unpack_mask(wide.packed_mask, buf.num_slots), buf.attention_mask)
+    assert not unpack_mask(wide.packed_mask, 160)[:, buf.num_slots:].any()
+
+    # The brace form round-trips.
+    assert parse_medusa_choices(tree_to_brace(choices)) == choices
