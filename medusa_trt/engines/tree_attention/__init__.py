@@ -1,0 +1,1 @@
+"""Tree-attention kernel (Triton), its PyTorch reference, and its TensorRT plugin registration."""
