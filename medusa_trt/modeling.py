@@ -110,6 +110,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     return torch.matmul(probs, v)
 
 
+def attention_with_past(q, k, v, past_k, past_v, mask):
+    """One layer's attention step: new queries over [past + new] keys. Engines swap it per layer
+    (`DecoderLayer.attend`) to export another attention form with the same math."""
+    return attention(q, torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2), mask)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -134,6 +140,7 @@ class DecoderLayer(nn.Module):
         self.fc = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)  # HF gate_proj
         self.gate = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)  # HF up_proj
         self.proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)  # HF down_proj
+        self.attend = attention_with_past  # plain attribute, not a module: the ONNX exporter swaps it
 
     def forward(self, x, cos, sin, mask, past_k, past_v):
         cfg = self.cfg
@@ -146,7 +153,7 @@ class DecoderLayer(nn.Module):
         k = k.view(b, s, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
         v = v.view(b, s, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attention(q, torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2), mask)
+        out = self.attend(q, k, v, past_k, past_v, mask)
         x = x + self.dense(out.transpose(1, 2).reshape(b, s, -1))
         h = self.post_layernorm(x)
         x = x + self.proj(F.silu(self.fc(h)) * self.gate(h))
@@ -261,8 +268,8 @@ def _to_module_names(cfg: ModelConfig, w: dict[str, torch.Tensor]) -> dict[str, 
     H, L = cfg.num_medusa_heads, cfg.num_medusa_layers
     if H:
         head = "medusa_heads.{}.medusa_layers.{}.linear.{}"
-        out["medusa_w"] = torch.stack([torch.stack([w[head.format(h, l, "weight")] for l in range(L)]) for h in range(H)])
-        out["medusa_b"] = torch.stack([torch.stack([w[head.format(h, l, "bias")] for l in range(L)]) for h in range(H)])
+        out["medusa_w"] = torch.stack([torch.stack([w[head.format(h, j, "weight")] for j in range(L)]) for h in range(H)])
+        out["medusa_b"] = torch.stack([torch.stack([w[head.format(h, j, "bias")] for j in range(L)]) for h in range(H)])
         out["medusa_lm_head"] = torch.stack(
             [w.get(f"medusa_heads.{h}.lm_head.weight", w["lm_head.weight"])[:v] for h in range(H)]
         )

@@ -49,7 +49,7 @@ def train_heads(
     hs = hidden_states(model, sequences)
     # Pairs (h_t, token t+2+k) for every position that has all targets.
     xs, ys = [], []
-    for h, s in zip(hs, sequences):
+    for h, s in zip(hs, sequences, strict=True):
         n = len(s) - 1 - num_heads
         if n <= 0:
             continue

@@ -1,0 +1,676 @@
+"""The merged checkpoint: safetensors I/O, TensorRT-LLM tensor names, tensor-parallel split rules.
+
+This module is the format contract shared by the converter, the engines and the runtime, so it
+imports nothing from them. A merged checkpoint is a directory with `config.json` and
+`rank{N}.safetensors` for N in 0..tp_size-1, laid out the way TensorRT-LLM's `MedusaForCausalLM`
+expects (see shared/reference/FORMATS.md section 2).
+
+Safetensors is read and written here by our own small code rather than through `safetensors` so
+that conversion can stream: the reader uses plain positioned reads into a fresh buffer (no mmap,
+whose touched pages would count against resident memory for the whole run), and the writer takes
+the full list of tensors up front, writes the header, then accepts one tensor at a time.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import math
+import os
+import re
+import struct
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+class CheckpointError(Exception):
+    """A checkpoint file or directory is missing, corrupt, or does not match its config."""
+
+
+# ----------------------------------------------------------------------------------------------
+# safetensors
+# ----------------------------------------------------------------------------------------------
+
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "U16": torch.uint16,
+    "I32": torch.int32,
+    "U32": torch.uint32,
+    "I64": torch.int64,
+    "U64": torch.uint64,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+_DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+
+# The reference implementation refuses headers above 100 MB; a larger length means a corrupt file
+# and we should not try to allocate it.
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+if sys.byteorder != "little":  # safetensors data is little-endian; we copy bytes as they are
+    raise ImportError("medusa_trt.checkpoint supports little-endian hosts only")
+
+
+def dtype_to_safetensors(dtype: torch.dtype) -> str:
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        raise CheckpointError(f"dtype {dtype} has no safetensors name; supported: "
+                              f"{', '.join(str(d) for d in _DTYPE_NAMES)}") from None
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int  # byte offsets relative to the start of the data section
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+class SafetensorsFile:
+    """Reads a .safetensors file one tensor at a time, without mmap.
+
+    Each `read` allocates a buffer of exactly that tensor's size and fills it with plain reads, so
+    the caller decides how long the memory lives.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        try:
+            self._file = open(self.path, "rb", buffering=0)  # noqa: SIM115 - closed in close()
+        except OSError as e:
+            raise CheckpointError(f"{self.path}: cannot open safetensors file: {e.strerror}") from None
+        try:
+            self.metadata, self.tensors, self._data_start = _parse_header(self.path, self._file)
+        except BaseException:
+            self._file.close()
+            raise
+
+    def __enter__(self) -> SafetensorsFile:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._file.close()
+
+    def keys(self) -> list[str]:
+        return list(self.tensors)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise CheckpointError(f"{self.path}: no tensor named {name!r}") from None
+
+    def read(self, name: str) -> torch.Tensor:
+        info = self.info(name)
+        if info.nbytes == 0:
+            return torch.empty(info.shape, dtype=info.dtype)
+        # torch.empty rather than bytearray: no zero-fill pass over memory we overwrite anyway.
+        buf = torch.empty(info.nbytes, dtype=torch.uint8)
+        view = memoryview(buf.numpy())
+        done = 0
+        while done < info.nbytes:
+            self._file.seek(self._data_start + info.begin + done)
+            n = self._file.readinto(view[done:])
+            if not n:
+                raise CheckpointError(f"{self.path}: file ends inside tensor {name!r} "
+                                      f"(read {done} of {info.nbytes} bytes)")
+            done += n
+        return buf.view(info.dtype).reshape(info.shape)
+
+    def read_all(self) -> dict[str, torch.Tensor]:
+        return {name: self.read(name) for name in self.tensors}
+
+
+def _parse_header(path: Path, f) -> tuple[dict[str, str], dict[str, TensorInfo], int]:
+    size = os.fstat(f.fileno()).st_size
+    head = f.read(8)
+    if len(head) < 8:
+        raise CheckpointError(f"{path}: not a safetensors file: {size} bytes, expected at least 8")
+    (n,) = struct.unpack("<Q", head)
+    if n > MAX_HEADER_BYTES or 8 + n > size:
+        raise CheckpointError(f"{path}: corrupt safetensors header: header length {n} but the file "
+                              f"has {size} bytes (truncated or not a safetensors file)")
+    raw = f.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: corrupt safetensors header: not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header: expected a JSON object, "
+                              f"got {type(header).__name__}")
+    data_start = 8 + n
+    data_size = size - data_start
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header: __metadata__ must be an object")
+    tensors: dict[str, TensorInfo] = {}
+    for name, entry in header.items():
+        where = f"{path}: corrupt safetensors header: tensor {name!r}"
+        if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
+            raise CheckpointError(f"{where}: expected {{dtype, shape, data_offsets}}, got {entry!r}")
+        dtype = SAFETENSORS_DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise CheckpointError(f"{where}: unknown dtype {entry['dtype']!r}; expected one of "
+                                  f"{', '.join(SAFETENSORS_DTYPES)}")
+        shape, offsets = entry["shape"], entry["data_offsets"]
+        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+            raise CheckpointError(f"{where}: shape {shape!r} is not a list of non-negative integers")
+        if not (isinstance(offsets, list) and len(offsets) == 2
+                and all(isinstance(o, int) for o in offsets)):
+            raise CheckpointError(f"{where}: data_offsets {offsets!r} is not [begin, end]")
+        begin, end = offsets
+        expected = math.prod(shape) * dtype.itemsize
+        if not 0 <= begin <= end <= data_size:
+            raise CheckpointError(f"{where}: data_offsets [{begin}, {end}] outside the data section "
+                                  f"of {data_size} bytes (file truncated?)")
+        if end - begin != expected:
+            raise CheckpointError(f"{where}: data_offsets [{begin}, {end}] span {end - begin} bytes, "
+                                  f"expected {expected} for {entry['dtype']}{shape}")
+        tensors[name] = TensorInfo(name, dtype, tuple(shape), begin, end)
+    spans = sorted((t.begin, t.end, t.name) for t in tensors.values() if t.nbytes)
+    for (_, end_a, a), (begin_b, _, b) in zip(spans, spans[1:], strict=False):
+        if begin_b < end_a:
+            raise CheckpointError(f"{path}: corrupt safetensors header: tensors {a!r} and {b!r} overlap")
+    return metadata, tensors, data_start
+
+
+class SafetensorsWriter:
+    """Writes a .safetensors file whose tensor list is known up front, one tensor at a time.
+
+    `plan` fixes names, dtypes, shapes and order; `write` must then be called in that order, and
+    each tensor is checked against its entry. The file loads with `safetensors.torch.load_file`.
+    """
+
+    def __init__(self, path: str | os.PathLike,
+                 plan: Sequence[tuple[str, torch.dtype, Sequence[int]]],
+                 metadata: dict[str, str] | None = None):
+        self.path = Path(path)
+        self.plan = [(name, dtype, tuple(int(d) for d in shape)) for name, dtype, shape in plan]
+        names = [p[0] for p in self.plan]
+        if len(set(names)) != len(names):
+            dup = next(n for n in names if names.count(n) > 1)
+            raise CheckpointError(f"{self.path}: tensor {dup!r} appears twice in the write plan")
+        header: dict[str, object] = {"__metadata__": {"format": "pt", **(metadata or {})}}
+        offset = 0
+        for name, dtype, shape in self.plan:
+            nbytes = math.prod(shape) * dtype.itemsize
+            header[name] = {"dtype": dtype_to_safetensors(dtype), "shape": list(shape),
+                            "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        self.nbytes_data = offset
+        raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        raw += b" " * (-len(raw) % 8)  # keep the data section 8-byte aligned, as the reference does
+        self._file = open(self.path, "wb")  # noqa: SIM115 - closed in close()
+        self._file.write(struct.pack("<Q", len(raw)))
+        self._file.write(raw)
+        self.nbytes_total = 8 + len(raw) + offset
+        self._next = 0
+
+    def __enter__(self) -> SafetensorsWriter:
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self._file.close()
+
+    def write(self, name: str, tensor: torch.Tensor) -> int:
+        """Append the next planned tensor; returns the number of bytes written."""
+        if self._next >= len(self.plan):
+            raise CheckpointError(f"{self.path}: tensor {name!r} written after the last planned tensor")
+        want_name, want_dtype, want_shape = self.plan[self._next]
+        if name != want_name:
+            raise CheckpointError(f"{self.path}: tensor {name!r} written out of order; "
+                                  f"the plan expects {want_name!r} next")
+        if tensor.dtype != want_dtype or tuple(tensor.shape) != want_shape:
+            raise CheckpointError(f"{self.path}: tensor {name!r} is {tensor.dtype}{list(tensor.shape)}, "
+                                  f"the plan says {want_dtype}{list(want_shape)}")
+        data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+        self._file.write(memoryview(data))
+        self._next += 1
+        return data.nbytes
+
+    def close(self) -> None:
+        if self._file.closed:
+            return
+        self._file.close()
+        if self._next != len(self.plan):
+            raise CheckpointError(f"{self.path}: closed after {self._next} of {len(self.plan)} planned "
+                                  f"tensors; next missing: {self.plan[self._next][0]!r}")
+
+
+# ----------------------------------------------------------------------------------------------
+# TensorRT-LLM names and the expected tensors of a config
+# ----------------------------------------------------------------------------------------------
+
+VOCAB_EMBEDDING = "transformer.vocab_embedding.weight"
+LN_F = "transformer.ln_f.weight"
+LM_HEAD = "lm_head.weight"
+
+CONFIG_DTYPES: dict[str, torch.dtype] = {
+    "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+}
+
+REQUIRED_CONFIG_KEYS = (
+    "architecture", "dtype", "logits_dtype", "model_type", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "hidden_size", "head_size", "intermediate_size", "vocab_size",
+    "position_embedding_type", "max_position_embeddings", "hidden_act", "rotary_base",
+    "rotary_scaling", "norm_epsilon", "attn_bias", "mlp_bias", "quantization", "mapping",
+    "use_parallel_embedding", "embedding_sharding_dim", "max_draft_len", "num_medusa_heads",
+    "num_medusa_layers",
+)
+
+
+def layer_prefix(i: int) -> str:
+    return f"transformer.layers.{i}"
+
+
+def medusa_linear_prefix(head: int, layer: int) -> str:
+    return f"medusa_heads.{head}.medusa_layers.{layer}.linear"
+
+
+def medusa_lm_head(head: int) -> str:
+    return f"medusa_heads.{head}.lm_head.weight"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]  # unsharded; vocab rows padded to a multiple of tp_size
+    dtype: torch.dtype
+
+
+def tp_size_of(config: dict) -> int:
+    return int(config.get("mapping", {}).get("tp_size", 1))
+
+
+def padded_vocab(config: dict) -> int:
+    tp = tp_size_of(config)
+    return -(-int(config["vocab_size"]) // tp) * tp
+
+
+def _is_quantized(module: str, config: dict) -> bool:
+    quant = config.get("quantization") or {}
+    excluded = quant.get("exclude_modules") or []
+    return quant.get("quant_algo") == "FP8" and not any(fnmatch.fnmatchcase(module, p) for p in excluded)
+
+
+def expected_tensors(config: dict) -> list[TensorSpec]:
+    """Every tensor a checkpoint with this config holds, in the order the converter writes them.
+
+    With `quantization.quant_algo == "FP8"` the decoder linears (and the Medusa linears unless
+    `exclude_modules` matches them) hold float8_e4m3fn weights plus float32 (1,) scales.
+    """
+    d = int(config["hidden_size"])
+    nq, nkv = int(config["num_attention_heads"]), int(config["num_key_value_heads"])
+    hs = int(config.get("head_size") or d // nq)
+    inter = int(config["intermediate_size"])
+    dtype = CONFIG_DTYPES.get(config["dtype"])
+    if dtype is None:
+        raise CheckpointError(f"config dtype {config['dtype']!r} is not one of {', '.join(CONFIG_DTYPES)}")
+    if config.get("mlp_bias"):
+        raise CheckpointError("config mlp_bias true is not supported (no Llama-family base we read has it)")
+    fp8_kv = (config.get("quantization") or {}).get("kv_cache_quant_algo") == "FP8"
+    specs: list[TensorSpec] = []
+
+    def linear(prefix: str, shape: tuple[int, int], bias: bool) -> None:
+        quantized = _is_quantized(prefix, config)
+        specs.append(TensorSpec(f"{prefix}.weight", shape, torch.float8_e4m3fn if quantized else dtype))
+        if bias:
+            specs.append(TensorSpec(f"{prefix}.bias", shape[:1], dtype))
+        if quantized:
+            specs.append(TensorSpec(f"{prefix}.weights_scaling_factor", (1,), torch.float32))
+            specs.append(TensorSpec(f"{prefix}.activation_scaling_factor", (1,), torch.float32))
+
+    specs.append(TensorSpec(VOCAB_EMBEDDING, (int(config["vocab_size"]), d), dtype))
+    for i in range(int(config["num_hidden_layers"])):
+        p = layer_prefix(i)
+        specs.append(TensorSpec(f"{p}.input_layernorm.weight", (d,), dtype))
+        linear(f"{p}.attention.qkv", ((nq + 2 * nkv) * hs, d), bool(config.get("attn_bias")))
+        if fp8_kv:
+            specs.append(TensorSpec(f"{p}.attention.kv_cache_scaling_factor", (1,), torch.float32))
+        linear(f"{p}.attention.dense", (d, nq * hs), False)
+        specs.append(TensorSpec(f"{p}.post_layernorm.weight", (d,), dtype))
+        linear(f"{p}.mlp.fc", (inter, d), False)
+        linear(f"{p}.mlp.gate", (inter, d), False)
+        linear(f"{p}.mlp.proj", (d, inter), False)
+    specs.append(TensorSpec(LN_F, (d,), dtype))
+    specs.append(TensorSpec(LM_HEAD, (padded_vocab(config), d), dtype))
+    for h in range(int(config.get("num_medusa_heads", 0))):
+        for layer in range(int(config.get("num_medusa_layers", 0))):
+            linear(medusa_linear_prefix(h, layer), (d, d), True)
+        specs.append(TensorSpec(medusa_lm_head(h), (padded_vocab(config), d), dtype))
+    return specs
+
+
+# ----------------------------------------------------------------------------------------------
+# Tensor parallelism: one rule per name, used to split (converter) and to merge (loaders)
+# ----------------------------------------------------------------------------------------------
+
+_QKV = re.compile(r"^transformer\.layers\.\d+\.attention\.qkv\.(weight|bias)$")
+_ROW = re.compile(r"^transformer\.layers\.\d+\.(attention\.dense|mlp\.proj)\.weight$")
+_COL = re.compile(r"^(transformer\.layers\.\d+\.mlp\.(fc|gate)"
+                  r"|medusa_heads\.\d+\.medusa_layers\.\d+\.linear)\.(weight|bias)$")
+_VOCAB = re.compile(r"^(lm_head|medusa_heads\.\d+\.lm_head)\.weight$")
+
+
+def tp_rule(name: str) -> str:
+    """How a tensor is split across ranks: qkv | column (dim 0) | row (dim 1) | vocab | replicate.
+
+    Row-parallel layers (attention.dense, mlp.proj) produce partial sums that TensorRT-LLM
+    all-reduces; column-parallel ones (mlp.fc/gate, Medusa linears) produce slices of the output.
+    The vocab rule pads with zero rows so every rank holds the same number of logits.
+    """
+    if _QKV.match(name):
+        return "qkv"
+    if _ROW.match(name):
+        return "row"
+    if _COL.match(name):
+        return "column"
+    if _VOCAB.match(name):
+        return "vocab"
+    return "replicate"
+
+
+def check_tp(config: dict) -> None:
+    """Raise CheckpointError when tp_size cannot split this model."""
+    tp = tp_size_of(config)
+    nq, nkv = int(config["num_attention_heads"]), int(config["num_key_value_heads"])
+    problems = []
+    if tp < 1:
+        problems.append(f"tp_size {tp} must be at least 1")
+    else:
+        if nq % tp:
+            problems.append(f"tp_size {tp} does not divide num_attention_heads {nq}")
+        if nkv % tp and tp % nkv:
+            problems.append(f"tp_size {tp} and num_key_value_heads {nkv}: one must divide the other "
+                            f"(KV heads are split, or duplicated when fewer than tp_size)")
+        if int(config["intermediate_size"]) % tp:
+            problems.append(f"tp_size {tp} does not divide intermediate_size {config['intermediate_size']}")
+        if int(config["hidden_size"]) % tp:
+            problems.append(f"tp_size {tp} does not divide hidden_size {config['hidden_size']} "
+                            f"(Medusa linears are split on their output dim)")
+    if problems:
+        raise CheckpointError("; ".join(problems))
+
+
+def _qkv_sizes(config: dict) -> tuple[int, int, int, int]:
+    """(q rows, kv rows, q rows per rank, kv rows per rank) of a fused qkv tensor."""
+    tp = tp_size_of(config)
+    nq, nkv = int(config["num_attention_heads"]), int(config["num_key_value_heads"])
+    hs = int(config.get("head_size") or int(config["hidden_size"]) // nq)
+    return nq * hs, nkv * hs, nq // tp * hs, max(nkv // tp, 1) * hs
+
+
+def shard_tensor(name: str, tensor: torch.Tensor, config: dict, rank: int) -> torch.Tensor:
+    """The rank-`rank` shard of the full (unsharded) tensor `name` under config's tp_size."""
+    tp = tp_size_of(config)
+    if tp == 1:
+        return tensor
+    rule = tp_rule(name)
+    if rule == "replicate" or (rule == "row" and tensor.dim() < 2):
+        return tensor
+    if rule == "qkv":
+        q_rows, kv_rows, q_local, kv_local = _qkv_sizes(config)
+        if tensor.shape[0] != q_rows + 2 * kv_rows:
+            raise CheckpointError(f"{name}: {list(tensor.shape)} has {tensor.shape[0]} rows, "
+                                  f"expected q {q_rows} + k {kv_rows} + v {kv_rows}")
+        q, k, v = tensor.split([q_rows, kv_rows, kv_rows], dim=0)
+        nkv = int(config["num_key_value_heads"])
+        # With fewer KV heads than ranks, each KV head is shared by tp // nkv consecutive ranks.
+        kv_start = (rank * kv_local) if nkv >= tp else (rank // (tp // nkv)) * kv_local
+        return torch.cat([q.narrow(0, rank * q_local, q_local),
+                          k.narrow(0, kv_start, kv_local),
+                          v.narrow(0, kv_start, kv_local)], dim=0)
+    if rule == "vocab":
+        rows = -(-tensor.shape[0] // tp) * tp
+        if rows != tensor.shape[0]:
+            tensor = torch.cat([tensor, tensor.new_zeros(rows - tensor.shape[0], *tensor.shape[1:])])
+        return tensor.narrow(0, rank * rows // tp, rows // tp)
+    dim = 1 if rule == "row" else 0
+    if tensor.shape[dim] % tp:
+        raise CheckpointError(f"{name}: dim {dim} of {list(tensor.shape)} is not divisible by tp_size {tp}")
+    size = tensor.shape[dim] // tp
+    return tensor.narrow(dim, rank * size, size).contiguous()
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    # Bitwise, so it also works for float8 (no torch.equal kernel) and treats NaN payloads as equal.
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
+        a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def merge_ranks(name: str, shards: Sequence[torch.Tensor], config: dict) -> torch.Tensor:
+    """Inverse of shard_tensor: the full tensor from every rank's shard (vocab padding kept)."""
+    tp = tp_size_of(config)
+    if len(shards) != tp:
+        raise CheckpointError(f"{name}: got {len(shards)} shards for tp_size {tp}")
+    if tp == 1:
+        return shards[0]
+    rule = tp_rule(name)
+    if rule == "replicate" or (rule == "row" and shards[0].dim() < 2):
+        for r, s in enumerate(shards[1:], start=1):
+            if not _same_bits(s, shards[0]):
+                raise CheckpointError(f"{name}: replicated tensor differs between rank 0 and rank {r}")
+        return shards[0]
+    if rule == "qkv":
+        _, _, q_local, kv_local = _qkv_sizes(config)
+        parts = [s.split([q_local, kv_local, kv_local], dim=0) for s in shards]
+        nkv = int(config["num_key_value_heads"])
+        group = 1 if nkv >= tp else tp // nkv
+        for r in range(tp):
+            first = r - r % group
+            if r != first and not (_same_bits(parts[r][1], parts[first][1])
+                                   and _same_bits(parts[r][2], parts[first][2])):
+                raise CheckpointError(f"{name}: duplicated KV head differs between rank {first} and rank {r}")
+        leaders = range(0, tp, group)
+        return torch.cat([p[0] for p in parts] + [parts[r][1] for r in leaders]
+                         + [parts[r][2] for r in leaders], dim=0)
+    return torch.cat(list(shards), dim=1 if rule == "row" else 0)
+
+
+def rank_shape(spec: TensorSpec, config: dict, rank: int) -> tuple[int, ...]:
+    # Shapes follow from the split rules themselves, applied to a tensor with no storage.
+    meta = torch.empty(spec.shape, dtype=spec.dtype, device="meta")
+    return tuple(shard_tensor(spec.name, meta, config, rank).shape)
+
+
+# ----------------------------------------------------------------------------------------------
+# Whole checkpoints
+# ----------------------------------------------------------------------------------------------
+
+def rank_file(directory: str | os.PathLike, rank: int) -> Path:
+    return Path(directory) / f"rank{rank}.safetensors"
+
+
+class CheckpointWriter:
+    """Streams a checkpoint to `out_dir`: full tensors in, every rank's shard out.
+
+    Tensors must arrive in `names` order (that of expected_tensors) with the planned dtype; the
+    vocab-split tensors may come unpadded. `close` writes config.json last, so a directory with a
+    config.json is complete.
+    """
+
+    def __init__(self, out_dir: str | os.PathLike, config: dict):
+        self.out_dir = Path(out_dir)
+        self.config = config
+        check_tp(config)
+        self.specs = expected_tensors(config)
+        self.tp = tp_size_of(config)
+        self._writers: list[SafetensorsWriter] = []
+        try:
+            for rank in range(self.tp):
+                plan = [(s.name, s.dtype, rank_shape(s, config, rank)) for s in self.specs]
+                self._writers.append(SafetensorsWriter(rank_file(self.out_dir, rank), plan))
+        except BaseException:
+            for w in self._writers:
+                w._file.close()
+            raise
+        self._index = 0
+        self.nbytes_total = sum(w.nbytes_total for w in self._writers)  # files, headers included
+        self.nbytes_data = sum(w.nbytes_data for w in self._writers)  # tensor bytes only
+
+    @property
+    def names(self) -> list[str]:
+        return [s.name for s in self.specs]
+
+    def __enter__(self) -> CheckpointWriter:
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            for w in self._writers:
+                w._file.close()
+
+    def add(self, name: str, tensor: torch.Tensor) -> int:
+        """Write one full tensor to every rank; returns the bytes written."""
+        spec = self.specs[self._index] if self._index < len(self.specs) else None
+        if spec is None or spec.name != name:
+            raise CheckpointError(f"{self.out_dir}: tensor {name!r} added out of order; "
+                                  f"expected {spec.name if spec else 'no more tensors'!r}")
+        shape = tuple(tensor.shape)
+        ok = shape == spec.shape or (tp_rule(name) == "vocab"
+                                     and shape == (int(self.config["vocab_size"]), *spec.shape[1:]))
+        if not ok:
+            raise CheckpointError(f"{self.out_dir}: tensor {name!r} has shape {list(shape)}, "
+                                  f"expected {list(spec.shape)} for this config")
+        written = sum(w.write(name, shard_tensor(name, tensor, self.config, r))
+                      for r, w in enumerate(self._writers))
+        self._index += 1
+        return written
+
+    def close(self) -> None:
+        for w in self._writers:
+            w.close()
+        with open(self.out_dir / "config.json", "w") as f:
+            json.dump(self.config, f, indent=2)
+            f.write("\n")
+
+
+def write_checkpoint(out_dir: str | os.PathLike, config: dict,
+                     tensors: dict[str, torch.Tensor] | Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Write a whole checkpoint from full tensors (a dict, or (name, tensor) pairs in order)."""
+    items = tensors.items() if isinstance(tensors, dict) else tensors
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    with CheckpointWriter(out_dir, config) as writer:
+        if isinstance(tensors, dict):
+            missing = [n for n in writer.names if n not in tensors]
+            extra = [n for n in tensors if n not in set(writer.names)]
+            if missing or extra:
+                raise CheckpointError(f"{out_dir}: tensors do not match the config: missing {missing[:5]}, "
+                                      f"unexpected {extra[:5]}")
+            items = ((n, tensors[n]) for n in writer.names)
+        for name, tensor in items:
+            writer.add(name, tensor)
+
+
+def read_config(directory: str | os.PathLike) -> dict:
+    path = Path(directory) / "config.json"
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: not found; expected a merged checkpoint directory") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return config
+
+
+def validate_checkpoint(directory: str | os.PathLike, *, strict: bool = True) -> list[str]:
+    """Check names, shapes and dtypes of every rank file against config.json (headers only).
+
+    Returns the list of problems; with strict=True a non-empty list raises CheckpointError.
+    """
+    directory = Path(directory)
+    problems: list[str] = []
+    config = read_config(directory)
+    missing_keys = [k for k in REQUIRED_CONFIG_KEYS if k not in config]
+    if missing_keys:
+        problems.append(f"config.json lacks keys {missing_keys}")
+    else:
+        mapping = config["mapping"]
+        tp = tp_size_of(config)
+        if int(mapping.get("world_size", tp)) != tp * int(mapping.get("pp_size", 1)):
+            problems.append(f"mapping {mapping}: world_size must be tp_size * pp_size")
+        if int(mapping.get("pp_size", 1)) != 1:
+            problems.append(f"mapping pp_size {mapping['pp_size']}: only 1 is supported")
+        try:
+            check_tp(config)
+            specs = expected_tensors(config)
+        except CheckpointError as e:
+            problems.append(str(e))
+            specs = None
+        for rank in range(tp if specs is not None else 0):
+            path = rank_file(directory, rank)
+            if not path.exists():
+                problems.append(f"{path.name} is missing")
+                continue
+            try:
+                with SafetensorsFile(path) as f:
+                    found = f.tensors
+            except CheckpointError as e:
+                problems.append(str(e))
+                continue
+            for spec in specs:
+                info = found.get(spec.name)
+                shape = rank_shape(spec, config, rank)
+                if info is None:
+                    problems.append(f"{path.name}: missing tensor {spec.name!r}")
+                elif info.shape != shape or info.dtype != spec.dtype:
+                    problems.append(f"{path.name}: {spec.name!r} is {info.dtype}{list(info.shape)}, "
+                                    f"expected {spec.dtype}{list(shape)}")
+            known = {s.name for s in specs}
+            problems += [f"{path.name}: unexpected tensor {n!r}" for n in found if n not in known]
+        extra = sorted(p.name for p in directory.glob("rank*.safetensors")
+                       if not re.fullmatch(r"rank\d+", p.stem) or int(p.stem[4:]) >= tp)
+        problems += [f"{name} does not belong to a tp_size {tp} checkpoint" for name in extra]
+    if strict and problems:
+        shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
+        raise CheckpointError(f"{directory}: invalid checkpoint: {shown}")
+    return problems
+
+
+def load_checkpoint(directory: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Config and full (unsharded) weights of a merged checkpoint, ranks merged when tp_size > 1.
+
+    Vocab-split tensors (lm_head, medusa_heads.{h}.lm_head) keep their zero padding rows; slice
+    to config["vocab_size"].
+    """
+    directory = Path(directory)
+    validate_checkpoint(directory)
+    config = read_config(directory)
+    files = [SafetensorsFile(rank_file(directory, r)) for r in range(tp_size_of(config))]
+    try:
+        return config, {name: merge_ranks(name, [f.read(name) for f in files], config)
+                        for name in files[0].keys()}
+    finally:
+        for f in files:
+            f.close()

@@ -1,0 +1,6 @@
+"""medusa-convert: Hugging Face base + Medusa heads -> merged TensorRT-LLM checkpoint."""
+
+from medusa_trt.converter.hf_base import ConvertError
+from medusa_trt.converter.merge import ConvertSummary, convert
+
+__all__ = ["ConvertError", "ConvertSummary", "convert"]

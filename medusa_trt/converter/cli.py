@@ -1,0 +1,67 @@
+"""medusa-convert: merge a Hugging Face base model and Medusa heads into one checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from medusa_trt.checkpoint import CheckpointError
+from medusa_trt.converter.merge import DEFAULT_MAX_DRAFT_LEN, convert
+
+PROG = "medusa-convert"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description="Merge a Hugging Face Llama/Mistral/Qwen2 model and Medusa heads (FasterDecoding v1/v2, "
+                    "Medusa-2 full model, ModelOpt export) into a TensorRT-LLM MedusaForCausalLM checkpoint.")
+    p.add_argument("--base", required=True, help="Hugging Face model directory (config.json + weights)")
+    p.add_argument("--heads", help="Medusa heads: a file (medusa_lm_head.pt/.safetensors) or directory; "
+                                   "optional when the base directory holds the heads")
+    p.add_argument("--out", required=True, help="output checkpoint directory")
+    p.add_argument("--dtype", choices=["float16", "bfloat16", "float32"],
+                   help="output dtype (default: the base's dtype)")
+    p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks to write (default 1)")
+    p.add_argument("--max-draft-len", type=int, default=DEFAULT_MAX_DRAFT_LEN,
+                   help=f"largest Medusa tree the engine will verify (default {DEFAULT_MAX_DRAFT_LEN})")
+    p.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
+    return p
+
+
+class _Formatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:  # "medusa-convert: warning: ..."
+        return f"{PROG}: {record.levelname.lower()}: {record.getMessage()}"
+
+
+def _fail(message: str) -> None:
+    print(f"{PROG}: error: {' '.join(message.split())}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_Formatter())
+    logger = logging.getLogger("medusa_trt")
+    logger.addHandler(handler)
+    try:
+        summary = convert(args.base, args.heads, args.out, dtype=args.dtype, tp_size=args.tp_size,
+                          max_draft_len=args.max_draft_len, force=args.force, progress=not args.quiet)
+    except CheckpointError as e:  # ConvertError included: bad input, already explained
+        _fail(str(e))
+    except KeyboardInterrupt:
+        _fail("interrupted; --out left as it was")
+    finally:
+        logger.removeHandler(handler)
+    if not args.quiet:
+        print(f"{PROG}: wrote {summary.out}")
+        print(summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,426 @@
+"""Reading Hugging Face base model directories: config normalization and lazy weight access."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import zipfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from medusa_trt.checkpoint import (
+    LM_HEAD,
+    LN_F,
+    VOCAB_EMBEDDING,
+    CheckpointError,
+    SafetensorsFile,
+    layer_prefix,
+)
+
+log = logging.getLogger("medusa_trt.converter")
+
+
+class ConvertError(CheckpointError):
+    """Bad converter input: the message names the file, the value and what was expected."""
+
+
+# HF architecture -> HF model_type. TensorRT-LLM runs Mistral as "llama" (sliding window aside).
+KNOWN_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+                       "Qwen2ForCausalLM": "qwen2"}
+TRTLLM_MODEL_TYPE = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
+_DTYPE_ALIASES = {"float16": "float16", "fp16": "float16", "half": "float16", "bfloat16": "bfloat16",
+                  "bf16": "bfloat16", "float32": "float32", "fp32": "float32", "float": "float32"}
+
+
+def read_json(path: Path) -> dict:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise ConvertError(f"{path}: not found") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConvertError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ConvertError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+# ----------------------------------------------------------------------------------------------
+# Lazy access to tensors spread over safetensors and pickle files
+# ----------------------------------------------------------------------------------------------
+
+def load_pickled_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """A state dict from a .bin/.pt pickle, loaded so that it cannot run code.
+
+    weights_only=True restricts unpickling to tensors and plain containers; anything else (custom
+    classes, functions) is refused before it is constructed. Zip-format files are memory-mapped
+    so tensors are paged in only when read.
+    """
+    mmap = zipfile.is_zipfile(path)
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as e:
+        lines = [ln.strip() for ln in str(e).splitlines() if "Unsupported" in ln or "WeightsUnpickler" in ln]
+        why = lines[0] if lines else str(e).splitlines()[0]
+        raise ConvertError(f"{path}: refused to unpickle: the file needs more than tensors to load "
+                           f"({why}); only plain state dicts of tensors are accepted") from None
+    except (RuntimeError, EOFError, OSError, ValueError) as e:
+        raise ConvertError(f"{path}: cannot read as a PyTorch checkpoint: "
+                           f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    if not isinstance(obj, dict):
+        raise ConvertError(f"{path}: holds a {type(obj).__name__}, expected a state dict (name -> tensor)")
+    for key, value in obj.items():
+        if not isinstance(key, str) or not isinstance(value, torch.Tensor):
+            raise ConvertError(f"{path}: entry {key!r} holds a {type(value).__name__}, expected a tensor "
+                               f"(a flat state dict of tensors)")
+    return obj
+
+
+@dataclass
+class TensorSource:
+    """Names -> tensors across safetensors and pickle files; `read` loads one tensor at a time."""
+
+    files: list[Path]
+    where: dict[str, Path] = field(default_factory=dict)
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+    _safetensors: dict[Path, SafetensorsFile] = field(default_factory=dict)
+    _pickle: tuple[Path, dict] | None = None
+
+    @classmethod
+    def open(cls, files: Sequence[Path]) -> TensorSource:
+        src = cls(list(files))
+        try:
+            for path in src.files:
+                if path.suffix == ".safetensors":
+                    st = src._safetensors[path] = SafetensorsFile(path)
+                    entries = {n: (i.shape, i.dtype) for n, i in st.tensors.items()}
+                else:
+                    entries = {n: (tuple(t.shape), t.dtype) for n, t in load_pickled_state_dict(path).items()}
+                for name, (shape, dtype) in entries.items():
+                    if name in src.where:
+                        raise ConvertError(f"tensor {name!r} appears in both {src.where[name]} and {path}")
+                    src.where[name] = path
+                    src.shapes[name] = shape
+                    src.dtypes[name] = dtype
+        except BaseException:
+            src.close()
+            raise
+        return src
+
+    def names(self) -> list[str]:
+        return list(self.where)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.where
+
+    def read(self, name: str) -> torch.Tensor:
+        path = self.where[name]
+        if path in self._safetensors:
+            return self._safetensors[path].read(name)
+        # Keep one pickle loaded: HF shards are ordered by layer, as are our reads.
+        if self._pickle is None or self._pickle[0] != path:
+            self._pickle = None
+            self._pickle = (path, load_pickled_state_dict(path))
+        return self._pickle[1][name]
+
+    def close(self) -> None:
+        for st in self._safetensors.values():
+            st.close()
+        self._safetensors.clear()
+        self._pickle = None
+
+
+def find_weight_files(directory: Path) -> list[Path] | None:
+    """The weight files of an HF model dir, or None when it has none we can read."""
+    for index_name, single in (("model.safetensors.index.json", "model.safetensors"),
+                               ("pytorch_model.bin.index.json", "pytorch_model.bin")):
+        index_path = directory / index_name
+        if index_path.exists():
+            weight_map = read_json(index_path).get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise ConvertError(f"{index_path}: no 'weight_map' object naming the shard files")
+            files = []
+            for shard in dict.fromkeys(weight_map.values()):
+                path = directory / shard
+                if not path.is_file():
+                    raise ConvertError(f"{index_path}: shard {shard!r} listed in weight_map is missing")
+                files.append(path)
+            return files
+        if (directory / single).is_file():
+            return [directory / single]
+    return None
+
+
+def check_index(directory: Path, source: TensorSource) -> None:
+    """Every tensor an index lists must be in the shard it names."""
+    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        index_path = directory / index_name
+        if index_path.exists():
+            for name, shard in read_json(index_path)["weight_map"].items():
+                if source.where.get(name) != directory / shard:
+                    raise ConvertError(f"{index_path}: lists tensor {name!r} in {shard}, "
+                                       f"but that shard does not hold it")
+            return
+
+
+# ----------------------------------------------------------------------------------------------
+# The base model
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class BaseModel:
+    dir: Path
+    config_path: Path
+    hf_config: dict
+    model_type: str  # HF model_type: llama | mistral | qwen2
+    weights: TensorSource
+    generation_config: dict = field(default_factory=dict)
+
+
+def read_base(base_dir: Path) -> BaseModel:
+    if not base_dir.is_dir():
+        raise ConvertError(f"{base_dir}: base model directory not found")
+    config_path = base_dir / "config.json"
+    if not config_path.exists():
+        raise ConvertError(f"{config_path}: not found; --base must be a Hugging Face model directory")
+    hf_config = read_json(config_path)
+    model_type = base_model_type(hf_config, config_path)
+    files = find_weight_files(base_dir)
+    if files is None:
+        raise ConvertError(f"{base_dir}: no weights found; expected model.safetensors, "
+                           f"model.safetensors.index.json, pytorch_model.bin or pytorch_model.bin.index.json")
+    weights = TensorSource.open(files)
+    try:
+        check_index(base_dir, weights)
+    except BaseException:
+        weights.close()
+        raise
+    gen_path = base_dir / "generation_config.json"
+    generation = read_json(gen_path) if gen_path.exists() else {}
+    return BaseModel(base_dir, config_path, hf_config, model_type, weights, generation)
+
+
+def base_model_type(hf_config: dict, path: Path) -> str:
+    """The HF model_type of a supported base, or a ConvertError naming what was found."""
+    archs = hf_config.get("architectures") or []
+    arch = archs[0] if archs else None
+    model_type = hf_config.get("model_type")
+    expected = ", ".join(KNOWN_ARCHITECTURES)
+    if arch in KNOWN_ARCHITECTURES:
+        if model_type is not None and model_type != KNOWN_ARCHITECTURES[arch]:
+            raise ConvertError(f"{path}: architecture {arch!r} does not match model_type {model_type!r}")
+        return KNOWN_ARCHITECTURES[arch]
+    # Medusa-2 training scripts save the base config under their own class name; the config
+    # schema (model_type) is still that of the base.
+    if (arch is None or "medusa" in arch.lower()) and model_type in TRTLLM_MODEL_TYPE:
+        return model_type
+    raise ConvertError(f"{path}: unsupported architecture {arch!r} (model_type {model_type!r}); "
+                       f"expected one of {expected}")
+
+
+def normalize_rope(hf_config: dict, path: Path) -> tuple[float, dict | None]:
+    """(rotary_base, rotary_scaling) from either HF config form.
+
+    transformers >= 5 writes `rope_parameters: {rope_theta, rope_type, ...}`; older configs have
+    `rope_theta` and `rope_scaling: {type | rope_type, ...}`.
+    """
+    params = hf_config.get("rope_parameters")
+    if isinstance(params, dict) and params:
+        if "rope_theta" not in params and "rope_type" not in params:
+            raise ConvertError(f"{path}: rope_parameters per layer type ({sorted(params)}) are not "
+                               f"supported; expected one {{rope_theta, rope_type}} object")
+        theta = params.get("rope_theta", hf_config.get("rope_theta", 10000.0))
+        scaling = params
+    else:
+        theta = hf_config.get("rope_theta", 10000.0)
+        scaling = hf_config.get("rope_scaling") or {}
+    rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type == "default":
+        return float(theta), None
+    if rope_type not in ("linear", "llama3"):
+        raise ConvertError(f"{path}: rope type {rope_type!r} is not supported; expected default, linear "
+                           f"or llama3")
+    keys = ["factor"]
+    if rope_type == "llama3":
+        keys += ["low_freq_factor", "high_freq_factor", "original_max_position_embeddings"]
+    missing = [k for k in keys if k not in scaling]
+    if missing:
+        raise ConvertError(f"{path}: rope type {rope_type!r} lacks {missing}")
+    out: dict = {"type": rope_type, "factor": float(scaling["factor"])}
+    if rope_type == "llama3":
+        out["low_freq_factor"] = float(scaling["low_freq_factor"])
+        out["high_freq_factor"] = float(scaling["high_freq_factor"])
+        out["original_max_position_embeddings"] = int(scaling["original_max_position_embeddings"])
+    return float(theta), out
+
+
+def source_dtype(base: BaseModel) -> str:
+    """The base's dtype name: from its config, else from its embedding tensor."""
+    name = base.hf_config.get("dtype") or base.hf_config.get("torch_dtype")
+    if isinstance(name, str) and name in _DTYPE_ALIASES:
+        return _DTYPE_ALIASES[name]
+    embed = "model.embed_tokens.weight"
+    if embed in base.weights:
+        return str(base.weights.dtypes[embed]).removeprefix("torch.")
+    return "float32"
+
+
+def base_config(base: BaseModel) -> dict:
+    """The TensorRT-LLM config keys that describe the base model."""
+    c, path = base.hf_config, base.config_path
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                "vocab_size"):
+        if not isinstance(c.get(key), int) or c[key] <= 0:
+            raise ConvertError(f"{path}: {key} is {c.get(key)!r}, expected a positive integer")
+    nq = c["num_attention_heads"]
+    nkv = c.get("num_key_value_heads") or nq
+    if nq % nkv:
+        raise ConvertError(f"{path}: num_attention_heads {nq} is not a multiple of num_key_value_heads {nkv}")
+    head_size = c.get("head_dim") or c["hidden_size"] // nq
+    if c.get("hidden_act", "silu") != "silu":
+        raise ConvertError(f"{path}: hidden_act {c.get('hidden_act')!r} is not supported; expected 'silu'")
+    if c.get("mlp_bias"):
+        raise ConvertError(f"{path}: mlp_bias true is not supported")
+    if base.model_type != "qwen2" and c.get("attention_bias"):
+        raise ConvertError(f"{path}: attention_bias true is not supported for {base.model_type}")
+    rotary_base, rotary_scaling = normalize_rope(c, path)
+    sliding_window = c.get("sliding_window")
+    if base.model_type == "qwen2" and not c.get("use_sliding_window", False):
+        sliding_window = None  # Qwen2 configs carry a window size even when it is switched off
+    gen = base.generation_config
+    config = {
+        "model_type": TRTLLM_MODEL_TYPE[base.model_type],
+        "num_hidden_layers": c["num_hidden_layers"],
+        "num_attention_heads": nq,
+        "num_key_value_heads": nkv,
+        "hidden_size": c["hidden_size"],
+        "head_size": head_size,
+        "intermediate_size": c["intermediate_size"],
+        "vocab_size": c["vocab_size"],
+        "position_embedding_type": "rope_gpt_neox",
+        "max_position_embeddings": c.get("max_position_embeddings", 2048),
+        "hidden_act": "silu",
+        "rotary_base": rotary_base,
+        "rotary_scaling": rotary_scaling,
+        "norm_epsilon": float(c.get("rms_norm_eps", 1e-6)),
+        "attn_bias": base.model_type == "qwen2",
+        "mlp_bias": False,
+        "sliding_window": sliding_window,
+        "bos_token_id": c.get("bos_token_id") if c.get("bos_token_id") is not None else gen.get("bos_token_id"),
+        "eos_token_id": c.get("eos_token_id") if c.get("eos_token_id") is not None else gen.get("eos_token_id"),
+        "tie_word_embeddings": bool(c.get("tie_word_embeddings", False)),
+    }
+    if base.model_type == "qwen2":
+        config["qwen_type"] = "qwen2"
+    return config
+
+
+# Tensors in HF checkpoints that carry no weights (recomputed at load time).
+def _ignorable(name: str) -> bool:
+    return name.endswith(".rotary_emb.inv_freq")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One output tensor: the source tensors concatenated on dim 0, and their expected shapes."""
+
+    source: TensorSource
+    keys: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    scales: tuple[str | None, ...] = ()  # per key: a scale tensor to dequantize FP8 with
+
+    def check(self, what: str) -> None:
+        for key, shape in zip(self.keys, self.shapes, strict=True):
+            if key not in self.source:
+                raise ConvertError(f"{what}: tensor {key!r} not found in {_files(self.source)}")
+            if self.source.shapes[key] != shape:
+                raise ConvertError(f"{self.source.where[key]}: tensor {key!r} has shape "
+                                   f"{list(self.source.shapes[key])}, expected {list(shape)} for {what}")
+
+    def load(self, dtype: torch.dtype) -> torch.Tensor:
+        parts = []
+        for i, key in enumerate(self.keys):
+            t = self.source.read(key)
+            scale = self.scales[i] if self.scales else None
+            if scale is not None:
+                t = t.to(torch.float32) * self.source.read(scale).to(torch.float32)
+            parts.append(t)
+        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        return out.to(dtype)
+
+
+def _files(source: TensorSource) -> str:
+    names = [str(p) for p in source.files]
+    return names[0] if len(names) == 1 else f"{names[0]} (+{len(names) - 1} more files)"
+
+
+def base_pieces(base: BaseModel, config: dict, head_keys: set[str]) -> dict[str, Piece]:
+    """Output name -> Piece for every base tensor; any base tensor left unplaced is an error.
+
+    `head_keys` are tensors of the base dir that belong to Medusa heads (Medusa-2 / ModelOpt
+    full models) and are placed by the heads reader.
+    """
+    src = base.weights
+    d, nq, nkv = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
+    hs, inter, vocab = config["head_size"], config["intermediate_size"], config["vocab_size"]
+
+    def piece(keys, shapes) -> Piece:
+        return Piece(src, tuple(keys), tuple(tuple(s) for s in shapes))
+
+    pieces = {VOCAB_EMBEDDING: piece(["model.embed_tokens.weight"], [(vocab, d)])}
+    for i in range(config["num_hidden_layers"]):
+        hf, out = f"model.layers.{i}", layer_prefix(i)
+        attn = f"{hf}.self_attn"
+        pieces[f"{out}.input_layernorm.weight"] = piece([f"{hf}.input_layernorm.weight"], [(d,)])
+        pieces[f"{out}.attention.qkv.weight"] = piece(
+            [f"{attn}.q_proj.weight", f"{attn}.k_proj.weight", f"{attn}.v_proj.weight"],
+            [(nq * hs, d), (nkv * hs, d), (nkv * hs, d)])
+        if config["attn_bias"]:
+            pieces[f"{out}.attention.qkv.bias"] = piece(
+                [f"{attn}.q_proj.bias", f"{attn}.k_proj.bias", f"{attn}.v_proj.bias"],
+                [(nq * hs,), (nkv * hs,), (nkv * hs,)])
+        pieces[f"{out}.attention.dense.weight"] = piece([f"{attn}.o_proj.weight"], [(d, nq * hs)])
+        pieces[f"{out}.post_layernorm.weight"] = piece([f"{hf}.post_attention_layernorm.weight"], [(d,)])
+        # TensorRT-LLM's fc is the branch that goes through SiLU (HF gate_proj); its gate is up_proj.
+        pieces[f"{out}.mlp.fc.weight"] = piece([f"{hf}.mlp.gate_proj.weight"], [(inter, d)])
+        pieces[f"{out}.mlp.gate.weight"] = piece([f"{hf}.mlp.up_proj.weight"], [(inter, d)])
+        pieces[f"{out}.mlp.proj.weight"] = piece([f"{hf}.mlp.down_proj.weight"], [(d, inter)])
+    pieces[LN_F] = piece(["model.norm.weight"], [(d,)])
+    pieces[LM_HEAD] = piece([base_lm_head_key(base)], [(vocab, d)])
+
+    for name, p in pieces.items():
+        p.check(f"{name} ({base.model_type} base {base.dir})")
+    used = {k for p in pieces.values() for k in p.keys}
+    for name in src.names():
+        if name not in used and name not in head_keys and not _ignorable(name):
+            raise ConvertError(f"{src.where[name]}: cannot place tensor {name!r}: not a weight of a "
+                               f"{base.model_type} model with this config ({base.config_path})")
+    return pieces
+
+
+def base_lm_head_key(base: BaseModel) -> str:
+    """The base tensor that holds the output matrix: lm_head, or the embedding when tied."""
+    if "lm_head.weight" in base.weights:
+        return "lm_head.weight"
+    if base.hf_config.get("tie_word_embeddings", False):
+        return "model.embed_tokens.weight"
+    raise ConvertError(f"{base.dir}: no lm_head.weight tensor and tie_word_embeddings is not true in "
+                       f"{base.config_path}")
+
+
+def default_out_dtype(base: BaseModel) -> str:
+    name = source_dtype(base)
+    return name if name in ("float16", "bfloat16", "float32") else "float16"
+
+
+def same_dir(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False

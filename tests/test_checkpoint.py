@@ -1,0 +1,340 @@
+"""medusa_trt.checkpoint: safetensors I/O, TP split/merge rules, checkpoint validation."""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file, save_file
+
+from medusa_trt.checkpoint import (
+    SAFETENSORS_DTYPES,
+    CheckpointError,
+    SafetensorsFile,
+    SafetensorsWriter,
+    check_tp,
+    expected_tensors,
+    load_checkpoint,
+    merge_ranks,
+    rank_file,
+    rank_shape,
+    shard_tensor,
+    tp_rule,
+    validate_checkpoint,
+    write_checkpoint,
+)
+
+ALL_DTYPES = sorted(SAFETENSORS_DTYPES.values(), key=str)
+
+
+def _sample(dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * 10
+    if dtype == torch.bool:
+        return x > 0
+    if not dtype.is_floating_point:
+        lo = 0 if str(dtype).startswith("torch.uint") else -100
+        return torch.randint(lo, 100, shape, generator=g).to(dtype)
+    return x.to(dtype)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality for every dtype (float8 has no torch.equal)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+# ----------------------------------------------------------------------------------------------
+# safetensors
+# ----------------------------------------------------------------------------------------------
+
+def test_writer_output_loads_with_official_loader_and_our_reader(tmp_path):
+    shapes = [(3, 5), (7,), (), (0, 4), (2, 3, 4)]
+    tensors = {f"t.{i}.{str(dt).removeprefix('torch.')}": _sample(dt, shapes[i % len(shapes)], i)
+               for i, dt in enumerate(ALL_DTYPES)}
+    path = tmp_path / "a.safetensors"
+    plan = [(n, t.dtype, t.shape) for n, t in tensors.items()]
+    with SafetensorsWriter(path, plan, metadata={"who": "test"}) as w:
+        for n, t in tensors.items():
+            w.write(n, t)
+    official = load_file(path)
+    assert official.keys() == tensors.keys()
+    for n, t in tensors.items():
+        assert _same(official[n], t), n
+    with SafetensorsFile(path) as f:
+        assert f.metadata == {"format": "pt", "who": "test"}
+        for n, t in tensors.items():
+            assert _same(f.read(n), t), n
+
+
+def test_reader_reads_official_writer(tmp_path):
+    tensors = {"a": torch.randn(4, 3), "b": torch.arange(10, dtype=torch.int64),
+               "c": torch.randn(2, 2).to(torch.bfloat16), "d": torch.randn(5).to(torch.float8_e4m3fn)}
+    save_file(tensors, tmp_path / "x.safetensors", metadata={"format": "pt"})
+    with SafetensorsFile(tmp_path / "x.safetensors") as f:
+        assert sorted(f.keys()) == sorted(tensors)
+        for n, t in tensors.items():
+            assert _same(f.read(n), t)
+
+
+def test_read_is_a_private_copy(tmp_path):
+    save_file({"a": torch.zeros(3)}, tmp_path / "x.safetensors")
+    with SafetensorsFile(tmp_path / "x.safetensors") as f:
+        a = f.read("a")
+        a += 1
+        assert torch.equal(f.read("a"), torch.zeros(3))
+
+
+def test_writer_checks_each_tensor_against_the_plan(tmp_path):
+    plan = [("a", torch.float32, (2, 2)), ("b", torch.float16, (3,))]
+    w = SafetensorsWriter(tmp_path / "x.safetensors", plan)
+    with pytest.raises(CheckpointError, match="out of order.*'a'"):
+        w.write("b", torch.zeros(3, dtype=torch.float16))
+    with pytest.raises(CheckpointError, match=r"torch.float16\[2, 2\].*torch.float32\[2, 2\]"):
+        w.write("a", torch.zeros(2, 2, dtype=torch.float16))
+    with pytest.raises(CheckpointError, match="plan says"):
+        w.write("a", torch.zeros(4))
+    w.write("a", torch.zeros(2, 2))
+    with pytest.raises(CheckpointError, match="closed after 1 of 2 planned tensors; next missing: 'b'"):
+        w.close()
+    with pytest.raises(CheckpointError, match="appears twice"):
+        SafetensorsWriter(tmp_path / "y.safetensors", plan + plan[:1])
+
+
+def _raw_file(path, header: dict | bytes, data: bytes = b"", length: int | None = None):
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw) if length is None else length) + raw + data)
+    return path
+
+
+@pytest.mark.parametrize("case, pattern", [
+    ("short", "not a safetensors file: 3 bytes"),
+    ("header_too_long", "header length 999999 but the file has"),
+    ("bad_json", "not valid JSON"),
+    ("not_object", "expected a JSON object"),
+    ("unknown_dtype", "unknown dtype 'F128'"),
+    ("out_of_range", r"outside the data section of 16 bytes"),
+    ("wrong_size", "span 8 bytes, expected 16"),
+    ("overlap", "'a' and 'b' overlap"),
+    ("bad_shape", "not a list of non-negative integers"),
+    ("missing_field", "expected {dtype, shape, data_offsets}"),
+])
+def test_corrupt_headers_are_reported_with_the_file_name(tmp_path, case, pattern):
+    p = tmp_path / f"{case}.safetensors"
+    data = bytes(16)
+    ok = {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}
+    if case == "short":
+        p.write_bytes(b"abc")
+    elif case == "header_too_long":
+        _raw_file(p, {"a": ok}, data, length=999999)
+    elif case == "bad_json":
+        _raw_file(p, b"{not json", data)
+    elif case == "not_object":
+        _raw_file(p, b"[1, 2]", data)
+    elif case == "unknown_dtype":
+        _raw_file(p, {"a": {**ok, "dtype": "F128"}}, data)
+    elif case == "out_of_range":
+        _raw_file(p, {"a": {**ok, "shape": [8], "data_offsets": [0, 32]}}, data)
+    elif case == "wrong_size":
+        _raw_file(p, {"a": {**ok, "data_offsets": [0, 8]}}, data)
+    elif case == "overlap":
+        _raw_file(p, {"a": {**ok, "shape": [2], "data_offsets": [0, 8]},
+                      "b": {**ok, "shape": [2], "data_offsets": [4, 12]}}, data)
+    elif case == "bad_shape":
+        _raw_file(p, {"a": {**ok, "shape": [-4]}}, data)
+    elif case == "missing_field":
+        _raw_file(p, {"a": {"dtype": "F32"}}, data)
+    with pytest.raises(CheckpointError, match=pattern) as e:
+        SafetensorsFile(p)
+    assert str(p) in str(e.value)
+
+
+def test_truncated_file_is_reported(tmp_path):
+    p = tmp_path / "t.safetensors"
+    save_file({"a": torch.randn(100), "b": torch.randn(100)}, p)
+    p.write_bytes(p.read_bytes()[:-50])
+    with pytest.raises(CheckpointError, match=f"{p}.*outside the data section"):
+        SafetensorsFile(p)
+
+
+# ----------------------------------------------------------------------------------------------
+# tensor parallelism
+# ----------------------------------------------------------------------------------------------
+
+def _config(nq=4, nkv=2, hs=8, d=None, inter=48, vocab=51, layers=1, heads=2, medusa_layers=1, tp=1,
+            attn_bias=True, dtype="float32") -> dict:
+    d = d or nq * hs
+    return {"hidden_size": d, "num_attention_heads": nq, "num_key_value_heads": nkv, "head_size": hs,
+            "intermediate_size": inter, "vocab_size": vocab, "num_hidden_layers": layers,
+            "num_medusa_heads": heads, "num_medusa_layers": medusa_layers, "attn_bias": attn_bias,
+            "mlp_bias": False, "dtype": dtype, "mapping": {"world_size": tp, "tp_size": tp, "pp_size": 1},
+            "quantization": {"quant_algo": None, "kv_cache_quant_algo": None, "exclude_modules": None}}
+
+
+def _random_weights(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    one = dict(config, mapping={"world_size": 1, "tp_size": 1, "pp_size": 1})
+    return {s.name: torch.randn(s.shape, generator=g) for s in expected_tensors(one)}
+
+
+def test_split_rules_by_name():
+    assert tp_rule("transformer.layers.3.attention.qkv.weight") == "qkv"
+    assert tp_rule("transformer.layers.3.attention.qkv.bias") == "qkv"
+    assert tp_rule("transformer.layers.3.attention.dense.weight") == "row"
+    assert tp_rule("transformer.layers.0.mlp.proj.weight") == "row"
+    assert tp_rule("transformer.layers.0.mlp.fc.weight") == "column"
+    assert tp_rule("transformer.layers.0.mlp.gate.weight") == "column"
+    assert tp_rule("medusa_heads.2.medusa_layers.0.linear.bias") == "column"
+    assert tp_rule("lm_head.weight") == "vocab"
+    assert tp_rule("medusa_heads.2.lm_head.weight") == "vocab"
+    for name in ("transformer.vocab_embedding.weight", "transformer.ln_f.weight",
+                 "transformer.layers.0.input_layernorm.weight", "transformer.layers.0.post_layernorm.weight",
+                 "transformer.layers.0.attention.qkv.weights_scaling_factor"):
+        assert tp_rule(name) == "replicate", name
+
+
+def test_qkv_shards_duplicate_kv_heads_when_fewer_than_ranks():
+    cfg = _config(nq=4, nkv=2, hs=1, tp=4)
+    # rows: q0 q1 q2 q3 | k0 k1 | v0 v1 -> values 0..7
+    qkv = torch.arange(8.0)
+    shards = [shard_tensor("transformer.layers.0.attention.qkv.bias", qkv, cfg, r) for r in range(4)]
+    assert [s.tolist() for s in shards] == [[0, 4, 6], [1, 4, 6], [2, 5, 7], [3, 5, 7]]
+    assert torch.equal(merge_ranks("transformer.layers.0.attention.qkv.bias", shards, cfg), qkv)
+    shards[1] = torch.tensor([1.0, 9.0, 6.0])
+    with pytest.raises(CheckpointError, match="duplicated KV head differs between rank 0 and rank 1"):
+        merge_ranks("transformer.layers.0.attention.qkv.bias", shards, cfg)
+
+
+def test_vocab_is_zero_padded_to_a_multiple_of_tp():
+    cfg = _config(vocab=5, tp=4)
+    w = torch.arange(10.0).reshape(5, 2)
+    shards = [shard_tensor("lm_head.weight", w, cfg, r) for r in range(4)]
+    assert all(s.shape == (2, 2) for s in shards)
+    merged = merge_ranks("lm_head.weight", shards, cfg)
+    assert merged.shape == (8, 2) and torch.equal(merged[:5], w) and not merged[5:].any()
+
+
+@settings(max_examples=60, deadline=None)
+@given(nkv=st.sampled_from([1, 2, 4, 8]), group=st.sampled_from([1, 2, 4]), tp=st.sampled_from([1, 2, 4, 8]),
+       hs=st.sampled_from([2, 4]), vocab=st.integers(9, 40), seed=st.integers(0, 1000))
+def test_shard_then_merge_gives_back_every_tensor(nkv, group, tp, hs, vocab, seed):
+    nq = nkv * group
+    if nq % tp or (nkv % tp and tp % nkv):
+        return
+    cfg = _config(nq=nq, nkv=nkv, hs=hs, inter=8 * tp, vocab=vocab, tp=tp, d=max(nq * hs, tp))
+    cfg["hidden_size"] = -(-cfg["hidden_size"] // tp) * tp
+    check_tp(cfg)
+    weights = _random_weights(cfg, seed)
+    specs = {s.name: s for s in expected_tensors(cfg)}
+    for name, w in weights.items():
+        shards = [shard_tensor(name, w, cfg, r) for r in range(tp)]
+        for r, s in enumerate(shards):
+            assert tuple(s.shape) == rank_shape(specs[name], cfg, r), name
+        merged = merge_ranks(name, shards, cfg)
+        assert torch.equal(merged[: w.shape[0]], w), name
+        assert not merged[w.shape[0]:].any(), name
+
+
+@pytest.mark.parametrize("nq, nkv, inter, tp, message", [
+    (4, 2, 48, 3, "tp_size 3 does not divide num_attention_heads 4"),
+    (8, 4, 48, 8, None),
+    (12, 6, 48, 4, "num_key_value_heads 6: one must divide the other"),
+    (4, 4, 50, 4, "does not divide intermediate_size 50"),
+])
+def test_check_tp(nq, nkv, inter, tp, message):
+    cfg = _config(nq=nq, nkv=nkv, inter=inter, tp=tp)
+    if message is None:
+        check_tp(cfg)
+    else:
+        with pytest.raises(CheckpointError, match=message):
+            check_tp(cfg)
+
+
+# ----------------------------------------------------------------------------------------------
+# whole checkpoints
+# ----------------------------------------------------------------------------------------------
+
+def _full_config(**kw) -> dict:
+    cfg = _config(**kw)
+    cfg.update(architecture="MedusaForCausalLM", logits_dtype="float32", model_type="llama",
+               position_embedding_type="rope_gpt_neox", max_position_embeddings=64, hidden_act="silu",
+               rotary_base=10000.0, rotary_scaling=None, norm_epsilon=1e-6, use_parallel_embedding=False,
+               embedding_sharding_dim=0, max_draft_len=63)
+    return cfg
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_write_then_load_checkpoint(tmp_path, tp):
+    cfg = _full_config(tp=tp, vocab=51)
+    weights = _random_weights(cfg)
+    write_checkpoint(tmp_path, cfg, weights)
+    assert validate_checkpoint(tmp_path) == []
+    config, loaded = load_checkpoint(tmp_path)
+    assert config == cfg
+    assert list(loaded) == [s.name for s in expected_tensors(cfg)]
+    for name, w in weights.items():
+        assert torch.equal(loaded[name][: w.shape[0]], w), name
+    for r in range(tp):
+        load_file(rank_file(tmp_path, r))  # the official loader accepts every rank file
+
+
+def test_validate_reports_missing_unknown_and_misshapen_tensors(tmp_path):
+    cfg = _full_config()
+    weights = _random_weights(cfg)
+    write_checkpoint(tmp_path, cfg, weights)
+    broken = load_file(tmp_path / "rank0.safetensors")
+    del broken["transformer.ln_f.weight"]
+    broken["transformer.extra"] = torch.zeros(1)
+    broken["lm_head.weight"] = torch.zeros(3, 3)
+    save_file(broken, tmp_path / "rank0.safetensors")
+    problems = validate_checkpoint(tmp_path, strict=False)
+    assert "rank0.safetensors: missing tensor 'transformer.ln_f.weight'" in problems
+    assert "rank0.safetensors: unexpected tensor 'transformer.extra'" in problems
+    assert any("'lm_head.weight' is torch.float32[3, 3], expected torch.float32[51, 32]" in p for p in problems)
+    with pytest.raises(CheckpointError, match=f"{tmp_path}: invalid checkpoint"):
+        load_checkpoint(tmp_path)
+
+
+def test_validate_reports_config_problems(tmp_path):
+    cfg = _full_config(tp=2)
+    write_checkpoint(tmp_path, cfg, _random_weights(cfg))
+    (tmp_path / "rank1.safetensors").unlink()
+    assert validate_checkpoint(tmp_path, strict=False) == ["rank1.safetensors is missing"]
+    del cfg["rotary_base"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="lacks keys \\['rotary_base'\\]"):
+        validate_checkpoint(tmp_path)
+    with pytest.raises(CheckpointError, match="config.json: not found"):
+        validate_checkpoint(tmp_path / "nowhere")
+
+
+def test_fp8_checkpoint_round_trip_with_duplicated_kv_heads(tmp_path):
+    cfg = _full_config(tp=4, nq=4, nkv=2)
+    cfg["quantization"] = {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8",
+                           "exclude_modules": ["lm_head", "*medusa_heads*"]}
+    weights = {s.name: _sample(s.dtype, s.shape) for s in expected_tensors(dict(cfg, mapping={"tp_size": 1}))}
+    weights = {n: (w.abs() + 0.1 if n.endswith("scaling_factor") else w) for n, w in weights.items()}
+    write_checkpoint(tmp_path, cfg, weights)
+    _, loaded = load_checkpoint(tmp_path)
+    for name, w in weights.items():
+        assert _same(loaded[name][: w.shape[0]], w), name
+
+
+def test_expected_tensors_with_fp8():
+    cfg = _config(layers=1, heads=1)
+    cfg["quantization"] = {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8",
+                           "exclude_modules": ["lm_head", "*medusa_heads*"]}
+    specs = {s.name: s for s in expected_tensors(cfg)}
+    assert specs["transformer.layers.0.attention.qkv.weight"].dtype == torch.float8_e4m3fn
+    assert specs["transformer.layers.0.attention.qkv.bias"].dtype == torch.float32
+    assert specs["transformer.layers.0.mlp.fc.weights_scaling_factor"].shape == (1,)
+    assert specs["transformer.layers.0.attention.kv_cache_scaling_factor"].dtype == torch.float32
+    assert specs["medusa_heads.0.medusa_layers.0.linear.weight"].dtype == torch.float32
+    assert "medusa_heads.0.medusa_layers.0.linear.weights_scaling_factor" not in specs
+    assert math.prod(specs["lm_head.weight"].shape) == cfg["vocab_size"] * cfg["hidden_size"]

@@ -1,0 +1,200 @@
+"""Medusa decoding against the transformers oracle: greedy Medusa == plain greedy, token for token."""
+
+from __future__ import annotations
+
+import json
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from medusa_trt.converter import convert
+from medusa_trt.modeling import MedusaModel
+from medusa_trt.runtime.backend import TorchBackend
+from medusa_trt.runtime.cli import main as run_main
+from medusa_trt.runtime.decoding import GenerationConfig, decode, generate, typical_accept
+from medusa_trt.synthetic import EOS
+from medusa_trt.training import greedy_continuations, save_v1_heads, train_heads
+from medusa_trt.tree import PRESETS
+
+NEW = 48
+
+
+def oracle(hf, prompt: list[int], n: int = NEW) -> list[int]:
+    """transformers' plain greedy decoding, cut after the first EOS (generate pads after it)."""
+    out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                      max_new_tokens=n, do_sample=False, eos_token_id=EOS, pad_token_id=EOS)[0, len(prompt):].tolist()
+    return out[: out.index(EOS) + 1] if EOS in out else out
+
+
+def prompts(seed: int, lengths=(5, 11, 3, 8)) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 256) for _ in range(n)] for n in lengths]
+
+
+@pytest.fixture(scope="session")
+def distilled(tmp_path_factory, tiny_base):
+    """distilled(arch): a base with Medusa heads fitted (self-distillation, a few seconds) to the base's
+    own greedy continuations, converted by medusa-convert. Heads that predict make the acceptance
+    path run, not only the bonus token."""
+    cache = {}
+
+    def make(arch: str = "llama"):
+        if arch not in cache:
+            base = tiny_base(arch)
+            hf = AutoModelForCausalLM.from_pretrained(base).eval()
+            train = prompts(100, lengths=[6] * 96)
+            state = train_heads(hf, greedy_continuations(hf, train, 64), num_heads=4, steps=250, batch_tokens=2048, progress=False)
+            root = tmp_path_factory.mktemp(f"distilled-{arch}")
+            save_v1_heads(state, root / "heads", base, num_heads=4, num_layers=1)
+            convert(base, root / "heads", root / "ckpt", progress=False)
+            cache[arch] = SimpleNamespace(hf=hf, ckpt=root / "ckpt", backend=TorchBackend(MedusaModel.from_checkpoint(root / "ckpt")))
+        return cache[arch]
+
+    return make
+
+
+def greedy(tree="mc_sim_7b_63", **kw) -> GenerationConfig:
+    kw.setdefault("stop_token_ids", (EOS,))
+    return GenerationConfig(max_new_tokens=NEW, medusa_choices=tree, **kw)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("tree", list(PRESETS))
+def test_greedy_medusa_equals_transformers_batch4(arch, tree, distilled):
+    m = distilled(arch)
+    ps = prompts(1)
+    result = decode(m.backend, ps, greedy(tree))
+    assert result.tokens == [oracle(m.hf, p) for p in ps]
+
+
+def random_tree(rng: random.Random, num_heads: int = 4) -> list[list[int]]:
+    nodes = set()
+    for _ in range(rng.randrange(1, 40)):
+        path = tuple(rng.randrange(0, 6) for _ in range(rng.randrange(1, num_heads + 1)))
+        nodes.update(path[:i] for i in range(1, len(path) + 1))
+    return [list(n) for n in sorted(nodes)]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_greedy_medusa_equals_transformers_random_trees_batch1(seed, distilled):
+    m = distilled("llama")
+    rng = random.Random(seed)
+    tree = random_tree(rng)
+    for p in prompts(seed + 10, lengths=(rng.randrange(2, 20),)):
+        assert decode(m.backend, [p], greedy(tree)).tokens == [oracle(m.hf, p)], tree
+
+
+@pytest.mark.parametrize("fmt", ["medusa_v2", "modelopt"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_greedy_with_heads_without_own_lm_head_and_random_heads(fmt, arch, tiny_base, tiny_merged):
+    """v2 heads use the base lm_head; random heads mostly miss, so this is the bonus-token path."""
+    hf = AutoModelForCausalLM.from_pretrained(tiny_base(arch)).eval()
+    backend = TorchBackend(MedusaModel.from_checkpoint(tiny_merged(arch, fmt)))
+    ps = prompts(2)
+    assert decode(backend, ps, greedy()).tokens == [oracle(hf, p) for p in ps]
+
+
+def test_trivial_heads_predict_like_the_base(tiny_base, tiny_merged):
+    """Untrained upstream-style heads (zero ResBlock, lm_head = base lm_head) still decode exactly."""
+    hf = AutoModelForCausalLM.from_pretrained(tiny_base("llama")).eval()
+    backend = TorchBackend(MedusaModel.from_checkpoint(tiny_merged("llama", heads_kwargs={"trivial": True})))
+    ps = prompts(3)
+    assert decode(backend, ps, greedy()).tokens == [oracle(hf, p) for p in ps]
+
+
+def test_acceptance_path_is_exercised(distilled):
+    m = distilled("llama")
+    ps = prompts(4, lengths=(6, 6, 9, 4))
+    result = decode(m.backend, ps, greedy())
+    assert result.tokens == [oracle(m.hf, p) for p in ps]
+    steps = sum(s.steps for s in result.stats)
+    tokens = sum(s.new_tokens for s in result.stats)
+    assert all(s.accepted_draft_tokens > 0 for s in result.stats)
+    assert tokens / steps > 1.3, [s.as_dict() for s in result.stats]
+    for s in result.stats:
+        assert s.accepted_per_depth[0] >= s.accepted_per_depth[-1]  # deeper nodes are reached less
+        assert s.draft_tokens == 63 * s.steps
+        assert s.accepted_draft_tokens == sum(s.accepted_per_depth)
+
+
+def test_plain_mode_equals_transformers(distilled):
+    m = distilled("qwen2")
+    ps = prompts(5)
+    result = decode(m.backend, ps, greedy(use_medusa=False))
+    assert result.tokens == [oracle(m.hf, p) for p in ps]
+    assert all(s.steps == s.new_tokens for s in result.stats)
+
+
+def test_stop_token_ends_only_its_sequence(distilled):
+    """A stop id taken from inside one greedy continuation: that sequence ends on it (inclusive),
+    the others run on, and every output stays equal to the oracle cut at the same id."""
+    m = distilled("llama")
+    ps = prompts(6)
+    full = [oracle(m.hf, p) for p in ps]
+    stop = full[0][7]
+    result = decode(m.backend, ps, greedy(stop_token_ids=(EOS, stop)))
+    for toks, ref in zip(result.tokens, full, strict=True):
+        cut = next((i for i, t in enumerate(ref) if t == stop), None)
+        assert toks == (ref[: cut + 1] if cut is not None else ref)
+    assert len(result.tokens[0]) <= 8
+
+
+def test_streaming_yields_the_same_tokens(distilled):
+    m = distilled("llama")
+    ps = prompts(7)
+    streamed = [[] for _ in ps]
+    steps = 0
+    for step in generate(m.backend, ps, greedy()):
+        steps += 1
+        for i, t in enumerate(step.new_tokens):
+            streamed[i].extend(t)
+    assert streamed == decode(m.backend, ps, greedy()).tokens
+    assert steps < NEW  # several tokens per step on the distilled heads
+
+
+def test_typical_acceptance_is_deterministic_and_temperature_zero_is_greedy(distilled):
+    m = distilled("llama")
+    ps = prompts(8)
+    typical = GenerationConfig(max_new_tokens=NEW, acceptance="typical", temperature=0.7, stop_token_ids=(EOS,))
+    first, second = decode(m.backend, ps, typical), decode(m.backend, ps, typical)
+    assert first.tokens == second.tokens
+    assert all(len(t) == NEW or t[-1] == EOS for t in first.tokens)
+    zero = GenerationConfig(max_new_tokens=NEW, acceptance="typical", temperature=0.0, stop_token_ids=(EOS,))
+    assert decode(m.backend, ps, zero).tokens == [oracle(m.hf, p) for p in ps]
+
+
+def test_typical_threshold_rule_on_hand_made_distributions():
+    # Peaked: p = [0.97, 0.01, 0.01, 0.01]; H ~ 0.168 -> threshold = min(0.09, 0.3 e^-H = 0.254) = 0.09.
+    peaked = torch.log(torch.tensor([0.97, 0.01, 0.01, 0.01]))
+    # Flat over 4: p = 0.25 each, H = ln 4 -> threshold = min(0.09, 0.3/4 = 0.075) = 0.075 < 0.25.
+    flat = torch.zeros(4)
+    ok, logp = typical_accept(torch.stack([peaked, peaked, flat]), torch.tensor([0, 1, 3]), 1.0, 0.09, 0.3)
+    assert ok.tolist() == [True, False, True]
+    assert torch.allclose(logp, torch.log(torch.tensor([0.97, 0.01, 0.25])), atol=1e-4)
+    # Lower epsilon lets the 0.01 token through; temperature sharpens and rejects it again.
+    assert typical_accept(peaked, torch.tensor(1), 1.0, 0.005, 0.3)[0]
+    assert not typical_accept(peaked, torch.tensor(1), 0.5, 0.005, 0.3)[0]
+
+
+def test_too_long_request_is_a_clear_error(distilled):
+    m = distilled("llama")
+    with pytest.raises(ValueError, match="maximum sequence length 512"):
+        next(generate(m.backend, [[5] * 500], greedy()))
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+        GenerationConfig(max_new_tokens=0)
+
+
+def test_medusa_run_cli(distilled, capsys):
+    ckpt = distilled("llama").ckpt
+    assert run_main(["--checkpoint", str(ckpt), "--prompt", "def fib(n):", "--max-new-tokens", "24", "--json"]) == 0
+    medusa = json.loads(capsys.readouterr().out)
+    assert run_main(["--checkpoint", str(ckpt), "--prompt", "def fib(n):", "--max-new-tokens", "24",
+                     "--json", "--no-medusa"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert medusa["output_ids"] == plain["output_ids"] and medusa["steps"] < plain["steps"]
+    assert run_main(["--checkpoint", str(ckpt), "--prompt", "x", "--medusa-choices", "[[0], [0, 0, 0, 0, 0]]"]) == 2
+    assert "depth 5 exceeds" in capsys.readouterr().err
+    assert run_main(["--checkpoint", str(ckpt / "missing"), "--prompt", "x"]) == 2

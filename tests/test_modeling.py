@@ -1,0 +1,122 @@
+"""The reference model against transformers' own classes on the same weights (oracle), and its
+Medusa heads against the math applied directly to the source head file."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+
+from medusa_trt.modeling import MedusaModel
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 32}
+VARIANTS = {
+    "llama-gqa": ("llama", {}),
+    "llama-mha-tied": ("llama", {"kv_heads": 4, "tied": True}),
+    "llama-rope-llama3": ("llama", {"rope_scaling": LLAMA3}),
+    "llama-rope-linear": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
+    "mistral": ("mistral", {}),
+    "qwen2": ("qwen2", {}),
+}
+
+
+def causal(b: int, s: int, past: int = 0) -> torch.Tensor:
+    return torch.ones(s, past + s, dtype=torch.bool).tril(past)[None].expand(b, -1, -1)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_base_logits_match_transformers(variant, tiny_base, tiny_merged):
+    arch, kwargs = VARIANTS[variant]
+    hf = AutoModelForCausalLM.from_pretrained(tiny_base(arch, **kwargs)).eval()
+    model = MedusaModel.from_checkpoint(tiny_merged(arch, base_kwargs=kwargs))
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 256, (3, 80), generator=g)  # long enough for llama3 scaling to bite
+    pos = torch.arange(80)[None].expand(3, -1)
+    with torch.no_grad():
+        ref = hf(ids).logits
+        keys, values = model.empty_cache(3)
+        logits, medusa, k, v = model(ids, pos, causal(3, 80), keys, values)
+        assert (logits - ref).abs().max() <= 1e-4
+        assert medusa.shape == (4, 3, 80, 256) and k.shape == (2, 3, model.cfg.num_kv_heads, 80, 16)
+        # Incremental: a 70-token prefill, then 10 tokens on its cache, then 1 more on both.
+        _, _, k1, v1 = model(ids[:, :70], pos[:, :70], causal(3, 70), keys, values)
+        step, _, k2, v2 = model(ids[:, 70:79], pos[:, 70:79], causal(3, 9, 70), k1, v1)
+        assert (step - ref[:, 70:79]).abs().max() <= 1e-4
+        last, _, _, _ = model(ids[:, 79:], pos[:, 79:], causal(3, 1, 79), torch.cat([k1, k2], 3),
+                              torch.cat([v1, v2], 3))
+        assert (last - ref[:, 79:]).abs().max() <= 1e-4
+
+
+def test_logit_positions_select_rows(tiny_merged):
+    model = MedusaModel.from_checkpoint(tiny_merged("llama"))
+    ids = torch.randint(0, 256, (2, 12))
+    pos = torch.arange(12)[None].expand(2, -1)
+    keys, values = model.empty_cache(2)
+    with torch.no_grad():
+        full, medusa, _, _ = model(ids, pos, causal(2, 12), keys, values)
+        some, medusa_some, _, _ = model(ids, pos, causal(2, 12), keys, values, torch.tensor([[11], [4]]))
+    # Same rows; matmuls of other shapes may round differently in the last bits.
+    torch.testing.assert_close(some[:, 0], torch.stack([full[0, 11], full[1, 4]]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(medusa_some[:, :, 0], torch.stack([medusa[:, 0, 11], medusa[:, 1, 4]], 1),
+                               atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("fmt", ["medusa_v1", "medusa_v2", "medusa2_full", "modelopt"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_medusa_heads_match_source_file(fmt, arch, tiny_base, tiny_heads, tiny_merged):
+    """Round trip: merged checkpoint in the reference model == transformers hidden state + the head
+    math applied to the tensors of the source head file (base lm_head for v2 heads)."""
+    base = tiny_base(arch)
+    src = _read_heads(tiny_heads(fmt, base))
+    hf = AutoModelForCausalLM.from_pretrained(base).eval()
+    model = MedusaModel.from_checkpoint(tiny_merged(arch, fmt))
+    ids = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        h = hf.model(ids).last_hidden_state
+        keys, values = model.empty_cache(2)
+        _, medusa, _, _ = model(ids, torch.arange(9)[None].expand(2, -1), causal(2, 9), keys, values)
+    for k in range(4):
+        x = h + F.silu(F.linear(h, src[f"{k}.0.linear.weight"], src[f"{k}.0.linear.bias"]))
+        lm = src.get(f"{k}.1.weight", hf.lm_head.weight)
+        assert (medusa[k] - F.linear(x, lm)).abs().max() <= 1e-4, f"head {k}"
+
+
+def _read_heads(path) -> dict[str, torch.Tensor]:
+    """Head tensors with FasterDecoding keys, read straight from the file as its producer wrote it."""
+    from safetensors.torch import load_file
+
+    if path.is_file():
+        return torch.load(path, weights_only=True) if path.suffix == ".pt" else load_file(path)
+    if (path / "medusa_lm_head.pt").exists():
+        return torch.load(path / "medusa_lm_head.pt", weights_only=True)
+    if (path / "medusa_lm_head.safetensors").exists():
+        return load_file(path / "medusa_lm_head.safetensors")
+    out = {}
+    for f in path.glob("*.safetensors"):
+        for k, v in load_file(f).items():
+            for prefix in ("medusa_head.", "medusa_heads."):
+                if k.startswith(prefix):
+                    out[k[len(prefix):]] = v.float()
+    return out
+
+
+def test_tensor_parallel_checkpoint_loads_to_the_same_model(tiny_merged):
+    one = MedusaModel.from_checkpoint(tiny_merged("llama"))
+    two = MedusaModel.from_checkpoint(tiny_merged("llama", tp_size=2))
+    for (name, a), (_, b) in zip(one.state_dict().items(), two.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_float16_checkpoint_runs_close_to_float32(tiny_merged):
+    """fp16 weights + fp16 activations (fp32 softmax): |diff| well under the logit scale."""
+    ref = MedusaModel.from_checkpoint(tiny_merged("llama"))
+    half = MedusaModel.from_checkpoint(tiny_merged("llama", dtype="float16"))
+    assert half.dtype == torch.float16
+    ids = torch.randint(0, 256, (1, 16))
+    pos = torch.arange(16)[None]
+    with torch.no_grad():
+        a = ref(ids, pos, causal(1, 16), *ref.empty_cache(1))[0]
+        b = half(ids, pos, causal(1, 16), *half.empty_cache(1))[0]
+    assert (a - b).abs().max() <= 0.05 * a.abs().max()
