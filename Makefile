@@ -3,8 +3,9 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+REPO ?= build/demo/triton_repo
 
-.PHONY: setup demo test lint clean
+.PHONY: setup demo test lint serve clean
 
 setup: $(STAMP)
 
@@ -21,6 +22,9 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+serve: setup
+	$(PY) -m medusa_trt.serving.server --repo $(REPO)
 
 lint: setup
 	$(PY) -m ruff check medusa_trt tests benchmarks

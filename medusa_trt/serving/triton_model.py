@@ -1,0 +1,425 @@
+"""The Python-backend model that medusa-triton writes: Triton requests in, Medusa decoding, responses out.
+
+Triton's dynamic batcher hands `execute` every request that queued while the previous batch ran.
+Rows that share a generation config (same tree, acceptance mode and, for typical acceptance, the
+same temperature and thresholds, same stop ids) decode together in one batched `generate` call;
+each row still stops at its own max_tokens, end id or stop word, and its statistics are the ones a
+single-request decode would report (snapshotted when the row finishes). A bad request gets an
+error response of its own; the rest of the batch is unaffected.
+
+Decoupled models stream: with `stream` true, a request gets one response per decoding step with
+the text and ids that step added (and the statistics so far), the last one flagged final; without
+it, one final response with everything. Non-decoupled models always answer once.
+
+Everything but `TritonPythonModel` is plain Python over numpy arrays, so tests drive it directly;
+`triton_python_backend_utils` exists only inside Triton's stub and is imported there.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+
+from medusa_trt.runtime.decoding import GenerationConfig, SequenceStats, generate
+from medusa_trt.runtime.loading import load_backend, load_tokenizer, stop_tokens
+from medusa_trt.serving.triton_repo import MODEL_INPUTS
+from medusa_trt.tree import TreeError, parse_medusa_choices, validate_and_expand
+
+log = logging.getLogger(__name__)
+
+# numpy dtypes Triton hands the stub for each declared data type.
+_NUMPY_KINDS = {"TYPE_STRING": (np.object_, np.bytes_, np.str_), "TYPE_INT32": (np.int32,),
+                "TYPE_FP32": (np.float32,), "TYPE_BOOL": (np.bool_,)}
+_INPUTS = {s.name: s for s in MODEL_INPUTS}
+
+
+class RequestError(ValueError):
+    """A request this model refuses; the message names the input, the value and what was expected."""
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """The `parameters` of config.pbtxt (written by triton_repo.write_triton_repo)."""
+
+    engine_dir: Path
+    medusa_choices: str
+    acceptance: str = "greedy"
+    temperature: float = 0.7
+    posterior_threshold: float = 0.09
+    posterior_alpha: float = 0.3
+    max_input_len: int = 1 << 30
+    max_output_len: int = 1 << 30
+    device: str | None = None
+    dtype: str | None = None
+    intra_op_threads: int = 0
+    model_name: str = "medusa"
+
+    @classmethod
+    def from_model_config(cls, config: Mapping) -> ModelSettings:
+        params = {k: v.get("string_value", "") for k, v in (config.get("parameters") or {}).items()}
+        where = f"model {config.get('name', '?')!r} config.pbtxt"
+        if not params.get("engine_dir"):
+            raise ValueError(f"{where}: parameter engine_dir is missing (write the repository with medusa-triton)")
+        try:
+            return cls(
+                engine_dir=Path(params["engine_dir"]),
+                medusa_choices=params.get("medusa_choices") or "mc_sim_7b_63",
+                acceptance=params.get("acceptance") or "greedy",
+                temperature=float(params.get("temperature") or 0.7),
+                posterior_threshold=float(params.get("posterior_threshold") or 0.09),
+                posterior_alpha=float(params.get("posterior_alpha") or 0.3),
+                max_input_len=int(params.get("max_input_len") or 1 << 30),
+                max_output_len=int(params.get("max_output_len") or 1 << 30),
+                device=params.get("device") or None,
+                dtype=params.get("dtype") or None,
+                intra_op_threads=int(params.get("intra_op_threads") or 0),
+                model_name=str(config.get("name", "medusa")),
+            )
+        except ValueError as err:
+            raise ValueError(f"{where}: bad parameter value ({err})") from None
+
+
+@dataclass
+class Service:
+    """One loaded engine with its tokenizer: what every request is decoded with."""
+
+    backend: object
+    tokenizer: object
+    settings: ModelSettings
+    stop_ids: tuple[int, ...]
+    decoupled: bool = False
+
+
+def load_service(settings: ModelSettings, decoupled: bool = False) -> Service:
+    if settings.intra_op_threads:
+        import torch
+
+        torch.set_num_threads(settings.intra_op_threads)
+    backend = load_backend(settings.engine_dir, dtype=settings.dtype, device=settings.device)
+    tokenizer = load_tokenizer(settings.engine_dir)
+    return Service(backend, tokenizer, settings, stop_tokens(settings.engine_dir, tokenizer), decoupled)
+
+
+@dataclass
+class Job:
+    """One row of one request, decoded as one sequence."""
+
+    request: int  # index of the request in the execute() batch
+    row: int
+    prompt: list[int]
+    max_tokens: int
+    cfg: GenerationConfig
+    key: tuple  # rows with equal keys decode in one batched generate call
+    stop_words: tuple[str, ...] = ()
+    tokens: list[int] = field(default_factory=list)
+    live: SequenceStats | None = None  # filled by generate while the group decodes
+    final: SequenceStats | None = None  # snapshot when this row finished
+    done: bool = False
+    sent_text: str = ""  # streaming: text already sent
+    sent_ids: int = 0  # streaming: ids already sent
+
+    @property
+    def stats(self) -> SequenceStats:
+        return self.final or self.live or SequenceStats()
+
+
+@dataclass
+class Parsed:
+    jobs: list[Job]
+    stream: bool
+
+
+def parse_request(service: Service, inputs: Mapping[str, np.ndarray], index: int = 0) -> Parsed:
+    """Checks one request's tensors and turns each row into a Job; raises RequestError."""
+    s, info = service.settings, service.backend.info
+    for name, array in inputs.items():
+        spec = _INPUTS.get(name)
+        if spec is None:
+            raise RequestError(f"{name}: unknown input; expected one of {sorted(_INPUTS)}")
+        if not isinstance(array, np.ndarray) or array.dtype.type not in _NUMPY_KINDS[spec.dtype]:
+            got = array.dtype if isinstance(array, np.ndarray) else type(array).__name__
+            raise RequestError(f"{name}: data type {got}; expected {spec.dtype[5:]}")
+    if "text_input" not in inputs:
+        raise RequestError("text_input: missing; expected a STRING tensor with the prompt")
+    if "max_tokens" not in inputs:
+        raise RequestError("max_tokens: missing; expected an INT32 tensor with the number of tokens to generate")
+    rows = inputs["text_input"].shape[0] if inputs["text_input"].ndim else 1
+    values = {name: _rows(name, array, rows) for name, array in inputs.items()}
+    stream = any(bool(v[0]) for v in values.get("stream", []))
+    if stream and not service.decoupled:
+        raise RequestError(f"stream: true, but model {s.model_name!r} is not decoupled; write the repository with "
+                           "medusa-triton --decoupled to stream")
+    jobs = []
+    for r in range(rows):
+        def one(name: str, default=None, _r=r):
+            return values[name][_r][0] if name in values else default
+
+        where = f" (row {r})" if rows > 1 else ""
+        text = _text("text_input", one("text_input"), where)
+        prompt = list(service.tokenizer.encode(text))
+        if not prompt:
+            raise RequestError(f"text_input{where}: the prompt encodes to no tokens")
+        if len(prompt) > s.max_input_len:
+            raise RequestError(f"text_input{where}: prompt is {len(prompt)} tokens; model {s.model_name!r} accepts "
+                               f"at most {s.max_input_len} (max_input_len in config.pbtxt)")
+        max_tokens = int(one("max_tokens"))
+        if not 1 <= max_tokens <= s.max_output_len:
+            raise RequestError(f"max_tokens{where}: {max_tokens}; expected 1..{s.max_output_len} "
+                               "(max_output_len in config.pbtxt)")
+        spec = one("medusa_choices")
+        spec = _text("medusa_choices", spec, where) if spec is not None else s.medusa_choices
+        try:
+            nodes = validate_and_expand(parse_medusa_choices(spec), info.num_medusa_heads, info.max_draft_len)
+        except TreeError as err:
+            raise RequestError(f"medusa_choices{where}: {err}") from None
+        depth = max(len(p) for p in nodes)
+        if len(prompt) + max_tokens + depth > info.max_seq_len:
+            raise RequestError(f"text_input{where}: prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) + tree "
+                               f"depth ({depth}) exceeds the engine's max_seq_len {info.max_seq_len}")
+        acceptance = one("acceptance")
+        acceptance = _text("acceptance", acceptance, where) if acceptance is not None else s.acceptance
+        if acceptance not in ("greedy", "typical"):
+            raise RequestError(f"acceptance{where}: {acceptance!r}; expected 'greedy' or 'typical'")
+        temperature = float(one("temperature", s.temperature))
+        threshold = float(one("posterior_threshold", s.posterior_threshold))
+        alpha = float(one("posterior_alpha", s.posterior_alpha))
+        for name, value, ok in (("temperature", temperature, temperature >= 0),
+                                ("posterior_threshold", threshold, 0 < threshold <= 1),
+                                ("posterior_alpha", alpha, alpha >= 0)):
+            if not (math.isfinite(value) and ok):
+                expected = {"temperature": ">= 0", "posterior_threshold": "in (0, 1]", "posterior_alpha": ">= 0"}
+                raise RequestError(f"{name}{where}: {value}; expected a finite value {expected[name]}")
+        stop_ids = service.stop_ids
+        if "end_id" in values:
+            end_id = int(one("end_id"))
+            if not 0 <= end_id < info.vocab_size:
+                raise RequestError(f"end_id{where}: {end_id}; expected a token id in 0..{info.vocab_size - 1}")
+            stop_ids = (end_id,)  # as in tensorrtllm_backend: end_id replaces the model's EOS
+        stop_words = tuple(w for w in (_text("stop_words", v, where) for v in values.get("stop_words", [[]] * rows)[r])
+                           if w)
+        greedy = acceptance == "greedy" or temperature == 0  # typical knobs are unused then
+        key = (tuple(map(tuple, nodes)), "greedy" if greedy else "typical",
+               None if greedy else (temperature, threshold, alpha), stop_ids)
+        cfg = GenerationConfig(max_new_tokens=max_tokens, medusa_choices=nodes, acceptance=acceptance,
+                               temperature=temperature, posterior_threshold=threshold, posterior_alpha=alpha,
+                               stop_token_ids=stop_ids)
+        jobs.append(Job(index, r, prompt, max_tokens, cfg, key, stop_words))
+    return Parsed(jobs, stream)
+
+
+def group_jobs(jobs: list[Job]) -> list[list[Job]]:
+    """Jobs with the same key, in order of first appearance."""
+    groups: dict[tuple, list[Job]] = {}
+    for job in jobs:
+        groups.setdefault(job.key, []).append(job)
+    return list(groups.values())
+
+
+def decode_group(service: Service, jobs: list[Job], on_step: Callable[[list[Job]], None]) -> None:
+    """Decodes jobs sharing a key in one batched generate; on_step(jobs that changed) after each step.
+
+    The batch runs to the largest max_tokens; shorter rows are cut and their statistics snapshotted
+    as a decode with their own max_tokens would count them (same steps and drafts, their own token
+    count). Stops as soon as every row is done."""
+    cfg = replace(jobs[0].cfg, max_new_tokens=max(j.max_tokens for j in jobs))
+    stats = [SequenceStats() for _ in jobs]
+    for job, st in zip(jobs, stats, strict=True):
+        job.live = st
+    steps = generate(service.backend, [j.prompt for j in jobs], cfg, stats)
+    try:
+        for step in steps:
+            changed = []
+            for job, new, finished in zip(jobs, step.new_tokens, step.finished, strict=True):
+                if job.done:
+                    continue
+                start = len(job.tokens)
+                job.tokens.extend(new[: job.max_tokens - start])
+                stopped = _cut_at_stop_word(service.tokenizer, job, start)
+                if finished or stopped or len(job.tokens) >= job.max_tokens:
+                    job.done = True
+                    job.final = replace(job.live, new_tokens=len(job.tokens),
+                                        accepted_per_depth=list(job.live.accepted_per_depth))
+                if len(job.tokens) > start or job.done:
+                    changed.append(job)
+            if changed:
+                on_step(changed)
+            if all(j.done for j in jobs):
+                break
+    finally:
+        steps.close()  # releases the generator when rows stopped before the batch's max_tokens
+
+
+def serve_batch(service: Service, batch: list[Mapping[str, np.ndarray]],
+                send: Callable[[int, dict | Exception, bool], bool]) -> None:
+    """Answers every request in `batch`. send(request index, outputs or error, final) delivers one
+    response and returns False when the client is gone (its rows then stop costing work).
+
+    Every request gets exactly one final response: an error if it was refused or its group failed."""
+    parsed: list[Parsed | None] = []
+    closed: set[int] = set()  # requests whose final response is out (or whose client is gone)
+
+    def deliver(i: int, payload: dict | Exception, final: bool) -> None:
+        if i in closed:
+            return
+        if not send(i, payload, final) or final:
+            closed.add(i)
+            for job in parsed[i].jobs if i < len(parsed) and parsed[i] else []:
+                job.done = True
+
+    for i, inputs in enumerate(batch):
+        try:
+            parsed.append(parse_request(service, inputs, i))
+        except (RequestError, ValueError) as err:  # ValueError: tokenizer or config checks
+            parsed.append(None)
+            deliver(i, err if isinstance(err, RequestError) else RequestError(str(err)), True)
+
+    def on_step(changed: list[Job]) -> None:
+        for i in sorted({j.request for j in changed}):
+            if i in closed:
+                continue
+            req = parsed[i]
+            final = all(j.done for j in req.jobs)
+            if req.stream:
+                deliver(i, stream_outputs(service, req.jobs, final), final)
+            elif final:
+                deliver(i, full_outputs(service, req.jobs), True)
+
+    jobs = [j for p in parsed if p for j in p.jobs]
+    for group in group_jobs(jobs):
+        if all(j.done for j in group):
+            continue  # every request in it was closed already
+        try:
+            decode_group(service, group, on_step)
+        except Exception as err:  # one failed group must not take the batch or the server down
+            log.exception("decoding failed for requests %s", sorted({j.request for j in group}))
+            for i in sorted({j.request for j in group}):
+                deliver(i, RuntimeError(f"decoding failed: {type(err).__name__}: {err}"), True)
+    for i in range(len(batch)):  # a safety net: no request may be left without its final response
+        deliver(i, RuntimeError("internal error: the request finished without a response"), True)
+
+
+def full_outputs(service: Service, jobs: list[Job]) -> dict[str, np.ndarray]:
+    texts = [service.tokenizer.decode(j.tokens, skip_special_tokens=True) for j in jobs]
+    return _outputs(jobs, texts, [j.tokens for j in jobs])
+
+
+def stream_outputs(service: Service, jobs: list[Job], final: bool) -> dict[str, np.ndarray]:
+    """The text and ids each row gained since its last response, with its statistics so far."""
+    texts, ids = [], []
+    for j in jobs:
+        text = service.tokenizer.decode(j.tokens, skip_special_tokens=True)
+        # A trailing U+FFFD is usually half of a multi-byte character: hold it back until the
+        # next token completes it, so the concatenated stream equals the non-streamed text.
+        if text.startswith(j.sent_text) and (not text.endswith("\ufffd") or j.done):
+            texts.append(text[len(j.sent_text):])
+            j.sent_text = text
+        else:
+            texts.append("")
+        ids.append(j.tokens[j.sent_ids:])
+        j.sent_ids = len(j.tokens)
+    return _outputs(jobs, texts, ids)
+
+
+def _outputs(jobs: list[Job], texts: list[str], ids: list[list[int]]) -> dict[str, np.ndarray]:
+    width = max((len(x) for x in ids), default=0)
+    out_ids = np.full((len(jobs), width), -1, dtype=np.int32)  # -1 pads rows of a multi-row request
+    for r, x in enumerate(ids):
+        out_ids[r, : len(x)] = x
+    stats = [j.stats for j in jobs]
+    return {
+        "text_output": np.array([[t.encode("utf-8")] for t in texts], dtype=np.object_),
+        "output_ids": out_ids,
+        "acceptance_rate": np.array([[s.acceptance_rate] for s in stats], dtype=np.float32),
+        "total_accepted_draft_tokens": np.array([[s.accepted_draft_tokens] for s in stats], dtype=np.int32),
+        "total_draft_tokens": np.array([[s.draft_tokens] for s in stats], dtype=np.int32),
+        "tokens_per_step": np.array([[s.tokens_per_step] for s in stats], dtype=np.float32),
+    }
+
+
+def _rows(name: str, array: np.ndarray, rows: int) -> list[np.ndarray]:
+    """The per-row values of an input ([rows, n] as Triton sends them with max_batch_size > 0)."""
+    a = array.reshape(1, -1) if array.ndim < 2 else array.reshape(array.shape[0], -1)
+    if a.shape[0] != rows:
+        raise RequestError(f"{name}: {a.shape[0]} rows; expected {rows}, one per text_input row")
+    if _INPUTS[name].dims == (1,) and a.shape[1] != 1:
+        raise RequestError(f"{name}: {a.shape[1]} values per row; expected one")
+    return list(a)
+
+
+def _text(name: str, value, where: str) -> str:
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise RequestError(f"{name}{where}: not valid UTF-8 ({err})") from None
+    if isinstance(value, str):
+        return value
+    raise RequestError(f"{name}{where}: got {type(value).__name__}; expected a string")
+
+
+def _cut_at_stop_word(tokenizer, job: Job, start: int) -> bool:
+    """Cuts job.tokens right after the first token whose text completes a stop word; True if cut.
+    Matching text rather than token ids finds a word however the tokenizer split it."""
+    if not job.stop_words:
+        return False
+    for k in range(start + 1, len(job.tokens) + 1):
+        text = tokenizer.decode(job.tokens[:k], skip_special_tokens=True)
+        if any(w in text for w in job.stop_words):
+            del job.tokens[k:]
+            return True
+    return False
+
+
+class TritonPythonModel:
+    """Triton's entry point (model.py re-exports it): one engine per model instance."""
+
+    def initialize(self, args: dict) -> None:
+        import triton_python_backend_utils as pb_utils  # exists only inside Triton's Python stub
+
+        self.pb = pb_utils
+        config = json.loads(args["model_config"])
+        decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
+        self.service = load_service(ModelSettings.from_model_config(config), decoupled)
+        log.info("model %s: %s loaded (decoupled=%s)", config.get("name"), self.service.settings.engine_dir,
+                 decoupled)
+
+    def execute(self, requests: list) -> list | None:
+        pb = self.pb
+        batch = []
+        for request in requests:
+            inputs = {}
+            for name in _INPUTS:
+                tensor = pb.get_input_tensor_by_name(request, name)
+                if tensor is not None:
+                    inputs[name] = tensor.as_numpy()
+            batch.append(inputs)
+        decoupled = self.service.decoupled
+        senders = [r.get_response_sender() for r in requests] if decoupled else None
+        responses: list = [None] * len(requests)
+
+        def send(i: int, payload: dict | Exception, final: bool) -> bool:
+            if isinstance(payload, Exception):
+                response = pb.InferenceResponse(error=pb.TritonError(str(payload)))
+            else:
+                response = pb.InferenceResponse(output_tensors=[pb.Tensor(k, v) for k, v in payload.items()])
+            if not decoupled:
+                responses[i] = response
+                return True
+            try:
+                senders[i].send(response, flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
+            except Exception as err:  # a cancelled request or a client that went away
+                log.warning("request %d: cannot send a response (%s); dropping it", i, err)
+                return False
+            return True
+
+        serve_batch(self.service, batch, send)
+        return None if decoupled else responses
+
+    def finalize(self) -> None:
+        self.service = None

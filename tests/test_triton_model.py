@@ -1,0 +1,119 @@
+"""The Python-backend model's logic in-process (tests/test_triton_server.py runs it inside a real
+tritonserver): multi-row requests, grouping, a client that goes away, the checks on each input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from medusa_trt.runtime.decoding import GenerationConfig, decode
+from medusa_trt.serving.triton_model import (
+    ModelSettings,
+    RequestError,
+    load_service,
+    parse_request,
+    serve_batch,
+)
+
+
+@pytest.fixture(scope="module")
+def service(tiny_merged):
+    ckpt = tiny_merged(heads_kwargs={"trivial": True})
+    return load_service(ModelSettings(engine_dir=ckpt, medusa_choices="mc_sim_7b_63", max_input_len=100,
+                                      max_output_len=64), decoupled=True)
+
+
+def request(texts, max_tokens, **extra) -> dict:
+    out = {"text_input": np.array([[t.encode()] for t in texts], dtype=np.object_),
+           "max_tokens": np.array([[m] for m in max_tokens], dtype=np.int32)}
+    for name, values in extra.items():
+        sample = values[0]
+        dtype = np.object_ if isinstance(sample, (str, list)) else np.float32 if isinstance(sample, float) else \
+            np.bool_ if isinstance(sample, bool) else np.int32
+        rows = [[v.encode()] if isinstance(v, str) else [w.encode() for w in v] if isinstance(v, list) else [v]
+                for v in values]
+        out[name] = np.array(rows, dtype=dtype)
+    return out
+
+
+def offline(service, text, max_tokens, **kw):
+    cfg = GenerationConfig(max_new_tokens=max_tokens, stop_token_ids=service.stop_ids, **kw)
+    return decode(service.backend, [service.tokenizer.encode(text)], cfg)
+
+
+def run(service, batch, gone=()):
+    """serve_batch with a recording sender; requests in `gone` refuse every response."""
+    sent = []
+
+    def send(i, payload, final):
+        sent.append((i, payload, final))
+        return i not in gone
+
+    serve_batch(service, batch, send)
+    return sent
+
+
+def test_multi_row_request_and_mixed_trees_match_single_decodes(service):
+    batch = [
+        request(["Hello world", "a"], [16, 5]),  # two rows, different lengths: output_ids padded with -1
+        request(["zzz"], [9], medusa_choices=["[[0], [1], [0, 0]]"]),  # another tree: its own group
+        request(["The quick brown fox"], [12], acceptance=["typical"], temperature=[0.7]),
+    ]
+    sent = run(service, batch)
+    assert sorted(i for i, _, final in sent if final) == [0, 1, 2]  # one final response each
+    outputs = {i: p for i, p, _ in sent}
+    rows = [(0, 0, "Hello world", 16, {}), (0, 1, "a", 5, {}), (1, 0, "zzz", 9, {"medusa_choices": [[0], [1], [0, 0]]}),
+            (2, 0, "The quick brown fox", 12, {"acceptance": "typical", "temperature": 0.7})]
+    for i, r, text, n, kw in rows:
+        want = offline(service, text, n, **kw)
+        ids = outputs[i]["output_ids"][r]
+        assert ids[ids >= 0].tolist() == want.tokens[0] and (ids[len(want.tokens[0]):] == -1).all()
+        assert outputs[i]["text_output"][r, 0].decode() == service.tokenizer.decode(want.tokens[0],
+                                                                                   skip_special_tokens=True)
+        assert outputs[i]["total_draft_tokens"][r, 0] == want.stats[0].draft_tokens
+        assert outputs[i]["total_accepted_draft_tokens"][r, 0] == want.stats[0].accepted_draft_tokens
+
+
+def test_a_client_that_goes_away_costs_no_more_responses(service):
+    batch = [request(["Hello world"], [32], stream=[True]), request(["a"], [16], stream=[True])]
+    sent = run(service, batch, gone={0})
+    assert [final for i, _, final in sent if i == 0] == [False]  # its first response failed: nothing more
+    others = [(p, final) for i, p, final in sent if i == 1]
+    assert others[-1][1] and sum(len(p["output_ids"][0]) for p, _ in others) == 16
+
+
+def test_stop_words_cut_after_the_completing_token(service):
+    want = offline(service, "a", 16).tokens[0]
+    text = service.tokenizer.decode(want, skip_special_tokens=True)
+    word = text[2:4]  # a piece of the greedy continuation
+    sent = run(service, [request(["a"], [16], stop_words=[["nope", word]])])
+    got = sent[-1][1]["output_ids"][0].tolist()
+    assert service.tokenizer.decode(got, skip_special_tokens=True).endswith(word)
+    assert got == want[: len(got)] and len(got) < len(want)
+
+
+@pytest.mark.parametrize("inputs,message", [
+    ({"max_tokens": np.array([[4]], dtype=np.int32)}, "text_input: missing"),
+    ({"text_input": np.array([[b"a"]], dtype=np.object_)}, "max_tokens: missing"),
+    ({"text_input": np.array([[b"a"]], dtype=np.object_), "max_tokens": np.array([[4.0]], dtype=np.float32)},
+     "max_tokens: data type float32; expected INT32"),
+    ({"text_input": np.array([[b"a"], [b"b"]], dtype=np.object_), "max_tokens": np.array([[4]], dtype=np.int32)},
+     "max_tokens: 1 rows; expected 2"),
+    ({"text_input": np.array([[b"\xff"]], dtype=np.object_), "max_tokens": np.array([[4]], dtype=np.int32)},
+     "text_input: not valid UTF-8"),
+    ({"text_input": np.array([[b"a"]], dtype=np.object_), "max_tokens": np.array([[65]], dtype=np.int32)},
+     r"max_tokens: 65; expected 1..64 \(max_output_len"),
+    ({"text_input": np.array([[b"a" * 120]], dtype=np.object_), "max_tokens": np.array([[4]], dtype=np.int32)},
+     r"prompt is 122 tokens; .* at most 100 \(max_input_len"),
+])
+def test_request_checks_name_the_input(service, inputs, message):
+    with pytest.raises(RequestError, match=message):
+        parse_request(service, inputs)
+
+
+def test_settings_need_the_engine_dir():
+    with pytest.raises(ValueError, match="parameter engine_dir is missing"):
+        ModelSettings.from_model_config({"name": "m", "parameters": {}})
+    with pytest.raises(ValueError, match="bad parameter value"):
+        ModelSettings.from_model_config({"name": "m", "parameters": {"engine_dir": {"string_value": "/x"},
+                                                                     "max_input_len": {"string_value": "ten"}}})
