@@ -1,0 +1,334 @@
+"""medusa-check: does an engine compute what the PyTorch reference computes?
+
+Both run through the runtime's Backend interface on identical inputs: a prefill of every prompt,
+several tree-verify steps with the default Medusa tree (candidates and acceptance taken from the
+reference, so both sides always see the same tokens and commit the same cache entries), and whole
+greedy decodes. Logits are compared with polygraphy's comparator on the max absolute difference;
+decoded tokens must be equal. Works for any engine the runtime can open, not only ONNX Runtime.
+
+Tolerances (max |engine - reference| of base and Medusa logits; the reference always runs in
+float32 so the figure is the engine's own error):
+- float32: 1e-4. Both sides do the same float32 math in different orders; on the test models the
+  difference is ~1e-6, so 1e-4 catches any real mismatch (a wrong weight moves logits by >1e-2).
+- float16: 5e-2. Each layer's output is rounded to 11 mantissa bits (relative 4.9e-4, ~5e-3 at the
+  logit magnitudes of 10 seen in practice) and the rounding compounds over layers and the heads.
+- bfloat16: 2.5e-1. Same argument with 8 mantissa bits (relative 3.9e-3), i.e. 8x float16.
+Greedy tokens must match exactly in every dtype; in float16/bfloat16 a near-tie in the logits can
+legitimately flip a token, which the table shows as the first mismatching position.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+PROG = "medusa-check"
+TOLERANCES = {"float32": 1e-4, "float16": 5e-2, "bfloat16": 2.5e-1}
+DEFAULT_PROMPTS = (
+    "The quick brown fox jumps over the lazy dog.",
+    "Medusa heads draft a tree; the base model verifies it.",
+    "Hi",
+)
+COMPARED_OUTPUTS = ("logits", "medusa_logits")
+
+
+class CheckInputError(ValueError):
+    """Bad input to medusa-check (engine, checkpoint, prompts); the CLI exits 2."""
+
+
+@dataclass
+class CheckRow:
+    stage: str  # "prefill", "tree step 2", "decode 0 (medusa)"
+    output: str  # "logits", "medusa_logits", "tokens"
+    passed: bool
+    max_abs_diff: float | None = None
+    tolerance: float | None = None
+    detail: str = ""
+
+
+@dataclass
+class CheckReport:
+    engine: str
+    checkpoint: str
+    backend: str
+    dtype: str
+    tolerance: float
+    rows: list[CheckRow] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.rows) and all(r.passed for r in self.rows)
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "passed": self.passed}
+
+    def table(self) -> str:
+        header = ("stage", "output", "max abs diff", "tolerance", "result")
+        lines = [header]
+        for r in self.rows:
+            diff = "" if r.max_abs_diff is None else f"{r.max_abs_diff:.3e}"
+            tol = "" if r.tolerance is None else f"{r.tolerance:.0e}"
+            lines.append((r.stage, r.output, diff, tol, ("PASS" if r.passed else "FAIL") + (f"  {r.detail}" if r.detail else "")))
+        widths = [max(len(line[i]) for line in lines) for i in range(4)]
+        out = ["  ".join(c.ljust(w) for c, w in zip(line[:4], widths, strict=False)) + "  " + line[4] for line in lines]
+        out.insert(1, "-" * len(out[0]))
+        return "\n".join(out)
+
+
+def run_check(engine_dir: str | Path, checkpoint: str | Path | None = None, prompts: Sequence[str] | None = None, *,
+              max_new_tokens: int = 32, tree_steps: int = 4, device: str | None = None,
+              atol: float | None = None) -> CheckReport:
+    """Runs every comparison; raises CheckInputError on bad input, never on a parity failure."""
+    from medusa_trt.checkpoint import CheckpointError, validate_checkpoint
+    from medusa_trt.engines.build import sha256_file, verify_artifacts
+    from medusa_trt.modeling import MedusaModel
+    from medusa_trt.runtime.backend import TorchBackend
+    from medusa_trt.runtime.loading import load_backend
+
+    engine_dir = Path(engine_dir)
+    engine = _read_engine(engine_dir)
+    recorded = (engine.get("checkpoint") or {}).get("path")
+    if checkpoint is None and not recorded:
+        raise CheckInputError(f"{engine_dir / 'engine.json'} records no checkpoint path; pass --checkpoint")
+    checkpoint = Path(checkpoint or recorded)
+    try:
+        validate_checkpoint(checkpoint)
+    except CheckpointError as e:
+        raise CheckInputError(f"reference checkpoint: {e}") from None
+    dtype = engine.get("dtype", "float32")
+    if atol is None and dtype not in TOLERANCES:
+        raise CheckInputError(f"{engine_dir / 'engine.json'}: dtype {dtype!r} has no stated tolerance; pass --atol")
+    tol = atol if atol is not None else TOLERANCES[dtype]
+    report = CheckReport(str(engine_dir), str(checkpoint), str(engine.get("backend")), dtype, tol)
+
+    report.warnings += verify_artifacts(engine_dir, engine)
+    recorded_sha = (engine.get("checkpoint") or {}).get("config_sha256")
+    if recorded_sha and sha256_file(checkpoint / "config.json") != recorded_sha:
+        report.warnings.append(f"{checkpoint / 'config.json'} differs from the one the engine was built from")
+
+    try:
+        subject = load_backend(engine_dir, device=device)
+    except ValueError as e:
+        raise CheckInputError(str(e)) from None
+    model = MedusaModel.from_checkpoint(checkpoint, dtype="float32")
+    reference = TorchBackend(model, max_draft_len=subject.info.max_draft_len)
+    mine, theirs = subject.info, reference.info
+    if (mine.vocab_size, mine.num_medusa_heads) != (theirs.vocab_size, theirs.num_medusa_heads):
+        raise CheckInputError(f"checkpoint {checkpoint} does not match the engine: vocab/heads "
+                              f"{theirs.vocab_size}/{theirs.num_medusa_heads} vs {mine.vocab_size}/{mine.num_medusa_heads}")
+
+    ids = _prompt_ids(engine_dir, prompts, mine.vocab_size, report)
+    max_batch = int((engine.get("limits") or {}).get("max_batch_size") or len(ids))
+    try:
+        for start in range(0, len(ids), max_batch):
+            chunk = ids[start:start + max_batch]
+            label = f" [{start}:{start + len(chunk)}]" if len(ids) > max_batch else ""
+            _compare_steps(report, subject, reference, chunk, tree_steps, tol, label)
+            _compare_decodes(report, subject, reference, chunk, max_new_tokens, start)
+    except ValueError as e:  # the backends' limits: batch, sequence length, tree size
+        raise CheckInputError(f"the prompts do not fit the engine: {e}") from None
+    return report
+
+
+def _prompt_ids(engine_dir: Path, prompts: Sequence[str] | None, vocab_size: int, report: CheckReport) -> list[list[int]]:
+    """Prompts through the engine's tokenizer; without one, and without --prompts, fixed token ids."""
+    from medusa_trt.runtime.loading import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(engine_dir)
+    except ValueError as e:
+        if prompts:
+            raise CheckInputError(f"--prompts needs the engine's tokenizer: {e}") from None
+        report.warnings.append(f"no tokenizer ({e}); using fixed token-id prompts")
+        return [[(7 * i + 3 * j + 1) % vocab_size for j in range(n)] for i, n in enumerate((11, 5, 1))]
+    ids = [tokenizer.encode(t) for t in (prompts or DEFAULT_PROMPTS)]
+    if any(not p for p in ids):
+        raise CheckInputError("a prompt encodes to no tokens; give non-empty prompts")
+    return ids
+
+
+def _read_engine(engine_dir: Path) -> dict:
+    path = engine_dir / "engine.json"
+    if not path.is_file():
+        raise CheckInputError(f"{path}: not found; expected an engine directory written by medusa-build")
+    try:
+        engine = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckInputError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(engine, dict):
+        raise CheckInputError(f"{path}: expected a JSON object")
+    return engine
+
+
+def default_tree(num_heads: int, max_draft_len: int):
+    """The default tree cut to what the engine supports: depth <= heads, nodes <= max_draft_len
+    ((depth, path) order is prefix-closed, so a cut keeps every node's ancestors)."""
+    from medusa_trt.tree import DEFAULT_TREE, build_tree, parse_medusa_choices, validate_and_expand
+
+    nodes = validate_and_expand([p for p in parse_medusa_choices(DEFAULT_TREE) if len(p) <= num_heads], num_heads)
+    return build_tree(nodes[:max_draft_len], num_heads, max_draft_len)
+
+
+def _compare_steps(report: CheckReport, subject, reference, prompts: list[list[int]], tree_steps: int,
+                   tol: float, label: str) -> None:
+    """Prefill and tree-verify steps, both backends fed the same tokens; one polygraphy comparison."""
+    from polygraphy.comparator import Comparator, IterationResult, RunResults
+    from polygraphy.logger import G_LOGGER
+
+    from medusa_trt.runtime.decoding import GenerationConfig, accept_paths
+
+    info = reference.info
+    tree = default_tree(info.num_medusa_heads, info.max_draft_len) if info.num_medusa_heads else None
+    steps = tree_steps if tree is not None else 0
+    n = len(prompts)
+    lens = torch.tensor([len(p) for p in prompts])
+    s = int(lens.max())
+    width = tree.num_slots if tree is not None else 1
+    capacity = s + steps * width + 1
+    for b in (subject, reference):
+        b.start(n, capacity)
+
+    stages, ours, refs = [], [], []
+
+    def run(stage, ids, pos, mask):
+        outs = []
+        for b in (subject, reference):
+            logits, medusa = b.forward(ids, pos, mask)
+            outs.append(OrderedDict(logits=logits.float().numpy().copy(), medusa_logits=medusa.float().numpy().copy()))
+        stages.append(stage)
+        ours.append(IterationResult(outs[0], runner_name="engine"))
+        refs.append(IterationResult(outs[1], runner_name="reference"))
+        return torch.from_numpy(outs[1]["logits"]), torch.from_numpy(outs[1]["medusa_logits"])
+
+    # Prefill, logits at every position (padding rows included: both sides mask them the same way).
+    ids = torch.zeros(n, s, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, : len(p)] = torch.tensor(p)
+    pos = torch.arange(s)[None].expand(n, s)
+    valid = torch.arange(s)[None, :] < lens[:, None]
+    mask = torch.ones(s, s, dtype=torch.bool).tril()[None] & valid[:, None, :]
+    logits, medusa = run("prefill" + label, ids, pos, mask)
+    for b in (subject, reference):
+        b.commit(pos.contiguous(), lens)
+    rows = torch.arange(n)
+    logits, medusa = logits[rows, lens - 1], medusa[:, rows, lens - 1]  # [B, V], [H, B, V]
+
+    if tree is not None:
+        head, rank = torch.tensor(tree.head[1:]), torch.tensor(tree.rank[1:])
+        offsets, tmask = torch.tensor(tree.position_offsets), torch.tensor(tree.attention_mask)
+        retrieve = torch.tensor(tree.retrieve_indices)
+        topk = int(tree.topk_per_depth.max())
+        greedy = GenerationConfig(acceptance="greedy")
+        for step in range(steps):
+            root = logits.argmax(-1)
+            cand = medusa.topk(topk, dim=-1).indices  # [H, B, k]
+            tokens = torch.cat([root[:, None], cand[head, :, rank].T], dim=1)  # [B, T]
+            pos = subject.lengths[:, None] + offsets[None]
+            all_logits, all_medusa = run(f"tree step {step + 1}" + label, tokens, pos, tmask[None].expand(n, -1, -1))
+            best, accepted = accept_paths(retrieve, tokens, all_logits, greedy)
+            slots = retrieve[best].clamp(min=0)
+            for b in (subject, reference):
+                b.commit(slots, accepted + 1)
+            last = slots.gather(1, accepted[:, None]).squeeze(1)
+            logits, medusa = all_logits[rows, last], all_medusa[:, rows, last]
+
+    results = RunResults([("engine", ours), ("reference", refs)])
+    with G_LOGGER.verbosity(G_LOGGER.CRITICAL):  # our own table replaces polygraphy's log
+        accuracy = Comparator.compare_accuracy(results, compare_func=_max_abs_compare(tol))
+    if not hasattr(accuracy, "items"):  # polygraphy >= 0.50 returns one AccuracyResult per compare func
+        accuracy = accuracy[0]
+    per_iteration = next(iter(accuracy.values()))
+    for stage, outputs in zip(stages, per_iteration, strict=True):
+        for name in COMPARED_OUTPUTS:
+            result = outputs[name]
+            report.rows.append(CheckRow(stage, name, bool(result), result.max_absdiff, tol))
+
+
+def _max_abs_compare(tol: float):
+    """Passes an output when max |engine - reference| <= tol (rtol 0: the relative test, which
+    polygraphy ORs with the absolute one, never passes on its own)."""
+    try:
+        from polygraphy.comparator.compare import SimpleCompareFunc
+    except ImportError:  # polygraphy < 0.50
+        from polygraphy.comparator import CompareFunc
+
+        return CompareFunc.simple(check_error_stat="max", atol={"": tol}, rtol={"": 0.0})
+    return SimpleCompareFunc(check_error_stat="max", atol={"": tol}, rtol={"": 0.0})
+
+
+def _compare_decodes(report: CheckReport, subject, reference, prompts: list[list[int]], max_new_tokens: int,
+                     offset: int) -> None:
+    """Whole greedy decodes: the engine (Medusa and plain) must emit the reference's plain tokens."""
+    from medusa_trt.runtime.decoding import GenerationConfig, decode
+
+    info = reference.info
+    plain = GenerationConfig(max_new_tokens=max_new_tokens, use_medusa=False)
+    expected = decode(reference, prompts, plain).tokens
+    runs = [("plain", plain)]
+    if info.num_medusa_heads:
+        tree = default_tree(info.num_medusa_heads, info.max_draft_len)
+        runs.append(("medusa", GenerationConfig(max_new_tokens=max_new_tokens, medusa_choices=[list(p) for p in tree.nodes])))
+    for mode, cfg in runs:
+        got = decode(subject, prompts, cfg).tokens
+        for i, (a, b) in enumerate(zip(got, expected, strict=True)):
+            mismatch = next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+            if mismatch is None and len(a) != len(b):
+                mismatch = min(len(a), len(b))
+            detail = f"{len(b)} tokens equal" if mismatch is None else (
+                f"first mismatch at token {mismatch}: engine {a[mismatch:mismatch + 1]} vs reference {b[mismatch:mismatch + 1]}")
+            report.rows.append(CheckRow(f"decode {offset + i} ({mode})", "tokens", mismatch is None, detail=detail))
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description="Compare an engine with the PyTorch reference on the "
+                                "same inputs: prefill, tree-verify steps and whole greedy decodes. "
+                                "Exit 0: parity; 1: a parity failure; 2: bad input.")
+    p.add_argument("--engine", required=True, type=Path, help="engine directory written by medusa-build")
+    p.add_argument("--checkpoint", type=Path, help="merged checkpoint (default: the one recorded in engine.json)")
+    p.add_argument("--prompts", type=Path, help="text file, one prompt per line (default: three built-in prompts)")
+    p.add_argument("--json", type=Path, help="also write the report as JSON to this file")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens per greedy decode (default 32)")
+    p.add_argument("--tree-steps", type=int, default=4, help="tree-verify steps to compare (default 4)")
+    p.add_argument("--device", help="engine device override (cpu, cuda)")
+    p.add_argument("--atol", type=float, help="override the dtype's logits tolerance")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        prompts = None
+        if args.prompts is not None:
+            if not args.prompts.is_file():
+                raise CheckInputError(f"{args.prompts}: prompt file not found")
+            prompts = [line for line in args.prompts.read_text().splitlines() if line.strip()]
+            if not prompts:
+                raise CheckInputError(f"{args.prompts}: no prompts (expected one per line)")
+        if args.max_new_tokens < 1 or args.tree_steps < 0:
+            raise CheckInputError("--max-new-tokens must be >= 1 and --tree-steps >= 0")
+        report = run_check(args.engine, args.checkpoint, prompts, max_new_tokens=args.max_new_tokens,
+                           tree_steps=args.tree_steps, device=args.device, atol=args.atol)
+    except CheckInputError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    print(f"{PROG}: {report.engine} ({report.backend}, {report.dtype}) vs {report.checkpoint} (PyTorch float32)")
+    for w in report.warnings:
+        print(f"{PROG}: warning: {w}")
+    print(report.table())
+    failed = sum(not r.passed for r in report.rows)
+    print(f"{PROG}: {'PASS' if report.passed else 'FAIL'} ({len(report.rows) - failed}/{len(report.rows)} checks passed)")
+    if args.json:
+        args.json.write_text(json.dumps(report.as_dict(), indent=2) + "\n")
+    return 0 if report.passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

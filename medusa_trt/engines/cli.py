@@ -1,0 +1,69 @@
+"""medusa-build: build an inference engine from a merged checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from medusa_trt.engines.build import BUILDERS, DEVICES, DTYPES, BuildError, BuildOptions, build_engine
+
+PROG = "medusa-build"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description="Build an engine directory (engine.json, backend "
+                                "artifacts, tokenizer) from a merged checkpoint written by medusa-convert.")
+    p.add_argument("--checkpoint", required=True, type=Path, help="merged checkpoint directory")
+    p.add_argument("--out", required=True, type=Path, help="engine directory to write")
+    p.add_argument("--backend", default="onnxruntime", choices=list(BUILDERS), help="default: onnxruntime")
+    p.add_argument("--dtype", choices=list(DTYPES),
+                   help="compute dtype (default: float32 for --device cpu, the checkpoint's for cuda)")
+    p.add_argument("--max-batch-size", type=int, default=8, help="largest batch the engine runs (default 8)")
+    p.add_argument("--max-seq-len", type=int, help="prompt + generated + tree depth (default: the model's "
+                   "max_position_embeddings)")
+    p.add_argument("--max-draft-len", type=int, help="largest Medusa tree, root excluded (default: the "
+                   "checkpoint's max_draft_len)")
+    p.add_argument("--opset", type=int, help="ONNX opset (default 23)")
+    p.add_argument("--attention", choices=["attention23", "split", "concat", "mha"],
+                   help="ONNX attention form (default: attention23, the fastest measured on CPU; split below opset 23)")
+    p.add_argument("--device", default="cpu", choices=list(DEVICES), help="device the engine runs on by default")
+    p.add_argument("--force", action="store_true", help="replace an existing --out")
+    p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"{PROG}: %(levelname)s: %(message)s"))
+    logger = logging.getLogger("medusa_trt")
+    logger.addHandler(handler)
+    opts = BuildOptions(
+        checkpoint=args.checkpoint, out=args.out, backend=args.backend, dtype=args.dtype,
+        max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, max_draft_len=args.max_draft_len,
+        opset=args.opset, device=args.device, attention=args.attention, force=args.force,
+        progress=not args.quiet,
+    )
+    try:
+        result = build_engine(opts)
+    except BuildError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: error: interrupted; --out left as it was", file=sys.stderr)
+        return 2
+    finally:
+        logger.removeHandler(handler)
+    if not args.quiet:
+        e = result.engine
+        size = sum(a["bytes"] for a in e["artifacts"].values())
+        print(f"{PROG}: wrote {result.out} ({e['backend']}, {e['dtype']}, {e['device']}, "
+              f"{size / 2**20:.1f} MiB, {result.seconds:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,337 @@
+"""ONNX export of the reference model (base decoder + Medusa heads) for ONNX Runtime.
+
+The graph is `MedusaModel.forward` itself, traced by torch.onnx's dynamo exporter, so the engine
+and the reference share one implementation. What differs from eager was chosen by measurement on
+a 2-core CPU with 10M and 100M-parameter models (benchmarks/bench_onnx.py):
+
+- one past input per layer and per K/V: a stacked [L, ...] input costs ONNX Runtime a Gather copy
+  of every layer's cache per step (10-18% slower steps at 100M parameters, 1024 cached tokens);
+- the past may be the runtime's whole cache buffer (capacity T >= every committed length): the
+  prefix mask is built in the graph from `past_lengths`, so the runtime never slices or copies it;
+- attention as the opset-23 `Attention` op by default (ATTENTION_FORMS lists the alternatives);
+- Medusa heads as one 2-D MatMul per head: ONNX Runtime prepacks 2-D constant weights, and the
+  reference's batched einsum runs 3-8x slower there.
+
+Graph interface (names are the contract with `medusa_trt.runtime.ort_backend`):
+
+  inputs   input_ids        [batch, new] int64
+           position_ids     [batch, new] int64   absolute positions (tree nodes: length + depth)
+           past_lengths     [batch] int64        committed cache entries [0, n) of each sequence
+           new_mask         [batch, new, new] bool  which new tokens each new token sees
+           logit_positions  [batch, logits] int64   rows of `new` to produce logits for
+           past_key_{i}, past_value_{i}  [batch, kv_heads, past, head_dim]  for each layer i
+  outputs  logits           [batch, logits, vocab] float32
+           medusa_logits    [heads, batch, logits, vocab] float32
+           present_keys, present_values  [layers, batch, kv_heads, new, head_dim]  new tokens only
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import math
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from medusa_trt.modeling import MedusaModel, attention_with_past
+
+log = logging.getLogger(__name__)
+
+DEFAULT_OPSET = 23  # RMSNormalization and Attention became standard ops in opset 23
+MIN_OPSET = 18  # the dynamo exporter's floor
+MAX_PROTOBUF_BYTES = 2**31 - 1  # one protobuf message; larger models must use external data
+INPUT_NAMES = ("input_ids", "position_ids", "past_lengths", "new_mask", "logit_positions")
+OUTPUT_NAMES = ("logits", "medusa_logits", "present_keys", "present_values")
+
+
+def past_names(num_layers: int) -> list[str]:
+    """Per-layer cache inputs in graph order: past_key_0, past_value_0, past_key_1, ..."""
+    return [f"past_{kind}_{i}" for i in range(num_layers) for kind in ("key", "value")]
+
+
+# -- attention forms ---------------------------------------------------------------------------
+# Each has the signature of modeling.attention_with_past: q [B, Hq, S, D], k/v [B, Hkv, S, D],
+# past_k/past_v [B, Hkv, T, D], mask [B, S, T+S] bool -> [B, Hq, S, D].
+
+
+def split_attention(q, k, v, past_k, past_v, mask):
+    """Plain ops that never copy the cache: scores against the past and the new keys are computed
+    separately and joined (the join is [.., S, T+S], D times smaller than the cache), and GQA groups
+    the queries of each KV head instead of repeating the keys."""
+    b, hq, s, d = q.shape
+    hkv, t = past_k.shape[1], past_k.shape[2]
+    g = hq // hkv
+    # repeat_interleave order: query head h reads KV head h // g, so heads of one KV head are adjacent.
+    qg = q.float().reshape(b, hkv, g * s, d)
+    scores = torch.cat(
+        [torch.matmul(qg, past_k.float().transpose(-1, -2)), torch.matmul(qg, k.float().transpose(-1, -2))], dim=-1
+    ) / math.sqrt(d)  # [B, Hkv, G*S, T+S]
+    scores = scores.reshape(b, hkv, g, s, t + s).masked_fill(~mask[:, None, None], torch.finfo(torch.float32).min)
+    probs = torch.softmax(scores, dim=-1).reshape(b, hkv, g * s, t + s).to(v.dtype)
+    out = torch.matmul(probs[..., :t], past_v) + torch.matmul(probs[..., t:], v)
+    return out.reshape(b, hq, s, d)
+
+
+@functools.cache
+def _fused_attention_op() -> Callable:
+    """A custom op standing for one layer's attention, so the exporter can translate it to a fused
+    ONNX op (torch.export keeps custom ops whole; its eager body is only used while tracing)."""
+
+    @torch.library.custom_op("medusa_trt::attention_with_past", mutates_args=())
+    def op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor,
+           mask: torch.Tensor) -> torch.Tensor:
+        return attention_with_past(q, k, v, past_k, past_v, mask)
+
+    @op.register_fake
+    def _(q, k, v, past_k, past_v, mask):
+        return torch.empty_like(q)
+
+    return op
+
+
+def fused_attention(q, k, v, past_k, past_v, mask):
+    return _fused_attention_op()(q, k, v, past_k, past_v, mask)
+
+
+def _attention23_translation(q, k, v, past_k, past_v, mask):
+    from onnxscript import opset23 as op
+
+    # The past goes in as part of K/V rather than through past_key/past_value: ONNX Runtime's CPU
+    # kernel refuses a past without the present outputs, which nothing here reads; it would
+    # concatenate the same bytes internally. 4-D inputs carry the head counts (GQA needs no attribute).
+    keys, values = op.Concat(past_k, k, axis=2), op.Concat(past_v, v, axis=2)
+    y, _, _, _ = op.Attention(q, keys, values, op.Unsqueeze(mask, [1]), softmax_precision=1)
+    return y
+
+
+@functools.cache
+def _mha_schema():
+    """The inputs of ONNX Runtime's contrib MultiHeadAttention this form uses (onnx has no schema for
+    it, and the exporter's tracer needs one)."""
+    import onnx
+
+    p = onnx.defs.OpSchema.FormalParameter
+    optional = onnx.defs.OpSchema.FormalParameterOption.Optional
+    return onnx.defs.OpSchema(
+        "MultiHeadAttention", "com.microsoft", 1,
+        inputs=[p("query", "T"), p("key", "T"), p("value", "T"), p("bias", "T", param_option=optional),
+                p("key_padding_mask", "M", param_option=optional),
+                p("attention_bias", "T", param_option=optional)],
+        outputs=[p("output", "T")],
+        type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], ""),
+                          ("M", ["tensor(int32)"], "")],
+        attributes=[onnx.defs.OpSchema.Attribute("num_heads", onnx.defs.OpSchema.AttrType.INT, "", required=True)],
+    )
+
+
+def _mha_translation(q, k, v, past_k, past_v, mask):
+    from onnxscript import opset23 as op
+    from onnxscript.values import Op, Opset
+
+    # MultiHeadAttention has no GQA: KV heads (past included) are repeated to the query heads, the
+    # copy this form pays per step. Query [B, S, H*D]; keys/values [B, H, T+S, D].
+    b, heads, s, dim = (op.Shape(q, start=i, end=i + 1) for i in range(4))
+    hkv = op.Shape(k, start=1, end=2)
+    keys, values = op.Concat(past_k, k, axis=2), op.Concat(past_v, v, axis=2)
+    length = op.Shape(keys, start=2, end=3)
+
+    def repeat(x):  # [B, Hkv, L, D] -> [B, Hq, L, D] in repeat_interleave order
+        x5 = op.Expand(op.Unsqueeze(x, [2]), op.Concat(b, hkv, op.Div(heads, hkv), length, dim, axis=0))
+        return op.Reshape(x5, op.Concat(b, heads, length, dim, axis=0))
+
+    query = op.Reshape(op.Transpose(q, perm=[0, 2, 1, 3]), op.Concat(b, s, op.Mul(heads, dim), axis=0))
+    bias = op.Where(op.Unsqueeze(mask, [1]), op.CastLike(0.0, q), op.CastLike(-3.4028234663852886e38, q))
+    mha = Op(Opset("com.microsoft", 1), "MultiHeadAttention", _mha_schema())
+    y = mha(query, repeat(keys), repeat(values), None, None, bias, num_heads=q.shape[1])
+    return op.Transpose(op.Reshape(y, op.Concat(b, s, heads, dim, axis=0)), perm=[0, 2, 1, 3])
+
+
+@dataclass(frozen=True)
+class AttentionForm:
+    function: Callable  # replaces DecoderLayer.attend while tracing
+    translation: Callable | None  # onnxscript function for the custom op, when the form uses one
+    min_opset: int
+    description: str
+
+
+ATTENTION_FORMS: dict[str, AttentionForm] = {
+    "split": AttentionForm(split_attention, None, MIN_OPSET, "plain ops, past never copied, GQA by query grouping"),
+    "concat": AttentionForm(attention_with_past, None, MIN_OPSET,
+                            "plain ops as the reference: concat past+new, repeat KV heads, masked softmax"),
+    "attention23": AttentionForm(fused_attention, _attention23_translation, 23,
+                                 "standard ONNX Attention (opset 23) with past_key/past_value inputs"),
+    "mha": AttentionForm(fused_attention, _mha_translation, MIN_OPSET,
+                         "ONNX Runtime com.microsoft MultiHeadAttention, KV heads repeated"),
+}
+# Measured fastest on a 2-core CPU for decode and tree steps at 10M and 100M parameters
+# (benchmarks/bench_onnx.py --sweep-attention); "split" is the fallback below opset 23.
+DEFAULT_ATTENTION = "attention23"
+
+
+# -- export ------------------------------------------------------------------------------------
+
+
+class _ExportModule(nn.Module):
+    """The graph's interface around MedusaModel.forward (see the module docstring)."""
+
+    def __init__(self, model: MedusaModel):
+        super().__init__()
+        self.model = model
+        cfg = model.cfg
+        # Per-head 2-D weights, aliases of the stacked parameters (no copy).
+        self.head_w = nn.ParameterList(
+            nn.Parameter(model.medusa_w[h, i], requires_grad=False)
+            for h in range(cfg.num_medusa_heads) for i in range(cfg.num_medusa_layers)
+        )
+        self.head_b = nn.ParameterList(
+            nn.Parameter(model.medusa_b[h, i], requires_grad=False)
+            for h in range(cfg.num_medusa_heads) for i in range(cfg.num_medusa_layers)
+        )
+        self.head_lm = nn.ParameterList(
+            nn.Parameter(model.medusa_lm_head[h], requires_grad=False) for h in range(cfg.num_medusa_heads)
+        )
+
+    def medusa_heads(self, h: torch.Tensor) -> torch.Tensor:
+        """Same math as MedusaModel.medusa_heads, as one 2-D MatMul per head and layer."""
+        cfg = self.model.cfg
+        b, s, d = h.shape
+        x0 = h.reshape(b * s, d)
+        out = []
+        for head in range(cfg.num_medusa_heads):
+            x = x0
+            for layer in range(cfg.num_medusa_layers):
+                j = head * cfg.num_medusa_layers + layer
+                x = x + F.silu(F.linear(x, self.head_w[j], self.head_b[j]))
+            out.append(F.linear(x, self.head_lm[head]).float())
+        if not out:  # a model without heads still has the output, with zero heads
+            return h.new_zeros(0, b, s, cfg.vocab_size, dtype=torch.float32)
+        return torch.stack(out).reshape(cfg.num_medusa_heads, b, s, -1)
+
+    def forward(self, input_ids, position_ids, past_lengths, new_mask, logit_positions, past):
+        b, s = input_ids.shape
+        t = past[0].shape[2]
+        prefix = torch.arange(t, device=input_ids.device)[None, None, :] < past_lengths[:, None, None]
+        mask = torch.cat([prefix.expand(b, s, t), new_mask], dim=-1)  # [B, S, T+S]
+        return self.model(input_ids, position_ids, mask, past[0::2], past[1::2], logit_positions)
+
+
+@contextlib.contextmanager
+def _quiet_exporter() -> Iterator[None]:
+    """The exporter warns (Python warnings and its logger) about internals we do not control, such
+    as torchvision not being installed; errors still raise."""
+    logger = logging.getLogger("torch.onnx")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def _export_mode(model: MedusaModel, form: AttentionForm, heads: Callable) -> Iterator[None]:
+    """Swaps the attention form and the heads' op form for the duration of the trace."""
+    saved = [layer.attend for layer in model.layers]
+    for layer in model.layers:
+        layer.attend = form.function
+    model.medusa_heads = heads  # instance attribute shadows the method
+    try:
+        yield
+    finally:
+        for layer, fn in zip(model.layers, saved, strict=True):
+            layer.attend = fn
+        del model.medusa_heads
+
+
+def example_inputs(model: MedusaModel, batch: int = 2, new: int = 3, past: int = 5, logits: int = 2) -> dict:
+    """Inputs in graph order (sizes distinct so the tracer infers no false equalities)."""
+    cfg = model.cfg
+    cache = torch.zeros(batch, cfg.num_kv_heads, past, cfg.head_dim, dtype=model.dtype)
+    return {
+        "input_ids": torch.zeros(batch, new, dtype=torch.long),
+        "position_ids": torch.arange(new).repeat(batch, 1) + past,
+        "past_lengths": torch.full((batch,), past, dtype=torch.long),
+        "new_mask": torch.ones(batch, new, new, dtype=torch.bool).tril(),
+        "logit_positions": torch.zeros(batch, logits, dtype=torch.long),
+        "past": tuple(cache.clone() for _ in range(2 * cfg.num_layers)),
+    }
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    path: Path  # the .onnx file
+    files: tuple[Path, ...]  # every file written (the .onnx, plus external data when used)
+    opset: int
+    attention: str
+    external_data: bool
+    input_names: tuple[str, ...]
+    output_names: tuple[str, ...]
+
+
+def export_onnx(
+    model: MedusaModel,
+    path: str | Path,
+    *,
+    attention: str = DEFAULT_ATTENTION,
+    opset: int = DEFAULT_OPSET,
+    external_data: bool | None = None,
+) -> ExportResult:
+    """Exports `model` (in its current dtype) to `path`. `external_data` None: only when the
+    weights exceed the 2 GB protobuf limit."""
+    if attention not in ATTENTION_FORMS:
+        raise ValueError(f"attention form {attention!r} is unknown; expected one of {sorted(ATTENTION_FORMS)}")
+    form = ATTENTION_FORMS[attention]
+    if not MIN_OPSET <= opset <= DEFAULT_OPSET:
+        raise ValueError(f"opset {opset} is not supported; expected {MIN_OPSET}..{DEFAULT_OPSET}")
+    if opset < form.min_opset:
+        raise ValueError(f"attention form {attention!r} needs opset >= {form.min_opset}, got opset {opset}")
+    try:
+        import onnxscript  # noqa: F401  (torch.onnx's exporter needs it; fail with a clear message)
+    except ImportError as e:
+        raise RuntimeError("ONNX export needs the 'onnxscript' package (pip install onnxscript)") from e
+    from torch.export import Dim
+
+    path = Path(path)
+    cfg = model.cfg
+    wrapper = _ExportModule(model).eval()
+    inputs = example_inputs(model)
+    batch, new, past, logits = Dim("batch"), Dim("new_tokens"), Dim("past"), Dim("num_logits")
+    dynamic_shapes = {
+        "input_ids": {0: batch, 1: new},
+        "position_ids": {0: batch, 1: new},
+        "past_lengths": {0: batch},
+        "new_mask": {0: batch, 1: new, 2: new},
+        "logit_positions": {0: batch, 1: logits},
+        "past": tuple({0: batch, 2: past} for _ in range(2 * cfg.num_layers)),
+    }
+    table = None
+    if form.translation:
+        _fused_attention_op()  # registers torch.ops.medusa_trt.attention_with_past
+        table = {torch.ops.medusa_trt.attention_with_past.default: form.translation}
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    if external_data is None:
+        external_data = weight_bytes > MAX_PROTOBUF_BYTES - (64 << 20)  # leave room for the graph itself
+    if external_data:
+        log.info("%s: %.2f GB of weights go to external data files", path, weight_bytes / 1e9)
+    with _export_mode(model, form, wrapper.medusa_heads), torch.no_grad(), _quiet_exporter():
+        program = torch.onnx.export(
+            wrapper, (), kwargs=inputs, dynamic_shapes=dynamic_shapes, input_names=[*INPUT_NAMES, *past_names(cfg.num_layers)],
+            output_names=list(OUTPUT_NAMES), opset_version=opset, dynamo=True, custom_translation_table=table,
+            optimize=True, verbose=False,
+        )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    program.save(path, external_data=external_data)
+    files = [path]
+    if external_data:
+        files += sorted(p for p in path.parent.glob(path.name + "*") if p != path)
+    return ExportResult(path, tuple(files), opset, attention, bool(external_data),
+                        (*INPUT_NAMES, *past_names(cfg.num_layers)), OUTPUT_NAMES)

@@ -1,0 +1,217 @@
+"""The ONNX Runtime engine behind the runtime's Backend interface.
+
+The KV cache is one preallocated torch tensor per K and V, [L, B, Hkv, capacity, D], on the
+engine's device, allocated once per `start`. Each layer's slice of it is a graph input as it is:
+the graph masks entries past each sequence's committed length, so the runtime never slices,
+copies or transfers the cache (engines/onnx_export.py). The graph returns only the new tokens'
+K/V; `commit` scatters the kept ones after each committed prefix, which is the compaction step.
+
+On the CPU the cache goes to `session.run` as numpy views, which ONNX Runtime reads in place; on
+a 2-core CPU that measured as fast as IOBinding or faster (decode step of a 10M model 2.23 vs
+2.43 ms, equal within noise at 100M): run() hands its own output buffers to numpy without a
+copy, and binding costs a dozen calls per step. On CUDA the cache and the new K/V stay in device
+memory, bound by pointer (IOBinding), and logits come back to host tensors: the decoding loop is
+host code. Returned tensors are new every step, so a caller may keep them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from medusa_trt.runtime.backend import ModelInfo, commit_indices
+
+_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+
+
+class EngineError(ValueError):
+    """An engine directory that cannot be run here; the message names the file and the problem."""
+
+
+def read_engine_json(engine_dir: str | Path) -> dict:
+    path = Path(engine_dir) / "engine.json"
+    try:
+        engine = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise EngineError(f"{path}: not found; expected an engine directory written by medusa-build") from None
+    except json.JSONDecodeError as e:
+        raise EngineError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(engine, dict) or engine.get("backend") != "onnxruntime":
+        raise EngineError(f"{path}: backend {engine.get('backend') if isinstance(engine, dict) else None!r}, "
+                          "expected 'onnxruntime'")
+    return engine
+
+
+def session_options(threads: int | None = None, *, spinning: bool = False, level: str = "all"):
+    """Options measured on a 2-core CPU for decoding (benchmarks/bench_onnx.py --sweep-options): all
+    graph optimizations (they fuse RMSNorm, SiLU and MatMul+Transpose), one intra-op thread per core
+    this process may use, sequential execution (the graph is a chain), and no spinning: a spinning
+    worker only burns a core that the next op or another process needs."""
+    import onnxruntime as ort
+
+    levels = {"basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+              "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+              "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}
+    so = ort.SessionOptions()
+    so.graph_optimization_level = levels[level]
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.intra_op_num_threads = threads or len(os.sched_getaffinity(0))
+    so.inter_op_num_threads = 1
+    so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
+    so.log_severity_level = 3  # warnings about unused initializers are noise to users
+    return so
+
+
+def make_session(onnx_path: str | Path, device: str = "cpu", threads: int | None = None):
+    """An InferenceSession on exactly `device`: a missing provider is an error, never a CPU fall back."""
+    import onnxruntime as ort
+
+    if device not in _PROVIDERS:
+        raise EngineError(f"device {device!r} is not supported; expected one of {sorted(_PROVIDERS)}")
+    provider = _PROVIDERS[device]
+    available = ort.get_available_providers()
+    if provider not in available:
+        hint = " (install the 'gpu' extra: pip install 'medusa-trt[gpu]')" if device == "cuda" else ""
+        raise EngineError(f"device {device!r} needs ONNX Runtime's {provider}, which this onnxruntime "
+                          f"{ort.__version__} lacks{hint}; available: {', '.join(available)}")
+    providers = [provider] if device == "cpu" else [provider, "CPUExecutionProvider"]  # CPU only for shape ops
+    try:
+        session = ort.InferenceSession(str(onnx_path), session_options(threads), providers=providers)
+    except Exception as e:  # onnxruntime raises its own exception types, one per failure kind
+        raise EngineError(f"{onnx_path}: onnxruntime {ort.__version__} cannot load it ({e}); an older "
+                          "onnxruntime may lack the engine's opset: rebuild with a lower --opset") from None
+    if session.get_providers()[0] != provider:
+        raise EngineError(f"{onnx_path}: ONNX Runtime did not enable {provider} (got {session.get_providers()})")
+    return session
+
+
+class OrtBackend:
+    """An ONNX Runtime engine directory behind the Backend interface (see module docstring)."""
+
+    def __init__(self, engine_dir: str | Path, device: str | None = None, threads: int | None = None):
+        self.engine_dir = Path(engine_dir)
+        self.engine = engine = read_engine_json(self.engine_dir)
+        self.device = device or engine.get("device", "cpu")
+        model, limits, onnx_info = engine["model"], engine["limits"], engine["onnx"]
+        onnx_path = self.engine_dir / onnx_info["file"]
+        if not onnx_path.is_file():
+            raise EngineError(f"{onnx_path}: missing; the engine directory is incomplete (rebuild it)")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise EngineError("device 'cuda' keeps the KV cache in torch CUDA tensors, but this torch "
+                              f"{torch.__version__} has no CUDA device")
+        self.session = make_session(onnx_path, self.device, threads)
+        self.num_layers, self.num_kv_heads = model["num_layers"], model["num_kv_heads"]
+        self.head_dim, self.num_medusa_heads = model["head_dim"], engine["medusa"]["num_heads"]
+        self.vocab_size = model["vocab_size"]
+        self.dtype = _TORCH_DTYPES[engine["dtype"]]
+        self.max_batch_size = limits["max_batch_size"]
+        self.use_binding = self.device != "cpu"  # IOBinding: required on CUDA, measurable on the CPU
+        self.info = ModelInfo(self.vocab_size, self.num_medusa_heads, limits["max_seq_len"], limits["max_draft_len"])
+        self._past_names = [f"past_{kind}_{i}" for i in range(self.num_layers) for kind in ("key", "value")]
+        self._np_dtype = {torch.float32: np.float32, torch.float16: np.float16}.get(self.dtype)
+        if self._np_dtype is None:  # numpy has no bfloat16; ONNX Runtime's CPU kernels mostly lack it too
+            raise EngineError(f"{self.engine_dir / 'engine.json'}: dtype {engine['dtype']} cannot be bound "
+                              "from Python; rebuild with --dtype float32 or float16")
+        self.start(1, 1)
+
+    # -- Backend interface ---------------------------------------------------------------------
+
+    def start(self, batch: int, capacity: int) -> None:
+        if batch > self.max_batch_size:
+            raise ValueError(f"batch {batch} exceeds the engine's max_batch_size {self.max_batch_size} "
+                             f"({self.engine_dir / 'engine.json'}); rebuild with a larger --max-batch-size")
+        # Zeros, not empty: masked slots get probability 0, and 0 * NaN from stale memory is NaN.
+        shape = (self.num_layers, batch, self.num_kv_heads, max(capacity, 1), self.head_dim)
+        self.keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.values = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.lengths = torch.zeros(batch, dtype=torch.long)
+        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._cache_changed()
+
+    def _cache_changed(self) -> None:
+        # Each layer's K and V as a contiguous numpy view, made once per cache rather than per step.
+        self._cache_feeds = {} if self.device != "cpu" else {
+            name: (self.keys if i % 2 == 0 else self.values)[i // 2].numpy()
+            for i, name in enumerate(self._past_names)}
+
+    def forward(self, input_ids, position_ids, new_mask, logit_positions=None):
+        b, s = input_ids.shape
+        past = int(self.lengths.max()) if b else 0
+        capacity = self.keys.shape[3]
+        if b != self.keys.shape[1]:
+            raise ValueError(f"forward got batch {b}, but the cache holds {self.keys.shape[1]} sequences")
+        if past + s > capacity:
+            raise ValueError(f"KV cache overflow: {past} + {s} positions > capacity {capacity}")
+        if b and int(position_ids.max()) >= self.info.max_seq_len:
+            raise ValueError(f"position {int(position_ids.max())} is beyond the engine's max_seq_len "
+                             f"{self.info.max_seq_len} ({self.engine_dir / 'engine.json'})")
+        if logit_positions is None:
+            logit_positions = torch.arange(s).expand(b, s)
+        host = {"input_ids": input_ids, "position_ids": position_ids, "past_lengths": self.lengths,
+                "new_mask": new_mask, "logit_positions": logit_positions}
+        feeds = {name: np.ascontiguousarray(value.numpy(), dtype=np.bool_ if name == "new_mask" else np.int64)
+                 for name, value in host.items()}
+        if not self.use_binding:
+            feeds.update(self._cache_feeds)  # ONNX Runtime reads these views in place (no copy)
+            logits, medusa, new_k, new_v = (torch.from_numpy(a) for a in self.session.run(None, feeds))
+        else:
+            logits, medusa, new_k, new_v = self._run_bound(feeds, logit_positions.shape[1], s)
+        self._pending = (new_k, new_v)
+        return logits, medusa
+
+    def _run_bound(self, feeds: dict, k: int, s: int):
+        """The device path: the cache and the new K/V stay in device memory, bound by pointer
+        (IOBinding); logits land in host tensors for the decoding loop."""
+        b = feeds["input_ids"].shape[0]
+        logits = torch.empty(b, k, self.vocab_size, dtype=torch.float32)
+        medusa = torch.empty(self.num_medusa_heads, b, k, self.vocab_size, dtype=torch.float32)
+        new_k = torch.empty(self.num_layers, b, self.num_kv_heads, s, self.head_dim, dtype=self.dtype, device=self.device)
+        new_v = torch.empty_like(new_k)
+        io = self.session.io_binding()
+        for name, array in feeds.items():
+            io.bind_cpu_input(name, array)  # a few bytes each; ONNX Runtime copies them over
+        for i, name in enumerate(self._past_names):
+            _bind(io.bind_input, name, (self.keys if i % 2 == 0 else self.values)[i // 2], self.device, self._np_dtype)
+        _bind(io.bind_output, "logits", logits, "cpu", np.float32)
+        _bind(io.bind_output, "medusa_logits", medusa, "cpu", np.float32)
+        _bind(io.bind_output, "present_keys", new_k, self.device, self._np_dtype)
+        _bind(io.bind_output, "present_values", new_v, self.device, self._np_dtype)
+        if self.device == "cuda":
+            torch.cuda.synchronize()  # torch wrote the cache on its stream; ONNX Runtime runs on its own
+        self.session.run_with_iobinding(io)
+        return logits, medusa, new_k, new_v
+
+    def commit(self, slots: torch.Tensor, counts: torch.Tensor) -> None:
+        if self._pending is None:
+            raise RuntimeError("commit() without a forward() since the last commit")
+        new_k, new_v = self._pending
+        b, src, dst = commit_indices(self.lengths, 0, slots, counts)  # src indexes the new tokens
+        if self.device != "cpu":
+            b, src, dst = b.to(self.device), src.to(self.device), dst.to(self.device)
+        self.keys[:, b, :, dst] = new_k[:, b, :, src]
+        self.values[:, b, :, dst] = new_v[:, b, :, src]
+        self.lengths = self.lengths + counts
+        self._pending = None
+
+    def keep(self, rows: torch.Tensor) -> None:
+        on_device = rows.to(self.device)
+        self.keys, self.values = self.keys[:, on_device], self.values[:, on_device]
+        self.lengths = self.lengths[rows]
+        self._pending = None
+        self._cache_changed()
+
+
+def _bind(bind, name: str, tensor: torch.Tensor, device: str, np_dtype) -> None:
+    """Binds a contiguous torch tensor's memory to a graph input or output, without a copy."""
+    if not tensor.is_contiguous():
+        raise AssertionError(f"{name}: binding needs a contiguous tensor")  # an internal invariant
+    if tensor.numel() == 0:  # e.g. medusa_logits of a model without heads: no memory to point at
+        bind(name, device)
+        return
+    device_id = (tensor.device.index or 0) if device == "cuda" else 0
+    bind(name, device, device_id, np_dtype, list(tensor.shape), tensor.data_ptr())

@@ -1,0 +1,239 @@
+"""ONNX export and medusa-build: the engine's graph against the PyTorch reference, and the build CLI."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from medusa_trt.engines import cli as build_cli
+from medusa_trt.engines.build import BuildError, BuildOptions, build_engine, sha256_file
+from medusa_trt.engines.onnx_export import ATTENTION_FORMS, DEFAULT_ATTENTION, export_onnx, past_names
+from medusa_trt.modeling import MedusaModel
+from medusa_trt.runtime.backend import full_attention_mask
+from medusa_trt.runtime.ort_backend import make_session
+from medusa_trt.tree import DEFAULT_TREE, build_tree
+
+ARCHS = ("llama", "mistral", "qwen2")
+ATOL = 1e-4  # float32 parity, as medusa-check states it
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_merged):
+    cache = {}
+
+    def get(arch: str) -> MedusaModel:
+        if arch not in cache:
+            cache[arch] = MedusaModel.from_checkpoint(tiny_merged(arch))
+        return cache[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def session(ort_engine):
+    cache = {}
+
+    def get(arch: str):
+        if arch not in cache:
+            cache[arch] = make_session(ort_engine(arch) / "model.onnx")
+        return cache[arch]
+
+    return get
+
+
+def make_inputs(model: MedusaModel, batch: int, past: int, mask_kind: str, seed: int = 0):
+    """Random committed lengths (<= past, one sequence with none when batch > 1), random cache,
+    and S new tokens under a causal or Medusa tree mask, plus the reference's full mask."""
+    cfg = model.cfg
+    g = torch.Generator().manual_seed(seed)
+    if mask_kind == "tree":
+        tree = build_tree(DEFAULT_TREE, cfg.num_medusa_heads, 63)
+        new_mask = torch.tensor(tree.attention_mask)[None].expand(batch, -1, -1).contiguous()
+        offsets = torch.tensor(tree.position_offsets)
+    else:
+        s = 7
+        new_mask = torch.ones(s, s, dtype=torch.bool).tril()[None].expand(batch, -1, -1).contiguous()
+        offsets = torch.arange(s)
+    s = new_mask.shape[1]
+    lengths = torch.randint(0, past + 1, (batch,), generator=g)
+    if batch > 1:
+        lengths[0], lengths[-1] = past, 0
+    shape = (cfg.num_layers, batch, cfg.num_kv_heads, past, cfg.head_dim)
+    keys, values = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    ids = torch.randint(0, cfg.vocab_size, (batch, s), generator=g)
+    pos = lengths[:, None] + offsets[None]
+    logit_positions = torch.arange(s).repeat(batch, 1)
+    feeds = {"input_ids": ids.numpy(), "position_ids": pos.numpy(), "past_lengths": lengths.numpy(),
+             "new_mask": new_mask.numpy(), "logit_positions": logit_positions.numpy()}
+    for i, name in enumerate(past_names(cfg.num_layers)):
+        feeds[name] = (keys if i % 2 == 0 else values)[i // 2].numpy()
+    ref_args = (ids, pos, full_attention_mask(lengths, past, new_mask), keys, values, logit_positions)
+    return feeds, ref_args
+
+
+def assert_parity(sess, model: MedusaModel, feeds, ref_args):
+    got = sess.run(None, feeds)
+    with torch.no_grad():
+        want = model(*ref_args)
+    for name, a, b in zip(("logits", "medusa_logits", "present_keys", "present_values"), got, want, strict=True):
+        assert a.shape == tuple(b.shape), name
+        diff = float(np.abs(a - b.numpy()).max())
+        assert diff <= ATOL, f"{name}: max abs diff {diff:.3e} > {ATOL}"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("past", [0, 11])
+@pytest.mark.parametrize("mask_kind", ["causal", "tree"])
+def test_export_parity(session, reference, arch, batch, past, mask_kind):
+    model = reference(arch)
+    feeds, ref_args = make_inputs(model, batch, past, mask_kind)
+    assert_parity(session(arch), model, feeds, ref_args)
+
+
+def test_prefill_last_position_only(session, reference):
+    """logit_positions picks rows: the prompt path asks for one position per sequence."""
+    model = reference("llama")
+    feeds, ref_args = make_inputs(model, 3, 5, "causal")
+    last = np.array([[6], [2], [4]])
+    feeds["logit_positions"] = last
+    assert_parity(session("llama"), model, feeds, (*ref_args[:5], torch.from_numpy(last)))
+
+
+def test_padding_capacity_is_ignored(session, reference):
+    """The past input may be the whole cache buffer: entries past each committed length are never
+    read, whatever they hold."""
+    model = reference("llama")
+    feeds, _ = make_inputs(model, 2, 9, "tree")
+    sess = session("llama")
+    base = sess.run(None, feeds)
+    lengths = feeds["past_lengths"]
+    for name in past_names(model.cfg.num_layers):
+        garbage = feeds[name].copy()
+        for b, n in enumerate(lengths):
+            garbage[b, :, n:] = 1e4
+        feeds[name] = garbage
+    for a, b in zip(sess.run(None, feeds), base, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("form", sorted(set(ATTENTION_FORMS) - {DEFAULT_ATTENTION}))
+def test_other_attention_forms(tmp_path, reference, form):
+    model = reference("llama")
+    result = export_onnx(model, tmp_path / "model.onnx", attention=form)
+    sess = make_session(result.path)
+    for batch, past, kind in [(3, 11, "tree"), (1, 0, "causal")]:
+        assert_parity(sess, model, *make_inputs(model, batch, past, kind))
+
+
+def test_external_data(tmp_path, reference):
+    """Over 2 GB the weights go to a side file; forced here on a tiny model."""
+    model = reference("qwen2")
+    result = export_onnx(model, tmp_path / "model.onnx", external_data=True)
+    assert result.external_data and len(result.files) == 2
+    graph = onnx.load(result.path, load_external_data=False)
+    big = [t for t in graph.graph.initializer if np.prod(t.dims) * 4 >= 4096]
+    assert big and all(t.data_location == onnx.TensorProto.EXTERNAL for t in big)
+    sess = make_session(result.path)
+    assert_parity(sess, model, *make_inputs(model, 3, 11, "tree"))
+
+
+def test_export_rejects_bad_options(tmp_path, reference):
+    model = reference("llama")
+    with pytest.raises(ValueError, match="attention form 'flash'"):
+        export_onnx(model, tmp_path / "m.onnx", attention="flash")
+    with pytest.raises(ValueError, match="attention23.*opset >= 23"):
+        export_onnx(model, tmp_path / "m.onnx", attention="attention23", opset=20)
+    with pytest.raises(ValueError, match="opset 12"):
+        export_onnx(model, tmp_path / "m.onnx", opset=12)
+
+
+# -- medusa-build -----------------------------------------------------------------------------
+
+
+def test_engine_json(ort_engine, tiny_merged):
+    engine_dir = ort_engine("llama")
+    engine = json.loads((engine_dir / "engine.json").read_text())
+    config = json.loads((tiny_merged("llama") / "config.json").read_text())
+    assert engine["backend"] == "onnxruntime" and engine["device"] == "cpu" and engine["dtype"] == "float32"
+    assert engine["model"]["num_layers"] == config["num_hidden_layers"]
+    assert engine["model"]["num_kv_heads"] == config["num_key_value_heads"]
+    assert engine["medusa"] == {"num_heads": config["num_medusa_heads"], "num_layers": config["num_medusa_layers"],
+                                "max_draft_len": config["max_draft_len"]}
+    assert engine["limits"]["max_seq_len"] == config["max_position_embeddings"]
+    assert engine["onnx"]["opset"] == 23 and engine["onnx"]["attention"] == DEFAULT_ATTENTION
+    assert engine["eos_token_id"] == config["eos_token_id"]
+    assert engine["checkpoint"]["path"] == str(tiny_merged("llama").resolve())
+    assert {"torch", "onnx", "onnxruntime", "onnxscript", "medusa-trt"} <= set(engine["tools"])
+    files = {p.name for p in engine_dir.iterdir()}
+    assert files == set(engine["artifacts"]) | {"engine.json"}
+    assert {"model.onnx", "tokenizer.json"} <= files and "config.json" not in files
+    for name, info in engine["artifacts"].items():
+        assert sha256_file(engine_dir / name) == info["sha256"]
+
+
+def test_build_cli_bad_inputs(tmp_path, tiny_merged, capsys):
+    ckpt = tiny_merged("llama")
+    missing = tmp_path / "nothing"
+    assert build_cli.main(["--checkpoint", str(missing), "--out", str(tmp_path / "e"), "--quiet"]) == 2
+    assert "config.json" in capsys.readouterr().err
+
+    broken = tmp_path / "broken"
+    shutil.copytree(ckpt, broken)
+    (broken / "rank0.safetensors").write_bytes(b"\0" * 16)
+    assert build_cli.main(["--checkpoint", str(broken), "--out", str(tmp_path / "e"), "--quiet"]) == 2
+    assert "rank0.safetensors" in capsys.readouterr().err
+
+    for backend, needle in [("tensorrt", "tensorrt"), ("tensorrt-llm", "tensorrt")]:
+        assert build_cli.main(["--checkpoint", str(ckpt), "--out", str(tmp_path / "e"), "--backend", backend,
+                               "--quiet"]) == 2
+        assert needle in capsys.readouterr().err
+
+    assert build_cli.main(["--checkpoint", str(ckpt), "--out", str(tmp_path / "e"), "--dtype", "bfloat16",
+                           "--quiet"]) == 2
+    assert "bfloat16" in capsys.readouterr().err
+    assert build_cli.main(["--checkpoint", str(ckpt), "--out", str(tmp_path / "e"), "--max-seq-len", "99999",
+                           "--quiet"]) == 2
+    assert "max_position_embeddings" in capsys.readouterr().err
+    assert not any(tmp_path.glob(".e.tmp-*")) and not (tmp_path / "e").exists()
+
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    (existing / "keep.txt").write_text("mine")
+    assert build_cli.main(["--checkpoint", str(ckpt), "--out", str(existing), "--quiet"]) == 2
+    assert "--force" in capsys.readouterr().err
+    assert (existing / "keep.txt").read_text() == "mine"
+
+
+def test_build_is_atomic(tmp_path, tiny_merged, monkeypatch):
+    """A failing export leaves --out as it was and no temp dir behind."""
+    from medusa_trt.engines import build
+
+    out = tmp_path / "engine"
+    out.mkdir()
+    (out / "engine.json").write_text("{}")
+
+    def explode(*args, **kwargs):
+        raise RuntimeError("export failed")
+
+    monkeypatch.setitem(build.BUILDERS, "onnxruntime", explode)
+    with pytest.raises(RuntimeError, match="export failed"):
+        build_engine(BuildOptions(checkpoint=tiny_merged("llama"), out=out, force=True, progress=False))
+    assert (out / "engine.json").read_text() == "{}"
+    assert [p.name for p in tmp_path.iterdir()] == ["engine"]
+
+
+def test_build_rejects_quantized(tmp_path, tiny_merged):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_merged("llama"), ckpt)
+    config = json.loads((ckpt / "config.json").read_text())
+    config["quantization"]["kv_cache_quant_algo"] = "FP8"
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(BuildError):
+        build_engine(BuildOptions(checkpoint=ckpt, out=tmp_path / "e", progress=False))
