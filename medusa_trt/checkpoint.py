@@ -319,6 +319,44 @@ def _is_quantized(module: str, config: dict) -> bool:
     return quant.get("quant_algo") == "FP8" and not any(fnmatch.fnmatchcase(module, p) for p in excluded)
 
 
+def is_fp8_module(module: str, config: dict) -> bool:
+    """Whether the Linear `module` (a TensorRT-LLM name such as `transformer.layers.0.mlp.fc`) holds
+    FP8 weights and scales under this config: quant_algo FP8 and no exclude_modules pattern matches."""
+    return _is_quantized(module, config)
+
+
+# ----------------------------------------------------------------------------------------------
+# FP8 numbers (per-tensor, symmetric float8_e4m3fn): scale = amax / 448, dequantized x = q * scale
+# ----------------------------------------------------------------------------------------------
+
+FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn value
+
+
+def fp8_scale(amax: torch.Tensor | float) -> torch.Tensor:
+    """The float32 (1,) scaling factor for a tensor whose largest magnitude is `amax`.
+
+    An all-zero tensor gets 1.0: any scale represents zero exactly, and 1.0 keeps the runtime's
+    x / scale finite (TensorRT and ONNX Runtime divide by it).
+    """
+    amax = torch.as_tensor(amax, dtype=torch.float32).reshape(1)
+    return torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax))
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x / scale in float32, saturated to +-448, rounded to nearest-even float8_e4m3fn.
+
+    Saturation is explicit because e4m3fn has no infinity (an overflow would be NaN in some
+    converters); it is what ONNX QuantizeLinear does with its default saturate=1.
+    """
+    y = x.to(torch.float32) / scale.to(torch.float32)
+    return y.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """q * scale computed in float32 (as ONNX DequantizeLinear does), then cast to `dtype`."""
+    return (q.to(torch.float32) * scale.to(torch.float32)).to(dtype)
+
+
 def expected_tensors(config: dict) -> list[TensorSpec]:
     """Every tensor a checkpoint with this config holds, in the order the converter writes them.
 

@@ -1,15 +1,16 @@
-"""`make demo`: the main job end to end on a small model, on the CPU.
+"""`make demo`: the main job end to end on the committed demo model, on the CPU.
 
-Builds a small random Llama-architecture base (transformers, saved like the Hub's) and fits Medusa
-heads to it by self-distillation (FasterDecoding v1 file), merges them with medusa-convert, builds
-the ONNX Runtime engine when that backend is available, and generates on a few prompts with plain
-and Medusa decoding on the same engine, printing tokens per step and the speedup.
+The demo model (assets/demo_model, made by scripts/train_demo_model.py) is a small Llama trained
+on Python's standard library with Medusa-1 heads self-distilled on it, stored like a user's model:
+an HF dir and a FasterDecoding v1 head file. The demo merges them with medusa-convert, builds the
+ONNX Runtime engine with medusa-build, and completes held-out code prompts with plain and Medusa
+decoding on the same engine, printing the text, tokens per step and the speedup.
 """
 
 from __future__ import annotations
 
 import argparse
-import random
+import json
 import shutil
 import sys
 import time
@@ -17,65 +18,103 @@ from pathlib import Path
 
 import torch
 
-from medusa_trt.converter import convert
-from medusa_trt.runtime.decoding import GenerationConfig, decode
-from medusa_trt.runtime.loading import load_backend
-from medusa_trt.synthetic import EOS, make_base
-from medusa_trt.training import greedy_continuations, save_v1_heads, train_heads
+ASSETS = Path(__file__).resolve().parent.parent / "assets" / "demo_model"
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m medusa_trt.demo", description=__doc__)
     p.add_argument("--workdir", type=Path, default=Path("build/demo"))
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--assets", type=Path, default=ASSETS, help="demo model dir (base/, heads/, prompts)")
+    p.add_argument("--prompts", type=int, default=4, help="held-out prompts to complete (default 4)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--medusa-choices", help="tree (default: the assets' tree.json tuned by medusa-tune-tree, "
+                   "else mc_sim_7b_63)")
     args = p.parse_args(argv)
-    work = args.workdir
+    # Host ops of the decoding loop are tiny; more torch threads only spin against the engine's.
+    torch.set_num_threads(1)
+
+    from medusa_trt.bench import ForwardTimer, timed_decode
+    from medusa_trt.converter import ConvertError, convert
+    from medusa_trt.runtime.decoding import GenerationConfig
+    from medusa_trt.runtime.loading import load_backend, load_tokenizer, stop_tokens
+    from medusa_trt.training import read_samples
+    from medusa_trt.tree import DEFAULT_TREE
+
+    assets, work = args.assets, args.workdir
+    needed = [assets / "base" / "config.json", assets / "heads" / "medusa_lm_head.pt", assets / "prompts_heldout.jsonl"]
+    missing = [str(f) for f in needed if not f.is_file()]
+    if missing:
+        print(f"demo: error: missing {', '.join(missing)}; run scripts/train_demo_model.py first", file=sys.stderr)
+        return 2
     if work.exists():
         shutil.rmtree(work)
     work.mkdir(parents=True)
-    torch.manual_seed(0)
+    summary = json.loads((assets / "summary.json").read_text()) if (assets / "summary.json").is_file() else {}
+    b = summary.get("base", {})
+    print(f"demo model: {assets}")
+    if b:
+        print(f"  Llama {b['parameters'] / 1e6:.1f}M params trained on Python's standard library (held-out loss "
+              f"{b['heldout_loss']:.2f}), {summary['heads']['num_heads']} Medusa heads self-distilled "
+              f"(held-out top-1 {', '.join(f'{a:.2f}' for a in summary['heads']['heldout_top1'])})")
 
-    print("1/4 base model: a small random Llama (transformers save_pretrained)")
-    base = make_base(work / "base", "llama", hidden_size=128, layers=4, heads=8, kv_heads=4, vocab=512,
-                     intermediate=256, max_position_embeddings=1024)
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(base).eval()
-    rng = random.Random(0)
-    train = [[rng.randrange(3, 512) for _ in range(8)] for _ in range(128)]
-    print("2/4 Medusa heads: self-distillation on the base's own greedy continuations")
-    state = train_heads(hf, greedy_continuations(hf, train, 96), num_heads=4, steps=300)
-    save_v1_heads(state, work / "heads", base, num_heads=4, num_layers=1)
-
-    print("3/4 medusa-convert")
-    summary = convert(base, work / "heads", work / "merged")
-    print(f"    {summary}")
-    engine_dir = work / "merged"
+    t0 = time.perf_counter()
+    print("1/3 medusa-convert: HF base + FasterDecoding v1 heads -> merged checkpoint (float32 for the CPU)")
     try:
-        from medusa_trt.engines.build import build_engine
-
-        print("4/4 medusa-build --backend onnxruntime")
-        build_engine(work / "merged", work / "engine", backend="onnxruntime")
+        result = convert(assets / "base", assets / "heads", work / "ckpt", dtype="float32", progress=False)
+    except ConvertError as e:
+        print(f"demo: error: {e}", file=sys.stderr)
+        return 2
+    print("    " + str(result).replace("\n", "\n    "))
+    try:
+        from medusa_trt.engines.build import BuildOptions, build_engine
+    except ImportError as e:
+        print(f"2/3 ONNX Runtime engine unavailable ({e}): running the PyTorch reference instead")
+        engine_dir = work / "ckpt"
+    else:
+        print("2/3 medusa-build --backend onnxruntime")
+        built = build_engine(BuildOptions(checkpoint=work / "ckpt", out=work / "engine", progress=True))
         engine_dir = work / "engine"
-    except ImportError:
-        print("4/4 (ONNX Runtime engine not available yet: running the PyTorch reference)")
+        print(f"    {engine_dir} ({built.seconds:.1f} s)")
+    print(f"    setup took {time.perf_counter() - t0:.1f} s")
 
     backend = load_backend(engine_dir)
-    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (6, 9, 12)]
-    kw = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=(EOS,))
-    decode(backend, prompts[:1], GenerationConfig(**kw))  # warm-up
-    t0 = time.perf_counter()
-    plain = decode(backend, prompts, GenerationConfig(use_medusa=False, **kw))
-    t1 = time.perf_counter()
-    medusa = decode(backend, prompts, GenerationConfig(**kw))
-    t2 = time.perf_counter()
-    same = plain.tokens == medusa.tokens
-    for i, s in enumerate(medusa.stats):
-        print(f"prompt {i}: {s.new_tokens} tokens in {s.steps} steps = {s.tokens_per_step:.2f} tokens/step, "
-              f"accepted {s.accepted_draft_tokens} draft tokens")
-    n = sum(len(t) for t in medusa.tokens)
-    print(f"\nbackend {type(backend).__name__}: plain {n / (t1 - t0):.1f} tokens/s, Medusa {n / (t2 - t1):.1f} "
-          f"tokens/s, speedup {(t1 - t0) / (t2 - t1):.2f}x; Medusa output == plain greedy: {same}")
+    tok = load_tokenizer(engine_dir)
+    stops = stop_tokens(engine_dir, tok)
+    tree = args.medusa_choices or (str(assets / "tree.json") if (assets / "tree.json").is_file() else DEFAULT_TREE)
+    texts = read_samples(assets / "prompts_heldout.jsonl")[: args.prompts]
+    prompts = [tok.encode(t) for t in texts]
+    plain_cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, use_medusa=False, stop_token_ids=stops)
+    medusa_cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, medusa_choices=tree, stop_token_ids=stops)
+    timer = ForwardTimer(backend)
+    for cfg in (plain_cfg, medusa_cfg):  # warm-up: first calls pay for ONNX Runtime's lazy setup
+        timed_decode(timer, prompts[0], GenerationConfig(**{**cfg.__dict__, "max_new_tokens": 8}))
+
+    print(f"3/3 {len(prompts)} held-out prompts, {args.max_new_tokens} new tokens, greedy, batch 1, "
+          f"{type(backend).__name__}, tree {Path(tree).name if str(tree).endswith('.json') else tree}")
+    totals = {"plain": [0, 0.0], "medusa": [0, 0.0]}
+    steps, same = 0, True
+    for i, prompt in enumerate(prompts):
+        order = ("plain", "medusa") if i % 2 == 0 else ("medusa", "plain")  # alternate: fair to both
+        runs = {m: timed_decode(timer, prompt, plain_cfg if m == "plain" else medusa_cfg) for m in order}
+        for m, run in runs.items():
+            totals[m][0] += run.stats.new_tokens
+            totals[m][1] += run.wall_s
+        med, pl = runs["medusa"], runs["plain"]
+        steps += med.stats.steps
+        same &= med.tokens == pl.tokens
+        print(f"\n--- prompt {i + 1} ({texts[i].count(chr(10))} lines from a held-out file) ---")
+        print(texts[i] + "\033[1m" + tok.decode(med.tokens, skip_special_tokens=True) + "\033[0m"
+              if sys.stdout.isatty() else texts[i] + tok.decode(med.tokens, skip_special_tokens=True))
+        print(f"--- {med.stats.new_tokens} tokens in {med.stats.steps} Medusa steps = "
+              f"{med.stats.tokens_per_step:.2f} tokens/step; {pl.wall_s / med.wall_s:.2f}x faster than plain "
+              f"({1e3 * pl.wall_s:.0f} ms -> {1e3 * med.wall_s:.0f} ms)")
+    plain_tps = totals["plain"][0] / totals["plain"][1]
+    medusa_tps = totals["medusa"][0] / totals["medusa"][1]
+    print(f"\nall prompts: plain {plain_tps:.0f} tokens/s, Medusa {medusa_tps:.0f} tokens/s -> speedup "
+          f"{medusa_tps / plain_tps:.2f}x; {totals['medusa'][0] / steps:.2f} tokens/step; "
+          f"Medusa output == plain greedy: {same}")
+    print("measure more with: medusa-bench --engine " f"{engine_dir} --prompts {assets / 'prompts_heldout.jsonl'} "
+          f"--medusa-choices {tree}")
     return 0 if same else 1
 
 

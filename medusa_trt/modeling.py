@@ -6,6 +6,13 @@ exact bytes they build from. Everything a tree verify needs is explicit in `forw
 (tree nodes share positions by depth), a boolean attention mask over [past + new] keys (causal for a
 prompt, the tree mask for a verify step), and the past key/values. The module holds no cache state,
 which keeps it exportable to ONNX as one graph.
+
+FP8 checkpoints (`quantization.quant_algo == "FP8"`, FORMATS.md section 2) run as fake quantization:
+quantized Linears keep their float8_e4m3fn weights and dequantize them (q * scale, in float32) at
+each call, and quantize-dequantize their input with the calibrated activation scale; with an FP8 KV
+cache the new keys/values go through the same round trip before attention, so a token reads its own
+K/V exactly as later steps read them from the cache. This is the arithmetic of the engines' explicit
+QuantizeLinear/DequantizeLinear graphs, which makes engine-vs-reference parity tight.
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from medusa_trt.checkpoint import dequantize_fp8, is_fp8_module, quantize_fp8
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -39,6 +48,15 @@ class ModelConfig:
     num_medusa_layers: int = 1
     sliding_window: int | None = None
     dtype: str = "float32"
+    quantization: dict | None = None  # the checkpoint's block: quant_algo, kv_cache_quant_algo, exclude_modules
+
+    def is_fp8(self, module: str) -> bool:
+        """Whether the Linear named `module` (TensorRT-LLM name) holds FP8 weights and scales."""
+        return is_fp8_module(module, {"quantization": self.quantization})
+
+    @property
+    def kv_cache_fp8(self) -> bool:
+        return (self.quantization or {}).get("kv_cache_quant_algo") == "FP8"
 
     @classmethod
     def from_checkpoint_config(cls, cfg: dict) -> ModelConfig:
@@ -61,6 +79,7 @@ class ModelConfig:
             num_medusa_layers=cfg.get("num_medusa_layers", 1),
             sliding_window=cfg.get("sliding_window"),
             dtype=cfg.get("dtype", "float32"),
+            quantization=cfg.get("quantization"),
         )
 
 
@@ -116,6 +135,97 @@ def attention_with_past(q, k, v, past_k, past_v, mask):
     return attention(q, torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2), mask)
 
 
+def fake_quant_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Quantize to float8_e4m3fn and back (in float32), returned in x's dtype: what a value looks like
+    after an FP8 GEMM input or an FP8 KV cache. `scale` broadcasts against x."""
+    return dequantize_fp8(quantize_fp8(x, scale), scale, x.dtype)
+
+
+class _KeepsFP8(nn.Module):
+    """Base of the modules holding float8 weights and float32 scales as buffers (named in `kept`).
+
+    nn.Module.to(dtype) casts every floating-point tensor, float8 included, so `model.to(float16)`
+    would silently turn an FP8 model into a float16 one and round its scales. Dtype casts skip the
+    kept buffers; device moves still apply to them. `fake_quant` and `dequant` are plain attributes
+    (like DecoderLayer.attend) so an exporter can swap them for explicit Q/DQ ops.
+    """
+
+    kept: tuple[str, ...] = ()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fake_quant = fake_quant_fp8
+        self.dequant = dequantize_fp8
+
+    def _apply(self, fn, recurse=True):
+        saved = {n: self._buffers.pop(n) for n in self.kept if self._buffers.get(n) is not None}
+        try:
+            return super()._apply(fn, recurse)
+        finally:
+            device = fn(torch.empty(0)).device  # where fn sends tensors, whatever it does to dtypes
+            self._buffers.update({n: t.to(device) for n, t in saved.items()})
+
+
+class FP8Linear(_KeepsFP8):
+    """A TensorRT-LLM FP8 Linear emulated in the model dtype: y = dq(q(x)) @ dq(W)^T + b, per-tensor
+    scales, weight stored as float8_e4m3fn. Loads the checkpoint's names (`weight`,
+    `weights_scaling_factor`, `activation_scaling_factor`, `bias`)."""
+
+    kept = ("weight", "weights_scaling_factor", "activation_scaling_factor")
+
+    def __init__(self, in_features: int, out_features: int, bias: bool):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.float8_e4m3fn))
+        self.register_buffer("weights_scaling_factor", torch.ones(1))
+        self.register_buffer("activation_scaling_factor", torch.ones(1))
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.fake_quant(x, self.activation_scaling_factor)
+        w = self.dequant(self.weight, self.weights_scaling_factor, x.dtype)
+        return F.linear(x, w, self.bias)
+
+
+class FP8KVCache(_KeepsFP8):
+    """The round trip of keys/values through an FP8 KV cache with one per-layer scale."""
+
+    kept = ("scale",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fake_quant(x, self.scale)
+
+
+class FP8HeadLinears(_KeepsFP8):
+    """Every Medusa ResBlock linear of an FP8 checkpoint, stacked like MedusaModel.medusa_w: weight
+    [H, L, d, d] float8_e4m3fn and per-tensor scales [H, L] (each head and layer has its own)."""
+
+    kept = ("weight", "weights_scaling_factor", "activation_scaling_factor")
+
+    def __init__(self, num_heads: int, num_layers: int, dim: int):
+        super().__init__()
+        self.register_buffer("weight", torch.zeros(num_heads, num_layers, dim, dim, dtype=torch.float8_e4m3fn))
+        self.register_buffer("weights_scaling_factor", torch.ones(num_heads, num_layers))
+        self.register_buffer("activation_scaling_factor", torch.ones(num_heads, num_layers))
+
+    def layer(self, x: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [H, ..., d] -> (x quantized-dequantized per head, weights [H, d, d] in x's dtype)."""
+        shape = (-1,) + (1,) * (x.dim() - 1)
+        xq = self.fake_quant(x, self.activation_scaling_factor[:, layer].reshape(shape))
+        w = self.dequant(self.weight[:, layer], self.weights_scaling_factor[:, layer].reshape(-1, 1, 1), x.dtype)
+        return xq, w
+
+
+def _linear(cfg: ModelConfig, name: str, in_features: int, out_features: int, bias: bool) -> nn.Module:
+    if cfg.is_fp8(name):
+        return FP8Linear(in_features, out_features, bias)
+    return nn.Linear(in_features, out_features, bias=bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -129,17 +239,19 @@ class RMSNorm(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
         self.cfg = cfg
         qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.qkv = nn.Linear(cfg.hidden_size, qkv_out, bias=cfg.qkv_bias)
-        self.dense = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
-        self.post_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.fc = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)  # HF gate_proj
-        self.gate = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)  # HF up_proj
-        self.proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)  # HF down_proj
+        d, inter, p = cfg.hidden_size, cfg.intermediate_size, f"transformer.layers.{index}"
+        self.input_layernorm = RMSNorm(d, cfg.norm_eps)
+        self.qkv = _linear(cfg, f"{p}.attention.qkv", d, qkv_out, cfg.qkv_bias)
+        self.dense = _linear(cfg, f"{p}.attention.dense", cfg.num_heads * cfg.head_dim, d, False)
+        self.post_layernorm = RMSNorm(d, cfg.norm_eps)
+        self.fc = _linear(cfg, f"{p}.mlp.fc", d, inter, False)  # HF gate_proj
+        self.gate = _linear(cfg, f"{p}.mlp.gate", d, inter, False)  # HF up_proj
+        self.proj = _linear(cfg, f"{p}.mlp.proj", inter, d, False)  # HF down_proj
+        self.kv_cache = FP8KVCache() if cfg.kv_cache_fp8 else None
         self.attend = attention_with_past  # plain attribute, not a module: the ONNX exporter swaps it
 
     def forward(self, x, cos, sin, mask, past_k, past_v):
@@ -153,6 +265,8 @@ class DecoderLayer(nn.Module):
         k = k.view(b, s, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
         v = v.view(b, s, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.kv_cache is not None:  # the cache holds what FP8 can represent, the new tokens included
+            k, v = self.kv_cache(k), self.kv_cache(v)
         out = self.attend(q, k, v, past_k, past_v, mask)
         x = x + self.dense(out.transpose(1, 2).reshape(b, s, -1))
         h = self.post_layernorm(x)
@@ -168,11 +282,15 @@ class MedusaModel(nn.Module):
         self.cfg = cfg
         d, n_heads, n_layers = cfg.hidden_size, cfg.num_medusa_heads, cfg.num_medusa_layers
         self.vocab_embedding = nn.Embedding(cfg.vocab_size, d)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.ln_f = RMSNorm(d, cfg.norm_eps)
         self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False)
         # Heads stacked so all of them run as one batched matmul per ResBlock layer.
         self.medusa_w = nn.Parameter(torch.zeros(n_heads, n_layers, d, d))  # [H, L, out, in]
+        self.medusa_fp8: FP8HeadLinears | None = None
+        if n_heads and _fp8_heads(cfg):  # the weights live there instead, as float8 + scales
+            self.register_parameter("medusa_w", None)
+            self.medusa_fp8 = FP8HeadLinears(n_heads, n_layers, d)
         self.medusa_b = nn.Parameter(torch.zeros(n_heads, n_layers, d))
         self.medusa_lm_head = nn.Parameter(torch.zeros(n_heads, cfg.vocab_size, d))
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
@@ -185,11 +303,31 @@ class MedusaModel(nn.Module):
         """h [B, S, d] final normed hidden state -> [H, B, S, V] float32 logits (head k predicts t+2+k)."""
         x = h.unsqueeze(0).expand(self.cfg.num_medusa_heads, *h.shape)  # [H, B, S, d]
         for layer in range(self.cfg.num_medusa_layers):
-            w, b = self.medusa_w[:, layer], self.medusa_b[:, layer]  # [H, d, d], [H, d]
-            x = x + F.silu(torch.einsum("hbsi,hoi->hbso", x, w) + b[:, None, None, :])
+            b = self.medusa_b[:, layer]  # [H, d]
+            if self.medusa_fp8 is None:
+                xin, w = x, self.medusa_w[:, layer]  # [H, d, d]
+            else:
+                xin, w = self.medusa_fp8.layer(x, layer)
+            x = x + F.silu(torch.einsum("hbsi,hoi->hbso", xin, w) + b[:, None, None, :])
         return torch.einsum("hbsi,hvi->hbsv", x, self.medusa_lm_head).float()
 
     def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        past_keys: torch.Tensor,
+        past_values: torch.Tensor,
+        logit_positions: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`forward_hidden` with the Medusa heads applied: logits [B, K, V] f32, medusa_logits
+        [H, B, K, V] f32, present keys/values of the new tokens [L, B, Hkv, S, D]."""
+        logits, h, new_k, new_v = self.forward_hidden(
+            input_ids, position_ids, attention_mask, past_keys, past_values, logit_positions
+        )
+        return logits, self.medusa_heads(h), new_k, new_v
+
+    def forward_hidden(
         self,
         input_ids: torch.Tensor,  # [B, S] int64
         position_ids: torch.Tensor,  # [B, S] int64, absolute positions (tree nodes: prefix length + depth)
@@ -198,10 +336,12 @@ class MedusaModel(nn.Module):
         past_values: torch.Tensor,  # [L, B, Hkv, P, D]
         logit_positions: torch.Tensor | None = None,  # [B, K] int64: rows of S to produce logits for
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Returns logits [B, K, V] f32, medusa_logits [H, B, K, V] f32, and the NEW tokens' present
-        keys/values [L, B, Hkv, S, D] (the caller owns the cache and decides where they go).
-        K = S when `logit_positions` is None; prompts pass their last position to skip the
-        [S, V] products nobody reads."""
+        """Returns logits [B, K, V] f32, the final normed hidden state [B, K, d] at the same rows (what
+        the Medusa heads read), and the NEW tokens' present keys/values [L, B, Hkv, S, D] (the caller
+        owns the cache and decides where they go). K = S when `logit_positions` is None; prompts
+        pass their last position to skip the [S, V] products nobody reads. The heads are separate
+        (`medusa_heads`) because a decoding step needs them at one row only: the last accepted
+        tree node, known after verification."""
         x = self.vocab_embedding(input_ids)
         freqs = position_ids[..., None].float() * self.inv_freq  # [B, S, D/2]
         emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # [B, 1, S, D]
@@ -215,7 +355,7 @@ class MedusaModel(nn.Module):
         if logit_positions is not None:
             h = torch.gather(h, 1, logit_positions[..., None].expand(-1, -1, h.shape[-1]))
         logits = self.lm_head(h).float()
-        return logits, self.medusa_heads(h), torch.stack(new_k), torch.stack(new_v)
+        return logits, h, torch.stack(new_k), torch.stack(new_v)
 
     def empty_cache(self, batch: int, length: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
@@ -237,10 +377,25 @@ class MedusaModel(nn.Module):
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, dtype: str | None = None) -> MedusaModel:
+        """`dtype` overrides the compute dtype; FP8 weights and their float32 scales stay as stored."""
         from medusa_trt.checkpoint import load_checkpoint
 
         config, weights = load_checkpoint(path)
         return cls.from_weights(config, weights, dtype)
+
+
+def _fp8_heads(cfg: ModelConfig) -> bool:
+    """Whether the Medusa linears are FP8: all of them or none (one stacked tensor holds them)."""
+    names = [f"medusa_heads.{h}.medusa_layers.{j}.linear" for h in range(cfg.num_medusa_heads)
+             for j in range(cfg.num_medusa_layers)]
+    flags = {cfg.is_fp8(n) for n in names}
+    if len(flags) > 1:
+        raise ValueError(f"quantization.exclude_modules {(cfg.quantization or {}).get('exclude_modules')} "
+                         "quantizes some Medusa linears but not others; expected all or none")
+    return flags == {True}
+
+
+_LINEAR_SUFFIXES = ("weight", "bias", "weights_scaling_factor", "activation_scaling_factor")
 
 
 def _to_module_names(cfg: ModelConfig, w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -253,22 +408,31 @@ def _to_module_names(cfg: ModelConfig, w: dict[str, torch.Tensor]) -> dict[str, 
     }
     for i in range(cfg.num_layers):
         src, dst = f"transformer.layers.{i}.", f"layers.{i}."
-        names = {
-            "input_layernorm.weight": "input_layernorm.weight",
-            "attention.qkv.weight": "qkv.weight",
-            "attention.dense.weight": "dense.weight",
-            "post_layernorm.weight": "post_layernorm.weight",
-            "mlp.fc.weight": "fc.weight",
-            "mlp.gate.weight": "gate.weight",
-            "mlp.proj.weight": "proj.weight",
-        }
-        if cfg.qkv_bias:
-            names["attention.qkv.bias"] = "qkv.bias"
+        names = {"input_layernorm.weight": "input_layernorm.weight", "post_layernorm.weight": "post_layernorm.weight"}
+        linears = {"attention.qkv": "qkv", "attention.dense": "dense", "mlp.fc": "fc", "mlp.gate": "gate",
+                   "mlp.proj": "proj"}
+        for a, b in linears.items():
+            fp8 = cfg.is_fp8(src + a)
+            for suffix in _LINEAR_SUFFIXES:
+                if suffix == "weight" or (suffix == "bias" and a == "attention.qkv" and cfg.qkv_bias) or (
+                        fp8 and suffix.endswith("scaling_factor")):
+                    names[f"{a}.{suffix}"] = f"{b}.{suffix}"
+        if cfg.kv_cache_fp8:
+            names["attention.kv_cache_scaling_factor"] = "kv_cache.scale"
         out.update({dst + b: w[src + a] for a, b in names.items()})
     H, L = cfg.num_medusa_heads, cfg.num_medusa_layers
     if H:
         head = "medusa_heads.{}.medusa_layers.{}.linear.{}"
-        out["medusa_w"] = torch.stack([torch.stack([w[head.format(h, j, "weight")] for j in range(L)]) for h in range(H)])
+
+        def stacked(param: str) -> torch.Tensor:  # [H, L, ...]
+            return torch.stack([torch.stack([w[head.format(h, j, param)] for j in range(L)]) for h in range(H)])
+
+        if _fp8_heads(cfg):
+            out["medusa_fp8.weight"] = stacked("weight")
+            for scale in ("weights_scaling_factor", "activation_scaling_factor"):
+                out[f"medusa_fp8.{scale}"] = stacked(scale).reshape(H, L)
+        else:
+            out["medusa_w"] = stacked("weight")
         out["medusa_b"] = torch.stack([torch.stack([w[head.format(h, j, "bias")] for j in range(L)]) for h in range(H)])
         out["medusa_lm_head"] = torch.stack(
             [w.get(f"medusa_heads.{h}.lm_head.weight", w["lm_head.weight"])[:v] for h in range(H)]

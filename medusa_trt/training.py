@@ -3,34 +3,160 @@
 Self-distillation: the targets are the base model's own greedy continuations, so the heads learn
 what the base would say next, which is exactly what greedy verification accepts. Head k reads the
 base's final normed hidden state at t and is trained to predict token t+2+k, loss weight 0.8^k.
+
+The base is any Hugging Face causal LM (only `model.model(...)`, `lm_head` and a KV-cached forward
+are used). Everything here runs on the CPU in minutes for models of a few million parameters.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
+from collections import defaultdict
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+LOSS_DECAY = 0.8  # Medusa-1's per-head loss weight: head k counts 0.8^k
+DATA_SUFFIXES = (".txt", ".jsonl")
+
+
+class DataError(ValueError):
+    """A data file that cannot be used; the message names the file, the line and what was expected."""
+
+
+def read_samples(path: str | Path) -> list[str]:
+    """Text samples from a .txt file (one sample per non-empty line) or a .jsonl file (one JSON
+    object per line with a string `text`, which may hold newlines: the form for code)."""
+    path = Path(path)
+    if path.suffix not in DATA_SUFFIXES:
+        raise DataError(f"{path}: unsupported suffix {path.suffix!r}; expected .txt (one sample per line) "
+                        "or .jsonl (objects with a 'text' field)")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise DataError(f"{path}: file not found") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"{path}: cannot read it as UTF-8 text ({e})") from None
+    samples = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        if path.suffix == ".txt":
+            samples.append(line)
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{n}: not valid JSON ({e.msg}); expected an object like {{\"text\": \"...\"}}") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+            raise DataError(f"{path}:{n}: expected an object with a string 'text' field, got {line[:60]!r}")
+        if obj["text"]:
+            samples.append(obj["text"])
+    if not samples:
+        raise DataError(f"{path}: no samples (expected at least one non-empty line)")
+    return samples
+
+
+def _by_length(seqs: list[list[int]], batch_size: int) -> list[list[int]]:
+    """Indices of equal-length sequences in batches of at most batch_size: batching without padding
+    keeps every row exactly what it would be alone (no pad tokens, no shifted positions)."""
+    groups: dict[int, list[int]] = defaultdict(list)
+    for i, s in enumerate(seqs):
+        groups[len(s)].append(i)
+    return [idx[j : j + batch_size] for _, idx in sorted(groups.items()) for j in range(0, len(idx), batch_size)]
+
 
 @torch.inference_mode()
-def greedy_continuations(model, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    """prompt + the base model's greedy continuation, for each prompt (HF causal LM)."""
-    out = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
-                             min_new_tokens=new_tokens, pad_token_id=0)
-        out.append(gen[0].tolist())
+def greedy_continuations(model, prompts: list[list[int]], new_tokens: int, batch_size: int = 64,
+                         progress: bool = False) -> list[list[int]]:
+    """prompt + the base model's greedy continuation of `new_tokens` tokens, for each prompt.
+
+    A plain KV-cached argmax loop rather than `generate`: generate stops at EOS or, with
+    min_new_tokens, masks EOS out, and either way the continuation stops being the base's own
+    argmax. Here EOS is just another token, as it is to greedy verification."""
+    if new_tokens < 1:
+        raise ValueError(f"new_tokens must be >= 1, got {new_tokens}")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    out: list[list[int]] = [[] for _ in prompts]
+    batches = _by_length(prompts, batch_size)
+    for idx in tqdm(batches, desc="greedy continuations", disable=not progress, leave=False):
+        ids = torch.tensor([prompts[i] for i in idx])  # [B, S]
+        res = model(input_ids=ids, use_cache=True)
+        past = res.past_key_values
+        tok = res.logits[:, -1].argmax(-1)  # [B]
+        gen = [tok]
+        for _ in range(new_tokens - 1):
+            res = model(input_ids=tok[:, None], past_key_values=past, use_cache=True)
+            past = res.past_key_values
+            tok = res.logits[:, -1].argmax(-1)
+            gen.append(tok)
+        cont = torch.stack(gen, dim=1).tolist()  # [B, new]
+        for row, i in enumerate(idx):
+            out[i] = list(prompts[i]) + cont[row]
     return out
 
 
 @torch.inference_mode()
-def hidden_states(model, sequences: list[list[int]]) -> list[torch.Tensor]:
-    """Final normed hidden state [S, d] of each sequence (HF causal LM's inner model)."""
-    return [model.model(torch.tensor([s])).last_hidden_state[0].float() for s in sequences]
+def hidden_states(model, sequences: list[list[int]], batch_size: int = 32) -> list[torch.Tensor]:
+    """Final normed hidden state [S, d] (float32) of each sequence (an HF causal LM's inner model)."""
+    out: list[torch.Tensor] = [torch.empty(0)] * len(sequences)
+    for idx in _by_length(sequences, batch_size):
+        h = model.model(torch.tensor([sequences[i] for i in idx])).last_hidden_state.float()  # [B, S, d]
+        for row, i in enumerate(idx):
+            out[i] = h[row]
+    return out
+
+
+def head_pairs(model, sequences: list[list[int]], num_heads: int,
+               starts: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Training pairs: hidden state at t [N, d] and targets tokens t+2+k [N, H], for every t >= the
+    sequence's start with all H targets inside it. `starts` (default 0) skips prompt positions in
+    self-distillation, whose next tokens are the data's, not the base's."""
+    hs = hidden_states(model, sequences)
+    xs, ys = [], []
+    for i, (h, s) in enumerate(zip(hs, sequences, strict=True)):
+        start = starts[i] if starts is not None else 0
+        n = len(s) - 1 - num_heads - start  # positions t in [start, len - 1 - H)
+        if n <= 0:
+            continue
+        xs.append(h[start : start + n])
+        t = torch.tensor(s)
+        ys.append(torch.stack([t[start + 2 + k : start + 2 + k + n] for k in range(num_heads)], dim=1))
+    if not xs:
+        raise ValueError(f"sequences are too short to train {num_heads} heads (each needs more than "
+                         f"{num_heads + 1} tokens after its start)")
+    return torch.cat(xs), torch.cat(ys)
+
+
+def apply_heads(state: dict[str, torch.Tensor], x: torch.Tensor, num_heads: int, num_layers: int) -> torch.Tensor:
+    """Medusa logits [H, N, V] of a v1 state dict on hidden states x [N, d] (float32)."""
+    out = []
+    for h in range(num_heads):
+        z = x
+        for layer in range(num_layers):
+            w, b = state[f"{h}.{layer}.linear.weight"].float(), state[f"{h}.{layer}.linear.bias"].float()
+            z = z + F.silu(z @ w.T + b)
+        out.append(z @ state[f"{h}.{num_layers}.weight"].float().T)
+    return torch.stack(out)
+
+
+@torch.inference_mode()
+def head_accuracy(state: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, num_heads: int,
+                  num_layers: int, topk: int = 10, chunk: int = 4096) -> torch.Tensor:
+    """[H, topk]: fraction of positions where head k's rank-r token is the target (not cumulative;
+    top-k accuracy is the cumulative sum over r)."""
+    from medusa_trt.calibration.tree_search import rank_hits
+
+    hits = torch.zeros(num_heads, topk, dtype=torch.long)
+    for i in range(0, len(x), chunk):
+        logits = apply_heads(state, x[i : i + chunk], num_heads, num_layers)  # [H, n, V]
+        hits += rank_hits(logits, y[i : i + chunk].T, topk)
+    return hits.double() / max(len(x), 1)
 
 
 def train_heads(
@@ -43,40 +169,52 @@ def train_heads(
     batch_tokens: int = 4096,
     seed: int = 0,
     progress: bool = True,
+    starts: list[int] | None = None,
+    bf16: bool = False,
+    history: list[float] | None = None,
+    pairs: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Fits Medusa heads to `sequences` (token ids) with the base frozen; returns a v1 state dict."""
-    torch.manual_seed(seed)
-    hs = hidden_states(model, sequences)
-    # Pairs (h_t, token t+2+k) for every position that has all targets.
-    xs, ys = [], []
-    for h, s in zip(hs, sequences, strict=True):
-        n = len(s) - 1 - num_heads
-        if n <= 0:
-            continue
-        xs.append(h[:n])
-        ys.append(torch.stack([torch.tensor(s[2 + k : 2 + k + n]) for k in range(num_heads)], dim=1))
-    if not xs:
-        raise ValueError(f"sequences are too short to train {num_heads} heads (need > {num_heads + 1} tokens)")
-    x, y = torch.cat(xs), torch.cat(ys)  # [N, d], [N, H]
+    """Fits Medusa heads to `sequences` (token ids) with the base frozen; returns a v1 state dict.
+
+    Heads start as the identity ResBlock (zero weights) with the base's lm_head, the way upstream
+    initializes them, so step 0 already predicts "the next token" and training only has to learn
+    the shift. AdamW with a cosine schedule; `bf16` runs the matmuls under CPU bf16 autocast (2-5x
+    faster on CPUs with AVX512-BF16 / AMX, master weights stay float32). `history` receives the
+    loss of every step; `pairs` (from head_pairs) skips recomputing the hidden states."""
+    if num_heads < 1 or num_layers < 1:
+        raise ValueError(f"num_heads and num_layers must be >= 1, got {num_heads} and {num_layers}")
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    g = torch.Generator().manual_seed(seed)
+    x, y = pairs if pairs is not None else head_pairs(model, sequences, num_heads, starts)  # [N, d], [N, H]
     base_lm = model.get_output_embeddings().weight.detach().float()
     d = x.shape[1]
     w = torch.zeros(num_heads, num_layers, d, d, requires_grad=True)
     b = torch.zeros(num_heads, num_layers, d, requires_grad=True)
     lm = base_lm[None].repeat(num_heads, 1, 1).requires_grad_(True)
     opt = torch.optim.AdamW([w, b, lm], lr=lr, weight_decay=0.0)
-    weights = torch.tensor([0.8**k for k in range(num_heads)])
+    warmup = max(1, steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda i: min(1.0, (i + 1) / warmup) * (0.55 + 0.45 * math.cos(math.pi * min(i, steps) / steps)))
+    weights = torch.tensor([LOSS_DECAY**k for k in range(num_heads)])
+    n = min(batch_tokens, len(x))
     bar = tqdm(range(steps), desc="training heads", disable=not progress)
     for _ in bar:
-        idx = torch.randint(0, len(x), (min(batch_tokens, len(x)),))
-        z = x[idx][None].expand(num_heads, -1, -1)
-        for layer in range(num_layers):
-            z = z + F.silu(torch.einsum("hni,hoi->hno", z, w[:, layer]) + b[:, layer, None, :])
-        logits = torch.einsum("hni,hvi->hnv", z, lm)
-        losses = torch.stack([F.cross_entropy(logits[k], y[idx, k]) for k in range(num_heads)])
+        idx = torch.randint(0, len(x), (n,), generator=g)
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+        with autocast:
+            z = x[idx][None].expand(num_heads, -1, -1)  # [H, n, d]
+            for layer in range(num_layers):
+                z = z + F.silu(torch.einsum("hni,hoi->hno", z, w[:, layer]) + b[:, layer, None, :])
+            logits = torch.einsum("hni,hvi->hnv", z, lm)  # [H, n, V]
+        losses = torch.stack([F.cross_entropy(logits[k].float(), y[idx, k]) for k in range(num_heads)])
         loss = (weights * losses).sum()
         opt.zero_grad()
         loss.backward()
         opt.step()
+        sched.step()
+        if history is not None:
+            history.append(loss.item())
         bar.set_postfix(loss=f"{loss.item():.3f}")
     state = {}
     for h in range(num_heads):
@@ -92,7 +230,7 @@ def save_v1_heads(state: dict[str, torch.Tensor], out_dir: str | Path, base_dir:
     """Writes `medusa_lm_head.pt` + config.json the way FasterDecoding's v1 training does."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    torch.save({k: v.to(dtype) for k, v in state.items()}, out / "medusa_lm_head.pt")
+    torch.save({k: v.to(dtype).contiguous() for k, v in state.items()}, out / "medusa_lm_head.pt")
     config = {"medusa_num_heads": num_heads, "medusa_num_layers": num_layers, "base_model_name_or_path": str(base_dir)}
-    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out / "medusa_lm_head.pt"

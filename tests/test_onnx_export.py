@@ -38,10 +38,10 @@ def reference(tiny_merged):
 def session(ort_engine):
     cache = {}
 
-    def get(arch: str):
-        if arch not in cache:
-            cache[arch] = make_session(ort_engine(arch) / "model.onnx")
-        return cache[arch]
+    def get(arch: str, graph: str = "model.onnx"):
+        if (arch, graph) not in cache:
+            cache[arch, graph] = make_session(ort_engine(arch) / graph)
+        return cache[arch, graph]
 
     return get
 
@@ -76,14 +76,23 @@ def make_inputs(model: MedusaModel, batch: int, past: int, mask_kind: str, seed:
     return feeds, ref_args
 
 
-def assert_parity(sess, model: MedusaModel, feeds, ref_args):
+def assert_parity(sess, model: MedusaModel, feeds, ref_args, heads_sess=None):
+    """The decoder graph against forward_hidden; with `heads_sess`, the heads graph on the engine's
+    own hidden states against the reference heads."""
     got = sess.run(None, feeds)
     with torch.no_grad():
-        want = model(*ref_args)
-    for name, a, b in zip(("logits", "medusa_logits", "present_keys", "present_values"), got, want, strict=True):
+        want = model.forward_hidden(*ref_args)
+        ref_medusa = model.medusa_heads(want[1])
+    for name, a, b in zip(("logits", "hidden", "present_keys", "present_values"), got, want, strict=True):
         assert a.shape == tuple(b.shape), name
         diff = float(np.abs(a - b.numpy()).max())
         assert diff <= ATOL, f"{name}: max abs diff {diff:.3e} > {ATOL}"
+    if heads_sess is not None:
+        hidden = got[1]
+        (medusa,) = heads_sess.run(None, {"hidden": hidden.reshape(-1, hidden.shape[-1])})
+        medusa = medusa.reshape(ref_medusa.shape)
+        diff = float(np.abs(medusa - ref_medusa.numpy()).max())
+        assert diff <= ATOL, f"medusa_logits: max abs diff {diff:.3e} > {ATOL}"
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -93,7 +102,7 @@ def assert_parity(sess, model: MedusaModel, feeds, ref_args):
 def test_export_parity(session, reference, arch, batch, past, mask_kind):
     model = reference(arch)
     feeds, ref_args = make_inputs(model, batch, past, mask_kind)
-    assert_parity(session(arch), model, feeds, ref_args)
+    assert_parity(session(arch), model, feeds, ref_args, session(arch, "model_heads.onnx"))
 
 
 def test_prefill_last_position_only(session, reference):
@@ -136,7 +145,7 @@ def test_external_data(tmp_path, reference):
     """Over 2 GB the weights go to a side file; forced here on a tiny model."""
     model = reference("qwen2")
     result = export_onnx(model, tmp_path / "model.onnx", external_data=True)
-    assert result.external_data and len(result.files) == 2
+    assert result.external_data and len(result.files) == 4  # decoder + heads graphs, each with its data file
     graph = onnx.load(result.path, load_external_data=False)
     big = [t for t in graph.graph.initializer if np.prod(t.dims) * 4 >= 4096]
     assert big and all(t.data_location == onnx.TensorProto.EXTERNAL for t in big)

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from medusa_trt.checkpoint import CheckpointError
 from medusa_trt.converter.merge import DEFAULT_MAX_DRAFT_LEN, convert
+from medusa_trt.converter.quantize import KV_CACHE_DTYPES, QUANTIZE_CHOICES, QuantOptions
 
 PROG = "medusa-convert"
 
@@ -27,6 +28,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks to write (default 1)")
     p.add_argument("--max-draft-len", type=int, default=DEFAULT_MAX_DRAFT_LEN,
                    help=f"largest Medusa tree the engine will verify (default {DEFAULT_MAX_DRAFT_LEN})")
+    q = p.add_argument_group("FP8 quantization (TensorRT-LLM per-tensor FP8, calibrated)")
+    q.add_argument("--quantize", choices=QUANTIZE_CHOICES,
+                   help="quantize the decoder linears (qkv, dense, fc, gate, proj): FP8 weights and "
+                        "calibrated activation scales; lm_head, embeddings and norms stay in --dtype")
+    q.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, help="FP8 KV cache scales (calibrated)")
+    q.add_argument("--calib-data", help="calibration text: .txt with one sample per line, or .jsonl with a "
+                                        "'text' field; required with --quantize or --kv-cache-dtype")
+    q.add_argument("--calib-samples", type=int,
+                   help="use the first N samples (default 512)")
+    q.add_argument("--calib-seq-len", type=int,
+                   help="cut samples to L tokens (default: whole samples, an error past the model's "
+                        "max_position_embeddings)")
+    q.add_argument("--quantize-heads", action="store_true",
+                   help="quantize the Medusa ResBlock linears too (their lm_heads stay in --dtype)")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     return p
@@ -49,8 +64,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     logger = logging.getLogger("medusa_trt")
     logger.addHandler(handler)
     try:
+        quant = QuantOptions(quantize=args.quantize, kv_cache_dtype=args.kv_cache_dtype,
+                             calib_data=args.calib_data, calib_samples=args.calib_samples,
+                             calib_seq_len=args.calib_seq_len, quantize_heads=args.quantize_heads)
         summary = convert(args.base, args.heads, args.out, dtype=args.dtype, tp_size=args.tp_size,
-                          max_draft_len=args.max_draft_len, force=args.force, progress=not args.quiet)
+                          max_draft_len=args.max_draft_len, force=args.force, progress=not args.quiet,
+                          quant=quant)
     except CheckpointError as e:  # ConvertError included: bad input, already explained
         _fail(str(e))
     except KeyboardInterrupt:

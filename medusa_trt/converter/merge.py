@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 import shutil
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
 
 from medusa_trt import __version__
-from medusa_trt.checkpoint import CONFIG_DTYPES, CheckpointError, CheckpointWriter, check_tp
+from medusa_trt.checkpoint import CONFIG_DTYPES, CheckpointError, CheckpointWriter, check_tp, expected_tensors
 from medusa_trt.converter.heads import MedusaHeads, find_heads, head_keys_in, head_pieces
 from medusa_trt.converter.hf_base import (
     BaseModel,
@@ -23,6 +25,10 @@ from medusa_trt.converter.hf_base import (
     same_dir,
     source_dtype,
 )
+from medusa_trt.converter.quantize import EXCLUDED_HEADS as EXCLUDED_HEADS_PATTERN
+from medusa_trt.converter.quantize import QuantOptions, fp8_tensors, quantization_block
+
+log = logging.getLogger("medusa_trt.converter")
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                    "added_tokens.json", "vocab.json", "merges.txt", "vocab.txt", "chat_template.jinja",
@@ -43,6 +49,9 @@ class ConvertSummary:
     weight_bytes: int  # rank*.safetensors
     total_bytes: int  # everything in the output dir
     seconds: float
+    quantization: str | None = None  # e.g. "FP8 linears, FP8 KV cache"
+    calib_samples: int = 0
+    calib_tokens: int = 0
 
     @property
     def mb_per_s(self) -> float:
@@ -55,6 +64,8 @@ class ConvertSummary:
                       f"{'own' if self.heads_have_lm_head else 'base'} lm_head"),
             ("base", self.base_model_type),
             ("dtype / tp", f"{self.dtype} / {self.tp_size} rank(s)"),
+            *([("quantized", f"{self.quantization}; calibrated on {self.calib_samples} samples, "
+                             f"{self.calib_tokens} tokens")] if self.quantization else []),
             ("size", f"{self.total_bytes / 1e6:.1f} MB"),
             ("time", f"{self.seconds:.2f} s ({self.mb_per_s:.1f} MB/s)"),
         ]
@@ -106,20 +117,32 @@ def _check_out(out: Path, force: bool, inputs: list[Path]) -> None:
 
 def convert(base: str | Path, heads: str | Path | None, out: str | Path, *, dtype: str | None = None,
             tp_size: int = 1, max_draft_len: int = DEFAULT_MAX_DRAFT_LEN, force: bool = False,
-            progress: bool = True) -> ConvertSummary:
+            progress: bool = True, quant: QuantOptions | None = None) -> ConvertSummary:
     """Merge an HF base model and Medusa heads into a TensorRT-LLM checkpoint at `out`.
 
     `heads` may be None when the base dir itself holds the heads (Medusa-2 / ModelOpt full
-    models). Raises ConvertError on bad input; `out` is then left as it was.
+    models). `quant` asks for FP8 (converter/quantize.py): the merged weights are then calibrated
+    on `quant.calib_data` with the PyTorch reference before being written quantized. Raises
+    ConvertError on bad input; `out` is then left as it was.
     """
+    from medusa_trt.calibration.fp8 import DEFAULT_CALIB_SAMPLES, CalibrationError, read_texts
+
     start = time.perf_counter()
     base_dir, out = Path(base), Path(out)
     heads_path = Path(heads) if heads is not None else None
+    quant = quant or QuantOptions()
     if dtype is not None and dtype not in CONFIG_DTYPES:
         raise ConvertError(f"--dtype {dtype!r}: expected one of {', '.join(CONFIG_DTYPES)}")
     if max_draft_len < 1:
         raise ConvertError(f"--max-draft-len {max_draft_len}: expected a positive integer")
+    quant.check()
     _check_out(out, force, [p for p in (base_dir, heads_path) if p is not None and p.exists()])
+    texts = None
+    if quant.active:  # a missing or empty file fails here, before any weight is read
+        try:
+            texts = read_texts(quant.calib_data, quant.calib_samples or DEFAULT_CALIB_SAMPLES)
+        except CalibrationError as e:
+            raise ConvertError(str(e)) from None
 
     base_model = read_base(base_dir)
     medusa: MedusaHeads | None = None
@@ -136,6 +159,17 @@ def convert(base: str | Path, heads: str | Path | None, out: str | Path, *, dtyp
         pieces.update(head_pieces(medusa, base_model, config))
         for name, piece in pieces.items():
             piece.check(name)
+        planned = {s.name for s in expected_tensors(config)}
+        if planned != set(pieces):  # a converter bug, not bad input
+            raise RuntimeError(f"planned tensors differ from the checkpoint layout: "
+                               f"{sorted(planned ^ set(pieces))[:5]}")
+
+        def load(name: str):
+            return pieces[name].load(CONFIG_DTYPES[out_dtype])
+
+        calib = None
+        if quant.active:
+            load, calib = _calibrated(base_model, config, pieces, quant, texts, progress)
 
         out.parent.mkdir(parents=True, exist_ok=True)
         # Beside --out so the final rename stays on one filesystem; mkdir (unlike mkdtemp) leaves
@@ -143,7 +177,7 @@ def convert(base: str | Path, heads: str | Path | None, out: str | Path, *, dtyp
         tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:12]}"
         tmp.mkdir()
         try:
-            _write(tmp, config, pieces, CONFIG_DTYPES[out_dtype], progress)
+            _write(tmp, config, load, progress)
             for name in TOKENIZER_FILES:
                 if (base_dir / name).is_file():
                     shutil.copy2(base_dir / name, tmp / name)
@@ -164,16 +198,61 @@ def convert(base: str | Path, heads: str | Path | None, out: str | Path, *, dtyp
                           base_model_type=base_model.model_type, dtype=out_dtype, tp_size=tp_size,
                           weight_bytes=weight_bytes,
                           total_bytes=sum(p.stat().st_size for p in out.iterdir() if p.is_file()),
-                          seconds=time.perf_counter() - start)
+                          seconds=time.perf_counter() - start,
+                          quantization=_describe(config) if quant.active else None,
+                          calib_samples=len(calib.samples) if calib else 0,
+                          calib_tokens=calib.num_tokens if calib else 0)
 
 
-def _write(tmp: Path, config: dict, pieces: dict, dtype, progress: bool) -> None:
+def _describe(config: dict) -> str:
+    q = config["quantization"]
+    parts = ["FP8 linears" + (" (Medusa heads included)" if EXCLUDED_HEADS_PATTERN not in q["exclude_modules"]
+                              else "")] if q["quant_algo"] == "FP8" else []
+    if q["kv_cache_quant_algo"] == "FP8":
+        parts.append("FP8 KV cache")
+    return ", ".join(parts)
+
+
+def _calibrated(base: BaseModel, config: dict, pieces: dict, quant: QuantOptions, texts: list[str],
+                progress: bool):
+    """Load the unquantized merged weights, calibrate the reference model on them, and return the
+    writer's tensor source for the quantized `config` (updated in place) with the calibration data.
+
+    Unlike the plain conversion, the whole model is in memory at once: calibration runs it.
+    """
+    from medusa_trt.calibration.fp8 import CalibrationError, calibrate, tokenize
+    from medusa_trt.modeling import MedusaModel
+
+    try:
+        data = tokenize(texts, base.dir, path=quant.calib_data, seq_len=quant.calib_seq_len,
+                        max_positions=int(config["max_position_embeddings"]))
+    except CalibrationError as e:
+        raise ConvertError(str(e)) from None
+    dtype = CONFIG_DTYPES[config["dtype"]]
+    weights = {}
+    with tqdm(total=len(pieces), unit="tensor", desc="loading for calibration", disable=not progress,
+              leave=False) as bar:
+        for name, piece in pieces.items():
+            weights[name] = piece.load(dtype)
+            bar.update()
+    model = MedusaModel.from_weights(config, weights)  # config still unquantized here
+    amax = calibrate(model, data, heads=quant.quantize_heads, kv_cache=quant.kv_cache_dtype == "fp8",
+                     progress=progress)
+    del model
+    config["quantization"] = quantization_block(quant)
+    config["medusa_trt"]["calibration"] = {
+        "data": str(Path(quant.calib_data).resolve()), "samples": len(data.samples), "tokens": data.num_tokens,
+        "seq_len": quant.calib_seq_len, "model": "medusa_trt reference, unquantized merged weights, "
+                                                 f"{config['dtype']}"}
+    log.info("calibrated on %d samples (%d tokens) from %s", len(data.samples), data.num_tokens, quant.calib_data)
+    return fp8_tensors(config, weights, amax), data
+
+
+def _write(tmp: Path, config: dict, load: Callable[[str], object], progress: bool) -> None:
+    """`load(name)` gives each full tensor; without quantization it reads it from the sources then,
+    so one output tensor (with its sources) is alive at a time: this bounds peak memory."""
     with CheckpointWriter(tmp, config) as writer:
-        if set(writer.names) != set(pieces):  # a converter bug, not bad input
-            raise RuntimeError(f"planned tensors differ from the checkpoint layout: "
-                               f"{sorted(set(writer.names) ^ set(pieces))[:5]}")
         with tqdm(total=writer.nbytes_data, unit="B", unit_scale=True, desc="medusa-convert",
                   disable=not progress, leave=False) as bar:
             for name in writer.names:
-                # One output tensor (with its sources) is alive at a time: this bounds peak memory.
-                bar.update(writer.add(name, pieces[name].load(dtype)))
+                bar.update(writer.add(name, load(name)))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
-import importlib.util
 import json
 import logging
 import platform
@@ -65,6 +64,33 @@ class BuildResult:
 Builder = Callable[[BuildOptions, dict, Path], dict]
 
 
+# ONNX Runtime (1.31) fuses DequantizeLinear -> MatMul at its extended optimization levels into
+# MatMulIntegerToFloat, whose kernel has no float8 input: an FP8 graph fails to load. Turning off the
+# QDQ fusions (and only them) keeps every other fusion of the default level; ONNX Runtime then folds
+# the weights' DequantizeLinear into float initializers at load, and the activations' Q/DQ run as
+# written. medusa_trt.runtime.ort_backend.session_options sets it for every engine (a float graph
+# has no Q/DQ, so nothing changes there); engine.json records it for FP8 engines.
+FP8_SESSION_CONFIG = {"session.disable_quant_qdq": "1"}
+
+
+def _quantization_part(config: dict) -> dict | None:
+    quant = config.get("quantization") or {}
+    if not (quant.get("quant_algo") or quant.get("kv_cache_quant_algo")):
+        return None
+    return {
+        "quant_algo": quant.get("quant_algo"),
+        "kv_cache_quant_algo": quant.get("kv_cache_quant_algo"),
+        "exclude_modules": quant.get("exclude_modules"),
+        "onnx": "per-tensor float8e4m3fn QuantizeLinear/DequantizeLinear: weights as float8 initializers "
+                "behind DequantizeLinear, Linear inputs (and new K/V with an FP8 KV cache) quantized-"
+                "dequantized with the calibrated scales, in float32",
+        "session_config": FP8_SESSION_CONFIG,
+        "session_config_why": "ONNX Runtime 1.31 fuses DequantizeLinear->MatMul into MatMulIntegerToFloat at "
+                              "the extended/all levels, which rejects float8 inputs; disabling the QDQ fusions "
+                              "keeps the other optimizations (ORT_ENABLE_BASIC would also work, without them)",
+    }
+
+
 def _build_onnxruntime(opts: BuildOptions, config: dict, workdir: Path) -> dict:
     from medusa_trt.engines.onnx_export import DEFAULT_ATTENTION, DEFAULT_OPSET, export_onnx
     from medusa_trt.modeling import MedusaModel
@@ -86,29 +112,35 @@ def _build_onnxruntime(opts: BuildOptions, config: dict, workdir: Path) -> dict:
         bar.update()
     finally:
         bar.close()
-    return {
+    part = {
         "dtype": dtype,
         "onnx": {"file": result.path.name, "opset": result.opset, "attention": result.attention,
                  "external_data": result.external_data, "inputs": list(result.input_names),
-                 "outputs": list(result.output_names)},
+                 "outputs": list(result.output_names),
+                 "heads_file": result.heads_path.name if result.heads_path else None},
     }
+    quant = _quantization_part(config)
+    if quant:
+        part["quantization"] = quant
+    return part
 
 
-def _unavailable(backend: str, module: str, extra: str) -> Builder:
-    def build(opts: BuildOptions, config: dict, workdir: Path) -> dict:
-        if importlib.util.find_spec(module) is None:
-            raise BuildError(f"--backend {backend} needs the '{module}' package, which is not installed "
-                             f"(pip install 'medusa-trt[{extra}]' on a machine with an NVIDIA GPU)")
-        raise BuildError(f"--backend {backend} is not available yet in this version of medusa-build; "
-                         "use --backend onnxruntime")
+def _build_tensorrt(opts: BuildOptions, config: dict, workdir: Path) -> dict:
+    from medusa_trt.engines.tensorrt import build_tensorrt  # imported on use: it imports this module
 
-    return build
+    return build_tensorrt(opts, config, workdir)
+
+
+def _build_trtllm(opts: BuildOptions, config: dict, workdir: Path) -> dict:
+    from medusa_trt.engines.trtllm import build_trtllm
+
+    return build_trtllm(opts, config, workdir)
 
 
 BUILDERS: dict[str, Builder] = {
     "onnxruntime": _build_onnxruntime,
-    "tensorrt": _unavailable("tensorrt", "tensorrt", "tensorrt"),
-    "tensorrt-llm": _unavailable("tensorrt-llm", "tensorrt_llm", "tensorrt-llm"),
+    "tensorrt": _build_tensorrt,
+    "tensorrt-llm": _build_trtllm,
 }
 
 
@@ -139,9 +171,13 @@ def check_options(opts: BuildOptions, config: dict) -> None:
         raise BuildError(f"{path}: architecture {config.get('architecture')!r} is not a merged checkpoint "
                          "(expected 'MedusaForCausalLM'; run medusa-convert first)")
     quant = (config.get("quantization") or {})
-    if quant.get("quant_algo") or quant.get("kv_cache_quant_algo"):
-        raise BuildError(f"{path}: quantization {quant.get('quant_algo') or quant.get('kv_cache_quant_algo')} "
-                         f"is not supported by --backend {opts.backend}; convert without --quantize")
+    for key in ("quant_algo", "kv_cache_quant_algo"):
+        if quant.get(key) not in (None, "FP8"):
+            raise BuildError(f"{path}: quantization.{key} {quant[key]!r} is not supported; expected FP8 or null "
+                             "(medusa-convert --quantize fp8 / --kv-cache-dtype fp8)")
+    if (quant.get("quant_algo") or quant.get("kv_cache_quant_algo")) and opts.opset is not None and opts.opset < 19:
+        raise BuildError(f"--opset {opts.opset}: an FP8 checkpoint ({path}) needs opset >= 19 "
+                         "(float8 QuantizeLinear/DequantizeLinear)")
     for name in ("max_batch_size", "max_seq_len", "max_draft_len"):
         value = getattr(opts, name)
         if value is not None and value < 1:

@@ -29,6 +29,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--opset", type=int, help="ONNX opset (default 23)")
     p.add_argument("--attention", choices=["attention23", "split", "concat", "mha"],
                    help="ONNX attention form (default: attention23, the fastest measured on CPU; split below opset 23)")
+    p.add_argument("--trt-attention", choices=["plugin", "native"],
+                   help="--backend tensorrt: the tree-attention plugin (default) or TensorRT's own attention "
+                   "with a dense mask, for comparison")
+    p.add_argument("--keep-onnx", action="store_true",
+                   help="--backend tensorrt: keep the exported (and rewritten) ONNX graphs in <out>/onnx")
+    p.add_argument("--max-input-len", type=int,
+                   help="--backend tensorrt-llm: longest prompt (default: max-seq-len minus one tree)")
     p.add_argument("--device", default="cpu", choices=list(DEVICES), help="device the engine runs on by default")
     p.add_argument("--force", action="store_true", help="replace an existing --out")
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
@@ -46,6 +53,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, max_draft_len=args.max_draft_len,
         opset=args.opset, device=args.device, attention=args.attention, force=args.force,
         progress=not args.quiet,
+        extra={k: v for k, v in (("trt_attention", args.trt_attention), ("keep_onnx", args.keep_onnx),
+                                 ("max_input_len", args.max_input_len)) if v},
     )
     try:
         result = build_engine(opts)

@@ -12,6 +12,13 @@ a 2-core CPU with 10M and 100M-parameter models (benchmarks/bench_onnx.py):
 - Medusa heads as one 2-D MatMul per head: ONNX Runtime prepacks 2-D constant weights, and the
   reference's batched einsum runs 3-8x slower there.
 
+FP8 checkpoints export as explicit quantization (opset >= 19), the form TensorRT builds FP8 engines
+from: each quantized Linear's weight is a float8e4m3fn initializer behind DequantizeLinear with its
+per-tensor scale, its input goes through QuantizeLinear -> DequantizeLinear with the calibrated
+activation scale, and with an FP8 KV cache the new keys/values do too. Q/DQ run in float32, where the
+checkpoint's scales live (`x` is cast to float32 first in a float16 graph): that is the reference's
+arithmetic, and ONNX Runtime's CPU kernels do not take a float16 input with a float32 scale.
+
 Graph interface (names are the contract with `medusa_trt.runtime.ort_backend`):
 
   inputs   input_ids        [batch, new] int64
@@ -21,7 +28,7 @@ Graph interface (names are the contract with `medusa_trt.runtime.ort_backend`):
            logit_positions  [batch, logits] int64   rows of `new` to produce logits for
            past_key_{i}, past_value_{i}  [batch, kv_heads, past, head_dim]  for each layer i
   outputs  logits           [batch, logits, vocab] float32
-           medusa_logits    [heads, batch, logits, vocab] float32
+           hidden           [batch, logits, hidden_size]  final normed hidden state at those rows
            present_keys, present_values  [layers, batch, kv_heads, new, head_dim]  new tokens only
 """
 
@@ -36,19 +43,23 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from medusa_trt.modeling import MedusaModel, attention_with_past
+from medusa_trt.checkpoint import dequantize_fp8
+from medusa_trt.modeling import FP8Linear, MedusaModel, _KeepsFP8, attention_with_past, fake_quant_fp8
 
 log = logging.getLogger(__name__)
 
 DEFAULT_OPSET = 23  # RMSNormalization and Attention became standard ops in opset 23
 MIN_OPSET = 18  # the dynamo exporter's floor
+MIN_FP8_OPSET = 19  # float8 types in QuantizeLinear/DequantizeLinear
 MAX_PROTOBUF_BYTES = 2**31 - 1  # one protobuf message; larger models must use external data
 INPUT_NAMES = ("input_ids", "position_ids", "past_lengths", "new_mask", "logit_positions")
-OUTPUT_NAMES = ("logits", "medusa_logits", "present_keys", "present_values")
+OUTPUT_NAMES = ("logits", "hidden", "present_keys", "present_values")
+HEADS_INPUT, HEADS_OUTPUT = "hidden", "medusa_logits"
 
 
 def past_names(num_layers: int) -> list[str]:
@@ -153,6 +164,76 @@ def _mha_translation(q, k, v, past_k, past_v, mask):
     return op.Transpose(op.Reshape(y, op.Concat(b, s, heads, dim, axis=0)), perm=[0, 2, 1, 3])
 
 
+# -- FP8 as explicit QuantizeLinear/DequantizeLinear ------------------------------------------------
+
+
+@functools.cache
+def _fp8_ops() -> tuple[Callable, Callable]:
+    """Custom ops standing for FP8 quantize-dequantize and weight dequantization, translated to ONNX
+    Q/DQ (traced as plain ops they would become Div/Clip/Cast chains no backend reads as FP8).
+    Scales are scalars: per-tensor quantization in ONNX."""
+
+    @torch.library.custom_op("medusa_trt::fp8_quantize_dequantize", mutates_args=())
+    def qdq(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return fake_quant_fp8(x, scale)
+
+    @qdq.register_fake
+    def _(x, scale):
+        return torch.empty_like(x)
+
+    @torch.library.custom_op("medusa_trt::fp8_dequantize", mutates_args=())
+    def dq(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return dequantize_fp8(q, scale)
+
+    @dq.register_fake
+    def _(q, scale):
+        return torch.empty(q.shape, dtype=torch.float32, device=q.device)
+
+    return qdq, dq
+
+
+def _export_fake_quant(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return _fp8_ops()[0](x, scale.reshape(()))
+
+
+def _export_dequant(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return _fp8_ops()[1](q, scale.reshape(())).to(dtype)
+
+
+def _fp8_zero_point():
+    from onnxscript import ir
+    from onnxscript import opset19 as op
+
+    # The zero point's type selects the quantized type: float8e4m3fn, value 0 (symmetric).
+    return op.Constant(value=ir.tensor(np.zeros((), dtype=np.uint8), dtype=ir.DataType.FLOAT8E4M3FN))
+
+
+def _qdq_translation(x, scale):
+    from onnxscript import ir
+    from onnxscript import opset19 as op
+
+    zp = _fp8_zero_point()
+    xf = x if x.dtype == ir.DataType.FLOAT else op.Cast(x, to=ir.DataType.FLOAT)
+    y = op.DequantizeLinear(op.QuantizeLinear(xf, scale, zp, saturate=1), scale, zp)
+    return y if x.dtype == ir.DataType.FLOAT else op.CastLike(y, x)
+
+
+def _dequantize_translation(q, scale):
+    from onnxscript import opset19 as op
+
+    return op.DequantizeLinear(q, scale, _fp8_zero_point())
+
+
+def _fp8_translations() -> dict:
+    _fp8_ops()  # registers torch.ops.medusa_trt.fp8_*
+    return {torch.ops.medusa_trt.fp8_quantize_dequantize.default: _qdq_translation,
+            torch.ops.medusa_trt.fp8_dequantize.default: _dequantize_translation}
+
+
+def has_fp8(model: MedusaModel) -> bool:
+    return any(isinstance(m, _KeepsFP8) for m in model.modules())
+
+
 @dataclass(frozen=True)
 class AttentionForm:
     function: Callable  # replaces DecoderLayer.attend while tracing
@@ -185,11 +266,20 @@ class _ExportModule(nn.Module):
         super().__init__()
         self.model = model
         cfg = model.cfg
-        # Per-head 2-D weights, aliases of the stacked parameters (no copy).
+        pairs = [(h, i) for h in range(cfg.num_medusa_heads) for i in range(cfg.num_medusa_layers)]
+        # Per-head 2-D weights, aliases of the stacked parameters (no copy); FP8 heads as one
+        # FP8Linear per head and layer, aliasing the stacked float8 weights and their scales.
+        self.head_fp8 = None
+        if model.medusa_fp8 is not None:
+            fp8 = model.medusa_fp8
+            self.head_fp8 = nn.ModuleList(FP8Linear(cfg.hidden_size, cfg.hidden_size, bias=False) for _ in pairs)
+            for lin, (h, i) in zip(self.head_fp8, pairs, strict=True):
+                lin.weight = fp8.weight[h, i]
+                lin.weights_scaling_factor = fp8.weights_scaling_factor[h, i].reshape(1)
+                lin.activation_scaling_factor = fp8.activation_scaling_factor[h, i].reshape(1)
         self.head_w = nn.ParameterList(
-            nn.Parameter(model.medusa_w[h, i], requires_grad=False)
-            for h in range(cfg.num_medusa_heads) for i in range(cfg.num_medusa_layers)
-        )
+            nn.Parameter(model.medusa_w[h, i], requires_grad=False) for h, i in pairs
+        ) if self.head_fp8 is None else None
         self.head_b = nn.ParameterList(
             nn.Parameter(model.medusa_b[h, i], requires_grad=False)
             for h in range(cfg.num_medusa_heads) for i in range(cfg.num_medusa_layers)
@@ -208,7 +298,9 @@ class _ExportModule(nn.Module):
             x = x0
             for layer in range(cfg.num_medusa_layers):
                 j = head * cfg.num_medusa_layers + layer
-                x = x + F.silu(F.linear(x, self.head_w[j], self.head_b[j]))
+                y = self.head_fp8[j](x) + self.head_b[j] if self.head_fp8 is not None else F.linear(
+                    x, self.head_w[j], self.head_b[j])
+                x = x + F.silu(y)
             out.append(F.linear(x, self.head_lm[head]).float())
         if not out:  # a model without heads still has the output, with zero heads
             return h.new_zeros(0, b, s, cfg.vocab_size, dtype=torch.float32)
@@ -219,7 +311,20 @@ class _ExportModule(nn.Module):
         t = past[0].shape[2]
         prefix = torch.arange(t, device=input_ids.device)[None, None, :] < past_lengths[:, None, None]
         mask = torch.cat([prefix.expand(b, s, t), new_mask], dim=-1)  # [B, S, T+S]
-        return self.model(input_ids, position_ids, mask, past[0::2], past[1::2], logit_positions)
+        return self.model.forward_hidden(input_ids, position_ids, mask, past[0::2], past[1::2], logit_positions)
+
+
+class _HeadsModule(nn.Module):
+    """The heads graph: hidden [N, d] -> medusa_logits [H, N, V]. Separate from the decoder graph
+    because a decoding step needs the heads at one row per sequence (the last accepted node, known
+    only after verification), not at every tree slot: that halves a 64-slot step's cost here."""
+
+    def __init__(self, decoder: _ExportModule):
+        super().__init__()
+        self.decoder = decoder
+
+    def forward(self, hidden):
+        return self.decoder.medusa_heads(hidden[None])[:, 0]
 
 
 @contextlib.contextmanager
@@ -238,18 +343,23 @@ def _quiet_exporter() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _export_mode(model: MedusaModel, form: AttentionForm, heads: Callable) -> Iterator[None]:
-    """Swaps the attention form and the heads' op form for the duration of the trace."""
+def _export_mode(model: MedusaModel, form: AttentionForm, heads: Callable, wrapper: nn.Module) -> Iterator[None]:
+    """Swaps the attention form, the heads' op form and the FP8 ops for the duration of the trace."""
     saved = [layer.attend for layer in model.layers]
     for layer in model.layers:
         layer.attend = form.function
     model.medusa_heads = heads  # instance attribute shadows the method
+    fp8 = [m for m in wrapper.modules() if isinstance(m, _KeepsFP8)]
+    for m in fp8:
+        m.fake_quant, m.dequant = _export_fake_quant, _export_dequant
     try:
         yield
     finally:
         for layer, fn in zip(model.layers, saved, strict=True):
             layer.attend = fn
         del model.medusa_heads
+        for m in fp8:
+            m.fake_quant, m.dequant = fake_quant_fp8, dequantize_fp8
 
 
 def example_inputs(model: MedusaModel, batch: int = 2, new: int = 3, past: int = 5, logits: int = 2) -> dict:
@@ -275,6 +385,7 @@ class ExportResult:
     external_data: bool
     input_names: tuple[str, ...]
     output_names: tuple[str, ...]
+    heads_path: Path | None  # the heads graph (hidden [N, d] -> medusa_logits [H, N, V]); None without heads
 
 
 def export_onnx(
@@ -294,6 +405,10 @@ def export_onnx(
         raise ValueError(f"opset {opset} is not supported; expected {MIN_OPSET}..{DEFAULT_OPSET}")
     if opset < form.min_opset:
         raise ValueError(f"attention form {attention!r} needs opset >= {form.min_opset}, got opset {opset}")
+    fp8 = has_fp8(model)
+    if fp8 and opset < MIN_FP8_OPSET:
+        raise ValueError(f"an FP8 model needs opset >= {MIN_FP8_OPSET} (float8 QuantizeLinear/DequantizeLinear), "
+                         f"got opset {opset}")
     try:
         import onnxscript  # noqa: F401  (torch.onnx's exporter needs it; fail with a clear message)
     except ImportError as e:
@@ -313,25 +428,39 @@ def export_onnx(
         "logit_positions": {0: batch, 1: logits},
         "past": tuple({0: batch, 2: past} for _ in range(2 * cfg.num_layers)),
     }
-    table = None
+    table = {}
     if form.translation:
         _fused_attention_op()  # registers torch.ops.medusa_trt.attention_with_past
-        table = {torch.ops.medusa_trt.attention_with_past.default: form.translation}
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        table[torch.ops.medusa_trt.attention_with_past.default] = form.translation
+    if fp8:
+        table.update(_fp8_translations())
+    weight_bytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     if external_data is None:
         external_data = weight_bytes > MAX_PROTOBUF_BYTES - (64 << 20)  # leave room for the graph itself
     if external_data:
         log.info("%s: %.2f GB of weights go to external data files", path, weight_bytes / 1e9)
-    with _export_mode(model, form, wrapper.medusa_heads), torch.no_grad(), _quiet_exporter():
+    with _export_mode(model, form, wrapper.medusa_heads, wrapper), torch.no_grad(), _quiet_exporter():
         program = torch.onnx.export(
             wrapper, (), kwargs=inputs, dynamic_shapes=dynamic_shapes, input_names=[*INPUT_NAMES, *past_names(cfg.num_layers)],
-            output_names=list(OUTPUT_NAMES), opset_version=opset, dynamo=True, custom_translation_table=table,
+            output_names=list(OUTPUT_NAMES), opset_version=opset, dynamo=True, custom_translation_table=table or None,
             optimize=True, verbose=False,
         )
+        heads_program = None
+        if cfg.num_medusa_heads:
+            hidden = torch.zeros(3, cfg.hidden_size, dtype=model.dtype)
+            heads_program = torch.onnx.export(
+                _HeadsModule(wrapper).eval(), (hidden,), dynamic_shapes=({0: Dim("rows")},),
+                input_names=[HEADS_INPUT], output_names=[HEADS_OUTPUT], opset_version=opset, dynamo=True,
+                custom_translation_table=table or None, optimize=True, verbose=False,
+            )
     path.parent.mkdir(parents=True, exist_ok=True)
     program.save(path, external_data=external_data)
-    files = [path]
+    heads_path = None
+    if heads_program is not None:
+        heads_path = path.with_name(path.stem + "_heads.onnx")
+        heads_program.save(heads_path, external_data=external_data)
+    files = [p for p in (path, heads_path) if p is not None]
     if external_data:
-        files += sorted(p for p in path.parent.glob(path.name + "*") if p != path)
+        files += sorted(p for p in path.parent.glob(path.stem + "*.data"))
     return ExportResult(path, tuple(files), opset, attention, bool(external_data),
-                        (*INPUT_NAMES, *past_names(cfg.num_layers)), OUTPUT_NAMES)
+                        (*INPUT_NAMES, *past_names(cfg.num_layers)), OUTPUT_NAMES, heads_path)

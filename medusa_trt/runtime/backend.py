@@ -34,12 +34,16 @@ class Backend(Protocol):
 
     def forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, new_mask: torch.Tensor,
-        logit_positions: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        logit_positions: torch.Tensor | None = None, with_heads: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Runs S new tokens per sequence ([B, S] ids and positions, [B, S, S] bool mask among the
         new tokens; each also sees its sequence's committed prefix). Returns float32 logits
-        [B, K, V] and medusa logits [H, B, K, V] (K = S, or the given [B, K] positions). The new
-        tokens' KV stays pending until `commit`."""
+        [B, K, V] and medusa logits [H, B, K, V] (K = S, or the given [B, K] positions), or None
+        for the latter with `with_heads=False`. The new tokens' KV stays pending until `commit`."""
+
+    def heads(self, rows: torch.Tensor) -> torch.Tensor:
+        """Medusa logits [H, B, V] at row rows[b] (of K) of the last forward, for each sequence: the
+        decoding loop needs them only at the last accepted node, known after verification."""
 
     def commit(self, slots: torch.Tensor, counts: torch.Tensor) -> None:
         """Keeps, for sequence b, pending tokens slots[b, :counts[b]] (in order) after its prefix."""
@@ -79,19 +83,24 @@ class TorchBackend:
         self._past = 0  # P: where the pending tokens of the last forward were written
 
     @torch.inference_mode()
-    def forward(self, input_ids, position_ids, new_mask, logit_positions=None):
+    def forward(self, input_ids, position_ids, new_mask, logit_positions=None, with_heads=True):
         past = int(self.lengths.max()) if len(self.lengths) else 0
         s = input_ids.shape[1]
         if past + s > self.keys.shape[3]:
             raise ValueError(f"KV cache overflow: {past} + {s} positions > capacity {self.keys.shape[3]}")
         mask = full_attention_mask(self.lengths, past, new_mask)
-        logits, medusa, new_k, new_v = self.model(
+        logits, self._hidden, new_k, new_v = self.model.forward_hidden(
             input_ids, position_ids, mask, self.keys[..., :past, :], self.values[..., :past, :], logit_positions
         )
         self.keys[..., past : past + s, :] = new_k
         self.values[..., past : past + s, :] = new_v
         self._past = past
-        return logits, medusa
+        return logits, self.model.medusa_heads(self._hidden) if with_heads else None
+
+    @torch.inference_mode()
+    def heads(self, rows: torch.Tensor) -> torch.Tensor:
+        h = self._hidden[torch.arange(len(rows)), rows]  # [B, d]
+        return self.model.medusa_heads(h[:, None])[:, :, 0]
 
     def commit(self, slots: torch.Tensor, counts: torch.Tensor) -> None:
         b, src, dst = commit_indices(self.lengths, self._past, slots, counts)

@@ -79,14 +79,18 @@ class GenerationResult:
     stats: list[SequenceStats]
 
 
-def typical_accept(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, epsilon: float, delta: float):
-    """Whether each token is accepted under the distribution of its logits, and its log-probability.
-
-    logits [..., V], tokens [...]: accept while p(x) > min(epsilon, delta * exp(-H(p))), p at the
-    given temperature (the reference's typical acceptance)."""
+def typical_posterior(logits: torch.Tensor, temperature: float, epsilon: float, delta: float):
+    """p = softmax(logits / T) [..., V] and the acceptance threshold min(epsilon, delta * exp(-H(p)))
+    [...] of the reference's typical acceptance."""
     probs = torch.softmax(logits / temperature, dim=-1)
     entropy = -(probs * torch.log(probs + 1e-5)).sum(-1)
-    threshold = torch.minimum(torch.full_like(entropy, epsilon), delta * torch.exp(-entropy))
+    return probs, torch.minimum(torch.full_like(entropy, epsilon), delta * torch.exp(-entropy))
+
+
+def typical_accept(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, epsilon: float, delta: float):
+    """Whether each token is accepted under the distribution of its logits (logits [..., V], tokens
+    [...]): p(x) > threshold, and its log-probability."""
+    probs, threshold = typical_posterior(logits, temperature, epsilon, delta)
     p = probs.gather(-1, tokens[..., None]).squeeze(-1)
     return p > threshold, torch.log(p + 1e-10)
 
@@ -101,12 +105,16 @@ def accept_paths(
     to the larger sum of log-probabilities (typical)."""
     valid = ret[:, 1:] >= 0
     cand = tokens[:, ret[:, 1:].clamp(min=0)]  # [B, N, D] candidate at each depth
-    prev_logits = logits[:, ret[:, :-1].clamp(min=0)]  # [B, N, D, V] logits that judge it
+    prev = ret[:, :-1].clamp(min=0)  # [N, D] slot whose logits judge it
     if cfg.acceptance == "greedy" or cfg.temperature == 0:
-        match = cand == prev_logits.argmax(-1)
+        match = cand == logits.argmax(-1)[:, prev]  # argmax per slot first: no [B, N, D, V] gather
         accepted = (match & valid).long().cumprod(-1).sum(-1)  # [B, N]
         return accepted.argmax(-1), accepted.max(-1).values  # argmax returns the first maximum
-    ok, logp = typical_accept(prev_logits, cand, cfg.temperature, cfg.posterior_threshold, cfg.posterior_alpha)
+    # Posterior per slot, then one flat gather of p(candidate | previous slot): [B, N, D].
+    probs, threshold = typical_posterior(logits, cfg.temperature, cfg.posterior_threshold, cfg.posterior_alpha)
+    v = probs.shape[-1]
+    p = probs.flatten(1).gather(1, (prev * v + cand).flatten(1)).view(cand.shape)
+    ok, logp = p > threshold[:, prev], torch.log(p + 1e-10)
     keep = (ok & valid).long().cumprod(-1)
     accepted = keep.sum(-1)
     score = (logp * keep).sum(-1).masked_fill(accepted < accepted.max(-1, keepdim=True).values, -torch.inf)
@@ -173,7 +181,8 @@ def generate(backend: Backend, prompts: list[list[int]], cfg: GenerationConfig,
         if len(still) < len(active):
             rows = torch.tensor(still, dtype=torch.long)
             backend.keep(rows)
-            active, logits, medusa = active[rows], logits[rows], medusa[:, rows]
+            active, logits = active[rows], logits[rows]
+            medusa = medusa[:, rows] if medusa is not None else None
 
 
 def decode(backend: Backend, prompts: list[list[int]], cfg: GenerationConfig) -> GenerationResult:
@@ -196,17 +205,18 @@ def _prefill(backend: Backend, prompts: list[list[int]]):
     pos = torch.arange(s)[None].expand(len(prompts), s)
     valid = torch.arange(s)[None, :] < lens[:, None]  # [B, S] padding keys are never seen
     mask = torch.ones(s, s, dtype=torch.bool).tril()[None] & valid[:, None, :]
-    logits, medusa = backend.forward(ids, pos, mask, (lens - 1)[:, None])
+    logits, _ = backend.forward(ids, pos, mask, (lens - 1)[:, None], with_heads=False)
+    medusa = backend.heads(torch.zeros(len(prompts), dtype=torch.long))
     backend.commit(pos.contiguous(), lens)
-    return logits[:, 0], medusa[:, :, 0]
+    return logits[:, 0], medusa
 
 
 def _plain_step(backend: Backend, root: torch.Tensor):
     b = len(root)
     pos = backend.lengths[:, None]
-    logits, medusa = backend.forward(root[:, None], pos, torch.ones(b, 1, 1, dtype=torch.bool))
+    logits, _ = backend.forward(root[:, None], pos, torch.ones(b, 1, 1, dtype=torch.bool), with_heads=False)
     backend.commit(torch.zeros(b, 1, dtype=torch.long), torch.ones(b, dtype=torch.long))
-    return [[t] for t in root.tolist()], logits[:, 0], medusa[:, :, 0]
+    return [[t] for t in root.tolist()], logits[:, 0], None
 
 
 @dataclass(frozen=True)
@@ -235,7 +245,7 @@ def _tree_step(backend, tree: _Tree, root, medusa, cfg, stats, active):
     topk = medusa.topk(tree.topk, dim=-1).indices  # [H, B, k]
     tokens = torch.cat([root[:, None], topk[tree.head, :, tree.rank].T], dim=1)  # [B, T]
     pos = backend.lengths[:, None] + tree.position_offsets[None]
-    logits, medusa_all = backend.forward(tokens, pos, tree.mask[None].expand(b, -1, -1))  # [B,T,V], [H,B,T,V]
+    logits, _ = backend.forward(tokens, pos, tree.mask[None].expand(b, -1, -1), with_heads=False)  # [B, T, V]
 
     best, accepted = accept_paths(tree.retrieve, tokens, logits, cfg)
     slots = tree.retrieve[best].clamp(min=0)  # [B, D+1] root first
@@ -250,4 +260,4 @@ def _tree_step(backend, tree: _Tree, root, medusa, cfg, stats, active):
         st.draft_tokens += tree.num_slots - 1
         for d in range(int(accepted[i])):
             st.accepted_per_depth[d] += 1
-    return emitted, logits[rows, last], medusa_all[:, rows, last]
+    return emitted, logits[rows, last], backend.heads(last)

@@ -51,7 +51,11 @@ def session_options(threads: int | None = None, *, spinning: bool = False, level
     """Options measured on a 2-core CPU for decoding (benchmarks/bench_onnx.py --sweep-options): all
     graph optimizations (they fuse RMSNorm, SiLU and MatMul+Transpose), one intra-op thread per core
     this process may use, sequential execution (the graph is a chain), and no spinning: a spinning
-    worker only burns a core that the next op or another process needs."""
+    worker only burns a core that the next op or another process needs.
+
+    QDQ fusions are off: at the extended level ONNX Runtime 1.31 rewrites DequantizeLinear -> MatMul
+    into MatMulIntegerToFloat, which rejects the float8 inputs of FP8 engines (engine.json's
+    quantization block says so too); float engines have no Q/DQ, so nothing changes for them."""
     import onnxruntime as ort
 
     levels = {"basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
@@ -63,6 +67,7 @@ def session_options(threads: int | None = None, *, spinning: bool = False, level
     so.intra_op_num_threads = threads or len(os.sched_getaffinity(0))
     so.inter_op_num_threads = 1
     so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
+    so.add_session_config_entry("session.disable_quant_qdq", "1")
     so.log_severity_level = 3  # warnings about unused initializers are noise to users
     return so
 
@@ -105,9 +110,11 @@ class OrtBackend:
             raise EngineError("device 'cuda' keeps the KV cache in torch CUDA tensors, but this torch "
                               f"{torch.__version__} has no CUDA device")
         self.session = make_session(onnx_path, self.device, threads)
+        heads_file = onnx_info.get("heads_file")
+        self.heads_session = make_session(self.engine_dir / heads_file, self.device, threads) if heads_file else None
         self.num_layers, self.num_kv_heads = model["num_layers"], model["num_kv_heads"]
         self.head_dim, self.num_medusa_heads = model["head_dim"], engine["medusa"]["num_heads"]
-        self.vocab_size = model["vocab_size"]
+        self.vocab_size, self.hidden_size = model["vocab_size"], model["hidden_size"]
         self.dtype = _TORCH_DTYPES[engine["dtype"]]
         self.max_batch_size = limits["max_batch_size"]
         self.use_binding = self.device != "cpu"  # IOBinding: required on CUDA, measurable on the CPU
@@ -139,7 +146,7 @@ class OrtBackend:
             name: (self.keys if i % 2 == 0 else self.values)[i // 2].numpy()
             for i, name in enumerate(self._past_names)}
 
-    def forward(self, input_ids, position_ids, new_mask, logit_positions=None):
+    def forward(self, input_ids, position_ids, new_mask, logit_positions=None, with_heads=True):
         b, s = input_ids.shape
         past = int(self.lengths.max()) if b else 0
         capacity = self.keys.shape[3]
@@ -158,18 +165,31 @@ class OrtBackend:
                  for name, value in host.items()}
         if not self.use_binding:
             feeds.update(self._cache_feeds)  # ONNX Runtime reads these views in place (no copy)
-            logits, medusa, new_k, new_v = (torch.from_numpy(a) for a in self.session.run(None, feeds))
+            logits, hidden, new_k, new_v = (torch.from_numpy(a) for a in self.session.run(None, feeds))
         else:
-            logits, medusa, new_k, new_v = self._run_bound(feeds, logit_positions.shape[1], s)
+            logits, hidden, new_k, new_v = self._run_bound(feeds, logit_positions.shape[1], s)
         self._pending = (new_k, new_v)
-        return logits, medusa
+        self._hidden = hidden  # [B, K, d] host tensor: the heads run on the rows the loop picks
+        if not with_heads:
+            return logits, None
+        return logits, self._run_heads(hidden.reshape(-1, hidden.shape[-1])).reshape(-1, *hidden.shape[:2], self.vocab_size)
+
+    def heads(self, rows: torch.Tensor) -> torch.Tensor:
+        return self._run_heads(self._hidden[torch.arange(len(rows)), rows])
+
+    def _run_heads(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, d] -> medusa logits [H, N, V] (the engine's heads graph; a few KB in and out)."""
+        if self.heads_session is None:
+            return torch.zeros(0, hidden.shape[0], self.vocab_size)
+        (out,) = self.heads_session.run(None, {"hidden": np.ascontiguousarray(hidden.numpy())})
+        return torch.from_numpy(out)
 
     def _run_bound(self, feeds: dict, k: int, s: int):
         """The device path: the cache and the new K/V stay in device memory, bound by pointer
         (IOBinding); logits land in host tensors for the decoding loop."""
         b = feeds["input_ids"].shape[0]
         logits = torch.empty(b, k, self.vocab_size, dtype=torch.float32)
-        medusa = torch.empty(self.num_medusa_heads, b, k, self.vocab_size, dtype=torch.float32)
+        hidden = torch.empty(b, k, self.hidden_size, dtype=self.dtype)
         new_k = torch.empty(self.num_layers, b, self.num_kv_heads, s, self.head_dim, dtype=self.dtype, device=self.device)
         new_v = torch.empty_like(new_k)
         io = self.session.io_binding()
@@ -178,13 +198,13 @@ class OrtBackend:
         for i, name in enumerate(self._past_names):
             _bind(io.bind_input, name, (self.keys if i % 2 == 0 else self.values)[i // 2], self.device, self._np_dtype)
         _bind(io.bind_output, "logits", logits, "cpu", np.float32)
-        _bind(io.bind_output, "medusa_logits", medusa, "cpu", np.float32)
+        _bind(io.bind_output, "hidden", hidden, "cpu", self._np_dtype)
         _bind(io.bind_output, "present_keys", new_k, self.device, self._np_dtype)
         _bind(io.bind_output, "present_values", new_v, self.device, self._np_dtype)
         if self.device == "cuda":
             torch.cuda.synchronize()  # torch wrote the cache on its stream; ONNX Runtime runs on its own
         self.session.run_with_iobinding(io)
-        return logits, medusa, new_k, new_v
+        return logits, hidden, new_k, new_v
 
     def commit(self, slots: torch.Tensor, counts: torch.Tensor) -> None:
         if self._pending is None:

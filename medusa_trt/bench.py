@@ -1,0 +1,373 @@
+"""medusa-bench: plain vs Medusa decoding on the same engine, measured side by side.
+
+For every prompt, plain greedy decoding and Medusa decoding run back to back on the same backend
+(the order alternates between prompts so slow drift on a shared machine hits both equally), and
+the figures are ratios from that one run: speedup, per-step overhead (Medusa step time / plain
+step time), tokens per step, per-head acceptance, and the share of each step spent on the host
+outside the backend's forward. Transformers' own `generate` on the same weights is the baseline a
+user would otherwise run; its tokens are also checked against plain decoding.
+
+    medusa-bench --engine DIR --prompts FILE [--medusa-choices TREE] [--max-new-tokens N] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from medusa_trt.runtime.backend import Backend
+from medusa_trt.runtime.decoding import GenerationConfig, SequenceStats, decode
+from medusa_trt.tree import DEFAULT_TREE
+
+PROG = "medusa-bench"
+
+
+class BenchError(ValueError):
+    """Bad input to medusa-bench / medusa-tune-tree (a file, a directory, an option); exit 2."""
+
+
+class ForwardTimer:
+    """A backend whose compute calls (forward, and heads where the backend has it) are timed;
+    everything else in a step is host overhead (candidate selection, acceptance, KV compaction,
+    Python). Calls before the first commit belong to the prefill. Delegates the rest."""
+
+    def __init__(self, backend: Backend):
+        self.backend = backend
+        self.reset()
+
+    def reset(self) -> None:
+        self.calls: list[tuple[int, float]] = []  # (commits before the call, seconds)
+        self._commits = 0
+
+    def _timed(self, fn, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.calls.append((self._commits, time.perf_counter() - t0))
+
+    def forward(self, *args, **kwargs):
+        return self._timed(self.backend.forward, *args, **kwargs)
+
+    def commit(self, *args, **kwargs):
+        self._commits += 1
+        return self.backend.commit(*args, **kwargs)
+
+    @property
+    def seconds(self) -> float:
+        return sum(dt for _, dt in self.calls)
+
+    @property
+    def prefill_seconds(self) -> float:
+        return sum(dt for commits, dt in self.calls if commits == 0)
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.backend.lengths
+
+    def __getattr__(self, name):  # info, start, keep, and backend-specific attributes
+        attr = getattr(self.backend, name)
+        if name == "heads":  # Medusa logits at the accepted rows: backend compute, timed like forward
+            return lambda *args, **kwargs: self._timed(attr, *args, **kwargs)
+        return attr
+
+
+@dataclass
+class Run:
+    """One decode of one prompt in one mode."""
+
+    tokens: list[int]
+    stats: SequenceStats
+    wall_s: float  # prefill + decode, as a user waits for it
+    forward_s: float  # inside the backend's compute calls (prefill included)
+    step_forward_s: float  # inside the backend's compute calls during the decode steps
+
+    @property
+    def step_s(self) -> float:
+        return self.stats.decode_s / max(self.stats.steps, 1)
+
+    @property
+    def host_step_s(self) -> float:
+        """Time per step outside the backend's forward."""
+        return max(0.0, self.stats.decode_s - self.step_forward_s) / max(self.stats.steps, 1)
+
+
+def timed_decode(timer: ForwardTimer, prompt: list[int], cfg: GenerationConfig) -> Run:
+    timer.reset()
+    t0 = time.perf_counter()
+    result = decode(timer, [prompt], cfg)
+    wall = time.perf_counter() - t0
+    return Run(result.tokens[0], result.stats[0], wall, timer.seconds, timer.seconds - timer.prefill_seconds)
+
+
+@dataclass
+class ModeSummary:
+    tokens: int = 0
+    steps: int = 0
+    wall_s: float = 0.0
+    decode_s: float = 0.0
+    prefill_s: float = 0.0
+    forward_s: float = 0.0
+
+    def add(self, run: Run) -> None:
+        self.tokens += run.stats.new_tokens
+        self.steps += run.stats.steps
+        self.wall_s += run.wall_s
+        self.decode_s += run.stats.decode_s
+        self.prefill_s += run.stats.prefill_s
+        self.forward_s += run.forward_s
+
+    def figures(self) -> dict:
+        return {
+            "tokens": self.tokens, "steps": self.steps,
+            "tokens_per_s": round(self.tokens / max(self.wall_s, 1e-12), 2),
+            "decode_tokens_per_s": round(self.tokens / max(self.decode_s, 1e-12), 2),
+            "step_ms": round(1e3 * self.decode_s / max(self.steps, 1), 4),
+            "wall_s": round(self.wall_s, 4), "prefill_s": round(self.prefill_s, 4),
+            # Host work between forwards (prefill included in both parts): what an engine can't speed up.
+            "host_overhead_share": round(max(0.0, 1 - self.forward_s / max(self.wall_s, 1e-12)), 4),
+        }
+
+
+def compare(backend: Backend, prompts: list[list[int]], medusa_choices=DEFAULT_TREE, max_new_tokens: int = 128,
+            stop_token_ids: tuple[int, ...] = (), repeat: int = 1, warmup: bool = True,
+            progress: bool = True, extra_modes: dict | None = None) -> dict:
+    """Plain vs Medusa (and any `extra_modes` {name: medusa_choices}) per prompt, interleaved.
+
+    Returns {"modes": {name: figures}, "per_prompt": [...], "medusa": {...ratios...}}."""
+    from tqdm import tqdm
+
+    timer = ForwardTimer(backend)
+    modes = {"plain": GenerationConfig(max_new_tokens=max_new_tokens, use_medusa=False, stop_token_ids=stop_token_ids),
+             "medusa": GenerationConfig(max_new_tokens=max_new_tokens, medusa_choices=medusa_choices,
+                                        stop_token_ids=stop_token_ids)}
+    for name, tree in (extra_modes or {}).items():
+        modes[name] = GenerationConfig(max_new_tokens=max_new_tokens, medusa_choices=tree, stop_token_ids=stop_token_ids)
+    if warmup:  # first calls pay for allocation and ONNX Runtime's lazy initialization
+        for cfg in modes.values():
+            timed_decode(timer, prompts[0], GenerationConfig(**{**asdict(cfg), "max_new_tokens": min(8, max_new_tokens)}))
+    summaries = {name: ModeSummary() for name in modes}
+    depth_hits: dict[str, list[int]] = {}
+    per_prompt = []
+    names = list(modes)
+    jobs = [(i, r) for r in range(repeat) for i in range(len(prompts))]
+    for n, (i, _) in enumerate(tqdm(jobs, desc=PROG, disable=not progress, leave=False, file=sys.stderr)):
+        order = names if n % 2 == 0 else names[::-1]  # alternate: drift on a shared machine hits all modes
+        runs = {name: timed_decode(timer, prompts[i], modes[name]) for name in order}
+        row = {"prompt": i, "tokens": len(runs["plain"].tokens)}
+        for name, run in runs.items():
+            summaries[name].add(run)
+            if name != "plain":
+                hits = depth_hits.setdefault(name, [])
+                apd = run.stats.accepted_per_depth
+                hits.extend([0] * (len(apd) - len(hits)))
+                for d, v in enumerate(apd):
+                    hits[d] += v
+                row[name] = {"tokens_per_step": round(run.stats.tokens_per_step, 4),
+                             "speedup": round(runs["plain"].wall_s / run.wall_s, 4),
+                             "equal_to_plain": run.tokens == runs["plain"].tokens}
+        row["plain_tokens_per_s"] = round(len(runs["plain"].tokens) / runs["plain"].wall_s, 2)
+        per_prompt.append(row)
+    out = {"modes": {name: s.figures() for name, s in summaries.items()}, "per_prompt": per_prompt}
+    plain = summaries["plain"]
+    for name in names[1:]:
+        s = summaries[name]
+        out[name] = {
+            "speedup": round(plain.wall_s / s.wall_s * s.tokens / max(plain.tokens, 1), 4),  # tokens/s ratio
+            "decode_speedup": round(plain.decode_s / s.decode_s * s.tokens / max(plain.tokens, 1), 4),
+            "tokens_per_step": round(s.tokens / max(s.steps, 1), 4),
+            "step_overhead": round((s.decode_s / max(s.steps, 1)) / (plain.decode_s / max(plain.steps, 1)), 4),
+            "acceptance_per_head": [round(h / max(s.steps, 1), 4) for h in depth_hits.get(name, [])],
+            "equal_to_plain": all(r[name]["equal_to_plain"] for r in per_prompt),
+        }
+    return out
+
+
+# -- the transformers baseline ---------------------------------------------------------------
+
+
+def hf_model_dir(directory: Path) -> Path:
+    """The HF base a checkpoint or engine was made from: engine.json -> checkpoint -> config's
+    medusa_trt.base (both written by our tools)."""
+    ckpt = directory
+    if (directory / "engine.json").is_file():
+        ckpt = Path(json.loads((directory / "engine.json").read_text()).get("checkpoint", {}).get("path", ""))
+    config = ckpt / "config.json"
+    if not config.is_file():
+        raise BenchError(f"{config}: not found, so the HF base model is unknown; pass --hf-model DIR")
+    base = (json.loads(config.read_text()).get("medusa_trt") or {}).get("base")
+    if not base or not (Path(base) / "config.json").is_file():
+        raise BenchError(f"{config}: records base {base!r}, which is not an HF model dir here; pass --hf-model DIR")
+    return Path(base)
+
+
+def hf_generate(model_dir: Path, prompts: list[list[int]], max_new_tokens: int, stop_token_ids: tuple[int, ...],
+                plain_tokens: list[list[int]] | None = None, progress: bool = True) -> dict:
+    """transformers generate(do_sample=False), batch 1, float32, with as many torch threads as cores
+    (what a user's transformers run gets). Tokens are cut after the first stop token, as ours are."""
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    except Exception as e:  # transformers raises many unrelated types for a bad model dir
+        raise BenchError(f"{model_dir}: transformers cannot load it ({type(e).__name__}: {e})") from None
+    eos = list(stop_token_ids) or None
+    kw = dict(do_sample=False, eos_token_id=eos, pad_token_id=eos[0] if eos else 0)
+    tokens, seconds, same = 0, 0.0, 0
+    threads = torch.get_num_threads()
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    try:
+        with torch.inference_mode():
+            ids = torch.tensor([prompts[0]])
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, **kw)  # warm-up
+            for i, p in enumerate(tqdm(prompts, desc="transformers generate", disable=not progress, leave=False,
+                                       file=sys.stderr)):
+                ids = torch.tensor([p])
+                t0 = time.perf_counter()
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, **kw)
+                seconds += time.perf_counter() - t0
+                new = out[0, len(p):].tolist()
+                cut = next((j for j, t in enumerate(new) if t in stop_token_ids), None)
+                new = new[: cut + 1] if cut is not None else new
+                tokens += len(new)
+                same += plain_tokens is not None and new == plain_tokens[i]
+    finally:
+        torch.set_num_threads(threads)
+    return {"model": str(model_dir), "tokens": tokens, "tokens_per_s": round(tokens / max(seconds, 1e-12), 2),
+            "wall_s": round(seconds, 4), "threads": len(os.sched_getaffinity(0)),
+            "equal_to_plain": None if plain_tokens is None else f"{same}/{len(prompts)}"}
+
+
+# -- CLI -------------------------------------------------------------------------------------
+
+
+def load_prompts(path: Path, tokenizer, limit: int | None = None) -> tuple[list[str], list[list[int]]]:
+    from medusa_trt.training import DataError, read_samples
+
+    try:
+        texts = read_samples(path)
+    except DataError as e:
+        raise BenchError(str(e)) from None
+    texts = texts[:limit] if limit else texts
+    ids = [tokenizer.encode(t) for t in texts]
+    if any(not p for p in ids):
+        raise BenchError(f"{path}: a prompt encodes to no tokens")
+    return texts, ids
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engine", required=True, type=Path, help="engine dir (medusa-build) or merged checkpoint")
+    p.add_argument("--prompts", required=True, type=Path, help=".txt (one prompt a line) or .jsonl with 'text'")
+    p.add_argument("--medusa-choices", default=DEFAULT_TREE, help=f"tree for Medusa decoding (default {DEFAULT_TREE})")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--limit", type=int, help="use the first N prompts")
+    p.add_argument("--repeat", type=int, default=1, help="measure each prompt N times (default 1)")
+    p.add_argument("--hf-model", type=Path, help="HF model dir for the transformers baseline "
+                   "(default: the base recorded in the engine's checkpoint)")
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers generate baseline")
+    p.add_argument("--json", type=Path, help="write all figures to this file")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    # The decoding loop's host ops are tiny: extra torch threads only spin against the engine's own
+    # threads for the same cores (measured: 4x slower Medusa steps on 2 cores).
+    torch.set_num_threads(1)
+    from medusa_trt.runtime.loading import load_backend, load_tokenizer, stop_tokens
+
+    if args.quiet:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+
+    try:
+        if not args.engine.is_dir():
+            raise BenchError(f"{args.engine}: --engine directory not found")
+        if args.max_new_tokens < 1 or args.repeat < 1:
+            raise BenchError(f"--max-new-tokens {args.max_new_tokens} / --repeat {args.repeat}: expected >= 1")
+        hf_dir, hf_note = None, None
+        if args.hf_model is not None:
+            if not (args.hf_model / "config.json").is_file():
+                raise BenchError(f"{args.hf_model}: --hf-model has no config.json (expected a Hugging Face model dir)")
+            hf_dir = args.hf_model
+        elif not args.no_hf:
+            try:
+                hf_dir = hf_model_dir(args.engine)
+            except BenchError as e:  # the engine still benchmarks; only the baseline is missing
+                hf_note = str(e)
+                print(f"{PROG}: warning: skipping the transformers baseline: {e}", file=sys.stderr)
+        backend = load_backend(args.engine)
+        tok = load_tokenizer(args.engine)
+        _, prompts = load_prompts(args.prompts, tok, args.limit)
+        stops = stop_tokens(args.engine, tok)
+        result = compare(backend, prompts, args.medusa_choices, args.max_new_tokens, stops, args.repeat,
+                         progress=not args.quiet)
+        hf = {"skipped": hf_note} if hf_note else None
+        if hf_dir is not None:
+            plain_tokens = None
+            if args.repeat == 1:  # plain outputs per prompt, to check transformers agrees
+                plain_tokens = [decode(backend, [p], GenerationConfig(max_new_tokens=args.max_new_tokens,
+                                use_medusa=False, stop_token_ids=stops)).tokens[0] for p in prompts]
+            hf = hf_generate(hf_dir, prompts, args.max_new_tokens, stops, plain_tokens, progress=not args.quiet)
+    except ValueError as e:  # BenchError, TreeError, EngineError, load errors: bad input, explained
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    report = {
+        "engine": str(args.engine), "backend": type(backend).__name__, "prompts": str(args.prompts),
+        "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "repeat": args.repeat,
+        "medusa_choices": str(args.medusa_choices), "threads": len(os.sched_getaffinity(0)),
+        "plain": result["modes"]["plain"], "medusa": {**result["modes"]["medusa"], **result["medusa"]},
+        "hf_generate": hf, "per_prompt": result["per_prompt"],
+    }
+    if hf and "tokens_per_s" in hf:
+        report["medusa"]["speedup_vs_hf_generate"] = round(report["medusa"]["tokens_per_s"] / hf["tokens_per_s"], 4)
+        report["plain"]["speedup_vs_hf_generate"] = round(report["plain"]["tokens_per_s"] / hf["tokens_per_s"], 4)
+    print(format_report(report))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+def format_report(r: dict) -> str:
+    p, m, hf = r["plain"], r["medusa"], r["hf_generate"]
+    speedups = [row["medusa"]["speedup"] for row in r["per_prompt"]]
+    lines = [
+        f"{PROG}: {r['num_prompts']} prompts x {r['repeat']}, up to {r['max_new_tokens']} new tokens, "
+        f"{r['backend']} ({r['engine']}), tree {r['medusa_choices']}",
+        f"{'':<22}{'tokens/s':>10}{'step ms':>10}{'tok/step':>10}{'host share':>12}",
+        f"{'plain':<22}{p['tokens_per_s']:>10.1f}{p['step_ms']:>10.3f}{1.0:>10.2f}{p['host_overhead_share']:>12.1%}",
+        f"{'medusa':<22}{m['tokens_per_s']:>10.1f}{m['step_ms']:>10.3f}{m['tokens_per_step']:>10.2f}"
+        f"{m['host_overhead_share']:>12.1%}",
+    ]
+    hf = hf if hf and "tokens_per_s" in hf else None
+    if hf:
+        lines.append(f"{'transformers generate':<22}{hf['tokens_per_s']:>10.1f}")
+    lines += [
+        f"speedup (Medusa / plain, same run): {m['speedup']:.2f}x (per prompt: median "
+        f"{statistics.median(speedups):.2f}x, min {min(speedups):.2f}x, max {max(speedups):.2f}x)",
+        f"per-step overhead (Medusa step / plain step): {m['step_overhead']:.2f}x",
+        "acceptance per head (steps whose accepted path reached depth k): "
+        + ", ".join(f"{a:.2f}" for a in m["acceptance_per_head"]),
+        f"Medusa output equals plain greedy: {m['equal_to_plain']}",
+    ]
+    if hf:
+        lines.append(f"vs transformers generate: plain {p['speedup_vs_hf_generate']:.2f}x, Medusa "
+                     f"{m['speedup_vs_hf_generate']:.2f}x (transformers tokens equal plain: {hf['equal_to_plain']})")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,490 @@
+"""medusa-tune-tree: the Medusa tree that is fastest on this engine and this machine.
+
+Two measurements, then a choice:
+
+1. Head accuracy on calibration text. The base decodes each calibration prompt greedily on the
+   engine; one forward over prompt + continuation then gives every head's logits at every position
+   t. Rank r of head k is correct at t when its rank-r token equals the greedy token at t+2+k, the
+   only token greedy verification can accept there. accuracy[k][r] = fraction of positions.
+2. Step time on this machine: backend.forward for T = 1..max tree tokens (medians of interleaved
+   repetitions, made non-decreasing in T), plus the decoding loop's host time per step, measured
+   on real plain and Medusa decodes (host time grows with the tree: top-k, acceptance, compaction).
+
+The tree (the Medusa paper's greedy construction): add, one node at a time, the node with the
+highest expected acceptance, the product of the per-rank accuracies along its path. Every prefix of
+that sequence is a tree; with greedy acceptance at most one node per depth can be on the correct
+path, so a tree's expected tokens per step is 1 + the sum of its nodes' values. The size chosen is
+the one with the most expected tokens per millisecond, not the most tokens per step: a tree too
+large for the hardware is why users see "Medusa slower than baseline". If no size is predicted to
+beat plain decoding, that is said and plain decoding is recommended.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import random
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+PROG = "medusa-tune-tree"
+REFERENCE_TREE = "mc_sim_7b_63"
+DEFAULT_TOPK = 10  # ranks measured per head: the reference trees use ranks 0..9
+
+
+# -- head accuracy -------------------------------------------------------------------------------
+
+
+def rank_hits(logits: torch.Tensor, targets: torch.Tensor, topk: int) -> torch.Tensor:
+    """[H, topk] counts of positions where head k's rank-r token equals the target. logits
+    [H, N, V], targets [H, N] (-1 never matches)."""
+    idx = logits.topk(min(topk, logits.shape[-1]), dim=-1).indices  # [H, N, k]
+    hits = (idx == targets[..., None]).sum(1)
+    if hits.shape[1] < topk:  # vocab smaller than topk: the missing ranks are never right
+        hits = torch.cat([hits, hits.new_zeros(hits.shape[0], topk - hits.shape[1])], dim=1)
+    return hits
+
+
+@dataclass
+class HeadAccuracy:
+    accuracy: list[list[float]]  # [H][topk]: P(rank r of head k is the greedy token), not cumulative
+    positions: list[int]  # [H] positions measured per head
+    base_agreement: float  # prefill argmax == the decoded greedy token (a sanity check, ~1.0)
+
+    @property
+    def top1(self) -> list[float]:
+        return [row[0] for row in self.accuracy]
+
+
+def measure_head_accuracy(backend, prompts: list[list[int]], max_new_tokens: int = 128,
+                          stop_token_ids: tuple[int, ...] = (), topk: int = DEFAULT_TOPK,
+                          progress: bool = True) -> tuple[HeadAccuracy, list[list[int]]]:
+    """Head accuracies on the base's greedy continuations of `prompts` (see the module docstring).
+    Also returns each prompt + continuation."""
+    from tqdm import tqdm
+
+    from medusa_trt.runtime.decoding import GenerationConfig, decode
+
+    heads = backend.info.num_medusa_heads
+    if heads == 0:
+        raise ValueError("this engine has no Medusa heads: there is no tree to tune")
+    hits = torch.zeros(heads, topk, dtype=torch.long)
+    counts = torch.zeros(heads, dtype=torch.long)
+    agree, total = 0, 0
+    seqs = []
+    cfg = GenerationConfig(max_new_tokens=max_new_tokens, use_medusa=False, stop_token_ids=stop_token_ids)
+    for p in tqdm(prompts, desc="head accuracy", disable=not progress, leave=False, file=sys.stderr):
+        seq = list(p) + decode(backend, [p], cfg).tokens[0]
+        seqs.append(seq)
+        s, first = len(seq), len(p) - 1  # t = first: the root (t+1) is the first generated token
+        if s - first < 2:
+            continue
+        backend.start(1, s)
+        ids = torch.tensor([seq])
+        positions = torch.arange(s)[None]
+        logits, medusa = backend.forward(ids, positions, torch.ones(s, s, dtype=torch.bool).tril()[None],
+                                         torch.arange(first, s - 1)[None])  # [1, K, V], [H, 1, K, V]
+        t = torch.arange(first, s - 1)  # [K]
+        agree += int((logits[0].argmax(-1) == ids[0, t + 1]).sum())
+        total += len(t)
+        target_pos = t[None, :] + 2 + torch.arange(heads)[:, None]  # [H, K]
+        valid = target_pos < s
+        targets = torch.where(valid, ids[0, target_pos.clamp(max=s - 1)], -1)
+        hits += rank_hits(medusa[:, 0], targets, topk)
+        counts += valid.sum(1)
+    if int(counts.max()) == 0:
+        raise ValueError("calibration produced no positions: prompts need continuations of at least 3 tokens "
+                         "(raise --max-new-tokens or check the stop tokens)")
+    acc = (hits.double() / counts.clamp(min=1)[:, None]).tolist()
+    return HeadAccuracy(acc, counts.tolist(), agree / max(total, 1)), seqs
+
+
+# -- the greedy construction ----------------------------------------------------------------------
+
+
+def greedy_tree(accuracy: Sequence[Sequence[float]], max_nodes: int) -> list[tuple[tuple[int, ...], float]]:
+    """Nodes in the order the greedy construction adds them, with their expected acceptance.
+
+    A node's value is the product of accuracy[depth][rank] along its path. A child never beats its
+    parent (accuracies <= 1) and enters the frontier only once the parent is in, so every prefix of
+    the result is a valid tree. Ties go to the lexicographically smaller path (deterministic)."""
+    heads = len(accuracy)
+    frontier = [(-float(accuracy[0][r]), (r,)) for r in range(len(accuracy[0]))] if heads else []
+    heapq.heapify(frontier)
+    nodes: list[tuple[tuple[int, ...], float]] = []
+    while frontier and len(nodes) < max_nodes:
+        neg, path = heapq.heappop(frontier)
+        nodes.append((path, -neg))
+        depth = len(path)
+        if depth < heads:
+            for r, a in enumerate(accuracy[depth]):
+                heapq.heappush(frontier, (neg * float(a), (*path, r)))
+    return nodes
+
+
+def expected_tokens_per_step(accuracy: Sequence[Sequence[float]], tree: Sequence[Sequence[int]]) -> float:
+    """1 (the bonus token) + sum over nodes of the product of per-rank accuracies along the path;
+    ranks beyond the measured top-k count as never right."""
+    total = 1.0
+    for path in tree:
+        value = 1.0
+        for depth, rank in enumerate(path):
+            row = accuracy[depth] if depth < len(accuracy) else []
+            value *= float(row[rank]) if rank < len(row) else 0.0
+        total += value
+    return total
+
+
+# -- step time -----------------------------------------------------------------------------------
+
+
+@dataclass
+class StepTimes:
+    """Time of one decoding step on this machine: a tree step as a function of its tokens T (root
+    included) and a plain step."""
+
+    forward_ms: list[float]  # [T-1] backend compute of a tree step, T = 1..max, made non-decreasing
+    raw_forward_ms: list[float]  # the medians as measured
+    plain_forward_ms: float  # backend compute of a plain step
+    host_plain_ms: float  # host time of a plain step
+    host_tree_ms: tuple[float, float]  # host time of a tree step: a + b * T
+
+    @property
+    def max_tokens(self) -> int:
+        return len(self.forward_ms)
+
+    def plain_ms(self) -> float:
+        return self.plain_forward_ms + self.host_plain_ms
+
+    def tree_ms(self, tokens: int) -> float:
+        if not 1 <= tokens <= self.max_tokens:
+            raise ValueError(f"tree of {tokens} tokens is outside the measured range 1..{self.max_tokens}")
+        a, b = self.host_tree_ms
+        return self.forward_ms[tokens - 1] + max(0.0, a + b * tokens)
+
+
+def non_decreasing(values: Sequence[float]) -> list[float]:
+    """The closest non-decreasing sequence in least squares (pool adjacent violators). More tree
+    tokens never cost less; a dip in the measured medians is noise from the rest of the machine."""
+    blocks: list[list[float]] = []  # [sum, count]
+    for v in values:
+        blocks.append([float(v), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s, c = blocks.pop()
+            blocks[-1][0] += s
+            blocks[-1][1] += c
+    out: list[float] = []
+    for s, c in blocks:
+        out.extend([s / c] * int(c))
+    return out
+
+
+def separate_heads(backend) -> bool:
+    """Whether the backend computes Medusa heads in a separate call (`heads`, at the accepted rows
+    only) rather than at every row of every forward."""
+    return callable(getattr(backend, "heads", None))
+
+
+def measure_forward_ms(backend, context: list[int], max_tokens: int, reps: int = 7, seed: int = 0,
+                       progress: bool = True) -> tuple[list[float], float]:
+    """Median ms of the backend compute of one decoding step after a committed `context` (a
+    realistic cache length), issued as the decoding loop issues it: a tree step of T = 1..max_tokens
+    tokens, and a plain step. Sizes run in a shuffled order each repetition so drift spreads evenly.
+    Returns (tree step ms per T, plain step ms)."""
+    from tqdm import tqdm
+
+    split = separate_heads(backend)
+    backend.start(1, len(context) + max_tokens + 1)
+    n = len(context)
+    pos = torch.arange(n)[None]
+    backend.forward(torch.tensor([context]), pos, torch.ones(n, n, dtype=torch.bool).tril()[None],
+                    torch.tensor([[n - 1]]))
+    backend.commit(pos, torch.tensor([n]))
+    first_row = torch.zeros(1, dtype=torch.long)
+
+    def step(t: int, tree: bool) -> float:
+        ids = torch.tensor([(context * (t // n + 1))[:t]])
+        mask = torch.ones(t, t, dtype=torch.bool).tril()[None]
+        t0 = time.perf_counter()
+        if not split:
+            backend.forward(ids, n + torch.arange(t)[None], mask)
+        else:  # verify without heads; heads only at the accepted row (none on a plain step)
+            backend.forward(ids, n + torch.arange(t)[None], mask, with_heads=False)
+            if tree:
+                backend.heads(first_row)
+        return time.perf_counter() - t0
+
+    rng = random.Random(seed)
+    sizes: list[int] = [0, *range(1, max_tokens + 1)]  # 0: the plain step
+    times: dict[int, list[float]] = {t: [] for t in sizes}
+    for _ in tqdm(range(reps + 1), desc="step time", disable=not progress, leave=False, file=sys.stderr):
+        rng.shuffle(sizes)
+        for t in sizes:
+            times[t].append(step(max(t, 1), tree=t > 0))
+    # The first round only warms up (ONNX Runtime allocates per new shape).
+    med = {t: 1e3 * statistics.median(v[1:]) for t, v in times.items()}
+    return [med[t] for t in range(1, max_tokens + 1)], med[0]
+
+
+# -- the choice ----------------------------------------------------------------------------------
+
+
+@dataclass
+class TreeChoice:
+    medusa_choices: list[list[int]]
+    recommendation: str  # "medusa" or "plain"
+    nodes: int
+    tokens_per_step: float  # expected
+    step_ms: float  # expected
+    speedup_vs_plain: float  # expected
+    by_size: list[dict]  # every prefix size of the greedy order
+
+
+def choose_tree(accuracy: Sequence[Sequence[float]], steps: StepTimes, max_nodes: int) -> TreeChoice:
+    """The prefix of the greedy order with the most expected tokens per millisecond."""
+    max_nodes = min(max_nodes, steps.max_tokens - 1)
+    if max_nodes < 1:
+        raise ValueError(f"step times cover {steps.max_tokens} token(s); a tree needs at least 2")
+    order = greedy_tree(accuracy, max_nodes)
+    plain = steps.plain_ms()
+    rows, expected = [], 1.0
+    for n, (_, value) in enumerate(order, 1):
+        expected += value
+        ms = steps.tree_ms(n + 1)
+        rows.append({"nodes": n, "tokens_per_step": round(expected, 4), "step_ms": round(ms, 4),
+                     "speedup_vs_plain": round(expected * plain / ms, 4)})
+    best = max(range(len(rows)), key=lambda i: (rows[i]["speedup_vs_plain"], -i))
+    tree = [list(path) for path, _ in order[: best + 1]]
+    row = rows[best]
+    return TreeChoice(tree, "medusa" if row["speedup_vs_plain"] > 1.0 else "plain", row["nodes"],
+                      row["tokens_per_step"], row["step_ms"], row["speedup_vs_plain"], rows)
+
+
+def predict(accuracy, steps: StepTimes, tree: Sequence[Sequence[int]]) -> dict:
+    """Expected tokens per step, step time and speedup over plain of any tree that fits."""
+    tokens = len(tree) + 1
+    expected = expected_tokens_per_step(accuracy, tree)
+    ms = steps.tree_ms(tokens)
+    return {"nodes": len(tree), "tokens_per_step": round(expected, 4), "step_ms": round(ms, 4),
+            "speedup_vs_plain": round(expected * steps.plain_ms() / ms, 4)}
+
+
+# -- the whole procedure ---------------------------------------------------------------------------
+
+
+def host_step_ms(timer, prompt: list[int], cfg) -> list[float]:
+    """Host ms of each decoding step (wall time between the loop's yields minus the backend's compute
+    calls in between), the first step (which holds the prefill) left out."""
+    from medusa_trt.runtime.decoding import generate
+
+    timer.reset()
+    out = []
+    last_t, last_calls = None, 0
+    for _ in generate(timer, [prompt], cfg):
+        now, calls = time.perf_counter(), len(timer.calls)
+        if last_t is not None:
+            out.append(1e3 * ((now - last_t) - sum(dt for _, dt in timer.calls[last_calls:calls])))
+        last_t, last_calls = now, calls
+    return out
+
+
+def measure_host_ms(backend, prompts: list[list[int]], trees: list, max_new_tokens: int,
+                    stop_token_ids: tuple[int, ...]) -> tuple[float, dict[int, float]]:
+    """Median host ms per step (outside the backend's compute) of plain decoding and of each tree,
+    keyed by tree tokens. Medians over single steps: a busy machine preempts some steps, not all."""
+    from medusa_trt.bench import ForwardTimer
+    from medusa_trt.runtime.decoding import GenerationConfig
+    from medusa_trt.tree import build_tree
+
+    timer = ForwardTimer(backend)
+    configs = {0: GenerationConfig(max_new_tokens=max_new_tokens, use_medusa=False, stop_token_ids=stop_token_ids)}
+    for tree in trees:
+        tokens = build_tree(tree, backend.info.num_medusa_heads).num_slots
+        configs[tokens] = GenerationConfig(max_new_tokens=max_new_tokens, medusa_choices=tree,
+                                           stop_token_ids=stop_token_ids)
+    samples: dict[int, list[float]] = {k: [] for k in configs}
+    for cfg in configs.values():  # warm-up
+        host_step_ms(timer, prompts[0], GenerationConfig(**{**asdict(cfg), "max_new_tokens": 4}))
+    for p in prompts:  # interleaved, so drift on a shared machine hits every configuration
+        for k, cfg in configs.items():
+            samples[k].extend(host_step_ms(timer, p, cfg))
+    med = {k: statistics.median(v) if v else 0.0 for k, v in samples.items()}
+    return med.pop(0), med
+
+
+def fit_line(points: dict[int, float]) -> tuple[float, float]:
+    xs, ys = list(points), list(points.values())
+    if len(xs) == 1:
+        return ys[0], 0.0
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+    return my - b * mx, b
+
+
+def tune(backend, calib: list[list[int]], *, max_nodes: int = 64, max_new_tokens: int = 128,
+         stop_token_ids: tuple[int, ...] = (), topk: int = DEFAULT_TOPK, reps: int = 7,
+         progress: bool = True) -> dict:
+    """Measures accuracy and step times, chooses the tree; returns the tree.json content."""
+    from medusa_trt.tree import PRESETS, TreeError, validate_and_expand
+
+    info = backend.info
+    max_nodes = min(max_nodes, info.max_draft_len)
+    acc, seqs = measure_head_accuracy(backend, calib, max_new_tokens, stop_token_ids, topk, progress)
+    reference = None
+    try:
+        reference = validate_and_expand(PRESETS[REFERENCE_TREE], info.num_medusa_heads, info.max_draft_len)
+    except TreeError:
+        pass  # fewer heads or a smaller max_draft_len than the reference tree needs: no comparison
+    largest = max(max_nodes, len(reference) if reference else 0) + 1
+    # Cache length for the timings: the middle of a typical request.
+    context = seqs[0][: len(calib[0]) + max_new_tokens // 2]
+    raw, plain_ms = measure_forward_ms(backend, context, largest, reps, progress=progress)
+    host_trees = [[list(p) for p, _ in greedy_tree(acc.accuracy, n)] for n in sorted({min(4, max_nodes), max_nodes})]
+    host_plain, host_tree = measure_host_ms(backend, calib[: min(4, len(calib))], host_trees,
+                                            min(max_new_tokens, 64), stop_token_ids)
+    steps = StepTimes(non_decreasing(raw), raw, plain_ms, host_plain, fit_line(host_tree))
+    choice = choose_tree(acc.accuracy, steps, max_nodes)
+    predicted = {"tuned": {k: v for k, v in asdict(choice).items() if k not in ("medusa_choices", "by_size",
+                                                                               "recommendation")},
+                 "plain": {"tokens_per_step": 1.0, "step_ms": round(steps.plain_ms(), 4), "speedup_vs_plain": 1.0}}
+    if reference is not None:
+        predicted[REFERENCE_TREE] = predict(acc.accuracy, steps, reference)
+        predicted["tuned_vs_" + REFERENCE_TREE] = round(
+            choice.speedup_vs_plain / predicted[REFERENCE_TREE]["speedup_vs_plain"], 4)
+    return {
+        "medusa_choices": choice.medusa_choices,
+        "recommendation": choice.recommendation,
+        "predicted": predicted,
+        "head_accuracy": {"rank_accuracy": [[round(a, 5) for a in row] for row in acc.accuracy],
+                          "top1": [round(a, 4) for a in acc.top1], "positions": acc.positions,
+                          "base_agreement": round(acc.base_agreement, 4)},
+        "step_time_ms": {"heads_separate": separate_heads(backend),
+                         "plain_forward": round(steps.plain_forward_ms, 4),
+                         "forward": [round(v, 4) for v in steps.forward_ms],
+                         "forward_raw": [round(v, 4) for v in steps.raw_forward_ms],
+                         "host_plain": round(steps.host_plain_ms, 4),
+                         "host_tree": {"a": round(steps.host_tree_ms[0], 4), "b_per_token": round(steps.host_tree_ms[1], 5),
+                                       "measured": {str(k): round(v, 4) for k, v in host_tree.items()}}},
+        "by_size": choice.by_size,
+    }
+
+
+def format_report(result: dict) -> str:
+    p = result["predicted"]
+    t = p["tuned"]
+    acc = result["head_accuracy"]
+    lines = [
+        f"head top-1 accuracy: {', '.join(f'{a:.3f}' for a in acc['top1'])} "
+        f"({min(acc['positions'])}-{max(acc['positions'])} positions)",
+        f"step time: plain {p['plain']['step_ms']:.3f} ms; tree compute T=2 {result['step_time_ms']['forward'][1]:.3f} ms, "
+        f"T={len(result['step_time_ms']['forward'])} {result['step_time_ms']['forward'][-1]:.3f} ms",
+        f"tuned tree: {t['nodes']} nodes, predicted {t['tokens_per_step']:.2f} tokens/step, {t['step_ms']:.3f} ms/step, "
+        f"{t['speedup_vs_plain']:.2f}x vs plain",
+    ]
+    if REFERENCE_TREE in p:
+        r = p[REFERENCE_TREE]
+        lines.append(f"{REFERENCE_TREE}: predicted {r['tokens_per_step']:.2f} tokens/step, {r['step_ms']:.3f} ms/step, "
+                     f"{r['speedup_vs_plain']:.2f}x vs plain; tuned / {REFERENCE_TREE} = {p['tuned_vs_' + REFERENCE_TREE]:.2f}x")
+    m = result.get("measured")
+    if m:
+        line = (f"measured on {m['num_prompts']} prompts ({m['data']}): tuned {m['tuned']['tokens_per_step']:.2f} "
+                f"tokens/step, {m['tuned']['speedup']:.2f}x vs plain")
+        if REFERENCE_TREE in m:
+            r = m[REFERENCE_TREE]
+            line += (f"; {REFERENCE_TREE} {r['tokens_per_step']:.2f} tokens/step, {r['speedup']:.2f}x vs plain; "
+                     f"tuned / {REFERENCE_TREE} = {m['tuned_vs_' + REFERENCE_TREE]:.2f}x")
+        lines.append(line)
+    if result["recommendation"] == "plain":
+        lines.append(f"warning: no tree is predicted to beat plain decoding on this engine and machine (best "
+                     f"{t['speedup_vs_plain']:.2f}x); use plain decoding (medusa-run --no-medusa)")
+    return "\n".join(lines)
+
+
+def dump_json(obj, level: int = 0) -> str:
+    """JSON with every container of scalars on one line (a tree path, a row of accuracies, one
+    tree size's prediction) and the rest indented: small diffs, readable by eye."""
+    scalar = (str, int, float, bool, type(None))
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, list) else None
+    if items is None or all(isinstance(v, scalar) for v in items):
+        return json.dumps(obj) + ("\n" if level == 0 else "")
+    pad, inner = " " * level, " " * (level + 1)
+    if isinstance(obj, dict):
+        body = ",\n".join(f"{inner}{json.dumps(k)}: {dump_json(v, level + 1)}" for k, v in obj.items())
+        text = "{\n" + body + "\n" + pad + "}"
+    else:
+        text = "[\n" + ",\n".join(inner + dump_json(v, level + 1) for v in obj) + "\n" + pad + "]"
+    return text + ("\n" if level == 0 else "")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engine", required=True, type=Path, help="engine dir (medusa-build) or merged checkpoint")
+    p.add_argument("--calib-data", required=True, type=Path, help=".txt (one prompt a line) or .jsonl with 'text'")
+    p.add_argument("--out", required=True, type=Path, help="tree.json to write (loadable by --medusa-choices)")
+    p.add_argument("--max-nodes", type=int, default=64, help="largest tree considered (default 64, at most the "
+                   "engine's max_draft_len)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="greedy tokens per calibration prompt")
+    p.add_argument("--limit", type=int, default=32, help="calibration prompts used (default 32)")
+    p.add_argument("--topk", type=int, default=DEFAULT_TOPK, help="ranks measured per head")
+    p.add_argument("--reps", type=int, default=7, help="step-time repetitions per tree size")
+    p.add_argument("--eval-data", type=Path, help="prompts for the measured comparison (default: --calib-data)")
+    p.add_argument("--eval-limit", type=int, default=8, help="prompts for the measured comparison (default 8)")
+    p.add_argument("--no-measure", action="store_true", help="predict only; skip the measured comparison")
+    p.add_argument("--quiet", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    # The decoding loop's host ops are tiny: extra torch threads only spin against the engine's own
+    # threads for the same cores (measured: 4x slower Medusa steps on 2 cores).
+    torch.set_num_threads(1)
+    from medusa_trt.bench import BenchError, compare, load_prompts
+    from medusa_trt.runtime.loading import load_backend, load_tokenizer, stop_tokens
+
+    try:
+        for name in ("max_nodes", "max_new_tokens", "limit", "topk", "reps", "eval_limit"):
+            if getattr(args, name) < 1:
+                raise BenchError(f"--{name.replace('_', '-')} {getattr(args, name)}: expected >= 1")
+        if not args.engine.is_dir():
+            raise BenchError(f"{args.engine}: --engine directory not found")
+        backend = load_backend(args.engine)
+        tok = load_tokenizer(args.engine)
+        _, calib = load_prompts(args.calib_data, tok, args.limit)
+        stops = stop_tokens(args.engine, tok)
+        result = tune(backend, calib, max_nodes=args.max_nodes, max_new_tokens=args.max_new_tokens,
+                      stop_token_ids=stops, topk=args.topk, reps=args.reps, progress=not args.quiet)
+        result.update(engine=str(args.engine), calib_data=str(args.calib_data), num_calib_prompts=len(calib))
+        if not args.no_measure:
+            data = args.eval_data or args.calib_data
+            _, prompts = load_prompts(data, tok, args.eval_limit)
+            extra = {REFERENCE_TREE: REFERENCE_TREE} if REFERENCE_TREE in result["predicted"] else {}
+            measured = compare(backend, prompts, result["medusa_choices"], args.max_new_tokens, stops,
+                               progress=not args.quiet, extra_modes=extra)
+            result["measured"] = {"data": str(data), "num_prompts": len(prompts),
+                                  "plain_tokens_per_s": measured["modes"]["plain"]["tokens_per_s"],
+                                  "tuned": {**measured["medusa"], "tokens_per_s": measured["modes"]["medusa"]["tokens_per_s"]}}
+            if extra:
+                ref = measured[REFERENCE_TREE]
+                result["measured"][REFERENCE_TREE] = {**ref, "tokens_per_s": measured["modes"][REFERENCE_TREE]["tokens_per_s"]}
+                result["measured"]["tuned_vs_" + REFERENCE_TREE] = round(
+                    result["measured"]["tuned"]["tokens_per_s"] / result["measured"][REFERENCE_TREE]["tokens_per_s"], 4)
+    except ValueError as e:  # BenchError, TreeError, EngineError, DataError: bad input, explained
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(dump_json(result))
+    print(format_report(result))
+    print(f"{PROG}: wrote {args.out} ({len(result['medusa_choices'])} nodes; use --medusa-choices {args.out})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,233 @@
+"""A TensorRT engine directory (medusa-build --backend tensorrt) behind the runtime's Backend interface.
+
+Same graph interface and cache layout as the ONNX Runtime engine (`ort_backend`): the KV cache is
+one torch CUDA tensor per K and V, [L, B, Hkv, capacity, D], allocated once per `start`; each
+layer's slice is bound to the engine by pointer (`set_tensor_address`) as it is, the graph masks
+entries past each sequence's committed length, and `commit` scatters the kept new K/V after each
+committed prefix. The engines run on torch's current CUDA stream (`execute_async_v3`), so torch's
+own work on the cache (commit, keep) is ordered with them without extra synchronization.
+
+The small per-step inputs (ids, positions, lengths, mask) are copied to the device each step; the
+logits come back to host tensors, because the decoding loop is host code. The Medusa heads run in
+their own engine (heads.engine) on the rows the loop asks for; the hidden state never leaves the GPU.
+
+Engines built with the tree-attention plugin embed its ahead-of-time compiled kernel, so loading
+needs neither Python plugin code nor Triton; should a TensorRT version still ask for the plugin's
+creator, the plugin is registered and deserialization retried.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from medusa_trt.runtime.backend import ModelInfo, commit_indices
+from medusa_trt.runtime.ort_backend import EngineError
+
+_EXTRA_HINT = "pip install 'medusa-trt[tensorrt]'"
+_INPUTS = ("input_ids", "position_ids", "past_lengths", "new_mask", "logit_positions")
+_OUTPUTS = ("logits", "hidden", "present_keys", "present_values")
+
+
+def read_trt_engine_json(engine_dir: str | Path) -> dict:
+    import json
+
+    path = Path(engine_dir) / "engine.json"
+    try:
+        engine = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise EngineError(f"{path}: not found; expected an engine directory written by medusa-build") from None
+    except json.JSONDecodeError as e:
+        raise EngineError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(engine, dict) or engine.get("backend") != "tensorrt" or "tensorrt" not in engine:
+        raise EngineError(f"{path}: backend {engine.get('backend') if isinstance(engine, dict) else None!r}, "
+                          "expected 'tensorrt' (with a 'tensorrt' section)")
+    return engine
+
+
+def _torch_dtype(trt, dtype):
+    table = {trt.float32: torch.float32, trt.float16: torch.float16, trt.bfloat16: torch.bfloat16,
+             trt.int32: torch.int32, trt.int64: torch.int64, trt.bool: torch.bool, trt.int8: torch.int8}
+    if dtype not in table:
+        raise EngineError(f"engine tensor dtype {dtype} has no torch equivalent here")
+    return table[dtype]
+
+
+class _Engine:
+    """One deserialized engine and its execution context, run by tensor name."""
+
+    def __init__(self, trt, runtime, path: Path, uses_plugin: bool):
+        if not path.is_file():
+            raise EngineError(f"{path}: missing; the engine directory is incomplete (rebuild it)")
+        data = path.read_bytes()
+        engine = runtime.deserialize_cuda_engine(data)
+        if engine is None and uses_plugin:
+            from medusa_trt.engines.tree_attention.plugin import register_plugin
+
+            register_plugin()
+            engine = runtime.deserialize_cuda_engine(data)
+        if engine is None:
+            raise EngineError(f"{path}: TensorRT {trt.__version__} cannot deserialize it (built with another "
+                              "TensorRT version or for another GPU? rebuild it here with medusa-build)")
+        self.trt, self.path, self.engine = trt, path, engine
+        self.context = engine.create_execution_context()
+        names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
+        self.inputs = [n for n in names if engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
+        self.outputs = [n for n in names if engine.get_tensor_mode(n) == trt.TensorIOMode.OUTPUT]
+        self.dtypes = {n: _torch_dtype(trt, engine.get_tensor_dtype(n)) for n in names}
+
+    def max_shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.engine.get_tensor_profile_shape(name, 0)[2])
+
+    def run(self, feeds: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+        """Binds `feeds` (device tensors, contiguous) and fresh outputs, and enqueues the engine on torch's
+        current stream; returns the outputs (valid once the stream reaches them)."""
+        missing = set(self.inputs) - set(feeds)
+        if missing:
+            raise EngineError(f"{self.path}: inputs {sorted(missing)} not given")
+        for name in self.inputs:
+            t = feeds[name]
+            if t.dtype != self.dtypes[name] or not t.is_contiguous() or t.device != device:
+                raise AssertionError(f"{name}: {t.dtype} on {t.device}, contiguous={t.is_contiguous()}; expected "
+                                     f"contiguous {self.dtypes[name]} on {device}")  # an internal invariant
+            if not self.context.set_input_shape(name, tuple(t.shape)):
+                lo, _, hi = self.engine.get_tensor_profile_shape(name, 0)
+                raise ValueError(f"{name}: shape {tuple(t.shape)} is outside the engine's profile {tuple(lo)}.."
+                                 f"{tuple(hi)} ({self.path}); rebuild with larger --max-batch-size/--max-seq-len")
+            self.context.set_tensor_address(name, t.data_ptr())
+        outputs = {}
+        for name in self.outputs:
+            shape = tuple(self.context.get_tensor_shape(name))
+            if any(d < 0 for d in shape):
+                raise EngineError(f"{self.path}: output {name} has unresolved shape {shape}")
+            out = torch.empty(shape, dtype=self.dtypes[name], device=device)
+            self.context.set_tensor_address(name, out.data_ptr())
+            outputs[name] = out
+        if not self.context.execute_async_v3(torch.cuda.current_stream(device).cuda_stream):
+            raise RuntimeError(f"{self.path}: TensorRT execute_async_v3 failed (see the TensorRT log)")
+        return outputs
+
+
+class TensorRTBackend:
+    """A TensorRT engine directory behind the Backend interface (see the module docstring)."""
+
+    def __init__(self, engine_dir: str | Path, device: str | None = None):
+        self.engine_dir = Path(engine_dir)
+        self.engine_info = info = read_trt_engine_json(self.engine_dir)
+        try:
+            import tensorrt as trt
+        except ImportError as e:
+            raise EngineError(f"{self.engine_dir}: a TensorRT engine needs TensorRT, which is not importable here "
+                              f"({e}): {_EXTRA_HINT}") from None
+        if not torch.cuda.is_available():
+            raise EngineError(f"{self.engine_dir}: TensorRT engines run on CUDA, and torch {torch.__version__} sees "
+                              "no CUDA device")
+        if device not in (None, "cuda") and not str(device).startswith("cuda"):
+            raise EngineError(f"device {device!r}: a TensorRT engine runs on 'cuda' only")
+        self.device = torch.device(device or "cuda")
+        self.trt = trt
+        self._runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
+        section = info["tensorrt"]
+        uses_plugin = section.get("attention") == "plugin"
+        self.decoder = _Engine(trt, self._runtime, self.engine_dir / section["engine"], uses_plugin)
+        heads_file = section.get("heads_engine")
+        self.heads_engine = _Engine(trt, self._runtime, self.engine_dir / heads_file, False) if heads_file else None
+        model, limits = info["model"], info["limits"]
+        self.num_layers, self.num_kv_heads = model["num_layers"], model["num_kv_heads"]
+        self.head_dim, self.hidden_size, self.vocab_size = model["head_dim"], model["hidden_size"], model["vocab_size"]
+        self.num_medusa_heads = info["medusa"]["num_heads"]
+        self.max_batch_size = limits["max_batch_size"]
+        self.info = ModelInfo(self.vocab_size, self.num_medusa_heads, limits["max_seq_len"], limits["max_draft_len"])
+        self._past_names = [f"past_{kind}_{i}" for i in range(self.num_layers) for kind in ("key", "value")]
+        self.dtype = self.decoder.dtypes[self._past_names[0]]
+        self.max_capacity = self.decoder.max_shape(self._past_names[0])[2]
+        self.start(1, 1)
+
+    # -- Backend interface ---------------------------------------------------------------------
+
+    def start(self, batch: int, capacity: int) -> None:
+        if batch > self.max_batch_size:
+            raise ValueError(f"batch {batch} exceeds the engine's max_batch_size {self.max_batch_size} "
+                             f"({self.engine_dir / 'engine.json'}); rebuild with a larger --max-batch-size")
+        if capacity > self.max_capacity:
+            raise ValueError(f"cache capacity {capacity} exceeds the engine's largest past {self.max_capacity} "
+                             f"({self.engine_dir / 'engine.json'}); rebuild with a larger --max-seq-len")
+        # Zeros, not empty: masked slots get probability 0, and 0 * NaN from stale memory is NaN.
+        shape = (self.num_layers, batch, self.num_kv_heads, max(capacity, 1), self.head_dim)
+        self.keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.values = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.lengths = torch.zeros(batch, dtype=torch.long)
+        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._hidden: torch.Tensor | None = None
+
+    @torch.inference_mode()
+    def forward(self, input_ids, position_ids, new_mask, logit_positions=None, with_heads=True):
+        b, s = input_ids.shape
+        past = int(self.lengths.max()) if b else 0
+        capacity = self.keys.shape[3]
+        if b != self.keys.shape[1]:
+            raise ValueError(f"forward got batch {b}, but the cache holds {self.keys.shape[1]} sequences")
+        if past + s > capacity:
+            raise ValueError(f"KV cache overflow: {past} + {s} positions > capacity {capacity}")
+        if b and int(position_ids.max()) >= self.info.max_seq_len:
+            raise ValueError(f"position {int(position_ids.max())} is beyond the engine's max_seq_len "
+                             f"{self.info.max_seq_len} ({self.engine_dir / 'engine.json'})")
+        if logit_positions is None:
+            logit_positions = torch.arange(s).expand(b, s)
+        dev = self.device
+        host = {"input_ids": input_ids, "position_ids": position_ids, "past_lengths": self.lengths,
+                "new_mask": new_mask, "logit_positions": logit_positions}
+        feeds = {name: value.to(dev, self.decoder.dtypes[name], non_blocking=True).contiguous()
+                 for name, value in host.items()}
+        for i, name in enumerate(self._past_names):
+            feeds[name] = (self.keys if i % 2 == 0 else self.values)[i // 2]  # contiguous [B, Hkv, cap, D]
+        out = self.decoder.run(feeds, dev)
+        self._pending = (out["present_keys"], out["present_values"])
+        self._hidden = out["hidden"]  # [B, K, d] on the device
+        logits = out["logits"].float().cpu()  # waits for the engine
+        if not with_heads:
+            return logits, None
+        hidden = self._hidden
+        return logits, self._run_heads(hidden.reshape(-1, hidden.shape[-1])).reshape(-1, *hidden.shape[:2], self.vocab_size)
+
+    @torch.inference_mode()
+    def heads(self, rows: torch.Tensor) -> torch.Tensor:
+        if self._hidden is None:
+            raise RuntimeError("heads() without a forward()")
+        b = self._hidden.shape[0]
+        index = torch.arange(b, device=self.device), rows.to(self.device)
+        return self._run_heads(self._hidden[index].contiguous())
+
+    def _run_heads(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, d] on the device -> medusa logits [H, N, V] float32 on the host, in chunks of the
+        heads engine's largest profile."""
+        n = hidden.shape[0]
+        if self.heads_engine is None or self.num_medusa_heads == 0:
+            return torch.zeros(0, n, self.vocab_size)
+        chunk = self.heads_engine.max_shape(self.heads_engine.inputs[0])[0]
+        parts = []
+        for start in range(0, n, chunk):
+            rows = hidden[start:start + chunk].to(self.heads_engine.dtypes[self.heads_engine.inputs[0]]).contiguous()
+            out = self.heads_engine.run({self.heads_engine.inputs[0]: rows}, self.device)
+            parts.append(out[self.heads_engine.outputs[0]].float())
+        return torch.cat(parts, dim=1).cpu()
+
+    def commit(self, slots: torch.Tensor, counts: torch.Tensor) -> None:
+        if self._pending is None:
+            raise RuntimeError("commit() without a forward() since the last commit")
+        new_k, new_v = self._pending
+        b, src, dst = commit_indices(self.lengths, 0, slots, counts)  # src indexes the new tokens
+        b, src, dst = b.to(self.device), src.to(self.device), dst.to(self.device)
+        self.keys[:, b, :, dst] = new_k[:, b, :, src]
+        self.values[:, b, :, dst] = new_v[:, b, :, src]
+        self.lengths = self.lengths + counts
+        self._pending = None
+
+    def keep(self, rows: torch.Tensor) -> None:
+        on_device = rows.to(self.device)
+        self.keys, self.values = self.keys[:, on_device].contiguous(), self.values[:, on_device].contiguous()
+        self.lengths = self.lengths[rows]
+        self._pending = None
+        if self._hidden is not None:
+            self._hidden = self._hidden[on_device]

@@ -1,0 +1,206 @@
+"""medusa-train-heads: fit Medusa-1 heads to a frozen Hugging Face base, FasterDecoding v1 output.
+
+Two kinds of targets:
+- plain (default): the data's own next tokens, each sample cut into windows of --seq-len tokens;
+- --self-distill: the base's own greedy continuations (--new-tokens) of --prompt-tokens snippets of
+  the data. Greedy verification accepts exactly what the base would say, so these heads accept
+  more, and the data need not be the base's training distribution.
+
+The output directory holds medusa_lm_head.pt + config.json, the files FasterDecoding's training
+writes, so medusa-convert (and any other tool that reads v1 heads) takes it as it is.
+
+    medusa-train-heads --base DIR --data FILE --out DIR [--num-heads 4] [--num-layers 1] [--self-distill]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+PROG = "medusa-train-heads"
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+class TrainError(ValueError):
+    """Bad input (a file, the base dir, an option): the CLI prints it and exits 2."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base", required=True, type=Path, help="Hugging Face model dir (config.json, weights, tokenizer)")
+    p.add_argument("--data", required=True, type=Path,
+                   help=".txt (one sample per line) or .jsonl (one {\"text\": ...} per line; text may hold newlines)")
+    p.add_argument("--out", required=True, type=Path, help="directory for medusa_lm_head.pt + config.json")
+    p.add_argument("--num-heads", type=int, default=4)
+    p.add_argument("--num-layers", type=int, default=1, help="ResBlocks per head (default 1)")
+    p.add_argument("--self-distill", action="store_true", help="targets = the base's greedy continuations")
+    p.add_argument("--prompt-tokens", type=int, default=48, help="self-distill: snippet length (default 48)")
+    p.add_argument("--new-tokens", type=int, default=128, help="self-distill: greedy tokens per snippet (default 128)")
+    p.add_argument("--num-prompts", type=int, default=1024, help="self-distill: snippets to continue (default 1024)")
+    p.add_argument("--seq-len", type=int, default=256, help="plain: window length (default 256)")
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--batch-tokens", type=int, default=4096, help="positions per step (default 4096)")
+    p.add_argument("--heldout", type=float, default=0.05, help="fraction of sequences kept for accuracy (default 0.05)")
+    p.add_argument("--dtype", choices=DTYPES, help="dtype of the saved heads (default: the base's)")
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast matmuls while training (faster on CPUs with "
+                   "AVX512-BF16/AMX; master weights stay float32)")
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--force", action="store_true", help="replace an existing medusa_lm_head.pt in --out")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    return p
+
+
+def _check(args) -> None:
+    for name in ("num_heads", "num_layers", "prompt_tokens", "new_tokens", "num_prompts", "seq_len", "steps",
+                 "batch_tokens"):
+        if getattr(args, name) < 1:
+            raise TrainError(f"--{name.replace('_', '-')} {getattr(args, name)}: expected a positive integer")
+    if not 0 <= args.heldout < 1:
+        raise TrainError(f"--heldout {args.heldout}: expected a fraction in [0, 1)")
+    if args.lr <= 0:
+        raise TrainError(f"--lr {args.lr}: expected > 0")
+    if not (args.base / "config.json").is_file():
+        raise TrainError(f"{args.base}: no config.json; expected a Hugging Face model directory")
+    if args.out.exists() and not args.out.is_dir():
+        raise TrainError(f"{args.out}: exists and is not a directory")
+    if (args.out / "medusa_lm_head.pt").exists() and not args.force:
+        raise TrainError(f"{args.out / 'medusa_lm_head.pt'}: exists; pass --force to replace it")
+
+
+def load_base(base: Path, quiet: bool = False):
+    """(model float32 eval, tokenizer), with one clear error for the many ways loading fails."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    if quiet:
+        hf_logging.disable_progress_bar()
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(base))
+    except Exception as e:  # transformers raises many unrelated types here
+        raise TrainError(f"{base}: cannot load the tokenizer ({type(e).__name__}: {e})") from None
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).eval()
+    except Exception as e:
+        raise TrainError(f"{base}: cannot load a causal LM from it ({type(e).__name__}: {e})") from None
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model, tok
+
+
+def build_sequences(args, samples: list[str], tok, model) -> tuple[list[list[int]], list[int]]:
+    """Token sequences to train on and, per sequence, the first position whose targets count."""
+    rng = random.Random(args.seed)
+    encoded = [ids for ids in (tok.encode(s) for s in samples) if ids]
+    if not encoded:
+        raise TrainError(f"{args.data}: every sample encodes to zero tokens")
+    if not args.self_distill:
+        seqs = [ids[i : i + args.seq_len] for ids in encoded for i in range(0, len(ids), args.seq_len)]
+        seqs = [s for s in seqs if len(s) > args.num_heads + 1]
+        if not seqs:
+            raise TrainError(f"{args.data}: no sample is longer than {args.num_heads + 1} tokens; "
+                             f"{args.num_heads} heads need at least {args.num_heads + 2}")
+        return seqs, [0] * len(seqs)
+    from medusa_trt.training import greedy_continuations
+
+    # Snippets: a random window of --prompt-tokens from a random sample (the whole sample when it is
+    # shorter). Equal lengths batch without padding.
+    prompts = []
+    for _ in range(args.num_prompts):
+        ids = encoded[rng.randrange(len(encoded))]
+        start = rng.randrange(max(1, len(ids) - args.prompt_tokens + 1))
+        prompts.append(ids[start : start + args.prompt_tokens])
+    seqs = greedy_continuations(model, prompts, args.new_tokens, progress=not args.quiet)
+    return seqs, [len(p) - 1 for p in prompts]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    t0 = time.perf_counter()
+    try:
+        _check(args)
+        import torch
+
+        from medusa_trt.training import (
+            DataError,
+            head_accuracy,
+            head_pairs,
+            read_samples,
+            save_v1_heads,
+            train_heads,
+        )
+
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        try:
+            samples = read_samples(args.data)
+        except DataError as e:
+            raise TrainError(str(e)) from None
+        model, tok = load_base(args.base, args.quiet)
+        seqs, starts = build_sequences(args, samples, tok, model)
+        # Held-out sequences (a seeded choice) measure the heads; the rest train them.
+        order = list(range(len(seqs)))
+        random.Random(args.seed).shuffle(order)
+        n_held = int(len(seqs) * args.heldout) if len(seqs) >= 20 else 0
+        held, train = order[:n_held], order[n_held:]
+        try:
+            pairs = head_pairs(model, [seqs[i] for i in train], args.num_heads, [starts[i] for i in train])
+        except ValueError as e:
+            raise TrainError(f"{args.data}: {e}") from None
+        history: list[float] = []
+        state = train_heads(model, [], num_heads=args.num_heads, num_layers=args.num_layers, steps=args.steps,
+                            lr=args.lr, batch_tokens=args.batch_tokens, seed=args.seed, progress=not args.quiet,
+                            bf16=args.bf16, history=history, pairs=pairs)
+        dtype = getattr(torch, args.dtype) if args.dtype else (_saved_dtype(args.base) or torch.float32)
+        path = save_v1_heads(state, args.out, args.base, args.num_heads, args.num_layers, dtype=dtype)
+        accuracy = None
+        if held:
+            try:
+                held_pairs = head_pairs(model, [seqs[i] for i in held], args.num_heads, [starts[i] for i in held])
+                saved = torch.load(path, weights_only=True)
+                accuracy = head_accuracy(saved, *held_pairs, args.num_heads, args.num_layers, topk=5)
+            except ValueError:
+                accuracy = None  # held-out sequences too short to measure: say nothing rather than guess
+    except TrainError as e:
+        print(f"{PROG}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    tail = history[-min(50, len(history)):]
+    summary = {"out": str(path), "targets": "self-distillation" if args.self_distill else "data",
+               "sequences": len(train), "positions": len(pairs[0]), "steps": args.steps,
+               "final_loss": round(sum(tail) / len(tail), 4), "dtype": str(dtype).removeprefix("torch."),
+               "seconds": round(time.perf_counter() - t0, 1)}
+    if accuracy is not None:
+        summary["heldout_top1"] = [round(float(a), 4) for a in accuracy[:, 0]]
+        summary["heldout_top5"] = [round(float(a), 4) for a in accuracy.sum(1)]
+    (args.out / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"{PROG}: wrote {path} ({args.num_heads} heads x {args.num_layers} layer(s), {summary['dtype']}, "
+          f"{summary['targets']} targets, {summary['positions']} positions, final loss {summary['final_loss']:.3f}, "
+          f"{summary['seconds']:.0f} s)")
+    if accuracy is not None:
+        print(f"{PROG}: held-out top-1 accuracy per head: " + ", ".join(f"{a:.3f}" for a in summary["heldout_top1"])
+              + "; top-5: " + ", ".join(f"{a:.3f}" for a in summary["heldout_top5"]))
+    return 0
+
+
+def _saved_dtype(base: Path):
+    """The dtype the base's config declares (heads are saved like the model they belong to)."""
+    import torch
+
+    try:
+        cfg = json.loads((base / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise TrainError(f"{base / 'config.json'}: cannot read it ({e})") from None
+    name = cfg.get("dtype") or cfg.get("torch_dtype")
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""medusa-bench on a tiny checkpoint and a tiny ONNX Runtime engine: the report's fields and their
+consistency, the forward timer, and bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from medusa_trt import bench
+from medusa_trt.runtime.decoding import GenerationConfig, decode
+from medusa_trt.runtime.loading import load_backend
+
+TEXTS = ("def add(a, b):", "import os", "Hello there")
+
+
+@pytest.fixture
+def prompts_file(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    return path
+
+
+def check_report(report: dict, num_prompts: int, depth: int) -> None:
+    assert report["num_prompts"] == num_prompts
+    for mode in ("plain", "medusa"):
+        r = report[mode]
+        for key in ("tokens", "steps", "tokens_per_s", "decode_tokens_per_s", "step_ms", "host_overhead_share",
+                    "speedup_vs_hf_generate"):
+            assert key in r, (mode, key)
+        assert r["tokens_per_s"] > 0 and 0 <= r["host_overhead_share"] < 1
+    p, m = report["plain"], report["medusa"]
+    assert p["steps"] == p["tokens"]  # plain decoding: one token per step
+    assert m["tokens_per_step"] == pytest.approx(m["tokens"] / m["steps"], abs=1e-3)
+    assert m["speedup"] == pytest.approx(m["tokens_per_s"] / p["tokens_per_s"], rel=1e-2)
+    assert m["step_overhead"] == pytest.approx(m["step_ms"] / p["step_ms"], rel=1e-2)
+    assert len(m["acceptance_per_head"]) == depth and all(0 <= a <= 1 for a in m["acceptance_per_head"])
+    assert m["equal_to_plain"] is True
+    hf = report["hf_generate"]
+    assert hf["tokens_per_s"] > 0 and hf["equal_to_plain"] == f"{num_prompts}/{num_prompts}"
+    assert len(report["per_prompt"]) == num_prompts
+
+
+def test_bench_on_a_checkpoint(tiny_merged, prompts_file, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    rc = bench.main(["--engine", str(tiny_merged("llama")), "--prompts", str(prompts_file), "--max-new-tokens", "24",
+                     "--medusa-choices", "[[0], [0, 0], [1]]", "--json", str(out), "--quiet"])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    check_report(report, len(TEXTS), depth=2)
+    assert report["backend"] == "TorchBackend"
+    printed = capsys.readouterr().out
+    assert "speedup (Medusa / plain, same run)" in printed and "transformers generate" in printed
+
+
+def test_bench_on_an_onnxruntime_engine(ort_engine, prompts_file, tmp_path):
+    out = tmp_path / "bench.json"
+    rc = bench.main(["--engine", str(ort_engine("llama")), "--prompts", str(prompts_file), "--max-new-tokens", "24",
+                     "--limit", "2", "--json", str(out), "--quiet"])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    check_report(report, 2, depth=4)
+    assert report["backend"] == "OrtBackend" and report["medusa_choices"] == "mc_sim_7b_63"
+
+
+def test_forward_timer_splits_forward_and_host_time(tiny_merged):
+    timer = bench.ForwardTimer(load_backend(tiny_merged("llama")))
+    run = bench.timed_decode(timer, [1, 5, 9, 13], GenerationConfig(max_new_tokens=10, use_medusa=False))
+    prefill = [dt for commits, dt in timer.calls if commits == 0]
+    assert 1 <= len(prefill) <= 2  # forward (+ heads where the backend computes them separately)
+    assert len(timer.calls) - len(prefill) >= run.stats.steps  # at least one compute call per step
+    assert 0 < run.step_forward_s < run.forward_s <= run.wall_s
+    assert run.host_step_s >= 0
+    # The wrapper is transparent: same tokens as the bare backend.
+    assert run.tokens == decode(timer.backend, [[1, 5, 9, 13]], GenerationConfig(max_new_tokens=10,
+                                                                                 use_medusa=False)).tokens[0]
+
+
+def test_hf_model_dir_follows_engine_and_checkpoint(tiny_merged, ort_engine, tiny_base):
+    base = tiny_base("llama").resolve()
+    assert bench.hf_model_dir(tiny_merged("llama")) == base
+    assert bench.hf_model_dir(ort_engine("llama")) == base
+
+
+def test_bad_input_exits_2(tiny_merged, prompts_file, tmp_path, capsys):
+    ckpt = str(tiny_merged("llama"))
+    assert bench.main(["--engine", ckpt, "--prompts", str(tmp_path / "none.txt")]) == 2
+    assert "none.txt: file not found" in capsys.readouterr().err
+    assert bench.main(["--engine", str(tmp_path / "nope"), "--prompts", str(prompts_file)]) == 2
+    assert "--engine directory not found" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{"txt": "no"}\n')
+    assert bench.main(["--engine", ckpt, "--prompts", str(bad)]) == 2
+    assert "bad.jsonl:2: expected an object with a string 'text' field" in capsys.readouterr().err
+    assert bench.main(["--engine", ckpt, "--prompts", str(prompts_file), "--medusa-choices", "[[0, 0, 0, 0, 0]]",
+                       "--no-hf", "--quiet"]) == 2
+    assert "depth 5 exceeds" in capsys.readouterr().err
+    assert bench.main(["--engine", ckpt, "--prompts", str(prompts_file), "--hf-model", str(tmp_path)]) == 2
+    assert "--hf-model has no config.json" in capsys.readouterr().err
+
+
+def test_threads_are_restored_after_the_transformers_baseline(tiny_base):
+    before = torch.get_num_threads()
+    bench.hf_generate(tiny_base("llama"), [[1, 5, 9]], 4, ())
+    assert torch.get_num_threads() == before

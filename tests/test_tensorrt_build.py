@@ -1,0 +1,235 @@
+"""medusa-build --backend tensorrt and the TensorRT runtime backend.
+
+On a machine without TensorRT (or without a GPU) the builder must stop with one clear line naming
+the extra to install and exit 2; that path and the option checks run everywhere. The real builds
+(plugin and native attention) and the TensorRTBackend parity against the PyTorch reference run only
+where `tensorrt` imports and CUDA is available.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+from medusa_trt.engines import cli as build_cli
+from medusa_trt.engines.build import BuildError, BuildOptions
+from medusa_trt.engines.tensorrt import (
+    Limits,
+    check_attention_options,
+    decoder_profile,
+    heads_profile,
+    limits_for,
+)
+
+
+def _main(ckpt, out, *args) -> int:
+    return build_cli.main(["--checkpoint", str(ckpt), "--out", str(out), "--backend", "tensorrt", "--quiet", *args])
+
+
+def test_missing_tensorrt_is_one_line_and_exit_2(tiny_merged, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "tensorrt", None)  # `import tensorrt` fails, even where it is installed
+    out, ckpt = tmp_path / "engine", tiny_merged("llama")
+    capsys.readouterr()  # the fixture's own output
+    assert _main(ckpt, out) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("medusa-build: error: --backend tensorrt needs TensorRT")
+    assert "pip install 'medusa-trt[tensorrt]'" in err
+    assert not out.exists() and not list(tmp_path.glob(".engine.tmp-*"))
+
+
+def test_missing_gpu_is_one_line_and_exit_2(tiny_merged, tmp_path, capsys):
+    try:
+        import tensorrt  # noqa: F401
+    except ImportError:
+        pytest.skip("TensorRT is not installed: the missing-TensorRT error comes first")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    ckpt = tiny_merged("llama")
+    capsys.readouterr()
+    assert _main(ckpt, tmp_path / "engine") == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no CUDA device" in err and "medusa-trt[tensorrt]" in err
+
+
+def test_option_errors_come_before_tensorrt(tiny_merged, tmp_path, capsys):
+    ckpt = tiny_merged("llama")
+    assert _main(ckpt, tmp_path / "e", "--attention", "split") == 2
+    assert "--attention split with --trt-attention plugin" in capsys.readouterr().err
+    assert _main(ckpt, tmp_path / "e", "--opset", "21") == 2
+    assert "--opset 21" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # argparse refuses unknown modes
+        _main(ckpt, tmp_path / "e", "--trt-attention", "flash")
+    opts = BuildOptions(checkpoint=ckpt, out=tmp_path / "e", backend="tensorrt", extra={"trt_attention": "x"})
+    with pytest.raises(BuildError, match="--trt-attention 'x'"):
+        check_attention_options(opts)
+    native = BuildOptions(checkpoint=ckpt, out=tmp_path / "e", attention="split", extra={"trt_attention": "native"})
+    assert check_attention_options(native) == "native"
+
+
+def test_profiles_cover_the_engine_interface(ort_engine, tiny_merged):
+    """Every decoder input gets min <= opt <= max with the graph's static dims, the hot path (a whole
+    tree at the largest batch) as opt, and a whole-context prefill within max."""
+    import onnx
+
+    engine = json.loads((ort_engine("llama") / "engine.json").read_text())
+    model = engine["model"]
+    graph = onnx.load(str(ort_engine("llama") / "model.onnx"), load_external_data=False).graph
+    opts = BuildOptions(checkpoint=tiny_merged("llama"), out=ort_engine("llama"), max_batch_size=4, max_draft_len=20)
+    limits = limits_for(opts, {"max_position_embeddings": 512, "max_draft_len": 63})
+    assert limits == Limits(max_batch_size=4, max_seq_len=512, max_draft_len=20)
+    profile = decoder_profile(limits, model["num_layers"], model["num_kv_heads"], model["head_dim"])
+    assert list(profile) == [i.name for i in graph.input]
+    for value in graph.input:
+        lo, opt, hi = profile[value.name]
+        dims = value.type.tensor_type.shape.dim
+        assert len(lo) == len(opt) == len(hi) == len(dims), value.name
+        for d, a, b, c in zip(dims, lo, opt, hi, strict=True):
+            assert 1 <= a <= b <= c
+            if d.HasField("dim_value"):
+                assert a == b == c == d.dim_value, value.name
+    assert profile["input_ids"] == ((1, 1), (4, 21), (4, 512))
+    assert profile["new_mask"] == ((1, 1, 1), (4, 21, 21), (4, 512, 512))
+    assert profile["past_key_0"][2] == (4, model["num_kv_heads"], 512 + 21, model["head_dim"])
+    heads = heads_profile(limits, model["hidden_size"])
+    assert heads == {"hidden": ((1, 64), (4, 64), (4 * 21, 64))}
+
+
+@pytest.mark.parametrize(("mode", "dtype"), [("plugin", "float32"), ("plugin", "bfloat16"), ("native", "float16")])
+def test_onnx_stage_of_the_build(tiny_merged, tmp_path, mode, dtype):
+    """What the TensorRT build parses, made here without TensorRT: the plugin build's decoder graph has
+    plugin nodes and no Attention, the native build's keeps the exporter's Attention; both keep the
+    engine interface its profile describes, in the engine dtype."""
+    import onnx
+
+    from medusa_trt.engines.tensorrt import export_for_tensorrt
+    from medusa_trt.engines.tree_attention.plugin import PLUGIN_NAME
+
+    opts = BuildOptions(checkpoint=tiny_merged("llama"), out=tmp_path / "e", backend="tensorrt",
+                        extra={"trt_attention": mode})
+    graphs = export_for_tensorrt(opts, check_attention_options(opts), dtype, tmp_path / "onnx")
+    onnx.checker.check_model(str(graphs.decoder))
+    decoder = onnx.load(str(graphs.decoder))
+    ops = {n.op_type for n in decoder.graph.node}
+    assert (PLUGIN_NAME in ops, "Attention" in ops) == ((True, False) if mode == "plugin" else (False, True))
+    assert graphs.plugin_nodes == (graphs.num_layers if mode == "plugin" else 0)
+    limits = Limits(max_batch_size=2, max_seq_len=128, max_draft_len=15)
+    profile = decoder_profile(limits, graphs.num_layers, graphs.num_kv_heads, graphs.head_dim)
+    assert list(profile) == [i.name for i in decoder.graph.input]
+    elem = {"float32": onnx.TensorProto.FLOAT, "bfloat16": onnx.TensorProto.BFLOAT16,
+            "float16": onnx.TensorProto.FLOAT16}[dtype]
+    types = {i.name: i.type.tensor_type.elem_type for i in decoder.graph.input}
+    assert types["past_key_0"] == elem and types["new_mask"] == onnx.TensorProto.BOOL
+    heads = onnx.load(str(graphs.heads))
+    assert [i.name for i in heads.graph.input] == list(heads_profile(limits, graphs.hidden_size))
+
+
+# -- on a GPU with TensorRT ---------------------------------------------------------------------------
+
+try:
+    import tensorrt  # noqa: F401
+
+    HAVE_TRT = True
+except ImportError:
+    HAVE_TRT = False
+gpu = pytest.mark.skipif(not (HAVE_TRT and torch.cuda.is_available()), reason="needs TensorRT and a CUDA GPU")
+
+
+@pytest.fixture(scope="module")
+def trt_engine(tmp_path_factory, tiny_merged):
+    from medusa_trt.engines.build import build_engine
+
+    cache = {}
+
+    def get(arch="llama", mode="plugin", dtype="float32"):
+        key = (arch, mode, dtype)
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"trt-{arch}-{mode}-{dtype}") / "engine"
+            build_engine(BuildOptions(checkpoint=tiny_merged(arch), out=out, backend="tensorrt", dtype=dtype,
+                                      max_batch_size=4, max_seq_len=256, max_draft_len=32, progress=False,
+                                      extra={"trt_attention": mode}))
+            cache[key] = out
+        return cache[key]
+
+    return get
+
+
+@gpu
+@pytest.mark.parametrize("mode", ["plugin", "native"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_engine_matches_torch_backend(trt_engine, tiny_merged, mode, arch):
+    from medusa_trt.modeling import MedusaModel
+    from medusa_trt.runtime.backend import TorchBackend
+    from medusa_trt.runtime.loading import load_backend
+    from medusa_trt.runtime.trt_backend import TensorRTBackend
+    from medusa_trt.tree import build_tree
+
+    engine_dir = trt_engine(arch, mode)
+    engine = json.loads((engine_dir / "engine.json").read_text())
+    assert engine["backend"] == "tensorrt" and engine["device"] == "cuda"
+    assert engine["tensorrt"]["attention"] == mode and engine["tensorrt"]["strongly_typed"]
+    assert (engine_dir / "rank0.engine").is_file() and (engine_dir / "heads.engine").is_file()
+    trt = load_backend(engine_dir)
+    assert isinstance(trt, TensorRTBackend)
+    ref = TorchBackend(MedusaModel.from_checkpoint(tiny_merged(arch), dtype="float32"))
+    g = torch.Generator().manual_seed(0)
+    for b in (trt, ref):
+        b.start(3, 64)
+    lens = torch.tensor([6, 2, 5])
+    ids = torch.randint(0, 256, (3, 6), generator=g)
+    mask = torch.ones(6, 6, dtype=torch.bool).tril()[None] & (torch.arange(6)[None, :] < lens[:, None])[:, None]
+    tree = build_tree([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]], num_heads=4)
+    t = tree.num_slots
+    tree_mask = torch.from_numpy(tree.attention_mask.copy())[None].expand(3, t, t)
+    steps = [(ids, torch.arange(6).expand(3, 6), mask, (lens - 1)[:, None], torch.arange(6).expand(3, 6), lens)]
+    for _ in range(3):
+        counts = torch.randint(1, 4, (3,), generator=g)
+        slots = torch.tensor([[0, 1, 3], [0, 2, 5], [0, 1, 4]])
+        steps.append((torch.randint(0, 256, (3, t), generator=g), "tree", tree_mask, None, slots, counts))
+    for ids, pos, new_mask, logit_positions, slots, counts in steps:
+        if isinstance(pos, str):  # a tree step: committed length + depth
+            pos = trt.lengths[:, None] + torch.from_numpy(tree.position_offsets)[None]
+        got, want = trt.forward(ids, pos, new_mask, logit_positions), ref.forward(ids, pos, new_mask, logit_positions)
+        torch.testing.assert_close(got[0], want[0], atol=2e-3, rtol=0)  # float32 without TF32
+        torch.testing.assert_close(got[1], want[1], atol=2e-3, rtol=0)
+        rows = torch.tensor([0, 1, 0])
+        torch.testing.assert_close(trt.heads(rows), ref.heads(rows), atol=2e-3, rtol=0)
+        for b in (trt, ref):
+            b.commit(slots, counts)
+    for b in (trt, ref):
+        b.keep(torch.tensor([2, 0]))
+    ids = torch.randint(0, 256, (2, 1), generator=g)
+    got, want = (b.forward(ids, trt.lengths[:, None], torch.ones(2, 1, 1, dtype=torch.bool)) for b in (trt, ref))
+    torch.testing.assert_close(got[0], want[0], atol=2e-3, rtol=0)
+
+
+@gpu
+def test_medusa_greedy_decode_equals_plain(trt_engine):
+    from medusa_trt.runtime.decoding import GenerationConfig, decode
+    from medusa_trt.runtime.trt_backend import TensorRTBackend
+
+    backend = TensorRTBackend(trt_engine("llama", "plugin"))
+    prompts = [[1, 5, 9, 14, 3], [1, 40], [1, 7, 7, 8, 30, 31, 2]]
+    plain = decode(backend, prompts, GenerationConfig(max_new_tokens=32, use_medusa=False))
+    medusa = decode(backend, prompts, GenerationConfig(max_new_tokens=32,
+                                                       medusa_choices=[[0], [1], [0, 0], [0, 1], [0, 0, 0]]))
+    assert medusa.tokens == plain.tokens
+
+
+@gpu
+def test_float16_engine(trt_engine, tiny_merged):
+    from medusa_trt.modeling import MedusaModel
+    from medusa_trt.runtime.backend import TorchBackend
+    from medusa_trt.runtime.trt_backend import TensorRTBackend
+
+    backend = TensorRTBackend(trt_engine("llama", "plugin", "float16"))
+    ref = TorchBackend(MedusaModel.from_checkpoint(tiny_merged("llama"), dtype="float32"))
+    for b in (backend, ref):
+        b.start(2, 32)
+    ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 8, 8, dtype=torch.bool).tril()
+    got, want = (b.forward(ids, torch.arange(8).expand(2, 8), mask) for b in (backend, ref))
+    torch.testing.assert_close(got[0], want[0], atol=5e-2, rtol=5e-2)

@@ -1,0 +1,181 @@
+"""medusa-train-heads: FasterDecoding v1 output that medusa-convert takes, heads that get accepted,
+clear errors; and the committed demo model (loads, converts, Medusa greedy == plain greedy)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from medusa_trt import train_cli
+from medusa_trt.converter import convert
+from medusa_trt.modeling import MedusaModel
+from medusa_trt.runtime.backend import TorchBackend
+from medusa_trt.runtime.decoding import GenerationConfig, decode
+from medusa_trt.training import DataError, greedy_continuations, read_samples
+
+WORDS = "def return class import self value items print range list dict open with for in if else".split()
+DEMO = Path(__file__).resolve().parent.parent / "assets" / "demo_model"
+
+
+def write_data(path: Path, n: int = 40, seed: int = 0) -> Path:
+    rng = random.Random(seed)
+    lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randrange(6, 14))) for _ in range(n)]
+    if path.suffix == ".jsonl":
+        path.write_text("".join(json.dumps({"text": line}) + "\n" for line in lines))
+    else:
+        path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def self_distilled(tiny_base, tmp_path_factory):
+    """medusa-train-heads --self-distill on a tiny base (a few seconds), converted by medusa-convert."""
+    root = tmp_path_factory.mktemp("train-heads")
+    data = write_data(root / "data.jsonl")
+    rc = train_cli.main(["--base", str(tiny_base("llama")), "--data", str(data), "--out", str(root / "heads"),
+                         "--self-distill", "--num-prompts", "96", "--prompt-tokens", "8", "--new-tokens", "48",
+                         "--steps", "200", "--batch-tokens", "2048", "--quiet"])
+    assert rc == 0
+    convert(tiny_base("llama"), root / "heads", root / "ckpt", progress=False)
+    return root
+
+
+def test_cli_writes_the_faster_decoding_v1_format(self_distilled, tiny_base):
+    heads = self_distilled / "heads"
+    config = json.loads((heads / "config.json").read_text())
+    assert config["medusa_num_heads"] == 4 and config["medusa_num_layers"] == 1
+    state = torch.load(heads / "medusa_lm_head.pt", weights_only=True)
+    base_cfg = json.loads((tiny_base("llama") / "config.json").read_text())
+    d, v = base_cfg["hidden_size"], base_cfg["vocab_size"]
+    assert set(state) == {f"{h}.{k}" for h in range(4) for k in ("0.linear.weight", "0.linear.bias", "1.weight")}
+    assert state["0.0.linear.weight"].shape == (d, d) and state["3.1.weight"].shape == (v, d)
+    assert state["0.0.linear.weight"].dtype == torch.float32  # the base's dtype
+    summary = json.loads((heads / "training_summary.json").read_text())
+    assert summary["targets"] == "self-distillation" and len(summary["heldout_top1"]) == 4
+    ckpt = json.loads((self_distilled / "ckpt" / "config.json").read_text())
+    assert ckpt["num_medusa_heads"] == 4 and ckpt["medusa_trt"]["head_format"] == "medusa_v1"
+
+
+def test_self_distilled_heads_get_accepted(self_distilled, tiny_base):
+    backend = TorchBackend(MedusaModel.from_checkpoint(self_distilled / "ckpt"))
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 72) for _ in range(n)] for n in (5, 9, 7)]
+    medusa = decode(backend, prompts, GenerationConfig(max_new_tokens=40))
+    plain = decode(backend, prompts, GenerationConfig(max_new_tokens=40, use_medusa=False))
+    assert medusa.tokens == plain.tokens
+    assert all(s.accepted_draft_tokens > 0 for s in medusa.stats), [s.as_dict() for s in medusa.stats]
+    assert sum(s.new_tokens for s in medusa.stats) / sum(s.steps for s in medusa.stats) > 1.3
+
+
+def test_plain_targets_and_txt_data(tiny_base, tmp_path, capsys):
+    data = write_data(tmp_path / "data.txt", n=30)
+    out = tmp_path / "heads"
+    rc = train_cli.main(["--base", str(tiny_base("llama")), "--data", str(data), "--out", str(out),
+                         "--num-heads", "3", "--num-layers", "2", "--steps", "20", "--dtype", "float16", "--quiet"])
+    assert rc == 0
+    state = torch.load(out / "medusa_lm_head.pt", weights_only=True)
+    assert "2.1.linear.weight" in state and "2.2.weight" in state and state["2.2.weight"].dtype == torch.float16
+    assert json.loads((out / "training_summary.json").read_text())["targets"] == "data"
+    assert "medusa-train-heads: wrote" in capsys.readouterr().out
+    convert(tiny_base("llama"), out, tmp_path / "ckpt", progress=False)
+    # The existing file is kept unless --force.
+    assert train_cli.main(["--base", str(tiny_base("llama")), "--data", str(data), "--out", str(out), "--quiet"]) == 2
+    assert "pass --force" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("case", ["missing", "empty", "suffix", "bad_json", "no_text", "bad_base", "no_base",
+                                  "too_short", "bad_option"])
+def test_bad_input_exits_2(case, tiny_base, tmp_path, capsys):
+    base, data, out = tiny_base("llama"), tmp_path / "data.jsonl", tmp_path / "heads"
+    write_data(data)
+    expected = {
+        "missing": "missing.jsonl: file not found",
+        "empty": "no samples",
+        "suffix": "unsupported suffix '.csv'",
+        "bad_json": "data.jsonl:2: not valid JSON",
+        "no_text": "data.jsonl:1: expected an object with a string 'text' field",
+        "bad_base": "cannot load",
+        "no_base": "no config.json; expected a Hugging Face model directory",
+        "too_short": "no sample is longer than 5 tokens",
+        "bad_option": "--steps 0: expected a positive integer",
+    }[case]
+    args = {"--base": str(base), "--data": str(data), "--out": str(out)}
+    extra: list[str] = []
+    if case == "missing":
+        args["--data"] = str(tmp_path / "missing.jsonl")
+    elif case == "empty":
+        data.write_text("\n  \n")
+    elif case == "suffix":
+        args["--data"] = str(tmp_path / "data.csv")
+    elif case == "bad_json":
+        data.write_text('{"text": "ok"}\n{"text": \n')
+    elif case == "no_text":
+        data.write_text('{"content": "x"}\n')
+    elif case == "bad_base":
+        broken = tmp_path / "broken"
+        broken.mkdir()
+        (broken / "config.json").write_text("{}")
+        args["--base"] = str(broken)
+    elif case == "no_base":
+        args["--base"] = str(tmp_path / "nowhere")
+    elif case == "too_short":
+        data.write_text('{"text": "a"}\n')
+    elif case == "bad_option":
+        extra = ["--steps", "0"]
+    rc = train_cli.main([x for kv in args.items() for x in kv] + extra + ["--quiet"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "medusa-train-heads: error:" in err and expected in err, err
+    assert not (out / "medusa_lm_head.pt").exists()
+
+
+def test_read_samples_forms(tmp_path):
+    txt = tmp_path / "a.txt"
+    txt.write_text("first line\n\nsecond line\n")
+    assert read_samples(txt) == ["first line", "second line"]
+    jsonl = tmp_path / "a.jsonl"
+    jsonl.write_text('{"text": "def f():\\n    return 1\\n"}\n\n{"text": "x", "other": 1}\n')
+    assert read_samples(jsonl) == ["def f():\n    return 1\n", "x"]
+    (tmp_path / "b.jsonl").write_text("[1, 2]\n")
+    with pytest.raises(DataError, match="b.jsonl:1: expected an object"):
+        read_samples(tmp_path / "b.jsonl")
+
+
+def test_batched_greedy_continuations_equal_one_at_a_time(tiny_base):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_base("llama")).eval()
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 72) for _ in range(n)] for n in (4, 4, 6, 4)]
+    batched = greedy_continuations(hf, prompts, 12, batch_size=8)
+    for p, seq in zip(prompts, batched, strict=True):
+        ref = list(p)  # oracle: argmax of a full forward (no cache, no batching) per new token
+        with torch.no_grad():
+            for _ in range(12):
+                ref.append(int(hf(torch.tensor([ref])).logits[0, -1].argmax()))
+        assert seq == ref
+
+
+@pytest.mark.skipif(not (DEMO / "heads" / "medusa_lm_head.pt").is_file(), reason="demo model not trained yet")
+def test_committed_demo_model(tmp_path):
+    """The committed assets convert and decode, and Medusa greedy equals plain greedy on a held-out prompt."""
+    from medusa_trt.runtime.loading import load_tokenizer, stop_tokens
+
+    summary = json.loads((DEMO / "summary.json").read_text())
+    sizes = sum(p.stat().st_size for p in DEMO.rglob("*") if p.is_file())
+    assert sizes < 20 * 2**20
+    convert(DEMO / "base", DEMO / "heads", tmp_path / "ckpt", dtype="float32", progress=False)
+    backend = TorchBackend(MedusaModel.from_checkpoint(tmp_path / "ckpt"))
+    tok = load_tokenizer(tmp_path / "ckpt")
+    prompt = tok.encode(read_samples(DEMO / "prompts_heldout.jsonl")[0])
+    stops = stop_tokens(tmp_path / "ckpt", tok)
+    tree = DEMO / "tree.json" if (DEMO / "tree.json").is_file() else "mc_sim_7b_63"
+    medusa = decode(backend, [prompt], GenerationConfig(max_new_tokens=64, medusa_choices=tree, stop_token_ids=stops))
+    plain = decode(backend, [prompt], GenerationConfig(max_new_tokens=64, use_medusa=False, stop_token_ids=stops))
+    assert medusa.tokens == plain.tokens
+    assert medusa.stats[0].tokens_per_step > 1.5
+    assert summary["heads"]["num_heads"] == backend.info.num_medusa_heads

@@ -1,0 +1,160 @@
+"""medusa-tune-tree: the greedy construction on hand-made accuracy tables, the hardware-aware choice
+and its guard, and the CLI end to end on a tiny checkpoint."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from medusa_trt.calibration import tree_search as ts
+from medusa_trt.calibration.tree_search import (
+    StepTimes,
+    choose_tree,
+    expected_tokens_per_step,
+    greedy_tree,
+    non_decreasing,
+    rank_hits,
+)
+from medusa_trt.tree import build_tree, parse_medusa_choices
+
+# Head k (row) rank r (column): P(rank-r token of head k is the greedy token). Chosen without ties.
+ACC = [[0.6, 0.2, 0.1],
+       [0.5, 0.3, 0.05],
+       [0.4, 0.15, 0.01]]
+
+
+def test_greedy_construction_on_a_hand_made_table():
+    # Values: (0)=.6 (0,0)=.3 (1)=.2 (0,1)=.18 (0,0,0)=.12 (1,0)=.1 (2)=.1 -> tie, smaller path first
+    nodes = greedy_tree(ACC, 7)
+    assert [p for p, _ in nodes] == [(0,), (0, 0), (1,), (0, 1), (0, 0, 0), (1, 0), (2,)]
+    assert [round(v, 6) for _, v in nodes] == [0.6, 0.3, 0.2, 0.18, 0.12, 0.1, 0.1]
+    # Next: (0,1,0)=.072 beats (1,1)=.06 and (0,0,1)=.045
+    assert greedy_tree(ACC, 8)[-1][0] == (0, 1, 0)
+
+
+def test_depth_is_bounded_by_the_heads():
+    nodes = greedy_tree([[1.0], [1.0]], 10)
+    assert [p for p, _ in nodes] == [(0,), (0, 0)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.floats(0, 1), min_size=1, max_size=5), min_size=1, max_size=4), st.integers(1, 40))
+def test_every_prefix_is_a_tree_and_values_never_increase(acc, n):
+    nodes = greedy_tree(acc, n)
+    seen = set()
+    for i, (path, value) in enumerate(nodes):
+        assert len(path) == 1 or path[:-1] in seen  # parent already in: the prefix is a tree
+        seen.add(path)
+        assert math.isclose(value, math.prod(acc[d][r] for d, r in enumerate(path)))
+        if i:
+            assert value <= nodes[i - 1][1] + 1e-12
+    assert len(nodes) == min(n, len(seen))
+
+
+def test_expected_tokens_per_step():
+    assert expected_tokens_per_step(ACC, [[0], [0, 0], [1]]) == pytest.approx(1 + 0.6 + 0.3 + 0.2)
+    # Ranks beyond the measured table never count; a deeper path than the table counts 0.
+    assert expected_tokens_per_step(ACC, [[0], [7]]) == pytest.approx(1.6)
+    assert expected_tokens_per_step(ACC, [[0, 0, 0, 0]]) == pytest.approx(1.0)
+
+
+def steps(forward: list[float], host_plain=0.0, host_tree=(0.0, 0.0)) -> StepTimes:
+    return StepTimes(forward, forward, forward[0], host_plain, host_tree)
+
+
+def test_flat_step_time_takes_every_useful_node():
+    choice = choose_tree(ACC, steps([1.0] * 30), max_nodes=20)
+    assert choice.recommendation == "medusa"
+    # Step time never grows and every node has a positive value: the largest tree allowed wins.
+    assert choice.nodes == 20
+    assert choice.speedup_vs_plain == pytest.approx(expected_tokens_per_step(ACC, choice.medusa_choices), abs=1e-3)
+
+
+def test_the_size_balances_tokens_per_step_and_step_time():
+    # Each extra tree token costs 10% of a plain step. Expected tokens/ms by size: 1.6/1.1, 1.9/1.2,
+    # 2.1/1.3, 2.28/1.4 (best, 1.629x), 2.40/1.5 (1.600x): the fifth node no longer pays for itself.
+    forward = [1.0 + 0.1 * t for t in range(30)]
+    choice = choose_tree(ACC, steps(forward), max_nodes=20)
+    speedups = [row["speedup_vs_plain"] for row in choice.by_size]
+    assert choice.nodes == 1 + speedups.index(max(speedups))
+    assert choice.medusa_choices == [[0], [0, 0], [1], [0, 1]]
+    assert choice.speedup_vs_plain == pytest.approx(2.28 / 1.4, abs=1e-3)
+
+
+def test_guard_recommends_plain_when_step_time_grows_fast():
+    forward = [1.0] + [2.5 + t for t in range(30)]  # any tree step costs 2.5x a plain one or more
+    choice = choose_tree(ACC, steps(forward), max_nodes=20)
+    assert choice.recommendation == "plain"
+    assert choice.speedup_vs_plain < 1
+
+
+def test_host_time_counts_in_the_step():
+    fast = choose_tree(ACC, steps([1.0] * 10, host_plain=0.0, host_tree=(0.0, 0.0)), 9)
+    slow = choose_tree(ACC, steps([1.0] * 10, host_plain=0.0, host_tree=(0.5, 0.2)), 9)
+    assert slow.speedup_vs_plain < fast.speedup_vs_plain
+    assert slow.nodes < fast.nodes
+
+
+def test_non_decreasing_pools_dips():
+    assert non_decreasing([1, 3, 2, 4]) == [1, 2.5, 2.5, 4]
+    assert non_decreasing([2, 1, 1, 5]) == pytest.approx([4 / 3] * 3 + [5])
+    assert non_decreasing([1, 2, 3]) == [1, 2, 3]
+
+
+def test_rank_hits_counts_each_rank():
+    import torch
+
+    logits = torch.tensor([[[0.0, 3.0, 2.0, 1.0], [5.0, 0.0, 1.0, 0.0]]])  # [H=1, N=2, V=4]
+    # position 0 ranks: 1, 2, 3, 0; position 1 ranks: 0, 2, ...
+    assert rank_hits(logits, torch.tensor([[2, 0]]), 3).tolist() == [[1, 1, 0]]
+    assert rank_hits(logits, torch.tensor([[-1, 2]]), 3).tolist() == [[0, 1, 0]]
+    assert rank_hits(logits, torch.tensor([[0, 3]]), 6).shape == (1, 6)  # more ranks than the vocab
+
+
+def test_cli_writes_a_loadable_tree_and_warns_for_random_heads(tiny_merged, tmp_path, capsys):
+    data = tmp_path / "calib.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in ("def add(a, b):", "import os", "Hello there")))
+    out = tmp_path / "tree.json"
+    ckpt = tiny_merged("llama")  # random heads: they rarely predict anything
+    rc = ts.main(["--engine", str(ckpt), "--calib-data", str(data), "--out", str(out), "--max-nodes", "12",
+                  "--max-new-tokens", "16", "--reps", "2", "--eval-limit", "1", "--quiet"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    tree = parse_medusa_choices(out)
+    assert tree == result["medusa_choices"] and 1 <= len(tree) <= 12
+    build_tree(out, num_heads=4)  # valid: prefix-closed, depth <= heads
+    assert len(result["head_accuracy"]["rank_accuracy"]) == 4
+    assert len(result["step_time_ms"]["forward"]) >= 13
+    assert result["head_accuracy"]["base_agreement"] > 0.9
+    for key in ("tuned", "plain", "mc_sim_7b_63", "tuned_vs_mc_sim_7b_63"):
+        assert key in result["predicted"]
+    assert {"tuned", "mc_sim_7b_63", "plain_tokens_per_s"} <= set(result["measured"])
+    assert result["measured"]["tuned"]["equal_to_plain"]
+    if result["recommendation"] == "plain":
+        assert "use plain decoding" in printed
+    assert "tuned tree:" in printed
+
+
+def test_cli_bad_input_exits_2(tiny_merged, tmp_path, capsys):
+    ckpt = tiny_merged("llama")
+    out = tmp_path / "tree.json"
+    assert ts.main(["--engine", str(ckpt), "--calib-data", str(tmp_path / "missing.jsonl"), "--out", str(out)]) == 2
+    assert "missing.jsonl: file not found" in capsys.readouterr().err
+    assert ts.main(["--engine", str(tmp_path / "nope"), "--calib-data", "x.txt", "--out", str(out)]) == 2
+    assert "--engine directory not found" in capsys.readouterr().err
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    assert ts.main(["--engine", str(ckpt), "--calib-data", str(empty), "--out", str(out)]) == 2
+    assert "no samples" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_the_module_has_no_heavy_import_at_top():
+    source = Path(ts.__file__).read_text()
+    assert "import onnxruntime" not in source.split("def ", 1)[0]
