@@ -10,7 +10,7 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from medusa_trt.engines.check import main
+from medusa_trt.check import main
 
 FAST = ["--max-new-tokens", "12", "--tree-steps", "2"]
 
