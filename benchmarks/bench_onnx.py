@@ -77,11 +77,15 @@ def prepare(workdir: Path, size: str) -> dict[str, Path]:
 
 
 def _stale(engine_dir: Path) -> bool:
-    """No engine yet, or one built with another attention form than today's default."""
+    """No engine yet, or one of another engine format or attention form than today's default."""
+    from medusa_trt.engines.build import ENGINE_FORMAT_VERSION
     from medusa_trt.engines.onnx_export import DEFAULT_ATTENTION
 
     path = engine_dir / "engine.json"
-    return not path.is_file() or json.loads(path.read_text())["onnx"]["attention"] != DEFAULT_ATTENTION
+    if not path.is_file():
+        return True
+    engine = json.loads(path.read_text())
+    return engine.get("format_version") != ENGINE_FORMAT_VERSION or engine["onnx"]["attention"] != DEFAULT_ATTENTION
 
 
 def param_count(ckpt: Path) -> int:

@@ -25,7 +25,8 @@ from medusa_trt.checkpoint import CheckpointError, read_config, validate_checkpo
 
 log = logging.getLogger(__name__)
 
-ENGINE_FORMAT_VERSION = 1
+# 2: the decoder graph outputs `hidden` and the Medusa heads are a graph of their own.
+ENGINE_FORMAT_VERSION = 2
 DTYPES = ("float32", "float16", "bfloat16")
 DEVICES = ("cpu", "cuda")
 _CHECKPOINT_ONLY = ("config.json",)  # checkpoint files that are not copied into the engine

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from medusa_trt.engines.build import ENGINE_FORMAT_VERSION
 from medusa_trt.runtime.backend import ModelInfo, commit_indices
 
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -44,6 +45,9 @@ def read_engine_json(engine_dir: str | Path) -> dict:
     if not isinstance(engine, dict) or engine.get("backend") != "onnxruntime":
         raise EngineError(f"{path}: backend {engine.get('backend') if isinstance(engine, dict) else None!r}, "
                           "expected 'onnxruntime'")
+    if engine.get("format_version") != ENGINE_FORMAT_VERSION:
+        raise EngineError(f"{path}: engine format {engine.get('format_version')!r}, this runtime reads format "
+                          f"{ENGINE_FORMAT_VERSION}; rebuild it with medusa-build")
     return engine
 
 
