@@ -275,3 +275,14 @@ def test_cli(tiny_merged, tmp_path, capsys):
     assert main(["--engine", str(tmp_path / "nope"), "--out", str(tmp_path / "repo2")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("medusa-triton: error: ") and "nope: engine directory not found" in err
+
+
+def test_medusa_build_writes_the_repository_beside_the_engine(tmp_path, tiny_merged):
+    from medusa_trt.engines.cli import main as build_main
+
+    engine, repo = tmp_path / "engine", tmp_path / "repo"
+    assert build_main(["--checkpoint", str(tiny_merged("llama")), "--out", str(engine), "--triton-repo", str(repo),
+                       "--max-batch-size", "4", "--quiet"]) == 0
+    config = parse_config(repo / "medusa" / "config.pbtxt")
+    assert config.max_batch_size == 4
+    assert Path(params(config)["engine_dir"]) == engine.resolve()

@@ -37,7 +37,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-input-len", type=int,
                    help="--backend tensorrt-llm: longest prompt (default: max-seq-len minus one tree)")
     p.add_argument("--device", default="cpu", choices=list(DEVICES), help="device the engine runs on by default")
-    p.add_argument("--force", action="store_true", help="replace an existing --out")
+    p.add_argument("--triton-repo", type=Path, help="also write a Triton Inference Server model repository "
+                   "for the engine here (same as medusa-triton --engine OUT --out DIR)")
+    p.add_argument("--force", action="store_true", help="replace an existing --out (and --triton-repo)")
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     return p
 
@@ -66,6 +68,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     finally:
         logger.removeHandler(handler)
+    if args.triton_repo:
+        from medusa_trt.serving.triton_repo import RepoError, write_triton_repo
+
+        try:
+            write_triton_repo(result.out, args.triton_repo, max_batch_size=args.max_batch_size, force=args.force)
+        except RepoError as e:
+            print(f"{PROG}: error: engine written to {result.out}, but the Triton repository failed: {e}",
+                  file=sys.stderr)
+            return 2
+        if not args.quiet:
+            print(f"{PROG}: wrote Triton model repository {args.triton_repo} (serve it: medusa-serve --repo "
+                  f"{args.triton_repo})")
     if not args.quiet:
         e = result.engine
         size = sum(a["bytes"] for a in e["artifacts"].values())
