@@ -102,6 +102,8 @@ def make_session(onnx_path: str | Path, device: str = "cpu", threads: int | None
 class OrtBackend:
     """An ONNX Runtime engine directory behind the Backend interface (see module docstring)."""
 
+    host_threads = 1  # torch threads for the decoding loop's own small ops (see decoding.generate)
+
     def __init__(self, engine_dir: str | Path, device: str | None = None, threads: int | None = None):
         self.engine_dir = Path(engine_dir)
         self.engine = engine = read_engine_json(self.engine_dir)

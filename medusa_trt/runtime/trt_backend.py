@@ -112,6 +112,8 @@ class _Engine:
 class TensorRTBackend:
     """A TensorRT engine directory behind the Backend interface (see the module docstring)."""
 
+    host_threads = 1  # the engine computes on the GPU; the loop's torch ops are tiny (decoding.generate)
+
     def __init__(self, engine_dir: str | Path, device: str | None = None):
         self.engine_dir = Path(engine_dir)
         self.engine_info = info = read_trt_engine_json(self.engine_dir)
