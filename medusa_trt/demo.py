@@ -16,8 +16,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 ASSETS = Path(__file__).resolve().parent.parent / "assets" / "demo_model"
 
 
@@ -30,8 +28,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--medusa-choices", help="tree (default: the assets' tree.json tuned by medusa-tune-tree, "
                    "else mc_sim_7b_63)")
     args = p.parse_args(argv)
-    # Host ops of the decoding loop are tiny; more torch threads only spin against the engine's.
-    torch.set_num_threads(1)
 
     from medusa_trt.bench import ForwardTimer, timed_decode
     from medusa_trt.converter import ConvertError, convert
@@ -106,16 +102,32 @@ def main(argv: list[str] | None = None) -> int:
         print(texts[i] + "\033[1m" + tok.decode(med.tokens, skip_special_tokens=True) + "\033[0m"
               if sys.stdout.isatty() else texts[i] + tok.decode(med.tokens, skip_special_tokens=True))
         print(f"--- {med.stats.new_tokens} tokens in {med.stats.steps} Medusa steps = "
-              f"{med.stats.tokens_per_step:.2f} tokens/step; {pl.wall_s / med.wall_s:.2f}x faster than plain "
+              f"{med.stats.tokens_per_step:.2f} tokens/step; speedup over plain {pl.wall_s / med.wall_s:.2f}x "
               f"({1e3 * pl.wall_s:.0f} ms -> {1e3 * med.wall_s:.0f} ms)")
     plain_tps = totals["plain"][0] / totals["plain"][1]
     medusa_tps = totals["medusa"][0] / totals["medusa"][1]
     print(f"\nall prompts: plain {plain_tps:.0f} tokens/s, Medusa {medusa_tps:.0f} tokens/s -> speedup "
           f"{medusa_tps / plain_tps:.2f}x; {totals['medusa'][0] / steps:.2f} tokens/step; "
           f"Medusa output == plain greedy: {same}")
+    tuned = _tuned(tree)
+    if tuned is not None and tuned.get("recommendation") == "plain":
+        pred = tuned.get("predicted", {}).get("tuned", {})
+        print(f"note: medusa-tune-tree found no tree that beats plain decoding for this model on the machine it "
+              f"was tuned on (best predicted {pred.get('speedup_vs_plain', float('nan')):.2f}x at "
+              f"{pred.get('tokens_per_step', float('nan')):.2f} tokens/step): the heads guess too rarely for the "
+              "cost of a tree step there; retune on yours with medusa-tune-tree")
     print("measure more with: medusa-bench --engine " f"{engine_dir} --prompts {assets / 'prompts_heldout.jsonl'} "
           f"--medusa-choices {tree}")
     return 0 if same else 1
+
+
+def _tuned(tree) -> dict | None:
+    """The medusa-tune-tree report when the tree is its tree.json."""
+    path = Path(str(tree))
+    if path.suffix != ".json" or not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    return data if isinstance(data, dict) else None
 
 
 if __name__ == "__main__":

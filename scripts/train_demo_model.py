@@ -14,11 +14,15 @@ medusa-convert like anyone's model:
     OUT/prompts_calib.jsonl    the same from training files (for medusa-tune-tree)
     OUT/summary.json           sizes, losses, accuracies, timings; OUT/README.md says the same in prose
 
-Determinism: fixed seeds, files split by a hash of their path (not by listing order), single
-process. Same Python version + same torch build -> same data; the weights can still differ in the
-last bits across CPUs (different matmul kernels), which changes nothing downstream.
+Determinism: fixed seeds, files split by a hash of their path (not by listing order), the same
+corpus, tokenizer, batches and prompts on every run with the same Python version. The weights are
+not bit-identical between runs (multithreaded bf16 reductions and torch.compile's kernels round
+differently), so losses and head accuracies move by a few hundredths from run to run.
 
-    nice -n 10 .venv/bin/python scripts/train_demo_model.py [--out assets/demo_model]
+    nice -n 10 .venv/bin/python scripts/train_demo_model.py --compile [--out assets/demo_model]
+
+About 20 minutes on two otherwise idle cores of this kind (AMD EPYC, AVX512-BF16); --compile
+needs a C compiler (torch.compile), and without it base steps take about 1.5x longer.
 """
 
 from __future__ import annotations
@@ -27,8 +31,8 @@ import argparse
 import hashlib
 import json
 import math
-import os
 import random
+import re
 import shutil
 import sys
 import sysconfig
@@ -72,28 +76,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g = p.add_argument_group("tokenizer and base model")
     g.add_argument("--vocab", type=int, default=2048)
     g.add_argument("--hidden", type=int, default=256)
-    g.add_argument("--layers", type=int, default=4)
+    g.add_argument("--layers", type=int, default=6)
     g.add_argument("--attn-heads", type=int, default=4)
     g.add_argument("--kv-heads", type=int, default=2)
     g.add_argument("--intermediate", type=int, default=704)
     g.add_argument("--max-positions", type=int, default=512)
     g.add_argument("--seq-len", type=int, default=256, help="training context")
     g.add_argument("--batch", type=int, default=16, help="sequences per step")
-    g.add_argument("--steps", type=int, default=1000)
+    g.add_argument("--steps", type=int, default=2000)
     g.add_argument("--lr", type=float, default=3e-3)
     g = p.add_argument_group("Medusa heads")
     g.add_argument("--medusa-heads", type=int, default=4)
     g.add_argument("--medusa-layers", type=int, default=1)
-    g.add_argument("--distill-prompts", type=int, default=2048, help="training snippets to continue")
+    g.add_argument("--distill-prompts", type=int, default=6144, help="training snippets to continue")
     g.add_argument("--prompt-tokens", type=int, default=48)
     g.add_argument("--new-tokens", type=int, default=128, help="greedy tokens per snippet")
-    g.add_argument("--head-steps", type=int, default=800)
+    g.add_argument("--head-steps", type=int, default=1200)
     g.add_argument("--head-lr", type=float, default=3e-3)
     g.add_argument("--head-batch-tokens", type=int, default=4096)
     g = p.add_argument_group("prompts")
     g.add_argument("--num-prompts", type=int, default=32, help="held-out (and calibration) prompts to write")
     g.add_argument("--skip-base", action="store_true", help="reuse OUT/base and its summary (heads only)")
     p.add_argument("--readme-only", action="store_true", help="rewrite OUT/README.md from OUT/summary.json")
+    p.add_argument("--prompts-only", action="store_true", help="rewrite OUT's prompt files with OUT/base's tokenizer")
     return p.parse_args(argv)
 
 
@@ -231,10 +236,17 @@ def save_base(model, tok, directory: Path) -> None:
 # -- prompts -----------------------------------------------------------------------------------
 
 
+FIRST_WORD = re.compile(r"[ \t]*(?:\w+|\S)")  # a line's indentation and its first word (or symbol)
+
+
 def code_prompts(rng: random.Random, files: list[tuple[str, str]], tok, n: int,
                  min_tokens: int = 40, max_tokens: int = 96) -> list[dict]:
-    """Snippets that start at a line start and end at a line end (the next line is the model's),
-    drawn from files in a seeded order; at most one per file so many files are represented."""
+    """Snippets that start at a line start and end after the first word of a line, the way a cursor
+    sits in an editor, drawn from files in a seeded order, at most one per file.
+
+    Not at a line end: byte-level BPE joins a newline with the next line's indentation into one
+    token, so a prompt ending in a bare newline is a token sequence the model only saw before
+    unindented lines, and it dutifully continues at column 0."""
     order = list(range(len(files)))
     rng.shuffle(order)
     out = []
@@ -246,17 +258,27 @@ def code_prompts(rng: random.Random, files: list[tuple[str, str]], tok, n: int,
         start = rng.randrange(0, len(lines) - 10)
         if not lines[start].strip():
             continue
-        prompt = ""
-        for line in lines[start:]:
-            prompt += line
+        prompt, end = "", start
+        for end in range(start, len(lines)):
+            prompt += lines[end]
             if len(tok.encode(prompt)) >= min_tokens:
                 break
-        if len(tok.encode(prompt)) > max_tokens or len(tok.encode(prompt)) < min_tokens:
+        rest = next((line for line in lines[end + 1 :] if line.strip()), None)
+        if rest is None:
+            continue
+        prompt += "".join(lines[end + 1 : lines.index(rest, end + 1)]) + FIRST_WORD.match(rest).group(0)
+        if not min_tokens <= len(tok.encode(prompt)) <= max_tokens:
             continue
         out.append({"text": prompt, "file": rel, "line": start + 1})
         if len(out) == n:
             break
     return out
+
+
+def write_prompts(out: Path, tok, seed: int, held_files, train_files, n: int) -> None:
+    rng = random.Random(seed)
+    write_jsonl(out / "prompts_heldout.jsonl", code_prompts(rng, held_files, tok, n))
+    write_jsonl(out / "prompts_calib.jsonl", code_prompts(rng, train_files, tok, n))
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:
@@ -295,6 +317,10 @@ def main(argv: list[str] | None = None) -> int:
 
     # 2. tokenizer + base
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if args.prompts_only:
+        write_prompts(out, AutoTokenizer.from_pretrained(base_dir), args.seed, held_files, train_files, args.num_prompts)
+        return 0
 
     summary_path = out / "summary.json"
     if args.skip_base:
@@ -338,11 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     hf = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
 
     # 3. prompts
-    rng = random.Random(args.seed)
-    held_prompts = code_prompts(rng, held_files, tok, args.num_prompts)
-    calib_prompts = code_prompts(rng, train_files, tok, args.num_prompts)
-    write_jsonl(out / "prompts_heldout.jsonl", held_prompts)
-    write_jsonl(out / "prompts_calib.jsonl", calib_prompts)
+    write_prompts(out, tok, args.seed, held_files, train_files, args.num_prompts)
 
     # 4. heads: self-distillation on training snippets; accuracy on held-out snippets
     t0 = time.perf_counter()
@@ -391,6 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     summary["sizes_bytes"] = {p.relative_to(out).as_posix(): p.stat().st_size for p in sorted(out.rglob("*"))
                               if p.is_file() and p.parent.name in ("base", "heads")}
     summary["seed"] = args.seed
+    summary["threads"] = args.threads
     # The command without --out (the committed model is written to the default, assets/demo_model).
     given = list(argv if argv is not None else sys.argv[1:])
     if "--out" in given:
@@ -428,7 +451,7 @@ Written by `scripts/train_demo_model.py` (do not edit by hand; rerun the script)
 
     {s['command']}
 
-Seed {s['seed']} (torch and Python's `random`), {os.environ.get('OMP_NUM_THREADS', '2')} torch threads,
+Seed {s['seed']} (torch and Python's `random`), {s.get('threads', 2)} torch threads,
 bf16 autocast matmuls with float32 master weights.
 
 - **Corpus**: this machine's Python {c['python']} standard library, `*.py` (without `encodings/`,
@@ -448,14 +471,14 @@ bf16 autocast matmuls with float32 master weights.
   {h['loss_weights']}. Self-distillation: {h['distill_prompts']} training snippets of {h['prompt_tokens']} tokens, each
   continued by the base's own greedy decoding for {h['new_tokens']} tokens ({h['training_positions']} training
   positions, continuation only). {h['steps']} AdamW steps of {h['batch_tokens']} positions, lr {h['lr']}.
-  Final loss {h['final_loss']:.3f}.
+  Final loss {h['final_loss']:.3f} (the 0.8^k-weighted sum of the heads' cross-entropies).
 - **Head accuracy** on the greedy continuations of 128 held-out snippets ({h['heldout_positions']} positions),
   heads 1..{h['num_heads']}: top-1 {top1}; top-5 {top5}.
 
 Time on the machine that made it (2-core AMD EPYC VM, shared with other jobs, run at `nice -n 10`):
 {t.get('total_s', 0) / 60:.1f} min wall in total ({', '.join(f'{k[:-2]} {v:.0f} s' for k, v in t.items()
-if k not in ('total_s', 'cpu_s', 'cpu_base_s'))}), {t.get('cpu_s', 0) / 60:.1f} min of CPU time. With the
-two cores to itself a base step takes about a quarter of the time it took under that contention.
+if k not in ('total_s', 'cpu_s', 'cpu_base_s'))}), {t.get('cpu_s', 0) / 60:.1f} min of CPU time. Wall time
+on a shared machine mostly measures the neighbours; the steps themselves are fixed by the command.
 
 ## Files
 
@@ -464,8 +487,10 @@ two cores to itself a base step takes about a quarter of the time it took under 
 {rows}
 
 `prompts_heldout.jsonl` / `prompts_calib.jsonl`: one JSON object per line, `{{"text": ..., "file": ...,
-"line": ...}}`; `text` is a code snippet (newlines included) from a held-out / training file, ending at
-a line end, so the model writes the next line. `summary.json` holds every figure above.
+"line": ...}}`; `text` is a code snippet (newlines included) from a held-out / training file, starting
+at a line start and ending after the first word of a later line, where a cursor would be (a prompt
+ending in a bare newline is a token sequence the byte-level BPE model only saw before unindented
+lines). `summary.json` holds every figure above.
 
 `tree.json` (when present) is the Medusa tree `medusa-tune-tree` chose for this model on the same
 machine (see Use); tree choice depends on the hardware, so retune on yours.

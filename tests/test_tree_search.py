@@ -17,8 +17,10 @@ from medusa_trt.calibration.tree_search import (
     choose_tree,
     expected_tokens_per_step,
     greedy_tree,
+    joint_tree,
     non_decreasing,
     rank_hits,
+    simulate,
 )
 from medusa_trt.tree import build_tree, parse_medusa_choices
 
@@ -61,6 +63,44 @@ def test_expected_tokens_per_step():
     # Ranks beyond the measured table never count; a deeper path than the table counts 0.
     assert expected_tokens_per_step(ACC, [[0], [7]]) == pytest.approx(1.6)
     assert expected_tokens_per_step(ACC, [[0, 0, 0, 0]]) == pytest.approx(1.0)
+
+
+# Rank of the true token in head 1, head 2's top-k at each row of two continuations (-1: missed).
+ROWS = [[(0, 0), (1, -1), (0, 1), (-1, -1)],
+        [(0, 0), (0, 0), (0, 0), (2, 0), (0, -1)]]
+
+
+def test_replay_walks_the_continuation_like_decoding():
+    # Sequence 1, tree {0, 00}: row 0 accepts 2 drafts (3 tokens), row 3 none (1 token): 2 steps.
+    # Sequence 2: row 0 -> 3 tokens, row 3 (rank 2 missing from the tree) -> 1, row 4 -> the last 1.
+    tokens_per_step, starts = simulate(ROWS, [[0], [0, 0]])
+    assert starts == [[0, 3], [0, 3, 4]]
+    assert tokens_per_step == pytest.approx((4 + 5) / 5)
+    # The root alone emits one token per step; a wider tree accepts row 3 of sequence 2.
+    assert simulate(ROWS, [[7]])[0] == 1.0
+    assert simulate(ROWS, [[0], [0, 0], [2], [2, 0]])[1][1] == [0, 3]
+
+
+def test_joint_tree_counts_whole_paths():
+    nodes = joint_tree(ROWS, 10)
+    # 9 rows: rank 0 at depth 1 in 6, path (0, 0) in 4, (0, 1) in 1, (1,) in 1, (2,) and (2, 0) in 1.
+    assert nodes[:2] == [((0,), pytest.approx(6 / 9)), ((0, 0), pytest.approx(4 / 9))]
+    assert {p for p, _ in nodes} == {(0,), (0, 0), (0, 1), (1,), (2,), (2, 0)}
+    seen = set()
+    for path, _ in nodes:  # every prefix is a tree
+        assert len(path) == 1 or path[:-1] in seen
+        seen.add(path)
+    weighted = joint_tree(ROWS, 10, weights=[[0, 0, 0, 1], [0, 0, 0, 1, 0]])  # only rows 3 count
+    assert weighted == [((2,), 0.5), ((2, 0), 0.5)]
+
+
+def test_replay_estimator_is_used_when_rows_are_given():
+    choice = choose_tree(ACC, steps([1.0] * 10), 6, rank_paths=ROWS)
+    assert choice.estimator == "replay"
+    assert choice.tokens_per_step == pytest.approx(simulate(ROWS, choice.medusa_choices)[0], abs=1e-4)
+    assert choice.tokens_per_step == pytest.approx(9 / 4)  # (0, 0) and (2, 0) accept all there is to accept
+    assert choice.construction.startswith("joint")
+    assert choose_tree(ACC, steps([1.0] * 10), 6).estimator == "product"
 
 
 def steps(forward: list[float], host_plain=0.0, host_tree=(0.0, 0.0)) -> StepTimes:

@@ -5,18 +5,24 @@ Two measurements, then a choice:
 1. Head accuracy on calibration text. The base decodes each calibration prompt greedily on the
    engine; one forward over prompt + continuation then gives every head's logits at every position
    t. Rank r of head k is correct at t when its rank-r token equals the greedy token at t+2+k, the
-   only token greedy verification can accept there. accuracy[k][r] = fraction of positions.
-2. Step time on this machine: backend.forward for T = 1..max tree tokens (medians of interleaved
-   repetitions, made non-decreasing in T), plus the decoding loop's host time per step, measured
-   on real plain and Medusa decodes (host time grows with the tree: top-k, acceptance, compaction).
+   only token greedy verification can accept there. accuracy[k][r] = fraction of positions. The
+   rank of the true token per head and position is kept too: with it, decoding with any tree can
+   be replayed exactly on the calibration continuations (`simulate`).
+2. Step time on this machine: the backend's compute for a tree step of T = 1..max tokens and for a
+   plain step (back-to-back blocks, medians over shuffled repetitions, made non-decreasing in T),
+   plus the rest of a real step (host work: top-k, acceptance, KV compaction), measured on real
+   plain and Medusa decodes and linear in T.
 
-The tree (the Medusa paper's greedy construction): add, one node at a time, the node with the
-highest expected acceptance, the product of the per-rank accuracies along its path. Every prefix of
-that sequence is a tree; with greedy acceptance at most one node per depth can be on the correct
-path, so a tree's expected tokens per step is 1 + the sum of its nodes' values. The size chosen is
-the one with the most expected tokens per millisecond, not the most tokens per step: a tree too
-large for the hardware is why users see "Medusa slower than baseline". If no size is predicted to
-beat plain decoding, that is said and plain decoding is recommended.
+The tree: the Medusa paper's greedy construction adds, one node at a time, the node with the
+highest expected acceptance, the product of the per-rank accuracies along its path; every prefix of
+that order is a tree, and with greedy acceptance its expected tokens per step is 1 + the sum of its
+nodes' values. Heads are not independent and steps do not start at random positions (they start
+where the last one missed), so with calibration rows at hand the candidates also include orders by
+measured joint acceptance (over all rows, then over the rows where steps start), and every
+candidate's tokens per step comes from the replay. The size chosen is the one with the most
+expected tokens per millisecond, not the most tokens per step: a tree too large for the hardware is
+why users see "Medusa slower than baseline". If no tree is predicted to beat plain decoding, that is
+said and plain decoding is recommended.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -37,6 +43,7 @@ import torch
 PROG = "medusa-tune-tree"
 REFERENCE_TREE = "mc_sim_7b_63"
 DEFAULT_TOPK = 10  # ranks measured per head: the reference trees use ranks 0..9
+BLOCK = 4  # steps timed back to back per tree size and repetition
 
 
 # -- head accuracy -------------------------------------------------------------------------------
@@ -57,6 +64,9 @@ class HeadAccuracy:
     accuracy: list[list[float]]  # [H][topk]: P(rank r of head k is the greedy token), not cumulative
     positions: list[int]  # [H] positions measured per head
     base_agreement: float  # prefill argmax == the decoded greedy token (a sanity check, ~1.0)
+    # Per calibration sequence, per continuation position t: the rank of the true token in each
+    # head's top-k (-1: not there). Enough to replay decoding with any tree exactly.
+    rank_paths: list[list[tuple[int, ...]]] = field(default_factory=list)
 
     @property
     def top1(self) -> list[float]:
@@ -78,12 +88,15 @@ def measure_head_accuracy(backend, prompts: list[list[int]], max_new_tokens: int
     hits = torch.zeros(heads, topk, dtype=torch.long)
     counts = torch.zeros(heads, dtype=torch.long)
     agree, total = 0, 0
-    seqs = []
+    seqs, rank_paths = [], []
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, use_medusa=False, stop_token_ids=stop_token_ids)
     for p in tqdm(prompts, desc="head accuracy", disable=not progress, leave=False, file=sys.stderr):
         seq = list(p) + decode(backend, [p], cfg).tokens[0]
         seqs.append(seq)
-        s, first = len(seq), len(p) - 1  # t = first: the root (t+1) is the first generated token
+        # Row t of the continuation: the hidden state at position first + t, whose base argmax is
+        # the t-th generated token (the root of a step starting there) and whose head k predicts
+        # the token at first + t + 2 + k.
+        s, first = len(seq), len(p) - 1
         if s - first < 2:
             continue
         backend.start(1, s)
@@ -99,11 +112,15 @@ def measure_head_accuracy(backend, prompts: list[list[int]], max_new_tokens: int
         targets = torch.where(valid, ids[0, target_pos.clamp(max=s - 1)], -1)
         hits += rank_hits(medusa[:, 0], targets, topk)
         counts += valid.sum(1)
+        top = medusa[:, 0].topk(min(topk, medusa.shape[-1]), dim=-1).indices  # [H, K, k]
+        found = top == targets[..., None]
+        rank = torch.where(found.any(-1), found.float().argmax(-1), -1)  # [H, K], -1: not in the top-k
+        rank_paths.append([tuple(r) for r in rank.T.tolist()])
     if int(counts.max()) == 0:
         raise ValueError("calibration produced no positions: prompts need continuations of at least 3 tokens "
                          "(raise --max-new-tokens or check the stop tokens)")
     acc = (hits.double() / counts.clamp(min=1)[:, None]).tolist()
-    return HeadAccuracy(acc, counts.tolist(), agree / max(total, 1)), seqs
+    return HeadAccuracy(acc, counts.tolist(), agree / max(total, 1), rank_paths), seqs
 
 
 # -- the greedy construction ----------------------------------------------------------------------
@@ -142,6 +159,59 @@ def expected_tokens_per_step(accuracy: Sequence[Sequence[float]], tree: Sequence
     return total
 
 
+def accepted_length(path: tuple[int, ...], tree: set[tuple[int, ...]]) -> int:
+    """Draft tokens greedy verification accepts at a position whose true tokens sit at ranks `path`:
+    the longest prefix of `path` that is a node of the tree."""
+    depth = 0
+    while depth < len(path) and path[: depth + 1] in tree:
+        depth += 1
+    return depth
+
+
+def simulate(rank_paths: list[list[tuple[int, ...]]], tree: Sequence[Sequence[int]]) -> tuple[float, list[list[int]]]:
+    """Replays Medusa decoding of the calibration continuations with `tree`: a step at row t emits
+    its root and the accepted drafts, the next step starts at the last accepted token. Exact for
+    greedy acceptance (the heads' predictions at each row do not depend on the tree). Returns
+    (tokens per step, the rows where steps started, per sequence)."""
+    nodes = {tuple(p) for p in tree}
+    tokens = steps = 0
+    starts = []
+    for rows in rank_paths:
+        t, here = 0, []
+        while t < len(rows):
+            here.append(t)
+            emitted = min(1 + accepted_length(rows[t], nodes), len(rows) - t)
+            tokens += emitted
+            steps += 1
+            t += emitted
+        starts.append(here)
+    return tokens / max(steps, 1), starts
+
+
+def joint_tree(rank_paths: list[list[tuple[int, ...]]], max_nodes: int,
+               weights: list[list[float]] | None = None) -> list[tuple[tuple[int, ...], float]]:
+    """The greedy construction with measured joint acceptance instead of a product of marginals:
+    a node's value is the (weighted) fraction of rows whose true tokens follow its whole path.
+    Heads are not independent (a right guess at depth 1 makes one at depth 2 likelier, or less), and
+    `weights` can put the mass where steps actually start: after a miss more than mid-run."""
+    value: dict[tuple[int, ...], float] = {}
+    total = 0.0
+    for i, rows in enumerate(rank_paths):
+        for t, path in enumerate(rows):
+            w = weights[i][t] if weights is not None else 1.0
+            total += w
+            if w == 0:
+                continue
+            for d in range(len(path)):
+                if path[d] < 0:  # a miss ends the path: nothing deeper can be accepted
+                    break
+                value[path[: d + 1]] = value.get(path[: d + 1], 0.0) + w
+    # A child's value never exceeds its parent's, and on a tie the parent sorts first: every
+    # prefix of this order is a tree.
+    order = sorted(((-v / max(total, 1e-12), p) for p, v in value.items() if v > 0), key=lambda x: (x[0], len(x[1]), x[1]))
+    return [(p, -v) for v, p in order[:max_nodes]]
+
+
 # -- step time -----------------------------------------------------------------------------------
 
 
@@ -153,8 +223,9 @@ class StepTimes:
     forward_ms: list[float]  # [T-1] backend compute of a tree step, T = 1..max, made non-decreasing
     raw_forward_ms: list[float]  # the medians as measured
     plain_forward_ms: float  # backend compute of a plain step
-    host_plain_ms: float  # host time of a plain step
-    host_tree_ms: tuple[float, float]  # host time of a tree step: a + b * T
+    # The rest of a step beyond those compute times (host work, mostly), from real decodes:
+    host_plain_ms: float  # of a plain step
+    host_tree_ms: tuple[float, float]  # of a tree step: a + b * T
 
     @property
     def max_tokens(self) -> int:
@@ -196,8 +267,9 @@ def measure_forward_ms(backend, context: list[int], max_tokens: int, reps: int =
                        progress: bool = True) -> tuple[list[float], float]:
     """Median ms of the backend compute of one decoding step after a committed `context` (a
     realistic cache length), issued as the decoding loop issues it: a tree step of T = 1..max_tokens
-    tokens, and a plain step. Sizes run in a shuffled order each repetition so drift spreads evenly.
-    Returns (tree step ms per T, plain step ms)."""
+    tokens, and a plain step. Each repetition runs every size once, as a short block of steps, in
+    a shuffled order so drift on a shared machine spreads evenly. Returns (tree step ms per T,
+    plain step ms)."""
     from tqdm import tqdm
 
     split = separate_heads(backend)
@@ -224,12 +296,14 @@ def measure_forward_ms(backend, context: list[int], max_tokens: int, reps: int =
     rng = random.Random(seed)
     sizes: list[int] = [0, *range(1, max_tokens + 1)]  # 0: the plain step
     times: dict[int, list[float]] = {t: [] for t in sizes}
-    for _ in tqdm(range(reps + 1), desc="step time", disable=not progress, leave=False, file=sys.stderr):
+    for _ in tqdm(range(reps), desc="step time", disable=not progress, leave=False, file=sys.stderr):
         rng.shuffle(sizes)
         for t in sizes:
-            times[t].append(step(max(t, 1), tree=t > 0))
-    # The first round only warms up (ONNX Runtime allocates per new shape).
-    med = {t: 1e3 * statistics.median(v[1:]) for t, v in times.items()}
+            # A block of identical steps, the first one dropped: a real decode repeats one pattern,
+            # so its caches hold what that pattern touches (a plain step never loads the heads).
+            block = [step(max(t, 1), tree=t > 0) for _ in range(BLOCK + 1)]
+            times[t].extend(block[1:])
+    med = {t: 1e3 * statistics.median(v) for t, v in times.items()}
     return [med[t] for t in range(1, max_tokens + 1)], med[0]
 
 
@@ -244,44 +318,81 @@ class TreeChoice:
     tokens_per_step: float  # expected
     step_ms: float  # expected
     speedup_vs_plain: float  # expected
-    by_size: list[dict]  # every prefix size of the greedy order
+    estimator: str  # "product": the paper's product of per-rank accuracies; "replay": decoding replayed
+    construction: str  # which greedy order the tree is a prefix of
+    by_size: list[dict]  # every prefix size of that order
 
 
-def choose_tree(accuracy: Sequence[Sequence[float]], steps: StepTimes, max_nodes: int) -> TreeChoice:
-    """The prefix of the greedy order with the most expected tokens per millisecond."""
-    max_nodes = min(max_nodes, steps.max_tokens - 1)
-    if max_nodes < 1:
-        raise ValueError(f"step times cover {steps.max_tokens} token(s); a tree needs at least 2")
-    order = greedy_tree(accuracy, max_nodes)
+def _sizes(order, steps: StepTimes, tokens_per_step) -> list[dict]:
     plain = steps.plain_ms()
-    rows, expected = [], 1.0
-    for n, (_, value) in enumerate(order, 1):
-        expected += value
+    rows = []
+    for n in range(1, len(order) + 1):
+        expected = tokens_per_step([list(p) for p, _ in order[:n]])
         ms = steps.tree_ms(n + 1)
         rows.append({"nodes": n, "tokens_per_step": round(expected, 4), "step_ms": round(ms, 4),
                      "speedup_vs_plain": round(expected * plain / ms, 4)})
+    return rows
+
+
+def choose_tree(accuracy: Sequence[Sequence[float]], steps: StepTimes, max_nodes: int,
+                rank_paths: list[list[tuple[int, ...]]] | None = None, rounds: int = 3) -> TreeChoice:
+    """The tree with the most expected tokens per millisecond among the prefixes of greedy orders.
+
+    Without `rank_paths`: the paper's construction and its estimate (products of per-rank
+    accuracies). With them, tokens per step of every candidate come from replaying decoding on the
+    calibration continuations, and the candidates also include joint-accuracy orders, first over
+    all rows, then (for `rounds`) over the rows where the best tree so far starts its steps."""
+    max_nodes = min(max_nodes, steps.max_tokens - 1)
+    if max_nodes < 1:
+        raise ValueError(f"step times cover {steps.max_tokens} token(s); a tree needs at least 2")
+    if rank_paths is None:
+        estimator = "product"
+        candidates = {"product": _sizes(greedy_tree(accuracy, max_nodes), steps,
+                                        lambda tree: expected_tokens_per_step(accuracy, tree))}
+        orders = {"product": greedy_tree(accuracy, max_nodes)}
+    else:
+        estimator = "replay"
+        replay = lambda tree: simulate(rank_paths, tree)[0]  # noqa: E731
+        orders = {"product": greedy_tree(accuracy, max_nodes), "joint": joint_tree(rank_paths, max_nodes)}
+        candidates = {name: _sizes(order, steps, replay) for name, order in orders.items()}
+        for r in range(rounds):
+            name, rows = max(candidates.items(), key=lambda kv: max(row["speedup_vs_plain"] for row in kv[1]))
+            best = max(rows, key=lambda row: row["speedup_vs_plain"])
+            _, starts = simulate(rank_paths, [list(p) for p, _ in orders[name][: best["nodes"]]])
+            weights = [[0.0] * len(rows_) for rows_ in rank_paths]
+            for i, here in enumerate(starts):
+                for t in here:
+                    weights[i][t] = 1.0
+            orders[f"joint@starts{r + 1}"] = joint_tree(rank_paths, max_nodes, weights)
+            candidates[f"joint@starts{r + 1}"] = _sizes(orders[f"joint@starts{r + 1}"], steps, replay)
+    name, rows = max(candidates.items(), key=lambda kv: max(row["speedup_vs_plain"] for row in kv[1]))
     best = max(range(len(rows)), key=lambda i: (rows[i]["speedup_vs_plain"], -i))
-    tree = [list(path) for path, _ in order[: best + 1]]
     row = rows[best]
+    tree = [list(path) for path, _ in orders[name][: best + 1]]
     return TreeChoice(tree, "medusa" if row["speedup_vs_plain"] > 1.0 else "plain", row["nodes"],
-                      row["tokens_per_step"], row["step_ms"], row["speedup_vs_plain"], rows)
+                      row["tokens_per_step"], row["step_ms"], row["speedup_vs_plain"], estimator, name, rows)
 
 
-def predict(accuracy, steps: StepTimes, tree: Sequence[Sequence[int]]) -> dict:
-    """Expected tokens per step, step time and speedup over plain of any tree that fits."""
+def predict(accuracy, steps: StepTimes, tree: Sequence[Sequence[int]],
+            rank_paths: list[list[tuple[int, ...]]] | None = None) -> dict:
+    """Expected tokens per step, step time and speedup over plain of any tree that fits (replayed on
+    the calibration continuations when `rank_paths` is given, else the product estimate)."""
     tokens = len(tree) + 1
-    expected = expected_tokens_per_step(accuracy, tree)
+    expected = simulate(rank_paths, tree)[0] if rank_paths is not None else expected_tokens_per_step(accuracy, tree)
     ms = steps.tree_ms(tokens)
-    return {"nodes": len(tree), "tokens_per_step": round(expected, 4), "step_ms": round(ms, 4),
-            "speedup_vs_plain": round(expected * steps.plain_ms() / ms, 4)}
+    out = {"nodes": len(tree), "tokens_per_step": round(expected, 4), "step_ms": round(ms, 4),
+           "speedup_vs_plain": round(expected * steps.plain_ms() / ms, 4)}
+    if rank_paths is not None:
+        out["tokens_per_step_product_estimate"] = round(expected_tokens_per_step(accuracy, tree), 4)
+    return out
 
 
 # -- the whole procedure ---------------------------------------------------------------------------
 
 
-def host_step_ms(timer, prompt: list[int], cfg) -> list[float]:
-    """Host ms of each decoding step (wall time between the loop's yields minus the backend's compute
-    calls in between), the first step (which holds the prefill) left out."""
+def decode_steps_ms(timer, prompt: list[int], cfg) -> list[tuple[float, float]]:
+    """(wall ms, backend compute ms) of each decoding step (between the loop's yields), the first
+    step (which holds the prefill) left out."""
     from medusa_trt.runtime.decoding import generate
 
     timer.reset()
@@ -290,15 +401,16 @@ def host_step_ms(timer, prompt: list[int], cfg) -> list[float]:
     for _ in generate(timer, [prompt], cfg):
         now, calls = time.perf_counter(), len(timer.calls)
         if last_t is not None:
-            out.append(1e3 * ((now - last_t) - sum(dt for _, dt in timer.calls[last_calls:calls])))
+            out.append((1e3 * (now - last_t), 1e3 * sum(dt for _, dt in timer.calls[last_calls:calls])))
         last_t, last_calls = now, calls
     return out
 
 
-def measure_host_ms(backend, prompts: list[list[int]], trees: list, max_new_tokens: int,
-                    stop_token_ids: tuple[int, ...]) -> tuple[float, dict[int, float]]:
-    """Median host ms per step (outside the backend's compute) of plain decoding and of each tree,
-    keyed by tree tokens. Medians over single steps: a busy machine preempts some steps, not all."""
+def measure_decode_steps(backend, prompts: list[list[int]], trees: list, max_new_tokens: int,
+                         stop_token_ids: tuple[int, ...]) -> dict[int, dict[str, float]]:
+    """Median wall ms and host ms (outside the backend's compute) per step of real decodes: plain
+    (key 0) and each tree (key: its tokens). Medians over single steps: a busy machine preempts some
+    steps, not all."""
     from medusa_trt.bench import ForwardTimer
     from medusa_trt.runtime.decoding import GenerationConfig
     from medusa_trt.tree import build_tree
@@ -309,14 +421,14 @@ def measure_host_ms(backend, prompts: list[list[int]], trees: list, max_new_toke
         tokens = build_tree(tree, backend.info.num_medusa_heads).num_slots
         configs[tokens] = GenerationConfig(max_new_tokens=max_new_tokens, medusa_choices=tree,
                                            stop_token_ids=stop_token_ids)
-    samples: dict[int, list[float]] = {k: [] for k in configs}
+    samples: dict[int, list[tuple[float, float]]] = {k: [] for k in configs}
     for cfg in configs.values():  # warm-up
-        host_step_ms(timer, prompts[0], GenerationConfig(**{**asdict(cfg), "max_new_tokens": 4}))
+        decode_steps_ms(timer, prompts[0], GenerationConfig(**{**asdict(cfg), "max_new_tokens": 4}))
     for p in prompts:  # interleaved, so drift on a shared machine hits every configuration
         for k, cfg in configs.items():
-            samples[k].extend(host_step_ms(timer, p, cfg))
-    med = {k: statistics.median(v) if v else 0.0 for k, v in samples.items()}
-    return med.pop(0), med
+            samples[k].extend(decode_steps_ms(timer, p, cfg))
+    return {k: {"wall": statistics.median(w for w, _ in v), "host": statistics.median(w - c for w, c in v)}
+            for k, v in samples.items() if v}
 
 
 def fit_line(points: dict[int, float]) -> tuple[float, float]:
@@ -329,9 +441,21 @@ def fit_line(points: dict[int, float]) -> tuple[float, float]:
 
 
 def tune(backend, calib: list[list[int]], *, max_nodes: int = 64, max_new_tokens: int = 128,
-         stop_token_ids: tuple[int, ...] = (), topk: int = DEFAULT_TOPK, reps: int = 7,
+         stop_token_ids: tuple[int, ...] = (), topk: int = DEFAULT_TOPK, reps: int = 5,
          progress: bool = True) -> dict:
     """Measures accuracy and step times, chooses the tree; returns the tree.json content."""
+    # Engines compute on their own threads; the few torch ops here would only contend with them
+    # (the decoding loop does the same for its own ops).
+    threads, saved = getattr(backend, "host_threads", None), torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        return _tune(backend, calib, max_nodes, max_new_tokens, stop_token_ids, topk, reps, progress)
+    finally:
+        torch.set_num_threads(saved)
+
+
+def _tune(backend, calib, max_nodes, max_new_tokens, stop_token_ids, topk, reps, progress) -> dict:
     from medusa_trt.tree import PRESETS, TreeError, validate_and_expand
 
     info = backend.info
@@ -347,15 +471,23 @@ def tune(backend, calib: list[list[int]], *, max_nodes: int = 64, max_new_tokens
     context = seqs[0][: len(calib[0]) + max_new_tokens // 2]
     raw, plain_ms = measure_forward_ms(backend, context, largest, reps, progress=progress)
     host_trees = [[list(p) for p, _ in greedy_tree(acc.accuracy, n)] for n in sorted({min(4, max_nodes), max_nodes})]
-    host_plain, host_tree = measure_host_ms(backend, calib[: min(4, len(calib))], host_trees,
-                                            min(max_new_tokens, 64), stop_token_ids)
-    steps = StepTimes(non_decreasing(raw), raw, plain_ms, host_plain, fit_line(host_tree))
-    choice = choose_tree(acc.accuracy, steps, max_nodes)
-    predicted = {"tuned": {k: v for k, v in asdict(choice).items() if k not in ("medusa_choices", "by_size",
-                                                                               "recommendation")},
+    real = measure_decode_steps(backend, calib[: min(4, len(calib))], host_trees, min(max_new_tokens, 64),
+                                stop_token_ids)
+    curve = non_decreasing(raw)
+    # The rest of a real step beyond the back-to-back compute curve: the host work, and what the
+    # compute costs more inside a real decode (caches shared with the host's work). Measured on real
+    # decodes of plain and two trees, linear in the tree tokens in between.
+    rest_plain = real[0]["wall"] - plain_ms
+    rest_tree = {t: real[t]["wall"] - curve[t - 1] for t in real if t}
+    steps = StepTimes(curve, raw, plain_ms, rest_plain, fit_line(rest_tree))
+    choice = choose_tree(acc.accuracy, steps, max_nodes, acc.rank_paths)
+    predicted = {"tuned": {**{k: v for k, v in asdict(choice).items() if k not in ("medusa_choices", "by_size",
+                                                                                  "recommendation")},
+                           "tokens_per_step_product_estimate": round(
+                               expected_tokens_per_step(acc.accuracy, choice.medusa_choices), 4)},
                  "plain": {"tokens_per_step": 1.0, "step_ms": round(steps.plain_ms(), 4), "speedup_vs_plain": 1.0}}
     if reference is not None:
-        predicted[REFERENCE_TREE] = predict(acc.accuracy, steps, reference)
+        predicted[REFERENCE_TREE] = predict(acc.accuracy, steps, reference, acc.rank_paths)
         predicted["tuned_vs_" + REFERENCE_TREE] = round(
             choice.speedup_vs_plain / predicted[REFERENCE_TREE]["speedup_vs_plain"], 4)
     return {
@@ -369,9 +501,10 @@ def tune(backend, calib: list[list[int]], *, max_nodes: int = 64, max_new_tokens
                          "plain_forward": round(steps.plain_forward_ms, 4),
                          "forward": [round(v, 4) for v in steps.forward_ms],
                          "forward_raw": [round(v, 4) for v in steps.raw_forward_ms],
-                         "host_plain": round(steps.host_plain_ms, 4),
-                         "host_tree": {"a": round(steps.host_tree_ms[0], 4), "b_per_token": round(steps.host_tree_ms[1], 5),
-                                       "measured": {str(k): round(v, 4) for k, v in host_tree.items()}}},
+                         "rest_plain": round(steps.host_plain_ms, 4),
+                         "rest_tree": {"a": round(steps.host_tree_ms[0], 4), "b_per_token": round(steps.host_tree_ms[1], 5)},
+                         "real_decode_steps": {("plain" if k == 0 else f"T={k}"): {m: round(v, 4) for m, v in d.items()}
+                                               for k, d in real.items()}},
         "by_size": choice.by_size,
     }
 
@@ -433,7 +566,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128, help="greedy tokens per calibration prompt")
     p.add_argument("--limit", type=int, default=32, help="calibration prompts used (default 32)")
     p.add_argument("--topk", type=int, default=DEFAULT_TOPK, help="ranks measured per head")
-    p.add_argument("--reps", type=int, default=7, help="step-time repetitions per tree size")
+    p.add_argument("--reps", type=int, default=5, help=f"step-time repetitions per tree size (blocks of {BLOCK} steps)")
     p.add_argument("--eval-data", type=Path, help="prompts for the measured comparison (default: --calib-data)")
     p.add_argument("--eval-limit", type=int, default=8, help="prompts for the measured comparison (default 8)")
     p.add_argument("--no-measure", action="store_true", help="predict only; skip the measured comparison")
@@ -443,9 +576,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    # The decoding loop's host ops are tiny: extra torch threads only spin against the engine's own
-    # threads for the same cores (measured: 4x slower Medusa steps on 2 cores).
-    torch.set_num_threads(1)
     from medusa_trt.bench import BenchError, compare, load_prompts
     from medusa_trt.runtime.loading import load_backend, load_tokenizer, stop_tokens
 
