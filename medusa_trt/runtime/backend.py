@@ -59,6 +59,21 @@ def full_attention_mask(lengths: torch.Tensor, past: int, new_mask: torch.Tensor
     return torch.cat([prefix.expand(b, s, past), new_mask], dim=-1)
 
 
+def check_forward(keys: torch.Tensor, lengths: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                  logit_positions: torch.Tensor | None, max_seq_len: int, where: object) -> torch.Tensor:
+    """Checks one forward of an engine backend against its cache [L, B, Hkv, capacity, D] and limits
+    (`where` names the engine in messages); returns logit_positions, all rows by default."""
+    b, s = input_ids.shape
+    past = int(lengths.max()) if b else 0
+    if b != keys.shape[1]:
+        raise ValueError(f"forward got batch {b}, but the cache holds {keys.shape[1]} sequences")
+    if past + s > keys.shape[3]:
+        raise ValueError(f"KV cache overflow: {past} + {s} positions > capacity {keys.shape[3]}")
+    if b and int(position_ids.max()) >= max_seq_len:
+        raise ValueError(f"position {int(position_ids.max())} is beyond the engine's max_seq_len {max_seq_len} ({where})")
+    return torch.arange(s).expand(b, s) if logit_positions is None else logit_positions
+
+
 def commit_indices(lengths: torch.Tensor, past: int, slots: torch.Tensor, counts: torch.Tensor):
     """Flat (batch, source, destination) cache indices of a commit, shared by the array backends."""
     batch = torch.repeat_interleave(torch.arange(len(counts)), counts)

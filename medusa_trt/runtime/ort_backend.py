@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from medusa_trt.engines.build import ENGINE_FORMAT_VERSION
-from medusa_trt.runtime.backend import ModelInfo, commit_indices
+from medusa_trt.runtime.backend import ModelInfo, check_forward, commit_indices
 
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
@@ -153,18 +153,9 @@ class OrtBackend:
             for i, name in enumerate(self._past_names)}
 
     def forward(self, input_ids, position_ids, new_mask, logit_positions=None, with_heads=True):
-        b, s = input_ids.shape
-        past = int(self.lengths.max()) if b else 0
-        capacity = self.keys.shape[3]
-        if b != self.keys.shape[1]:
-            raise ValueError(f"forward got batch {b}, but the cache holds {self.keys.shape[1]} sequences")
-        if past + s > capacity:
-            raise ValueError(f"KV cache overflow: {past} + {s} positions > capacity {capacity}")
-        if b and int(position_ids.max()) >= self.info.max_seq_len:
-            raise ValueError(f"position {int(position_ids.max())} is beyond the engine's max_seq_len "
-                             f"{self.info.max_seq_len} ({self.engine_dir / 'engine.json'})")
-        if logit_positions is None:
-            logit_positions = torch.arange(s).expand(b, s)
+        s = input_ids.shape[1]
+        logit_positions = check_forward(self.keys, self.lengths, input_ids, position_ids, logit_positions,
+                                        self.info.max_seq_len, self.engine_dir / "engine.json")
         host = {"input_ids": input_ids, "position_ids": position_ids, "past_lengths": self.lengths,
                 "new_mask": new_mask, "logit_positions": logit_positions}
         feeds = {name: np.ascontiguousarray(value.numpy(), dtype=np.bool_ if name == "new_mask" else np.int64)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from medusa_trt.runtime.backend import ModelInfo, commit_indices
+from medusa_trt.runtime.backend import ModelInfo, check_forward, commit_indices
 from medusa_trt.runtime.ort_backend import EngineError
 
 _EXTRA_HINT = "pip install 'medusa-trt[tensorrt]'"
@@ -165,18 +165,8 @@ class TensorRTBackend:
 
     @torch.inference_mode()
     def forward(self, input_ids, position_ids, new_mask, logit_positions=None, with_heads=True):
-        b, s = input_ids.shape
-        past = int(self.lengths.max()) if b else 0
-        capacity = self.keys.shape[3]
-        if b != self.keys.shape[1]:
-            raise ValueError(f"forward got batch {b}, but the cache holds {self.keys.shape[1]} sequences")
-        if past + s > capacity:
-            raise ValueError(f"KV cache overflow: {past} + {s} positions > capacity {capacity}")
-        if b and int(position_ids.max()) >= self.info.max_seq_len:
-            raise ValueError(f"position {int(position_ids.max())} is beyond the engine's max_seq_len "
-                             f"{self.info.max_seq_len} ({self.engine_dir / 'engine.json'})")
-        if logit_positions is None:
-            logit_positions = torch.arange(s).expand(b, s)
+        logit_positions = check_forward(self.keys, self.lengths, input_ids, position_ids, logit_positions,
+                                        self.info.max_seq_len, self.engine_dir / "engine.json")
         dev = self.device
         host = {"input_ids": input_ids, "position_ids": position_ids, "past_lengths": self.lengths,
                 "new_mask": new_mask, "logit_positions": logit_positions}
