@@ -309,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
         text = read_code(f)
         if text:
             (held_files if is_heldout(rel, args.heldout_percent) else train_files).append((rel, text))
-    corpus = {"stdlib": str(args.stdlib), "python": sys.version.split()[0], "files_train": len(train_files),
+    corpus = {"stdlib": args.stdlib.name,  # the folder name only: no machine path in committed files
+              "python": sys.version.split()[0], "files_train": len(train_files),
               "files_heldout": len(held_files), "bytes_train": sum(len(t) for _, t in train_files),
               "bytes_heldout": sum(len(t) for _, t in held_files)}
     print(f"corpus: {corpus['files_train']} training files ({corpus['bytes_train'] / 1e6:.1f} MB), "
