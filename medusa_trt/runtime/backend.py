@@ -74,6 +74,26 @@ def check_forward(keys: torch.Tensor, lengths: torch.Tensor, input_ids: torch.Te
     return torch.arange(s).expand(b, s) if logit_positions is None else logit_positions
 
 
+def zero_cache(layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int, dtype, device) -> tuple:
+    """K and V buffers [L, B, Hkv, capacity, D] of the engine backends. Zeros, not empty: masked slots
+    get probability 0, and 0 * NaN from stale memory is NaN."""
+    shape = (layers, batch, kv_heads, max(capacity, 1), head_dim)
+    return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+
+
+def scatter_pending(keys: torch.Tensor, values: torch.Tensor, pending: tuple | None, lengths: torch.Tensor,
+                    slots: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """The engine backends' commit: the kept pending tokens (new K/V [L, B, Hkv, S, D] of the last
+    forward) go after each committed prefix. Returns the new lengths."""
+    if pending is None:
+        raise RuntimeError("commit() without a forward() since the last commit")
+    new_k, new_v = pending
+    b, src, dst = (t.to(keys.device) for t in commit_indices(lengths, 0, slots, counts))  # src: new tokens
+    keys[:, b, :, dst] = new_k[:, b, :, src]
+    values[:, b, :, dst] = new_v[:, b, :, src]
+    return lengths + counts
+
+
 def commit_indices(lengths: torch.Tensor, past: int, slots: torch.Tensor, counts: torch.Tensor):
     """Flat (batch, source, destination) cache indices of a commit, shared by the array backends."""
     batch = torch.repeat_interleave(torch.arange(len(counts)), counts)

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from medusa_trt.engines.build import ENGINE_FORMAT_VERSION
-from medusa_trt.runtime.backend import ModelInfo, check_forward, commit_indices
+from medusa_trt.runtime.backend import ModelInfo, check_forward, scatter_pending, zero_cache
 
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
@@ -138,10 +138,8 @@ class OrtBackend:
         if batch > self.max_batch_size:
             raise ValueError(f"batch {batch} exceeds the engine's max_batch_size {self.max_batch_size} "
                              f"({self.engine_dir / 'engine.json'}); rebuild with a larger --max-batch-size")
-        # Zeros, not empty: masked slots get probability 0, and 0 * NaN from stale memory is NaN.
-        shape = (self.num_layers, batch, self.num_kv_heads, max(capacity, 1), self.head_dim)
-        self.keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.values = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.keys, self.values = zero_cache(self.num_layers, batch, self.num_kv_heads, capacity, self.head_dim,
+                                            self.dtype, self.device)
         self.lengths = torch.zeros(batch, dtype=torch.long)
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self._cache_changed()
@@ -204,15 +202,7 @@ class OrtBackend:
         return logits, hidden, new_k, new_v
 
     def commit(self, slots: torch.Tensor, counts: torch.Tensor) -> None:
-        if self._pending is None:
-            raise RuntimeError("commit() without a forward() since the last commit")
-        new_k, new_v = self._pending
-        b, src, dst = commit_indices(self.lengths, 0, slots, counts)  # src indexes the new tokens
-        if self.device != "cpu":
-            b, src, dst = b.to(self.device), src.to(self.device), dst.to(self.device)
-        self.keys[:, b, :, dst] = new_k[:, b, :, src]
-        self.values[:, b, :, dst] = new_v[:, b, :, src]
-        self.lengths = self.lengths + counts
+        self.lengths = scatter_pending(self.keys, self.values, self._pending, self.lengths, slots, counts)
         self._pending = None
 
     def keep(self, rows: torch.Tensor) -> None:

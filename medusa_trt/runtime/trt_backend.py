@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from medusa_trt.runtime.backend import ModelInfo, check_forward, commit_indices
+from medusa_trt.runtime.backend import ModelInfo, check_forward, scatter_pending, zero_cache
 from medusa_trt.runtime.ort_backend import EngineError
 
 _EXTRA_HINT = "pip install 'medusa-trt[tensorrt]'"
@@ -155,10 +155,8 @@ class TensorRTBackend:
         if capacity > self.max_capacity:
             raise ValueError(f"cache capacity {capacity} exceeds the engine's largest past {self.max_capacity} "
                              f"({self.engine_dir / 'engine.json'}); rebuild with a larger --max-seq-len")
-        # Zeros, not empty: masked slots get probability 0, and 0 * NaN from stale memory is NaN.
-        shape = (self.num_layers, batch, self.num_kv_heads, max(capacity, 1), self.head_dim)
-        self.keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.values = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.keys, self.values = zero_cache(self.num_layers, batch, self.num_kv_heads, capacity, self.head_dim,
+                                            self.dtype, self.device)
         self.lengths = torch.zeros(batch, dtype=torch.long)
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self._hidden: torch.Tensor | None = None
@@ -206,14 +204,7 @@ class TensorRTBackend:
         return torch.cat(parts, dim=1).cpu()
 
     def commit(self, slots: torch.Tensor, counts: torch.Tensor) -> None:
-        if self._pending is None:
-            raise RuntimeError("commit() without a forward() since the last commit")
-        new_k, new_v = self._pending
-        b, src, dst = commit_indices(self.lengths, 0, slots, counts)  # src indexes the new tokens
-        b, src, dst = b.to(self.device), src.to(self.device), dst.to(self.device)
-        self.keys[:, b, :, dst] = new_k[:, b, :, src]
-        self.values[:, b, :, dst] = new_v[:, b, :, src]
-        self.lengths = self.lengths + counts
+        self.lengths = scatter_pending(self.keys, self.values, self._pending, self.lengths, slots, counts)
         self._pending = None
 
     def keep(self, rows: torch.Tensor) -> None:
