@@ -67,7 +67,7 @@ def synthetic_model(work: Path) -> tuple[Path, Path, list[str], list[str]]:
     from transformers import AutoModelForCausalLM
 
     from medusa_trt.synthetic import make_base
-    from medusa_trt.training import greedy_continuations, save_v1_heads, train_heads
+    from medusa_trt.training import greedy_continuations, save_heads, train_heads
 
     base, heads = work / "base", work / "heads"
     stamp = work / "model.json"
@@ -81,7 +81,7 @@ def synthetic_model(work: Path) -> tuple[Path, Path, list[str], list[str]]:
         train = [[rng.randrange(3, 72) for _ in range(8)] for _ in range(128)]  # ids of the real tokenizer
         state = train_heads(hf, greedy_continuations(hf, train, 64), num_heads=4, steps=300,
                             batch_tokens=2048, progress=False)
-        save_v1_heads(state, heads, base, num_heads=4, num_layers=1, dtype=torch.float16)
+        save_heads(state, heads, base, num_heads=4, num_layers=1, dtype=torch.float16)
         stamp.write_text(json.dumps(SYNTHETIC))
     return base, heads, sentences(256, seed=1), sentences(64, seed=2)
 

@@ -35,7 +35,7 @@ class BenchError(ValueError):
 
 
 class ForwardTimer:
-    """A backend whose compute calls (forward, and heads where the backend has it) are timed;
+    """A backend whose compute calls (forward, and heads and fused_step where the backend has them) are timed;
     everything else in a step is host overhead (candidate selection, acceptance, KV compaction,
     Python). Calls before the first commit belong to the prefill. Delegates the rest."""
 
@@ -75,7 +75,7 @@ class ForwardTimer:
 
     def __getattr__(self, name):  # info, start, keep, and backend-specific attributes
         attr = getattr(self.backend, name)
-        if name == "heads":  # Medusa logits at the accepted rows: backend compute, timed like forward
+        if name in ("heads", "fused_step"):  # backend compute, timed like forward
             return lambda *args, **kwargs: self._timed(attr, *args, **kwargs)
         return attr
 

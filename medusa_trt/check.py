@@ -203,7 +203,7 @@ def _compare_steps(report: CheckReport, subject, reference, prompts: list[list[i
     from polygraphy.comparator import Comparator, IterationResult, RunResults
     from polygraphy.logger import G_LOGGER
 
-    from medusa_trt.runtime.decoding import GenerationConfig, accept_paths
+    from medusa_trt.acceptance import candidate_index, greedy_accept, tree_candidates
 
     info = reference.info
     tree = default_tree(info.num_medusa_heads, info.max_draft_len) if info.num_medusa_heads else None
@@ -242,18 +242,15 @@ def _compare_steps(report: CheckReport, subject, reference, prompts: list[list[i
     logits, medusa = logits[rows, lens - 1], medusa[:, rows, lens - 1]  # [B, V], [H, B, V]
 
     if tree is not None:
-        head, rank = torch.tensor(tree.head[1:]), torch.tensor(tree.rank[1:])
+        topk = int(tree.topk_per_depth.max())
+        index = torch.tensor(candidate_index(tree.head[1:], tree.rank[1:], topk))
         offsets, tmask = torch.tensor(tree.position_offsets), torch.tensor(tree.attention_mask)
         retrieve = torch.tensor(tree.retrieve_indices)
-        topk = int(tree.topk_per_depth.max())
-        greedy = GenerationConfig(acceptance="greedy")
         for step in range(steps):
-            root = logits.argmax(-1)
-            cand = medusa.topk(topk, dim=-1).indices  # [H, B, k]
-            tokens = torch.cat([root[:, None], cand[head, :, rank].T], dim=1)  # [B, T]
+            tokens = tree_candidates(logits.argmax(-1), medusa, index, topk)  # [B, T]
             pos = subject.lengths[:, None] + offsets[None]
             all_logits, all_medusa = run(f"tree step {step + 1}" + label, tokens, pos, tmask[None].expand(n, -1, -1))
-            best, accepted = accept_paths(retrieve, tokens, all_logits, greedy)
+            best, accepted = greedy_accept(retrieve, tokens, all_logits.argmax(-1))
             slots = retrieve[best].clamp(min=0)
             for b in (subject, reference):
                 b.commit(slots, accepted + 1)

@@ -1,4 +1,4 @@
-"""medusa-train-heads: fit Medusa-1 heads to a frozen Hugging Face base, FasterDecoding v1 output.
+"""medusa-train-heads: fit Medusa-1 heads to a frozen Hugging Face base, FasterDecoding output.
 
 Two kinds of targets:
 - plain (default): the data's own next tokens, each sample cut into windows of --seq-len tokens;
@@ -6,10 +6,13 @@ Two kinds of targets:
   the data. Greedy verification accepts exactly what the base would say, so these heads accept
   more, and the data need not be the base's training distribution.
 
-The output directory holds medusa_lm_head.pt + config.json, the files FasterDecoding's training
-writes, so medusa-convert (and any other tool that reads v1 heads) takes it as it is.
+The output directory holds medusa_lm_head.pt + config.json (v1: each head has its own lm_head), or
+with --shared-lm-head medusa_lm_head.safetensors + config.json with version "2" (ResBlocks only,
+logits through the base's frozen lm_head): the files FasterDecoding writes, so medusa-convert (and
+any other tool that reads those formats) takes them as they are.
 
     medusa-train-heads --base DIR --data FILE --out DIR [--num-heads 4] [--num-layers 1] [--self-distill]
+                       [--shared-lm-head]
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from pathlib import Path
 
 PROG = "medusa-train-heads"
 DTYPES = ("float32", "float16", "bfloat16")
+HEAD_FILES = ("medusa_lm_head.pt", "medusa_lm_head.safetensors")  # v1, v2 (training.save_heads)
 
 
 class TrainError(ValueError):
@@ -34,10 +38,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--base", required=True, type=Path, help="Hugging Face model dir (config.json, weights, tokenizer)")
     p.add_argument("--data", required=True, type=Path,
                    help=".txt (one sample per line) or .jsonl (one {\"text\": ...} per line; text may hold newlines)")
-    p.add_argument("--out", required=True, type=Path, help="directory for medusa_lm_head.pt + config.json")
+    p.add_argument("--out", required=True, type=Path, help="directory for the head file + config.json")
     p.add_argument("--num-heads", type=int, default=4)
     p.add_argument("--num-layers", type=int, default=1, help="ResBlocks per head (default 1)")
     p.add_argument("--self-distill", action="store_true", help="targets = the base's greedy continuations")
+    p.add_argument("--shared-lm-head", action="store_true",
+                   help="v2 heads: ResBlocks only, logits through the base's frozen lm_head (smaller, cheaper "
+                        "to run: an engine computes every head's logits in one MatMul)")
     p.add_argument("--prompt-tokens", type=int, default=48, help="self-distill: snippet length (default 48)")
     p.add_argument("--new-tokens", type=int, default=128, help="self-distill: greedy tokens per snippet (default 128)")
     p.add_argument("--num-prompts", type=int, default=1024, help="self-distill: snippets to continue (default 1024)")
@@ -51,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
                    "AVX512-BF16/AMX; master weights stay float32)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--force", action="store_true", help="replace an existing medusa_lm_head.pt in --out")
+    p.add_argument("--force", action="store_true", help="replace existing heads in --out")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p
 
@@ -69,8 +76,9 @@ def _check(args) -> None:
         raise TrainError(f"{args.base}: no config.json; expected a Hugging Face model directory")
     if args.out.exists() and not args.out.is_dir():
         raise TrainError(f"{args.out}: exists and is not a directory")
-    if (args.out / "medusa_lm_head.pt").exists() and not args.force:
-        raise TrainError(f"{args.out / 'medusa_lm_head.pt'}: exists; pass --force to replace it")
+    for name in HEAD_FILES:
+        if (args.out / name).exists() and not args.force:
+            raise TrainError(f"{args.out / name}: exists; pass --force to replace it")
 
 
 def load_base(base: Path, quiet: bool = False):
@@ -132,8 +140,9 @@ def main(argv: list[str] | None = None) -> int:
             DataError,
             head_accuracy,
             head_pairs,
+            load_head_file,
             read_samples,
-            save_v1_heads,
+            save_heads,
             train_heads,
         )
 
@@ -157,15 +166,17 @@ def main(argv: list[str] | None = None) -> int:
         history: list[float] = []
         state = train_heads(model, [], num_heads=args.num_heads, num_layers=args.num_layers, steps=args.steps,
                             lr=args.lr, batch_tokens=args.batch_tokens, seed=args.seed, progress=not args.quiet,
-                            bf16=args.bf16, history=history, pairs=pairs)
+                            bf16=args.bf16, history=history, pairs=pairs, shared_lm_head=args.shared_lm_head)
         dtype = getattr(torch, args.dtype) if args.dtype else (_saved_dtype(args.base) or torch.float32)
-        path = save_v1_heads(state, args.out, args.base, args.num_heads, args.num_layers, dtype=dtype)
+        for name in HEAD_FILES:  # --force: a head file of the other format would shadow the new one
+            (args.out / name).unlink(missing_ok=True)
+        path = save_heads(state, args.out, args.base, args.num_heads, args.num_layers, dtype=dtype)
         accuracy = None
         if held:
             try:
                 held_pairs = head_pairs(model, [seqs[i] for i in held], args.num_heads, [starts[i] for i in held])
-                saved = torch.load(path, weights_only=True)
-                accuracy = head_accuracy(saved, *held_pairs, args.num_heads, args.num_layers, topk=5)
+                accuracy = head_accuracy(load_head_file(path), *held_pairs, args.num_heads, args.num_layers,
+                                         topk=5, lm_head=model.get_output_embeddings().weight.detach())
             except ValueError:
                 accuracy = None  # held-out sequences too short to measure: say nothing rather than guess
     except TrainError as e:

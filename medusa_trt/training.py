@@ -133,28 +133,33 @@ def head_pairs(model, sequences: list[list[int]], num_heads: int,
     return torch.cat(xs), torch.cat(ys)
 
 
-def apply_heads(state: dict[str, torch.Tensor], x: torch.Tensor, num_heads: int, num_layers: int) -> torch.Tensor:
-    """Medusa logits [H, N, V] of a v1 state dict on hidden states x [N, d] (float32)."""
+def apply_heads(state: dict[str, torch.Tensor], x: torch.Tensor, num_heads: int, num_layers: int,
+                lm_head: torch.Tensor | None = None) -> torch.Tensor:
+    """Medusa logits [H, N, V] of a head state dict on hidden states x [N, d] (float32). v2 heads
+    (no `{h}.{L}.weight`) use `lm_head`, the base's output matrix [V, d]."""
     out = []
     for h in range(num_heads):
         z = x
         for layer in range(num_layers):
             w, b = state[f"{h}.{layer}.linear.weight"].float(), state[f"{h}.{layer}.linear.bias"].float()
             z = z + F.silu(z @ w.T + b)
-        out.append(z @ state[f"{h}.{num_layers}.weight"].float().T)
+        own = state.get(f"{h}.{num_layers}.weight")
+        if own is None and lm_head is None:
+            raise ValueError(f"head {h} has no lm_head ({h}.{num_layers}.weight): pass the base's lm_head")
+        out.append(z @ (own if own is not None else lm_head).float().T)
     return torch.stack(out)
 
 
 @torch.inference_mode()
 def head_accuracy(state: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, num_heads: int,
-                  num_layers: int, topk: int = 10, chunk: int = 4096) -> torch.Tensor:
+                  num_layers: int, topk: int = 10, chunk: int = 4096, lm_head: torch.Tensor | None = None) -> torch.Tensor:
     """[H, topk]: fraction of positions where head k's rank-r token is the target (not cumulative;
     top-k accuracy is the cumulative sum over r)."""
     from medusa_trt.calibration.tree_search import rank_hits
 
     hits = torch.zeros(num_heads, topk, dtype=torch.long)
     for i in range(0, len(x), chunk):
-        logits = apply_heads(state, x[i : i + chunk], num_heads, num_layers)  # [H, n, V]
+        logits = apply_heads(state, x[i : i + chunk], num_heads, num_layers, lm_head)  # [H, n, V]
         hits += rank_hits(logits, y[i : i + chunk].T, topk)
     return hits.double() / max(len(x), 1)
 
@@ -173,8 +178,11 @@ def train_heads(
     bf16: bool = False,
     history: list[float] | None = None,
     pairs: tuple[torch.Tensor, torch.Tensor] | None = None,
+    shared_lm_head: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """Fits Medusa heads to `sequences` (token ids) with the base frozen; returns a v1 state dict.
+    """Fits Medusa heads to `sequences` (token ids) with the base frozen; returns a v1 state dict,
+    or with `shared_lm_head` a v2 one: ResBlocks only, logits through the base's frozen lm_head
+    (a quarter of the parameters at 4 heads, and an engine runs all heads' logits as one MatMul).
 
     Heads start as the identity ResBlock (zero weights) with the base's lm_head, the way upstream
     initializes them, so step 0 already predicts "the next token" and training only has to learn
@@ -191,8 +199,8 @@ def train_heads(
     d = x.shape[1]
     w = torch.zeros(num_heads, num_layers, d, d, requires_grad=True)
     b = torch.zeros(num_heads, num_layers, d, requires_grad=True)
-    lm = base_lm[None].repeat(num_heads, 1, 1).requires_grad_(True)
-    opt = torch.optim.AdamW([w, b, lm], lr=lr, weight_decay=0.0)
+    lm = base_lm[None].expand(num_heads, -1, -1) if shared_lm_head else base_lm[None].repeat(num_heads, 1, 1)
+    opt = torch.optim.AdamW([w, b] if shared_lm_head else [w, b, lm.requires_grad_(True)], lr=lr, weight_decay=0.0)
     warmup = max(1, steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda i: min(1.0, (i + 1) / warmup) * (0.55 + 0.45 * math.cos(math.pi * min(i, steps) / steps)))
@@ -206,7 +214,7 @@ def train_heads(
             z = x[idx][None].expand(num_heads, -1, -1)  # [H, n, d]
             for layer in range(num_layers):
                 z = z + F.silu(torch.einsum("hni,hoi->hno", z, w[:, layer]) + b[:, layer, None, :])
-            logits = torch.einsum("hni,hvi->hnv", z, lm)  # [H, n, V]
+            logits = z @ base_lm.T if shared_lm_head else torch.einsum("hni,hvi->hnv", z, lm)  # [H, n, V]
         losses = torch.stack([F.cross_entropy(logits[k].float(), y[idx, k]) for k in range(num_heads)])
         loss = (weights * losses).sum()
         opt.zero_grad()
@@ -221,16 +229,36 @@ def train_heads(
         for layer in range(num_layers):
             state[f"{h}.{layer}.linear.weight"] = w[h, layer].detach().clone()
             state[f"{h}.{layer}.linear.bias"] = b[h, layer].detach().clone()
-        state[f"{h}.{num_layers}.weight"] = lm[h].detach().clone()
+        if not shared_lm_head:
+            state[f"{h}.{num_layers}.weight"] = lm[h].detach().clone()
     return state
 
 
-def save_v1_heads(state: dict[str, torch.Tensor], out_dir: str | Path, base_dir: str | Path,
-                  num_heads: int, num_layers: int, dtype: torch.dtype = torch.float32) -> Path:
-    """Writes `medusa_lm_head.pt` + config.json the way FasterDecoding's v1 training does."""
+def load_head_file(path: str | Path) -> dict[str, torch.Tensor]:
+    """The state dict of a head file written by `save_heads` (.pt or .safetensors)."""
+    if str(path).endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        return load_file(str(path))
+    return torch.load(path, weights_only=True)
+
+
+def save_heads(state: dict[str, torch.Tensor], out_dir: str | Path, base_dir: str | Path,
+               num_heads: int, num_layers: int, dtype: torch.dtype = torch.float32) -> Path:
+    """Writes the heads as FasterDecoding does: v1 (own lm_heads) as `medusa_lm_head.pt`, v2 (shared
+    lm_head, no `{h}.{L}.weight`) as `medusa_lm_head.safetensors` with `version: "2"`; + config.json."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    torch.save({k: v.to(dtype).contiguous() for k, v in state.items()}, out / "medusa_lm_head.pt")
+    tensors = {k: v.to(dtype).contiguous() for k, v in state.items()}
     config = {"medusa_num_heads": num_heads, "medusa_num_layers": num_layers, "base_model_name_or_path": str(base_dir)}
+    if f"0.{num_layers}.weight" in state:
+        path = out / "medusa_lm_head.pt"
+        torch.save(tensors, path)
+    else:
+        from safetensors.torch import save_file
+
+        path = out / "medusa_lm_head.safetensors"
+        save_file(tensors, path)
+        config["version"] = "2"
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return out / "medusa_lm_head.pt"
+    return path

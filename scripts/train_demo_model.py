@@ -51,7 +51,7 @@ from medusa_trt.training import (  # noqa: E402
     greedy_continuations,
     head_accuracy,
     head_pairs,
-    save_v1_heads,
+    save_heads,
     train_heads,
 )
 
@@ -388,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     state = train_heads(hf, seqs, num_heads=args.medusa_heads, num_layers=args.medusa_layers, steps=args.head_steps,
                         lr=args.head_lr, batch_tokens=args.head_batch_tokens, seed=args.seed, bf16=args.bf16,
                         history=history, pairs=pairs)
-    save_v1_heads(state, heads_dir, "../base", args.medusa_heads, args.medusa_layers, dtype=torch.float16)
+    save_heads(state, heads_dir, "../base", args.medusa_heads, args.medusa_layers, dtype=torch.float16)
     # Accuracy of the heads as saved (float16), on held-out snippets' greedy continuations.
     saved = torch.load(heads_dir / "medusa_lm_head.pt", weights_only=True)
     acc = head_accuracy(saved, *held_pairs, args.medusa_heads, args.medusa_layers, topk=10)

@@ -16,7 +16,7 @@ from medusa_trt.runtime.backend import TorchBackend
 from medusa_trt.runtime.cli import main as run_main
 from medusa_trt.runtime.decoding import GenerationConfig, decode, generate, typical_accept
 from medusa_trt.synthetic import EOS
-from medusa_trt.training import greedy_continuations, save_v1_heads, train_heads
+from medusa_trt.training import greedy_continuations, save_heads, train_heads
 from medusa_trt.tree import PRESETS
 
 NEW = 48
@@ -48,7 +48,7 @@ def distilled(tmp_path_factory, tiny_base):
             train = prompts(100, lengths=[6] * 96)
             state = train_heads(hf, greedy_continuations(hf, train, 64), num_heads=4, steps=250, batch_tokens=2048, progress=False)
             root = tmp_path_factory.mktemp(f"distilled-{arch}")
-            save_v1_heads(state, root / "heads", base, num_heads=4, num_layers=1)
+            save_heads(state, root / "heads", base, num_heads=4, num_layers=1)
             convert(base, root / "heads", root / "ckpt", progress=False)
             cache[arch] = SimpleNamespace(hf=hf, ckpt=root / "ckpt", backend=TorchBackend(MedusaModel.from_checkpoint(root / "ckpt")))
         return cache[arch]
@@ -198,3 +198,33 @@ def test_medusa_run_cli(distilled, capsys):
     assert run_main(["--checkpoint", str(ckpt), "--prompt", "x", "--medusa-choices", "[[0], [0, 0, 0, 0, 0]]"]) == 2
     assert "depth 5 exceeds" in capsys.readouterr().err
     assert run_main(["--checkpoint", str(ckpt / "missing"), "--prompt", "x"]) == 2
+
+
+def test_fused_greedy_step_equals_the_unfused_loop(distilled, tmp_path):
+    """The ONNX Runtime engine's fused step (verify + accept + heads + next tree in one call) takes
+    the same path as the loop's own acceptance: same tokens and statistics, batch 4, ragged prompts,
+    one sequence ending early on a stop id; a tree with a rank beyond the graph's top-k falls back."""
+    from medusa_trt.engines.build import BuildOptions, build_engine
+    from medusa_trt.runtime.ort_backend import OrtBackend
+
+    m = distilled("llama")
+    build_engine(BuildOptions(checkpoint=m.ckpt, out=tmp_path / "engine", progress=False))
+    backend = OrtBackend(tmp_path / "engine")
+    assert backend.fused_step_topk == 10
+    ps = prompts(12)
+    full = [oracle(m.hf, p) for p in ps]
+    stop = full[1][9]
+    expected = []
+    for ref in full:
+        cut = next((i for i, t in enumerate(ref) if t == stop), None)
+        expected.append(ref[: cut + 1] if cut is not None else ref)
+    for tree in ("mc_sim_7b_63", [[0], [0, 0], [1], [0, 0, 0]], [[0], [10]]):
+        cfg = greedy(tree, stop_token_ids=(EOS, stop))
+        fused = decode(backend, ps, cfg)
+        backend.fused_step_topk = None  # the loop's own acceptance and top-k, two engine calls a step
+        unfused = decode(backend, ps, cfg)
+        backend.fused_step_topk = 10
+        assert fused.tokens == unfused.tokens == expected, tree
+        assert [s.as_dict() | {"prefill_s": 0, "decode_s": 0} for s in fused.stats] == \
+            [s.as_dict() | {"prefill_s": 0, "decode_s": 0} for s in unfused.stats], tree
+        assert sum(s.accepted_draft_tokens for s in fused.stats) > 0

@@ -71,6 +71,48 @@ def test_self_distilled_heads_get_accepted(self_distilled, tiny_base):
     assert sum(s.new_tokens for s in medusa.stats) / sum(s.steps for s in medusa.stats) > 1.3
 
 
+def test_shared_lm_head_writes_v2_heads_that_the_engine_runs_as_one_matmul(tiny_base, tmp_path):
+    """--shared-lm-head: ResBlocks only in medusa_lm_head.safetensors with version "2"; medusa-convert
+    reads it as v2, the ONNX Runtime engine computes all heads' logits with the base lm_head in one
+    MatMul, and its heads equal the reference's; distilled heads still get accepted."""
+    import onnx
+    from safetensors.torch import load_file
+
+    from medusa_trt.engines.build import BuildOptions, build_engine
+    from medusa_trt.runtime.ort_backend import OrtBackend
+
+    base = tiny_base("llama")
+    data = write_data(tmp_path / "data.jsonl")
+    rc = train_cli.main(["--base", str(base), "--data", str(data), "--out", str(tmp_path / "heads"), "--self-distill",
+                         "--shared-lm-head", "--num-prompts", "96", "--prompt-tokens", "8", "--new-tokens", "48",
+                         "--steps", "200", "--batch-tokens", "2048", "--quiet"])
+    assert rc == 0
+    assert json.loads((tmp_path / "heads" / "config.json").read_text())["version"] == "2"
+    assert not (tmp_path / "heads" / "medusa_lm_head.pt").exists()
+    state = load_file(tmp_path / "heads" / "medusa_lm_head.safetensors")
+    assert set(state) == {f"{h}.0.linear.{k}" for h in range(4) for k in ("weight", "bias")}
+    convert(base, tmp_path / "heads", tmp_path / "ckpt", progress=False)
+    assert json.loads((tmp_path / "ckpt" / "config.json").read_text())["medusa_trt"]["head_format"] == "medusa_v2"
+    build_engine(BuildOptions(checkpoint=tmp_path / "ckpt", out=tmp_path / "engine", progress=False))
+    engine = json.loads((tmp_path / "engine" / "engine.json").read_text())
+    assert engine["onnx"]["shared_lm_head"] is True
+    heads_graph = onnx.load(tmp_path / "engine" / engine["onnx"]["heads_file"])
+    vocab = json.loads((base / "config.json").read_text())["vocab_size"]
+    big = [i for i in heads_graph.graph.initializer if vocab in i.dims]
+    assert len(big) == 1, [(i.name, list(i.dims)) for i in big]  # one output matrix, not one per head
+
+    reference = TorchBackend(MedusaModel.from_checkpoint(tmp_path / "ckpt"))
+    backend = OrtBackend(tmp_path / "engine")
+    hidden = torch.randn(3, reference.model.cfg.hidden_size)
+    expected = reference.model.medusa_heads(hidden[None])[:, 0]
+    torch.testing.assert_close(backend._run_heads(hidden), expected, atol=1e-4, rtol=1e-4)
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 72) for _ in range(n)] for n in (5, 9, 7)]
+    medusa = decode(backend, prompts, GenerationConfig(max_new_tokens=40))
+    assert medusa.tokens == decode(reference, prompts, GenerationConfig(max_new_tokens=40, use_medusa=False)).tokens
+    assert sum(s.new_tokens for s in medusa.stats) / sum(s.steps for s in medusa.stats) > 1.3
+
+
 def test_plain_targets_and_txt_data(tiny_base, tmp_path, capsys):
     data = write_data(tmp_path / "data.txt", n=30)
     out = tmp_path / "heads"

@@ -273,6 +273,7 @@ def measure_forward_ms(backend, context: list[int], max_tokens: int, reps: int =
     from tqdm import tqdm
 
     split = separate_heads(backend)
+    fused_k = getattr(backend, "fused_step_topk", None)  # greedy steps go through the fused step
     backend.start(1, len(context) + max_tokens + 1)
     n = len(context)
     pos = torch.arange(n)[None]
@@ -284,8 +285,12 @@ def measure_forward_ms(backend, context: list[int], max_tokens: int, reps: int =
     def step(t: int, tree: bool) -> float:
         ids = torch.tensor([(context * (t // n + 1))[:t]])
         mask = torch.ones(t, t, dtype=torch.bool).tril()[None]
+        if tree and fused_k:  # a chain of t slots; the candidates' values do not change the cost
+            retrieve, index = torch.arange(t)[None], torch.arange(t - 1) % (backend.info.num_medusa_heads * fused_k)
         t0 = time.perf_counter()
-        if not split:
+        if tree and fused_k:
+            backend.fused_step(ids, n + torch.arange(t)[None], mask, retrieve, index)
+        elif not split:
             backend.forward(ids, n + torch.arange(t)[None], mask)
         else:  # verify without heads; heads only at the accepted row (none on a plain step)
             backend.forward(ids, n + torch.arange(t)[None], mask, with_heads=False)
@@ -498,6 +503,7 @@ def _tune(backend, calib, max_nodes, max_new_tokens, stop_token_ids, topk, reps,
                           "top1": [round(a, 4) for a in acc.top1], "positions": acc.positions,
                           "base_agreement": round(acc.base_agreement, 4)},
         "step_time_ms": {"heads_separate": separate_heads(backend),
+                         "fused_step": getattr(backend, "fused_step_topk", None) is not None,
                          "plain_forward": round(steps.plain_forward_ms, 4),
                          "forward": [round(v, 4) for v in steps.forward_ms],
                          "forward_raw": [round(v, 4) for v in steps.raw_forward_ms],

@@ -107,7 +107,8 @@ def _build_onnxruntime(opts: BuildOptions, config: dict, workdir: Path) -> dict:
         bar.update()
         bar.set_postfix_str(steps[1])
         try:
-            result = export_onnx(model, workdir / "model.onnx", attention=attention, opset=opset)
+            result = export_onnx(model, workdir / "model.onnx", attention=attention, opset=opset,
+                                 fused_step=opts.extra.get("fused_step", True))
         except ValueError as e:  # an option the exporter refuses (opset, attention form)
             raise BuildError(str(e)) from None
         bar.update()
@@ -118,7 +119,12 @@ def _build_onnxruntime(opts: BuildOptions, config: dict, workdir: Path) -> dict:
         "onnx": {"file": result.path.name, "opset": result.opset, "attention": result.attention,
                  "external_data": result.external_data, "inputs": list(result.input_names),
                  "outputs": list(result.output_names),
-                 "heads_file": result.heads_path.name if result.heads_path else None},
+                 "heads_file": result.heads_path.name if result.heads_path else None,
+                 "shared_lm_head": result.shared_lm_head,
+                 # The fused greedy step graph (engines/onnx_export.py), used for greedy decoding of
+                 # trees whose ranks are all below step_topk.
+                 "step_file": result.step_path.name if result.step_path else None,
+                 "step_topk": result.step_topk},
     }
     quant = _quantization_part(config)
     if quant:

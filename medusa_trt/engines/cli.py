@@ -36,6 +36,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="--backend tensorrt: keep the exported (and rewritten) ONNX graphs in <out>/onnx")
     p.add_argument("--max-input-len", type=int,
                    help="--backend tensorrt-llm: longest prompt (default: max-seq-len minus one tree)")
+    p.add_argument("--no-fused-step", dest="fused_step", action="store_false",
+                   help="onnxruntime: skip the fused greedy step graph (saves a second copy of the weights "
+                        "on disk; greedy decoding then takes two engine calls and host work per step)")
     p.add_argument("--device", default="cpu", choices=list(DEVICES), help="device the engine runs on by default")
     p.add_argument("--triton-repo", type=Path, help="also write a Triton Inference Server model repository "
                    "for the engine here (same as medusa-triton --engine OUT --out DIR)")
@@ -56,7 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         opset=args.opset, device=args.device, attention=args.attention, force=args.force,
         progress=not args.quiet,
         extra={k: v for k, v in (("trt_attention", args.trt_attention), ("keep_onnx", args.keep_onnx),
-                                 ("max_input_len", args.max_input_len)) if v},
+                                 ("max_input_len", args.max_input_len)) if v} | {"fused_step": args.fused_step},
     )
     try:
         result = build_engine(opts)

@@ -30,6 +30,18 @@ Graph interface (names are the contract with `medusa_trt.runtime.ort_backend`):
   outputs  logits           [batch, logits, vocab] float32
            hidden           [batch, logits, hidden_size]  final normed hidden state at those rows
            present_keys, present_values  [layers, batch, kv_heads, new, head_dim]  new tokens only
+
+The heads graph (`model_heads.onnx`) maps hidden [rows, hidden_size] -> medusa_logits [heads, rows,
+vocab]. The fused step graph (`model_step.onnx`, models with heads) is one greedy decoding step:
+the decoder over a tree's tokens, greedy acceptance, the heads at the last accepted node and the
+next tree's tokens (medusa_trt/acceptance.py, the functions the decoding loop runs eagerly):
+
+  inputs   input_ids, position_ids, past_lengths, new_mask, past_*   as above (new = tree slots)
+           retrieve         [paths, depth + 1] int64  root..leaf slots of each path, -1 padded
+           candidate_index  [slots - 1] int64  next tree's slots in the heads' flat top-k
+  outputs  best_path, accepted  [batch] int64
+           next_tokens      [batch, slots] int64  the next step's input_ids
+           present_keys, present_values  as above
 """
 
 from __future__ import annotations
@@ -48,6 +60,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from medusa_trt.acceptance import CANDIDATE_TOPK, greedy_accept, tree_candidates
 from medusa_trt.checkpoint import dequantize_fp8
 from medusa_trt.modeling import FP8Linear, MedusaModel, _KeepsFP8, attention_with_past, fake_quant_fp8
 
@@ -60,6 +73,8 @@ MAX_PROTOBUF_BYTES = 2**31 - 1  # one protobuf message; larger models must use e
 INPUT_NAMES = ("input_ids", "position_ids", "past_lengths", "new_mask", "logit_positions")
 OUTPUT_NAMES = ("logits", "hidden", "present_keys", "present_values")
 HEADS_INPUT, HEADS_OUTPUT = "hidden", "medusa_logits"
+STEP_INPUT_NAMES = ("input_ids", "position_ids", "past_lengths", "new_mask", "retrieve", "candidate_index")
+STEP_OUTPUT_NAMES = ("best_path", "accepted", "next_tokens", "present_keys", "present_values")
 
 
 def past_names(num_layers: int) -> list[str]:
@@ -284,9 +299,14 @@ class _ExportModule(nn.Module):
             nn.Parameter(model.medusa_b[h, i], requires_grad=False)
             for h in range(cfg.num_medusa_heads) for i in range(cfg.num_medusa_layers)
         )
+        # Heads that use the base lm_head (FasterDecoding v2 heads; the merged checkpoint holds a copy
+        # per head) share one MatMul: [heads * rows, d] against one matrix instead of one per head.
+        base_lm = model.lm_head.weight
+        self.shared_lm_head = cfg.num_medusa_heads > 0 and all(
+            torch.equal(model.medusa_lm_head[h], base_lm) for h in range(cfg.num_medusa_heads))
         self.head_lm = nn.ParameterList(
             nn.Parameter(model.medusa_lm_head[h], requires_grad=False) for h in range(cfg.num_medusa_heads)
-        )
+        ) if not self.shared_lm_head else None
 
     def medusa_heads(self, h: torch.Tensor) -> torch.Tensor:
         """Same math as MedusaModel.medusa_heads, as one 2-D MatMul per head and layer."""
@@ -301,9 +321,11 @@ class _ExportModule(nn.Module):
                 y = self.head_fp8[j](x) + self.head_b[j] if self.head_fp8 is not None else F.linear(
                     x, self.head_w[j], self.head_b[j])
                 x = x + F.silu(y)
-            out.append(F.linear(x, self.head_lm[head]).float())
+            out.append(x if self.shared_lm_head else F.linear(x, self.head_lm[head]).float())
         if not out:  # a model without heads still has the output, with zero heads
             return h.new_zeros(0, b, s, cfg.vocab_size, dtype=torch.float32)
+        if self.shared_lm_head:
+            return F.linear(torch.cat(out), self.model.lm_head.weight).float().reshape(cfg.num_medusa_heads, b, s, -1)
         return torch.stack(out).reshape(cfg.num_medusa_heads, b, s, -1)
 
     def forward(self, input_ids, position_ids, past_lengths, new_mask, logit_positions, past):
@@ -325,6 +347,42 @@ class _HeadsModule(nn.Module):
 
     def forward(self, hidden):
         return self.decoder.medusa_heads(hidden[None])[:, 0]
+
+
+class _FusedStepModule(nn.Module):
+    """The fused greedy step graph (see the module docstring). One session call per decoding step
+    instead of two plus the host's acceptance and top-k: on a 2-core CPU those were about a third
+    of a small model's tree step. Logits never leave the graph; only their argmax is read."""
+
+    def __init__(self, decoder: _ExportModule, k: int):
+        super().__init__()
+        self.decoder, self.k = decoder, k
+
+    def forward(self, input_ids, position_ids, past_lengths, new_mask, retrieve, candidate_index, past):
+        logits, hidden, new_k, new_v = self.decoder(input_ids, position_ids, past_lengths, new_mask, None, past)
+        argmax = logits.argmax(-1)  # [B, T]
+        best, accepted = greedy_accept(retrieve, input_ids, argmax)
+        last = retrieve[best].gather(1, accepted[:, None])  # [B, 1] slot whose outputs continue
+        root = argmax.gather(1, last).squeeze(1)
+        h = hidden.gather(1, last[:, :, None].expand(-1, -1, hidden.shape[-1]))  # [B, 1, d]
+        medusa = self.decoder.medusa_heads(h)[:, :, 0]  # [H, B, V]
+        return best, accepted, tree_candidates(root, medusa, candidate_index, self.k), new_k, new_v
+
+
+def step_example_inputs(model: MedusaModel) -> dict:
+    """Fused step graph inputs: a 6-slot tree ([0], [1], [2], [0, 0], [0, 0, 0]) and 7 candidates,
+    sizes distinct from every other dimension."""
+    inputs = example_inputs(model, batch=2, new=6, past=5)
+    del inputs["logit_positions"]
+    past = inputs.pop("past")
+    heads = max(model.cfg.num_medusa_heads, 1)
+    return {**inputs, "retrieve": torch.tensor([[0, 1, 4, 5], [0, 2, -1, -1], [0, 3, -1, -1]]),
+            "candidate_index": torch.arange(7) % (heads * min(CANDIDATE_TOPK, model.cfg.vocab_size)), "past": past}
+
+
+def step_topk(model: MedusaModel) -> int:
+    """Top-k the fused step graph takes of each head (a tree's ranks must all be below it)."""
+    return min(CANDIDATE_TOPK, model.cfg.vocab_size)
 
 
 @contextlib.contextmanager
@@ -386,6 +444,9 @@ class ExportResult:
     input_names: tuple[str, ...]
     output_names: tuple[str, ...]
     heads_path: Path | None  # the heads graph (hidden [N, d] -> medusa_logits [H, N, V]); None without heads
+    step_path: Path | None  # the fused greedy step graph; None without heads or when not asked for
+    step_topk: int  # its per-head top-k
+    shared_lm_head: bool  # heads use the base lm_head, as one MatMul
 
 
 def export_onnx(
@@ -395,9 +456,11 @@ def export_onnx(
     attention: str = DEFAULT_ATTENTION,
     opset: int = DEFAULT_OPSET,
     external_data: bool | None = None,
+    fused_step: bool = False,
 ) -> ExportResult:
     """Exports `model` (in its current dtype) to `path`. `external_data` None: only when the
-    weights exceed the 2 GB protobuf limit."""
+    weights exceed the 2 GB protobuf limit. `fused_step`: also the fused greedy step graph (it holds
+    a second copy of the decoder's weights on disk)."""
     if attention not in ATTENTION_FORMS:
         raise ValueError(f"attention form {attention!r} is unknown; expected one of {sorted(ATTENTION_FORMS)}")
     form = ATTENTION_FORMS[attention]
@@ -453,14 +516,32 @@ def export_onnx(
                 input_names=[HEADS_INPUT], output_names=[HEADS_OUTPUT], opset_version=opset, dynamo=True,
                 custom_translation_table=table or None, optimize=True, verbose=False,
             )
+        step_program = None
+        if cfg.num_medusa_heads and fused_step:
+            step_inputs = step_example_inputs(model)
+            step_shapes = {**{k: v for k, v in dynamic_shapes.items() if k != "logit_positions"},
+                           "retrieve": {0: Dim("paths"), 1: Dim("path_length")},
+                           "candidate_index": {0: Dim("candidates")}}
+            step_shapes = {k: step_shapes[k] for k in step_inputs}  # the module's argument order
+            step_program = torch.onnx.export(
+                _FusedStepModule(wrapper, step_topk(model)).eval(), (), kwargs=step_inputs,
+                dynamic_shapes=step_shapes, input_names=[*STEP_INPUT_NAMES, *past_names(cfg.num_layers)],
+                output_names=list(STEP_OUTPUT_NAMES), opset_version=opset, dynamo=True,
+                custom_translation_table=table or None, optimize=True, verbose=False,
+            )
     path.parent.mkdir(parents=True, exist_ok=True)
     program.save(path, external_data=external_data)
     heads_path = None
     if heads_program is not None:
         heads_path = path.with_name(path.stem + "_heads.onnx")
         heads_program.save(heads_path, external_data=external_data)
-    files = [p for p in (path, heads_path) if p is not None]
+    step_path = None
+    if step_program is not None:
+        step_path = path.with_name(path.stem + "_step.onnx")
+        step_program.save(step_path, external_data=external_data)
+    files = [p for p in (path, heads_path, step_path) if p is not None]
     if external_data:
         files += sorted(p for p in path.parent.glob(path.stem + "*.data"))
     return ExportResult(path, tuple(files), opset, attention, bool(external_data),
-                        (*INPUT_NAMES, *past_names(cfg.num_layers)), OUTPUT_NAMES, heads_path)
+                        (*INPUT_NAMES, *past_names(cfg.num_layers)), OUTPUT_NAMES, heads_path, step_path,
+                        step_topk(model), wrapper.shared_lm_head)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from medusa_trt.acceptance import CANDIDATE_TOPK, candidate_index, greedy_accept, tree_candidates
 from medusa_trt.runtime.backend import Backend
 from medusa_trt.tree import DEFAULT_TREE, TreeBuffers, build_tree
 
@@ -103,13 +104,11 @@ def accept_paths(
 
     Returns (best path index [B], accepted draft count [B]); ties go to the first path (greedy) or
     to the larger sum of log-probabilities (typical)."""
+    if _greedy(cfg):
+        return greedy_accept(ret, tokens, logits.argmax(-1))  # argmax per slot first: no [B, N, D, V] gather
     valid = ret[:, 1:] >= 0
     cand = tokens[:, ret[:, 1:].clamp(min=0)]  # [B, N, D] candidate at each depth
     prev = ret[:, :-1].clamp(min=0)  # [N, D] slot whose logits judge it
-    if cfg.acceptance == "greedy" or cfg.temperature == 0:
-        match = cand == logits.argmax(-1)[:, prev]  # argmax per slot first: no [B, N, D, V] gather
-        accepted = (match & valid).long().cumprod(-1).sum(-1)  # [B, N]
-        return accepted.argmax(-1), accepted.max(-1).values  # argmax returns the first maximum
     # Posterior per slot, then one flat gather of p(candidate | previous slot): [B, N, D].
     probs, threshold = typical_posterior(logits, cfg.temperature, cfg.posterior_threshold, cfg.posterior_alpha)
     v = probs.shape[-1]
@@ -119,6 +118,10 @@ def accept_paths(
     accepted = keep.sum(-1)
     score = (logp * keep).sum(-1).masked_fill(accepted < accepted.max(-1, keepdim=True).values, -torch.inf)
     return score.argmax(-1), accepted.max(-1).values
+
+
+def _greedy(cfg: GenerationConfig) -> bool:
+    return cfg.acceptance == "greedy" or cfg.temperature == 0
 
 
 def generate(backend: Backend, prompts: list[list[int]], cfg: GenerationConfig,
@@ -144,7 +147,10 @@ def _generate(backend: Backend, prompts: list[list[int]], cfg: GenerationConfig,
         raise ValueError("every prompt needs at least one token")
     if cfg.use_medusa and info.num_medusa_heads == 0:
         raise ValueError("this model has no Medusa heads; decode with use_medusa=False")
-    tree = _Tree.of(build_tree(cfg.medusa_choices, info.num_medusa_heads, info.max_draft_len)) if cfg.use_medusa else None
+    tree = _Tree.of(build_tree(cfg.medusa_choices, info.num_medusa_heads, info.max_draft_len),
+                    info.vocab_size) if cfg.use_medusa else None
+    # A backend with a fused greedy step verifies, accepts and drafts the next tree in one call.
+    fused = (tree is not None and _greedy(cfg) and getattr(backend, "fused_step_topk", None) == tree.k)
     depth = tree.max_depth if tree else 0
     longest = max(len(p) for p in prompts)
     if longest + cfg.max_new_tokens + depth > info.max_seq_len:
@@ -163,16 +169,18 @@ def _generate(backend: Backend, prompts: list[list[int]], cfg: GenerationConfig,
         s.prefill_s = time.perf_counter() - t0
         s.accepted_per_depth = [0] * depth
 
+    tokens = tree_candidates(logits.argmax(-1), medusa, tree.index, tree.k) if fused else None  # [B, T]
     active = torch.arange(n)  # prompt index of each row still in the backend
     produced = [0] * n
     stop = set(cfg.stop_token_ids)
     while len(active):
         t_step = time.perf_counter()
-        root = logits.argmax(-1)  # [B] greedy root in both acceptance modes
-        if tree is None:
-            emitted, logits, medusa = _plain_step(backend, root)
+        if fused:
+            emitted, tokens = _fused_tree_step(backend, tree, tokens, stats, active)
+        elif tree is None:
+            emitted, logits, medusa = _plain_step(backend, logits.argmax(-1))
         else:
-            emitted, logits, medusa = _tree_step(backend, tree, root, medusa, cfg, stats, active)
+            emitted, logits, medusa = _tree_step(backend, tree, logits.argmax(-1), medusa, cfg, stats, active)
         elapsed = time.perf_counter() - t_step
         out = [[] for _ in range(n)]
         finished = [False] * n
@@ -197,6 +205,7 @@ def _generate(backend: Backend, prompts: list[list[int]], cfg: GenerationConfig,
             backend.keep(rows)
             active, logits = active[rows], logits[rows]
             medusa = medusa[:, rows] if medusa is not None else None
+            tokens = tokens[rows] if tokens is not None else None
 
 
 def decode(backend: Backend, prompts: list[list[int]], cfg: GenerationConfig) -> GenerationResult:
@@ -239,39 +248,49 @@ class _Tree:
 
     num_slots: int
     max_depth: int
-    topk: int  # largest per-depth top-k
-    head: torch.Tensor  # [T-1] head giving each non-root slot's token
-    rank: torch.Tensor  # [T-1]
+    k: int  # top-k taken of each head: CANDIDATE_TOPK, more if a rank needs it (at most the vocabulary)
+    index: torch.Tensor  # [T-1] each non-root slot's token in the heads' flat top-k (acceptance.candidate_index)
     position_offsets: torch.Tensor  # [T]
     mask: torch.Tensor  # [T, T] bool
     retrieve: torch.Tensor  # [N, D+1] -1 padded
 
     @classmethod
-    def of(cls, t: TreeBuffers) -> _Tree:
-        return cls(t.num_slots, t.max_depth, int(t.topk_per_depth.max()), torch.tensor(t.head[1:]),
-                   torch.tensor(t.rank[1:]), torch.tensor(t.position_offsets), torch.tensor(t.attention_mask),
-                   torch.tensor(t.retrieve_indices))
+    def of(cls, t: TreeBuffers, vocab_size: int) -> _Tree:
+        k = max(int(t.topk_per_depth.max()), min(CANDIDATE_TOPK, vocab_size))
+        return cls(t.num_slots, t.max_depth, k, torch.tensor(candidate_index(t.head[1:], t.rank[1:], k)),
+                   torch.tensor(t.position_offsets), torch.tensor(t.attention_mask), torch.tensor(t.retrieve_indices))
 
 
 def _tree_step(backend, tree: _Tree, root, medusa, cfg, stats, active):
     b = len(root)
-    # Candidate of slot j: rank-r token of head d-1 (per-depth top-k, the TensorRT-LLM layout).
-    topk = medusa.topk(tree.topk, dim=-1).indices  # [H, B, k]
-    tokens = torch.cat([root[:, None], topk[tree.head, :, tree.rank].T], dim=1)  # [B, T]
+    tokens = tree_candidates(root, medusa, tree.index, tree.k)  # [B, T]
     pos = backend.lengths[:, None] + tree.position_offsets[None]
     logits, _ = backend.forward(tokens, pos, tree.mask[None].expand(b, -1, -1), with_heads=False)  # [B, T, V]
-
     best, accepted = accept_paths(tree.retrieve, tokens, logits, cfg)
+    emitted, last = _commit_path(backend, tree, tokens, best, accepted, stats, active)
+    return emitted, logits[torch.arange(b), last], backend.heads(last)
+
+
+def _fused_tree_step(backend, tree: _Tree, tokens, stats, active):
+    """One backend call verifies `tokens`, accepts greedily and drafts the next tree's tokens."""
+    pos = backend.lengths[:, None] + tree.position_offsets[None]
+    mask = tree.mask[None].expand(len(tokens), -1, -1)
+    best, accepted, next_tokens = backend.fused_step(tokens, pos, mask, tree.retrieve, tree.index)
+    emitted, _ = _commit_path(backend, tree, tokens, best, accepted, stats, active)
+    return emitted, next_tokens
+
+
+def _commit_path(backend, tree: _Tree, tokens, best, accepted, stats, active):
+    """Commits each sequence's accepted path and counts it; returns the emitted tokens and the
+    slot whose logits continue."""
     slots = tree.retrieve[best].clamp(min=0)  # [B, D+1] root first
     counts = accepted + 1
     backend.commit(slots, counts)
-    last = slots.gather(1, accepted[:, None]).squeeze(1)  # slot whose logits continue
-    rows = torch.arange(b)
-    emitted = [tokens[i, slots[i, : counts[i]]].tolist() for i in range(b)]
-    for i, idx in enumerate(active.tolist()):
+    emitted = [tokens[i, slots[i, :c]].tolist() for i, c in enumerate(counts.tolist())]
+    for idx, a in zip(active.tolist(), accepted.tolist(), strict=True):
         st = stats[idx]
-        st.accepted_draft_tokens += int(accepted[i])
+        st.accepted_draft_tokens += a
         st.draft_tokens += tree.num_slots - 1
-        for d in range(int(accepted[i])):
+        for d in range(a):
             st.accepted_per_depth[d] += 1
-    return emitted, logits[rows, last], backend.heads(last)
+    return emitted, slots.gather(1, accepted[:, None]).squeeze(1)

@@ -118,6 +118,11 @@ class OrtBackend:
         self.session = make_session(onnx_path, self.device, threads)
         heads_file = onnx_info.get("heads_file")
         self.heads_session = make_session(self.engine_dir / heads_file, self.device, threads) if heads_file else None
+        # The fused greedy step (one call per step) on the CPU; on CUDA greedy steps take the
+        # forward + heads path, whose outputs stay bound in device memory.
+        step_file = onnx_info.get("step_file") if self.device == "cpu" else None
+        self.step_session = make_session(self.engine_dir / step_file, self.device, threads) if step_file else None
+        self.fused_step_topk = onnx_info.get("step_topk") if step_file else None
         self.num_layers, self.num_kv_heads = model["num_layers"], model["num_kv_heads"]
         self.head_dim, self.num_medusa_heads = model["head_dim"], engine["medusa"]["num_heads"]
         self.vocab_size, self.hidden_size = model["vocab_size"], model["hidden_size"]
@@ -168,6 +173,19 @@ class OrtBackend:
         if not with_heads:
             return logits, None
         return logits, self._run_heads(hidden.reshape(-1, hidden.shape[-1])).reshape(-1, *hidden.shape[:2], self.vocab_size)
+
+    def fused_step(self, input_ids, position_ids, new_mask, retrieve, candidate_index):
+        """Verifies a tree, accepts greedily and drafts the next tree's tokens in one call (the step
+        graph, engines/onnx_export.py). Returns best path [B], accepted draft tokens [B] and the next
+        input_ids [B, 1 + C]; the new tokens' KV stays pending until `commit`."""
+        check_forward(self.keys, self.lengths, input_ids, position_ids, None, self.info.max_seq_len,
+                      self.engine_dir / "engine.json")
+        feeds = {"input_ids": input_ids.numpy(), "position_ids": position_ids.numpy(),
+                 "past_lengths": self.lengths.numpy(), "new_mask": np.ascontiguousarray(new_mask.numpy()),
+                 "retrieve": retrieve.numpy(), "candidate_index": candidate_index.numpy(), **self._cache_feeds}
+        best, accepted, next_tokens, new_k, new_v = (torch.from_numpy(a) for a in self.step_session.run(None, feeds))
+        self._pending = (new_k, new_v)
+        return best, accepted, next_tokens
 
     def heads(self, rows: torch.Tensor) -> torch.Tensor:
         return self._run_heads(self._hidden[torch.arange(len(rows)), rows])
