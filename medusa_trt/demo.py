@@ -37,8 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     from medusa_trt.tree import DEFAULT_TREE
 
     assets, work = args.assets, args.workdir
-    needed = [assets / "base" / "config.json", assets / "heads" / "medusa_lm_head.pt", assets / "prompts_heldout.jsonl"]
+    needed = [assets / "base" / "config.json", assets / "heads" / "config.json", assets / "prompts_heldout.jsonl"]
     missing = [str(f) for f in needed if not f.is_file()]
+    if not any((assets / "heads").glob("medusa_lm_head.*")):
+        missing.append(str(assets / "heads" / "medusa_lm_head.{pt,safetensors}"))
     if missing:
         print(f"demo: error: missing {', '.join(missing)}; run scripts/train_demo_model.py first", file=sys.stderr)
         return 2

@@ -9,7 +9,8 @@ medusa-convert like anyone's model:
 
     OUT/base/                  HF model dir: config.json, model.safetensors (float16),
                                generation_config.json (eos), tokenizer.json, tokenizer_config.json
-    OUT/heads/                 FasterDecoding v1: medusa_lm_head.pt + config.json
+    OUT/heads/                 FasterDecoding v2 (--shared-lm-head): medusa_lm_head.safetensors +
+                               config.json, or v1: medusa_lm_head.pt + config.json
     OUT/prompts_heldout.jsonl  code prompts from held-out files, one JSON object {"text", "file"} a line
     OUT/prompts_calib.jsonl    the same from training files (for medusa-tune-tree)
     OUT/summary.json           sizes, losses, accuracies, timings; OUT/README.md says the same in prose
@@ -51,6 +52,7 @@ from medusa_trt.training import (  # noqa: E402
     greedy_continuations,
     head_accuracy,
     head_pairs,
+    load_head_file,
     save_heads,
     train_heads,
 )
@@ -88,6 +90,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g = p.add_argument_group("Medusa heads")
     g.add_argument("--medusa-heads", type=int, default=4)
     g.add_argument("--medusa-layers", type=int, default=1)
+    g.add_argument("--shared-lm-head", action="store_true",
+                   help="v2 heads: ResBlocks only, logits through the base's lm_head (see medusa-train-heads)")
     g.add_argument("--distill-prompts", type=int, default=6144, help="training snippets to continue")
     g.add_argument("--prompt-tokens", type=int, default=48)
     g.add_argument("--new-tokens", type=int, default=128, help="greedy tokens per snippet")
@@ -387,15 +391,18 @@ def main(argv: list[str] | None = None) -> int:
     history: list[float] = []
     state = train_heads(hf, seqs, num_heads=args.medusa_heads, num_layers=args.medusa_layers, steps=args.head_steps,
                         lr=args.head_lr, batch_tokens=args.head_batch_tokens, seed=args.seed, bf16=args.bf16,
-                        history=history, pairs=pairs)
-    save_heads(state, heads_dir, "../base", args.medusa_heads, args.medusa_layers, dtype=torch.float16)
+                        history=history, pairs=pairs, shared_lm_head=args.shared_lm_head)
+    for old in heads_dir.glob("medusa_lm_head.*"):  # a head file of the other format would shadow the new one
+        old.unlink()
+    path = save_heads(state, heads_dir, "../base", args.medusa_heads, args.medusa_layers, dtype=torch.float16)
     # Accuracy of the heads as saved (float16), on held-out snippets' greedy continuations.
-    saved = torch.load(heads_dir / "medusa_lm_head.pt", weights_only=True)
-    acc = head_accuracy(saved, *held_pairs, args.medusa_heads, args.medusa_layers, topk=10)
+    acc = head_accuracy(load_head_file(path), *held_pairs, args.medusa_heads, args.medusa_layers, topk=10,
+                        lm_head=hf.get_output_embeddings().weight.detach())
     timings["heads_s"] = time.perf_counter() - t0
     tail = history[-50:]
     summary["heads"] = {
         "num_heads": args.medusa_heads, "num_layers": args.medusa_layers, "loss_weights": f"{LOSS_DECAY}^k",
+        "format": "medusa_v2" if args.shared_lm_head else "medusa_v1", "file": path.name,
         "distill_prompts": args.distill_prompts, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
         "training_positions": len(pairs[0]), "steps": args.head_steps, "lr": args.head_lr,
         "batch_tokens": args.head_batch_tokens, "final_loss": round(sum(tail) / len(tail), 4),
@@ -443,6 +450,10 @@ def write_readme(out: Path, s: dict) -> None:
     rows = "\n".join(f"| `{name}` | {_size(size)} |" for name, size in sizes.items())
     top1 = ", ".join(f"{a:.3f}" for a in h["heldout_top1"])
     top5 = ", ".join(f"{a:.3f}" for a in h["heldout_top5"])
+    v2 = h.get("format") == "medusa_v2"
+    heads_format = (f"FasterDecoding v2 `{h['file']}` + `config.json` (version 2)" if v2
+                    else "FasterDecoding v1 `medusa_lm_head.pt` + `config.json`")
+    heads_lm = "logits through the base's lm_head (shared, frozen)" if v2 else "each with its own lm_head"
     text = f"""# Demo model: a small Llama for Python code, with Medusa-1 heads
 
 Written by `scripts/train_demo_model.py` (do not edit by hand; rerun the script). Used by
@@ -467,8 +478,8 @@ bf16 autocast matmuls with float32 master weights.
   tokens ({b['tokens_seen'] / 1e6:.1f}M tokens), lr {b['lr']} cosine. Saved as float16 safetensors.
   Final training loss {b['train_loss_ema']:.3f}, held-out loss {b['heldout_loss']:.3f} nats/token.
   Trained on {b['seq_len']}-token windows: keep prompt + generation within that for sensible text.
-- **Heads** (`heads/`, FasterDecoding v1 `medusa_lm_head.pt` + `config.json`, float16): Medusa-1,
-  {h['num_heads']} heads of {h['num_layers']} ResBlock each with their own lm_head, frozen base, loss weight
+- **Heads** (`heads/`, {heads_format}, float16): Medusa-1,
+  {h['num_heads']} heads of {h['num_layers']} ResBlock(s) each, {heads_lm}, frozen base, loss weight
   {h['loss_weights']}. Self-distillation: {h['distill_prompts']} training snippets of {h['prompt_tokens']} tokens, each
   continued by the base's own greedy decoding for {h['new_tokens']} tokens ({h['training_positions']} training
   positions, continuation only). {h['steps']} AdamW steps of {h['batch_tokens']} positions, lr {h['lr']}.
