@@ -21,9 +21,11 @@ def greedy_accept(retrieve: torch.Tensor, tokens: torch.Tensor, argmax: torch.Te
     accepted when it equals the argmax of the slot before it and every shallower one was accepted.
     Returns (best path [B], accepted draft tokens [B]); ties go to the first path (argmax returns
     the first maximum in torch and in ONNX)."""
+    n, depth = retrieve.shape[0], retrieve.shape[1] - 1
     valid = retrieve[:, 1:] >= 0  # [N, D]
-    cand = tokens[:, retrieve[:, 1:].clamp(min=0)]  # [B, N, D]
-    prev = argmax[:, retrieve[:, :-1].clamp(min=0)]  # [B, N, D]
+    # index_select on flat indices: one Gather each in the exported graph (2-D indexing is several ops)
+    cand = tokens.index_select(1, retrieve[:, 1:].clamp(min=0).reshape(-1)).reshape(-1, n, depth)  # [B, N, D]
+    prev = argmax.index_select(1, retrieve[:, :-1].clamp(min=0).reshape(-1)).reshape(-1, n, depth)
     miss = ((cand != prev) | ~valid).long()
     accepted = (miss.cumsum(-1) == 0).long().sum(-1)  # leading run of hits: [B, N]
     best = accepted.argmax(-1)
@@ -38,6 +40,9 @@ def candidate_index(head: torch.Tensor, rank: torch.Tensor, k: int = CANDIDATE_T
 def tree_candidates(root: torch.Tensor, medusa: torch.Tensor, index: torch.Tensor, k: int = CANDIDATE_TOPK) -> torch.Tensor:
     """The next tree's tokens [B, 1 + C]: the root (base greedy token [B]) then, for each slot, the
     rank-r token of head h at flat `index` [C] = h * k + r of the heads' top-k (medusa [H, B, V])."""
-    top = medusa.topk(k, dim=-1).indices  # [H, B, k]
-    flat = top.permute(1, 0, 2).reshape(top.shape[1], -1)  # [B, H * k]
-    return torch.cat([root[:, None], flat[:, index]], dim=1)
+    return candidates_from_topk(root, medusa.topk(k, dim=-1).indices.permute(1, 0, 2), index)
+
+
+def candidates_from_topk(root: torch.Tensor, top: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`tree_candidates` from the heads' top-k token ids already taken, top [B, H, k]."""
+    return torch.cat([root[:, None], top.reshape(top.shape[0], -1).index_select(1, index)], dim=1)

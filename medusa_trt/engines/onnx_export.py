@@ -60,7 +60,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from medusa_trt.acceptance import CANDIDATE_TOPK, greedy_accept, tree_candidates
+from medusa_trt.acceptance import CANDIDATE_TOPK, candidates_from_topk, greedy_accept
 from medusa_trt.checkpoint import dequantize_fp8
 from medusa_trt.modeling import FP8Linear, MedusaModel, _KeepsFP8, attention_with_past, fake_quant_fp8
 
@@ -299,6 +299,12 @@ class _ExportModule(nn.Module):
             nn.Parameter(model.medusa_b[h, i], requires_grad=False)
             for h in range(cfg.num_medusa_heads) for i in range(cfg.num_medusa_layers)
         )
+        # Every head's first ResBlock reads the same hidden state: one [H*d, d] MatMul for all of
+        # them (a step runs the heads on one row, where op count, not FLOPs, sets the cost).
+        self.first_w = self.first_b = None
+        if self.head_fp8 is None and cfg.num_medusa_heads:
+            self.first_w = nn.Parameter(model.medusa_w[:, 0].reshape(-1, cfg.hidden_size).clone(), requires_grad=False)
+            self.first_b = nn.Parameter(model.medusa_b[:, 0].reshape(-1).clone(), requires_grad=False)
         # Heads that use the base lm_head (FasterDecoding v2 heads; the merged checkpoint holds a copy
         # per head) share one MatMul: [heads * rows, d] against one matrix instead of one per head.
         base_lm = model.lm_head.weight
@@ -309,24 +315,37 @@ class _ExportModule(nn.Module):
         ) if not self.shared_lm_head else None
 
     def medusa_heads(self, h: torch.Tensor) -> torch.Tensor:
-        """Same math as MedusaModel.medusa_heads, as one 2-D MatMul per head and layer."""
-        cfg = self.model.cfg
+        """Same math as MedusaModel.medusa_heads: h [B, S, d] -> [H, B, S, V]."""
         b, s, d = h.shape
-        x0 = h.reshape(b * s, d)
-        out = []
-        for head in range(cfg.num_medusa_heads):
-            x = x0
-            for layer in range(cfg.num_medusa_layers):
-                j = head * cfg.num_medusa_layers + layer
-                y = self.head_fp8[j](x) + self.head_b[j] if self.head_fp8 is not None else F.linear(
-                    x, self.head_w[j], self.head_b[j])
-                x = x + F.silu(y)
-            out.append(x if self.shared_lm_head else F.linear(x, self.head_lm[head]).float())
-        if not out:  # a model without heads still has the output, with zero heads
-            return h.new_zeros(0, b, s, cfg.vocab_size, dtype=torch.float32)
-        if self.shared_lm_head:
-            return F.linear(torch.cat(out), self.model.lm_head.weight).float().reshape(cfg.num_medusa_heads, b, s, -1)
-        return torch.stack(out).reshape(cfg.num_medusa_heads, b, s, -1)
+        return self.medusa_rows(h.reshape(b * s, d)).permute(1, 0, 2).reshape(-1, b, s, self.model.cfg.vocab_size)
+
+    def medusa_rows(self, x0: torch.Tensor) -> torch.Tensor:
+        """Medusa logits [N, H, V] (row-major: the fused step takes its top-k without a transpose) of
+        hidden rows x0 [N, d], with 2-D MatMuls (ONNX Runtime prepacks those): the first ResBlock of
+        all heads as one, later ones per head, logits per head or through the shared lm_head."""
+        cfg = self.model.cfg
+        heads, layers, (n, d) = cfg.num_medusa_heads, cfg.num_medusa_layers, x0.shape
+        if not heads:  # a model without heads still has the output, with zero heads
+            return x0.new_zeros(n, 0, cfg.vocab_size, dtype=torch.float32)
+        if self.first_w is not None:
+            x = x0[:, None] + F.silu(F.linear(x0, self.first_w, self.first_b).reshape(n, heads, d))  # [N, H, d]
+        else:
+            x = torch.stack([x0 + F.silu(self.head_fp8[k * layers](x0) + self.head_b[k * layers])
+                             for k in range(heads)], dim=1)
+        if layers > 1 or not self.shared_lm_head:
+            xs = []
+            for head in range(heads):
+                z = x[:, head]
+                for layer in range(1, layers):
+                    j = head * layers + layer
+                    y = self.head_fp8[j](z) + self.head_b[j] if self.head_fp8 is not None else F.linear(
+                        z, self.head_w[j], self.head_b[j])
+                    z = z + F.silu(y)
+                xs.append(z if self.shared_lm_head else F.linear(z, self.head_lm[head]).float())
+            x = torch.stack(xs, dim=1)
+            if not self.shared_lm_head:
+                return x
+        return F.linear(x.reshape(n * heads, d), self.model.lm_head.weight).float().reshape(n, heads, -1)
 
     def forward(self, input_ids, position_ids, past_lengths, new_mask, logit_positions, past):
         b, s = input_ids.shape
@@ -346,7 +365,7 @@ class _HeadsModule(nn.Module):
         self.decoder = decoder
 
     def forward(self, hidden):
-        return self.decoder.medusa_heads(hidden[None])[:, 0]
+        return self.decoder.medusa_rows(hidden).permute(1, 0, 2)
 
 
 class _FusedStepModule(nn.Module):
@@ -364,9 +383,9 @@ class _FusedStepModule(nn.Module):
         best, accepted = greedy_accept(retrieve, input_ids, argmax)
         last = retrieve[best].gather(1, accepted[:, None])  # [B, 1] slot whose outputs continue
         root = argmax.gather(1, last).squeeze(1)
-        h = hidden.gather(1, last[:, :, None].expand(-1, -1, hidden.shape[-1]))  # [B, 1, d]
-        medusa = self.decoder.medusa_heads(h)[:, :, 0]  # [H, B, V]
-        return best, accepted, tree_candidates(root, medusa, candidate_index, self.k), new_k, new_v
+        h = hidden.gather(1, last[:, :, None].expand(-1, -1, hidden.shape[-1]))[:, 0]  # [B, d]
+        top = self.decoder.medusa_rows(h).topk(self.k, dim=-1).indices  # [B, H, k]
+        return best, accepted, candidates_from_topk(root, top, candidate_index), new_k, new_v
 
 
 def step_example_inputs(model: MedusaModel) -> dict:
