@@ -275,6 +275,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-model", type=Path, help="HF model dir for the transformers baseline "
                    "(default: the base recorded in the engine's checkpoint)")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers generate baseline")
+    p.add_argument("--threads", type=int, help="engine intra-op threads (default: one per core); small models "
+                   "often decode fastest on one")
     p.add_argument("--json", type=Path, help="write all figures to this file")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p
@@ -292,8 +294,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not args.engine.is_dir():
             raise BenchError(f"{args.engine}: --engine directory not found")
-        if args.max_new_tokens < 1 or args.repeat < 1:
-            raise BenchError(f"--max-new-tokens {args.max_new_tokens} / --repeat {args.repeat}: expected >= 1")
+        if args.max_new_tokens < 1 or args.repeat < 1 or (args.threads is not None and args.threads < 1):
+            raise BenchError(f"--max-new-tokens {args.max_new_tokens} / --repeat {args.repeat} / --threads "
+                             f"{args.threads}: expected >= 1")
         hf_dir, hf_note = None, None
         if args.hf_model is not None:
             if not (args.hf_model / "config.json").is_file():
@@ -305,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
             except BenchError as e:  # the engine still benchmarks; only the baseline is missing
                 hf_note = str(e)
                 print(f"{PROG}: warning: skipping the transformers baseline: {e}", file=sys.stderr)
-        backend = load_backend(args.engine)
+        backend = load_backend(args.engine, threads=args.threads)
         tok = load_tokenizer(args.engine)
         _, prompts = load_prompts(args.prompts, tok, args.limit)
         stops = stop_tokens(args.engine, tok)
@@ -324,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "engine": str(args.engine), "backend": type(backend).__name__, "prompts": str(args.prompts),
         "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "repeat": args.repeat,
-        "medusa_choices": str(args.medusa_choices), "threads": len(os.sched_getaffinity(0)),
+        "medusa_choices": str(args.medusa_choices), "threads": args.threads or len(os.sched_getaffinity(0)),
+        "fused_step": getattr(backend, "fused_step_topk", None) is not None,
         "plain": result["modes"]["plain"], "medusa": {**result["modes"]["medusa"], **result["medusa"]},
         "hf_generate": hf, "per_prompt": result["per_prompt"],
     }

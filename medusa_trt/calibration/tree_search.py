@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import heapq
 import json
+import os
 import random
 import statistics
 import sys
@@ -576,6 +577,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-data", type=Path, help="prompts for the measured comparison (default: --calib-data)")
     p.add_argument("--eval-limit", type=int, default=8, help="prompts for the measured comparison (default 8)")
     p.add_argument("--no-measure", action="store_true", help="predict only; skip the measured comparison")
+    p.add_argument("--threads", type=int, help="engine intra-op threads (default: one per core); tune with the "
+                   "setting you will decode with")
     p.add_argument("--quiet", action="store_true")
     return p
 
@@ -586,18 +589,19 @@ def main(argv: list[str] | None = None) -> int:
     from medusa_trt.runtime.loading import load_backend, load_tokenizer, stop_tokens
 
     try:
-        for name in ("max_nodes", "max_new_tokens", "limit", "topk", "reps", "eval_limit"):
-            if getattr(args, name) < 1:
+        for name in ("max_nodes", "max_new_tokens", "limit", "topk", "reps", "eval_limit", "threads"):
+            if getattr(args, name) is not None and getattr(args, name) < 1:
                 raise BenchError(f"--{name.replace('_', '-')} {getattr(args, name)}: expected >= 1")
         if not args.engine.is_dir():
             raise BenchError(f"{args.engine}: --engine directory not found")
-        backend = load_backend(args.engine)
+        backend = load_backend(args.engine, threads=args.threads)
         tok = load_tokenizer(args.engine)
         _, calib = load_prompts(args.calib_data, tok, args.limit)
         stops = stop_tokens(args.engine, tok)
         result = tune(backend, calib, max_nodes=args.max_nodes, max_new_tokens=args.max_new_tokens,
                       stop_token_ids=stops, topk=args.topk, reps=args.reps, progress=not args.quiet)
-        result.update(engine=str(args.engine), calib_data=str(args.calib_data), num_calib_prompts=len(calib))
+        result.update(engine=str(args.engine), calib_data=str(args.calib_data), num_calib_prompts=len(calib),
+                      threads=args.threads or len(os.sched_getaffinity(0)))
         if not args.no_measure:
             data = args.eval_data or args.calib_data
             _, prompts = load_prompts(data, tok, args.eval_limit)

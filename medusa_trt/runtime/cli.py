@@ -28,6 +28,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="checkpoint dtype override")
     p.add_argument("--device", default=None, help="engine device (cpu, cuda)")
+    p.add_argument("--threads", type=int, help="engine intra-op threads (default: one per core)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of text")
     return p.parse_args(argv)
 
@@ -44,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             texts = args.prompt
         directory = args.engine or args.checkpoint
-        backend = load_backend(directory, dtype=args.dtype, device=args.device)
+        backend = load_backend(directory, dtype=args.dtype, device=args.device, threads=args.threads)
         tok = load_tokenizer(directory)
         extra = {"medusa_choices": args.medusa_choices} if args.medusa_choices is not None else {}
         cfg = GenerationConfig(

@@ -8,8 +8,10 @@ from pathlib import Path
 from medusa_trt.runtime.backend import Backend, TorchBackend
 
 
-def load_backend(directory: str | Path, dtype: str | None = None, device: str | None = None) -> Backend:
-    """An engine dir (engine.json) opens its engine; a merged checkpoint opens the PyTorch reference."""
+def load_backend(directory: str | Path, dtype: str | None = None, device: str | None = None,
+                 threads: int | None = None) -> Backend:
+    """An engine dir (engine.json) opens its engine; a merged checkpoint opens the PyTorch reference.
+    `threads`: ONNX Runtime intra-op threads (default: one per core this process may use)."""
     directory = Path(directory)
     if (directory / "engine.json").is_file():
         engine = json.loads((directory / "engine.json").read_text())
@@ -17,7 +19,7 @@ def load_backend(directory: str | Path, dtype: str | None = None, device: str | 
         if kind == "onnxruntime":
             from medusa_trt.runtime.ort_backend import OrtBackend
 
-            return OrtBackend(directory, device=device)
+            return OrtBackend(directory, device=device, threads=threads)
         if kind == "tensorrt":
             from medusa_trt.runtime.trt_backend import TensorRTBackend
 

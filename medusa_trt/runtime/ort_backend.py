@@ -106,6 +106,8 @@ class OrtBackend:
 
     def __init__(self, engine_dir: str | Path, device: str | None = None, threads: int | None = None):
         self.engine_dir = Path(engine_dir)
+        if threads is not None and threads < 1:
+            raise EngineError(f"threads {threads}: expected >= 1 (or None: one per core)")
         self.engine = engine = read_engine_json(self.engine_dir)
         self.device = device or engine.get("device", "cpu")
         model, limits, onnx_info = engine["model"], engine["limits"], engine["onnx"]
