@@ -286,10 +286,11 @@ def measure_forward_ms(backend, context: list[int], max_tokens: int, reps: int =
     def step(t: int, tree: bool) -> float:
         ids = torch.tensor([(context * (t // n + 1))[:t]])
         mask = torch.ones(t, t, dtype=torch.bool).tril()[None]
-        if tree and fused_k:  # a chain of t slots; the candidates' values do not change the cost
+        fused = tree and fused_k and t > 1  # the fused graph takes trees of at least one node
+        if fused:  # a chain of t slots; the candidates' values do not change the cost
             retrieve, index = torch.arange(t)[None], torch.arange(t - 1) % (backend.info.num_medusa_heads * fused_k)
         t0 = time.perf_counter()
-        if tree and fused_k:
+        if fused:
             backend.fused_step(ids, n + torch.arange(t)[None], mask, retrieve, index)
         elif not split:
             backend.forward(ids, n + torch.arange(t)[None], mask)

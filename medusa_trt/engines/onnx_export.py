@@ -369,9 +369,9 @@ class _HeadsModule(nn.Module):
 
 
 class _FusedStepModule(nn.Module):
-    """The fused greedy step graph (see the module docstring). One session call per decoding step
-    instead of two plus the host's acceptance and top-k: on a 2-core CPU those were about a third
-    of a small model's tree step. Logits never leave the graph; only their argmax is read."""
+    """The fused greedy step graph (see the module docstring): one session call per decoding step
+    instead of two, and no acceptance or top-k in host code (BENCHMARKS.md has the measured gain).
+    Logits never leave the graph; only their argmax is read."""
 
     def __init__(self, decoder: _ExportModule, k: int):
         super().__init__()
