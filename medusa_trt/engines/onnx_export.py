@@ -396,7 +396,7 @@ def step_example_inputs(model: MedusaModel) -> dict:
     past = inputs.pop("past")
     heads = max(model.cfg.num_medusa_heads, 1)
     return {**inputs, "retrieve": torch.tensor([[0, 1, 4, 5], [0, 2, -1, -1], [0, 3, -1, -1]]),
-            "candidate_index": torch.arange(7) % (heads * min(CANDIDATE_TOPK, model.cfg.vocab_size)), "past": past}
+            "candidate_index": torch.arange(7) % (heads * step_topk(model)), "past": past}
 
 
 def step_topk(model: MedusaModel) -> int:

@@ -51,6 +51,11 @@ class Backend(Protocol):
     def keep(self, rows: torch.Tensor) -> None:
         """Drops every sequence not in `rows` (finished sequences stop costing work)."""
 
+    # Optional, for greedy decoding in one call per step (OrtBackend): `fused_step_topk` (int, the
+    # per-head top-k its candidates come from; None or absent: no fused step) and
+    # fused_step(input_ids, position_ids, new_mask, retrieve, candidate_index) -> (best path [B],
+    # accepted [B], next tree tokens [B, 1 + C]), the math of medusa_trt/acceptance.py.
+
 
 def full_attention_mask(lengths: torch.Tensor, past: int, new_mask: torch.Tensor) -> torch.Tensor:
     """[B, S, past + S] bool: the committed prefix of each sequence, then the mask among new tokens."""

@@ -34,7 +34,8 @@ class EngineError(ValueError):
     """An engine directory that cannot be run here; the message names the file and the problem."""
 
 
-def read_engine_json(engine_dir: str | Path) -> dict:
+def read_engine_json(engine_dir: str | Path, backend: str = "onnxruntime", section: str = "onnx") -> dict:
+    """engine.json of an engine dir written by medusa-build for `backend`, with its `section`."""
     path = Path(engine_dir) / "engine.json"
     try:
         engine = json.loads(path.read_text())
@@ -42,9 +43,9 @@ def read_engine_json(engine_dir: str | Path) -> dict:
         raise EngineError(f"{path}: not found; expected an engine directory written by medusa-build") from None
     except json.JSONDecodeError as e:
         raise EngineError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(engine, dict) or engine.get("backend") != "onnxruntime":
+    if not isinstance(engine, dict) or engine.get("backend") != backend or section not in engine:
         raise EngineError(f"{path}: backend {engine.get('backend') if isinstance(engine, dict) else None!r}, "
-                          "expected 'onnxruntime'")
+                          f"expected {backend!r} (with a {section!r} section)")
     if engine.get("format_version") != ENGINE_FORMAT_VERSION:
         raise EngineError(f"{path}: engine format {engine.get('format_version')!r}, this runtime reads format "
                           f"{ENGINE_FORMAT_VERSION}; rebuild it with medusa-build")
@@ -161,10 +162,8 @@ class OrtBackend:
         s = input_ids.shape[1]
         logit_positions = check_forward(self.keys, self.lengths, input_ids, position_ids, logit_positions,
                                         self.info.max_seq_len, self.engine_dir / "engine.json")
-        host = {"input_ids": input_ids, "position_ids": position_ids, "past_lengths": self.lengths,
-                "new_mask": new_mask, "logit_positions": logit_positions}
-        feeds = {name: np.ascontiguousarray(value.numpy(), dtype=np.bool_ if name == "new_mask" else np.int64)
-                 for name, value in host.items()}
+        feeds = _host_feeds(input_ids=input_ids, position_ids=position_ids, past_lengths=self.lengths,
+                            new_mask=new_mask, logit_positions=logit_positions)
         if not self.use_binding:
             feeds.update(self._cache_feeds)  # ONNX Runtime reads these views in place (no copy)
             logits, hidden, new_k, new_v = (torch.from_numpy(a) for a in self.session.run(None, feeds))
@@ -182,10 +181,10 @@ class OrtBackend:
         input_ids [B, 1 + C]; the new tokens' KV stays pending until `commit`."""
         check_forward(self.keys, self.lengths, input_ids, position_ids, None, self.info.max_seq_len,
                       self.engine_dir / "engine.json")
-        feeds = {"input_ids": input_ids.numpy(), "position_ids": position_ids.numpy(),
-                 "past_lengths": self.lengths.numpy(), "new_mask": np.ascontiguousarray(new_mask.numpy()),
-                 "retrieve": retrieve.numpy(), "candidate_index": candidate_index.numpy(), **self._cache_feeds}
-        best, accepted, next_tokens, new_k, new_v = (torch.from_numpy(a) for a in self.step_session.run(None, feeds))
+        feeds = _host_feeds(input_ids=input_ids, position_ids=position_ids, past_lengths=self.lengths,
+                            new_mask=new_mask, retrieve=retrieve, candidate_index=candidate_index)
+        outputs = self.step_session.run(None, {**feeds, **self._cache_feeds})
+        best, accepted, next_tokens, new_k, new_v = (torch.from_numpy(a) for a in outputs)
         self._pending = (new_k, new_v)
         return best, accepted, next_tokens
 
@@ -231,6 +230,12 @@ class OrtBackend:
         self.lengths = self.lengths[rows]
         self._pending = None
         self._cache_changed()
+
+
+def _host_feeds(**tensors: torch.Tensor) -> dict[str, np.ndarray]:
+    """The graphs' small host inputs as contiguous numpy arrays: new_mask bool, the rest int64."""
+    return {name: np.ascontiguousarray(t.numpy(), dtype=np.bool_ if name == "new_mask" else np.int64)
+            for name, t in tensors.items()}
 
 
 def _bind(bind, name: str, tensor: torch.Tensor, device: str, np_dtype) -> None:

@@ -23,27 +23,11 @@ from pathlib import Path
 import torch
 
 from medusa_trt.runtime.backend import ModelInfo, check_forward, scatter_pending, zero_cache
-from medusa_trt.runtime.ort_backend import EngineError
+from medusa_trt.runtime.ort_backend import EngineError, read_engine_json
 
 _EXTRA_HINT = "pip install 'medusa-trt[tensorrt]'"
 _INPUTS = ("input_ids", "position_ids", "past_lengths", "new_mask", "logit_positions")
 _OUTPUTS = ("logits", "hidden", "present_keys", "present_values")
-
-
-def read_trt_engine_json(engine_dir: str | Path) -> dict:
-    import json
-
-    path = Path(engine_dir) / "engine.json"
-    try:
-        engine = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise EngineError(f"{path}: not found; expected an engine directory written by medusa-build") from None
-    except json.JSONDecodeError as e:
-        raise EngineError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(engine, dict) or engine.get("backend") != "tensorrt" or "tensorrt" not in engine:
-        raise EngineError(f"{path}: backend {engine.get('backend') if isinstance(engine, dict) else None!r}, "
-                          "expected 'tensorrt' (with a 'tensorrt' section)")
-    return engine
 
 
 def _torch_dtype(trt, dtype):
@@ -116,7 +100,7 @@ class TensorRTBackend:
 
     def __init__(self, engine_dir: str | Path, device: str | None = None):
         self.engine_dir = Path(engine_dir)
-        self.engine_info = info = read_trt_engine_json(self.engine_dir)
+        self.engine_info = info = read_engine_json(self.engine_dir, "tensorrt", "tensorrt")
         try:
             import tensorrt as trt
         except ImportError as e:
