@@ -228,7 +228,11 @@ def test_q_based_rule_is_not_exact_for_deterministic_candidates():
 
 
 def test_sampling_probs_equals_transformers_warpers():
-    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
 
     logits = 2 * torch.randn(64, 50, generator=torch.Generator().manual_seed(0))
     for t, k, p in [(0.7, None, 0.9), (1.0, 5, 1.0), (0.5, 8, 0.8), (1.3, None, 0.3), (1.0, 1, 1.0)]:

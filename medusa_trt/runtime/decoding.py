@@ -16,8 +16,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from medusa_trt.acceptance import (CANDIDATE_TOPK, candidate_index, greedy_accept, sample_accept, sample_tokens,
-                                   sampling_probs, tree_candidates, typical_accept)
+from medusa_trt.acceptance import (
+    CANDIDATE_TOPK,
+    candidate_index,
+    greedy_accept,
+    sample_accept,
+    sample_tokens,
+    sampling_probs,
+    tree_candidates,
+    typical_accept,
+)
 from medusa_trt.runtime.backend import Backend
 from medusa_trt.tree import DEFAULT_TREE, TreeBuffers, build_tree
 

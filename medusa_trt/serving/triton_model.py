@@ -20,9 +20,9 @@ Everything but `TritonPythonModel` is plain Python over numpy arrays, so tests d
 from __future__ import annotations
 
 import json
-import secrets
 import logging
 import math
+import secrets
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
