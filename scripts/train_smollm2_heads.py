@@ -18,11 +18,11 @@ this Python's standard library):
    to predict token t+2+k from the hidden state at t with loss weight 0.8^k. The softmax runs over
    the tokens that occur as targets (a vocabulary subset): the 49152-wide lm_head would cost 12x
    more per step, and tokens the base never emits here are never right answers either.
-5. Outputs (assets/smollm2/): heads/ (medusa_lm_head.safetensors, float16, + config.json), the
+5. Outputs (medusa_trt/assets/smollm2/, package data): heads/ (medusa_lm_head.safetensors, float16, + config.json), the
    held-out prompts for the demo and benchmarks (16 code + 16 chat), calibration prompts for
    medusa-tune-tree, summary.json (accuracies, sizes, timings).
 
-    nice .venv/bin/python scripts/train_smollm2_heads.py [--out assets/smollm2]
+    nice .venv/bin/python scripts/train_smollm2_heads.py [--out medusa_trt/assets/smollm2]
 
 Stages are cached under --work (default build/smollm2_heads): the engine and the distillation data
 are reused when present, so retraining the heads alone takes minutes.
@@ -57,7 +57,7 @@ CODE_SHARE = 0.5
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=REPO / "assets" / "smollm2")
+    p.add_argument("--out", type=Path, default=REPO / "medusa_trt" / "assets" / "smollm2")
     p.add_argument("--work", type=Path, default=Path("build/smollm2_heads"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
