@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import ast
 import json
-import math
 import random
 import sys
 import sysconfig
@@ -41,7 +40,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 REPO = Path(__file__).resolve().parent.parent
@@ -50,7 +48,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from train_demo_model import is_heldout, list_files, read_code  # noqa: E402
 
-from medusa_trt.training import LOSS_DECAY, save_heads  # noqa: E402
+from medusa_trt.training import save_heads  # noqa: E402
 
 CODE_SHARE = 0.5
 
