@@ -121,6 +121,9 @@ def run_check(engine_dir: str | Path, checkpoint: str | Path | None = None, prom
     if atol is None and dtype not in TOLERANCES:
         raise CheckInputError(f"{engine_dir / 'engine.json'}: dtype {dtype!r} has no stated tolerance; pass --atol")
     fp8 = bool(engine.get("quantization"))
+    # int4 engines round activations to int8 per block (MatMulNBits accuracy level 4) as the int4
+    # reference does; a value at a rounding boundary may round the other way, as with FP8: same criterion.
+    int4 = (engine.get("weights") or {}).get("format") == "int4"
     if fp8 and dtype != "float32" and atol is None:
         raise CheckInputError(f"{engine_dir / 'engine.json'}: an FP8 engine in {dtype} cannot be held to a tolerance "
                               f"that separates a right graph from a wrong one ({dtype} rounding flips e4m3 "
@@ -139,6 +142,11 @@ def run_check(engine_dir: str | Path, checkpoint: str | Path | None = None, prom
     except ValueError as e:
         raise CheckInputError(str(e)) from None
     model = MedusaModel.from_checkpoint(checkpoint, dtype="float32")
+    if int4:
+        from medusa_trt.modeling import quantize_model_int4
+
+        weights = engine["weights"]
+        quantize_model_int4(model, int(weights["block_size"]), int(weights["accuracy_level"]))
     reference = TorchBackend(model, max_draft_len=subject.info.max_draft_len)
     mine, theirs = subject.info, reference.info
     if (mine.vocab_size, mine.num_medusa_heads) != (theirs.vocab_size, theirs.num_medusa_heads):
@@ -151,7 +159,7 @@ def run_check(engine_dir: str | Path, checkpoint: str | Path | None = None, prom
         for start in range(0, len(ids), max_batch):
             chunk = ids[start:start + max_batch]
             label = f" [{start}:{start + len(chunk)}]" if len(ids) > max_batch else ""
-            _compare_steps(report, subject, reference, chunk, tree_steps, tol, label, fp8=fp8)
+            _compare_steps(report, subject, reference, chunk, tree_steps, tol, label, fp8=fp8 or int4)
             _compare_decodes(report, subject, reference, chunk, max_new_tokens, start)
     except ValueError as e:  # the backends' limits: batch, sequence length, tree size
         raise CheckInputError(f"the prompts do not fit the engine: {e}") from None

@@ -220,6 +220,118 @@ class FP8HeadLinears(_KeepsFP8):
         return xq, w
 
 
+# -- int4 weight-only quantization (medusa-build --weights int4) ---------------------------------
+# The numbers of ONNX Runtime's com.microsoft MatMulNBits (bits=4): W [N, K] is cut along K into
+# blocks of `block_size`; each block has a float32 scale and a 4-bit zero point (asymmetric, the
+# block's [min(w, 0), max(w, 0)] mapped onto 0..15) and dequantizes as (q - zero_point) * scale.
+# The engine holds the packed bytes; the reference dequantizes the same bytes, so both multiply by
+# the same float32 weights.
+
+INT4_BLOCK_SIZES = (16, 32, 64, 128, 256)  # MatMulNBits: a power of two >= 16
+INT4_ACCURACY_LEVELS = (0, 4)  # MatMulNBits: 0 float compute, 4 int8 activations (per block)
+
+
+def quantize_int4(w: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """W [N, K] (K divisible by block_size) -> packed [N, K/bs, bs/2] uint8 (element 2j in the low
+    nibble, 2j+1 in the high one), scales [N, K/bs] float32, zero points [N, ceil(K/bs / 2)] uint8
+    (two 4-bit values per byte, block 2j low): MatMulNBits' B, scales and zero_points."""
+    n, k = w.shape
+    blocks = w.detach().to(torch.float32).reshape(n, k // block_size, block_size)
+    lo = blocks.amin(-1).clamp(max=0.0)
+    hi = blocks.amax(-1).clamp(min=0.0)
+    scale = (hi - lo) / 15.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero block: any scale is exact
+    zp = torch.round(-lo / scale).clamp(0, 15)
+    q = torch.round(blocks / scale[..., None] + zp[..., None]).clamp(0, 15).to(torch.uint8)
+    packed = q[..., 0::2] | (q[..., 1::2] << 4)
+    z = F.pad(zp, (0, zp.shape[1] % 2)).to(torch.uint8)
+    return packed.contiguous(), scale.contiguous(), (z[:, 0::2] | (z[:, 1::2] << 4)).contiguous()
+
+
+def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor) -> torch.Tensor:
+    """The float32 W [N, K] that quantize_int4's output stands for: (q - zero_point) * scale."""
+    n, blocks, half = packed.shape
+    q = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(n, blocks, 2 * half).to(torch.float32)
+    zp = torch.stack([zero_points & 0x0F, zero_points >> 4], dim=-1).reshape(n, -1)[:, :blocks].to(torch.float32)
+    return ((q - zp[..., None]) * scales[..., None]).reshape(n, blocks * 2 * half)
+
+
+def fake_quant_int8_blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """x [..., K] quantized to int8 and back per block of K (symmetric, scale = amax / 127): what
+    MatMulNBits with accuracy_level 4 multiplies instead of x (measured on ONNX Runtime 1.31's CPU
+    kernel: outputs match this to 2e-6, against 2e-2 without it)."""
+    xb = x.float().reshape(*x.shape[:-1], -1, block_size)
+    scale = xb.abs().amax(-1, keepdim=True) / 127.0
+    q = torch.round(xb / torch.where(scale > 0, scale, torch.ones_like(scale)))
+    return (q * scale).reshape(x.shape).to(x.dtype)
+
+
+def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor,
+                accuracy_level: int) -> torch.Tensor:
+    """MatMulNBits' arithmetic: x [..., K] @ dequantized W^T, activations per-block int8 at level 4."""
+    if accuracy_level == 4:
+        x = fake_quant_int8_blocks(x, 2 * packed.shape[2])
+    return F.linear(x, dequantize_int4(packed, scales, zero_points).to(x.dtype))
+
+
+class Int4Linear(nn.Module):
+    """A Linear whose weight is int4 blocks (quantize_int4), run as MatMulNBits runs it (int4_matmul).
+    `matmul` is a plain attribute so the exporter can swap in the MatMulNBits op."""
+
+    kept = ("packed", "scales", "zero_points")
+
+    def __init__(self, linear: nn.Linear, block_size: int, accuracy_level: int):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.block_size, self.accuracy_level = block_size, accuracy_level
+        for name, t in zip(self.kept, quantize_int4(linear.weight, block_size), strict=True):
+            self.register_buffer(name, t)
+        self.bias = linear.bias
+        self.matmul = int4_matmul
+
+    def _apply(self, fn, recurse=True):  # dtype casts leave the packed bytes and float32 scales alone
+        saved = {n: self._buffers.pop(n) for n in self.kept}
+        try:
+            return super()._apply(fn, recurse)
+        finally:
+            device = fn(torch.empty(0)).device
+            self._buffers.update({n: t.to(device) for n, t in saved.items()})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.matmul(x, self.packed, self.scales, self.zero_points, self.accuracy_level)
+        return y if self.bias is None else y + self.bias
+
+
+def quantize_model_int4(model: MedusaModel, block_size: int, accuracy_level: int, lm_head: bool = True) -> list[str]:
+    """Replaces the decoder's Linears (and the lm_head with `lm_head`) by Int4Linear in place: what
+    medusa-build --weights int4 exports and what medusa-check runs as the reference. Deterministic,
+    so both get the same bytes. Medusa heads that use the base lm_head (v2) then use the int4 one.
+    Returns the names of the Linears left in the model dtype because their input size is not a
+    multiple of block_size (the caller warns)."""
+    if block_size not in INT4_BLOCK_SIZES:
+        raise ValueError(f"int4 block size {block_size}: expected one of {INT4_BLOCK_SIZES}")
+    if accuracy_level not in INT4_ACCURACY_LEVELS:
+        raise ValueError(f"int4 accuracy level {accuracy_level}: expected one of {INT4_ACCURACY_LEVELS}")
+    names = [f"layers.{i}.{n}" for i in range(len(model.layers)) for n in ("qkv", "dense", "fc", "gate", "proj")]
+    if lm_head:
+        h = model.cfg.num_medusa_heads
+        model.heads_use_lm_head = bool(h) and all(
+            torch.equal(model.medusa_lm_head[k], model.lm_head.weight) for k in range(h))
+        names.append("lm_head")
+    skipped = []
+    for name in names:
+        owner_name, _, attr = name.rpartition(".")
+        owner = model.get_submodule(owner_name) if owner_name else model
+        linear = getattr(owner, attr)
+        if not isinstance(linear, nn.Linear):
+            raise ValueError(f"{name}: {type(linear).__name__} cannot be int4-quantized (FP8 checkpoints stay FP8)")
+        if linear.in_features % block_size:
+            skipped.append(name)
+            continue
+        setattr(owner, attr, Int4Linear(linear, block_size, accuracy_level))
+    return skipped
+
+
 def _linear(cfg: ModelConfig, name: str, in_features: int, out_features: int, bias: bool) -> nn.Module:
     if cfg.is_fp8(name):
         return FP8Linear(in_features, out_features, bias)
@@ -295,9 +407,11 @@ class MedusaModel(nn.Module):
         self.medusa_lm_head = nn.Parameter(torch.zeros(n_heads, cfg.vocab_size, d))
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
+    heads_use_lm_head = False  # v2 heads through an int4 lm_head (quantize_model_int4)
+
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        return self.vocab_embedding.weight.dtype
 
     def medusa_heads(self, h: torch.Tensor) -> torch.Tensor:
         """h [B, S, d] final normed hidden state -> [H, B, S, V] float32 logits (head k predicts t+2+k)."""
@@ -309,6 +423,8 @@ class MedusaModel(nn.Module):
             else:
                 xin, w = self.medusa_fp8.layer(x, layer)
             x = x + F.silu(torch.einsum("hbsi,hoi->hbso", xin, w) + b[:, None, None, :])
+        if self.heads_use_lm_head:
+            return self.lm_head(x).float()
         return torch.einsum("hbsi,hvi->hbsv", x, self.medusa_lm_head).float()
 
     def forward(

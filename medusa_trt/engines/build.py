@@ -26,7 +26,8 @@ from medusa_trt.checkpoint import CheckpointError, read_config, validate_checkpo
 log = logging.getLogger(__name__)
 
 # 2: the decoder graph outputs `hidden` and the Medusa heads are a graph of their own.
-ENGINE_FORMAT_VERSION = 2
+# 3: a `weights` section (int4 engines: MatMulNBits weights an older runtime would misread).
+ENGINE_FORMAT_VERSION = 3
 DTYPES = ("float32", "float16", "bfloat16")
 DEVICES = ("cpu", "cuda")
 _CHECKPOINT_ONLY = ("config.json",)  # checkpoint files that are not copied into the engine
@@ -92,6 +93,37 @@ def _quantization_part(config: dict) -> dict | None:
     }
 
 
+# -- int4 weights (medusa-build --weights int4; engine.json "weights" section) ----------------------
+# Chosen on a 2-core AVX-512 VNNI CPU with ONNX Runtime 1.31 (BENCHMARKS.md, issue 13): accuracy
+# level 4 (int8 activations per block) runs SmolLM2-135M-sized MatMuls 2-6x faster than level 0,
+# which is slower than float32 below the lm_head's size; block 32 was fastest at one row.
+INT4_DEFAULT_BLOCK_SIZE = 32
+INT4_DEFAULT_ACCURACY_LEVEL = 4
+WEIGHT_FORMATS = ("float", "int4")
+
+
+def _quantize_int4(opts: BuildOptions, config: dict, model) -> dict:
+    """Quantizes `model` in place for --weights int4; returns engine.json's "weights" section."""
+    from medusa_trt.modeling import INT4_ACCURACY_LEVELS, INT4_BLOCK_SIZES, quantize_model_int4
+
+    block = int(opts.extra.get("int4_block_size", INT4_DEFAULT_BLOCK_SIZE))
+    level = int(opts.extra.get("int4_accuracy_level", INT4_DEFAULT_ACCURACY_LEVEL))
+    if block not in INT4_BLOCK_SIZES:
+        raise BuildError(f"--int4-block-size {block}: expected one of {', '.join(map(str, INT4_BLOCK_SIZES))}")
+    if level not in INT4_ACCURACY_LEVELS:
+        raise BuildError(f"--int4-accuracy-level {level}: expected one of {', '.join(map(str, INT4_ACCURACY_LEVELS))}")
+    if (config.get("quantization") or {}).get("quant_algo"):
+        raise BuildError(f"{opts.checkpoint / 'config.json'}: an FP8 checkpoint cannot be built with --weights "
+                         "int4; convert the base without --quantize fp8")
+    skipped = quantize_model_int4(model, block, level)
+    for name in skipped:
+        log.warning("--weights int4: %s stays %s: its input size is not a multiple of --int4-block-size %d",
+                    name, model.dtype, block)
+    return {"format": "int4", "op": "com.microsoft.MatMulNBits", "bits": 4, "block_size": block,
+            "accuracy_level": level, "symmetric": False, "lm_head": "lm_head" not in skipped,
+            "heads_use_lm_head": bool(model.heads_use_lm_head), "float_linears": skipped}
+
+
 def _build_onnxruntime(opts: BuildOptions, config: dict, workdir: Path) -> dict:
     from medusa_trt.engines.onnx_export import DEFAULT_ATTENTION, DEFAULT_OPSET, export_onnx
     from medusa_trt.modeling import MedusaModel
@@ -104,6 +136,9 @@ def _build_onnxruntime(opts: BuildOptions, config: dict, workdir: Path) -> dict:
     try:
         bar.set_postfix_str(steps[0])
         model = MedusaModel.from_checkpoint(opts.checkpoint, dtype=dtype)
+        weights = {"format": "float"}
+        if opts.extra.get("weights", "float") == "int4":
+            weights = _quantize_int4(opts, config, model)
         bar.update()
         bar.set_postfix_str(steps[1])
         try:
@@ -116,6 +151,7 @@ def _build_onnxruntime(opts: BuildOptions, config: dict, workdir: Path) -> dict:
         bar.close()
     part = {
         "dtype": dtype,
+        "weights": weights,
         "onnx": {"file": result.path.name, "opset": result.opset, "attention": result.attention,
                  "external_data": result.external_data, "inputs": list(result.input_names),
                  "outputs": list(result.output_names),
@@ -185,6 +221,8 @@ def check_options(opts: BuildOptions, config: dict) -> None:
     if (quant.get("quant_algo") or quant.get("kv_cache_quant_algo")) and opts.opset is not None and opts.opset < 19:
         raise BuildError(f"--opset {opts.opset}: an FP8 checkpoint ({path}) needs opset >= 19 "
                          "(float8 QuantizeLinear/DequantizeLinear)")
+    if opts.extra.get("weights", "float") != "float" and opts.backend != "onnxruntime":
+        raise BuildError(f"--weights {opts.extra['weights']}: only --backend onnxruntime builds int4 engines")
     for name in ("max_batch_size", "max_seq_len", "max_draft_len"):
         value = getattr(opts, name)
         if value is not None and value < 1:

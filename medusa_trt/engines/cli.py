@@ -8,7 +8,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from medusa_trt.engines.build import BUILDERS, DEVICES, DTYPES, BuildError, BuildOptions, build_engine
+from medusa_trt.engines.build import (BUILDERS, DEVICES, DTYPES, INT4_DEFAULT_ACCURACY_LEVEL, INT4_DEFAULT_BLOCK_SIZE,
+                                      BuildError, BuildOptions, build_engine)
 
 PROG = "medusa-build"
 
@@ -39,6 +40,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-fused-step", dest="fused_step", action="store_false",
                    help="onnxruntime: skip the fused greedy step graph (saves a second copy of the weights "
                         "on disk; greedy decoding then takes two engine calls and host work per step)")
+    p.add_argument("--weights", default="float", choices=["float", "int4"],
+                   help="onnxruntime: int4 = 4-bit weight-only MatMulNBits for the decoder linears and the "
+                        "lm_head (default: float, the engine dtype)")
+    p.add_argument("--int4-block-size", type=int, default=INT4_DEFAULT_BLOCK_SIZE,
+                   help=f"--weights int4: weights per scale/zero point along K (default {INT4_DEFAULT_BLOCK_SIZE})")
+    p.add_argument("--int4-accuracy-level", type=int, default=INT4_DEFAULT_ACCURACY_LEVEL, choices=[0, 4],
+                   help="--weights int4: MatMulNBits accuracy_level, 4 = int8 activations per block (default), "
+                        "0 = float compute")
     p.add_argument("--device", default="cpu", choices=list(DEVICES), help="device the engine runs on by default")
     p.add_argument("--triton-repo", type=Path, help="also write a Triton Inference Server model repository "
                    "for the engine here (same as medusa-triton --engine OUT --out DIR)")
@@ -59,7 +68,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         opset=args.opset, device=args.device, attention=args.attention, force=args.force,
         progress=not args.quiet,
         extra={k: v for k, v in (("trt_attention", args.trt_attention), ("keep_onnx", args.keep_onnx),
-                                 ("max_input_len", args.max_input_len)) if v} | {"fused_step": args.fused_step},
+                                 ("max_input_len", args.max_input_len)) if v} | {"fused_step": args.fused_step}
+        | ({"weights": "int4", "int4_block_size": args.int4_block_size,
+            "int4_accuracy_level": args.int4_accuracy_level} if args.weights == "int4" else {}),
     )
     try:
         result = build_engine(opts)

@@ -7,7 +7,9 @@ a 2-core CPU with 10M and 100M-parameter models (benchmarks/bench_onnx.py):
 - one past input per layer and per K/V: a stacked [L, ...] input costs ONNX Runtime a Gather copy
   of every layer's cache per step (10-18% slower steps at 100M parameters, 1024 cached tokens);
 - the past may be the runtime's whole cache buffer (capacity T >= every committed length): the
-  prefix mask is built in the graph from `past_lengths`, so the runtime never slices or copies it;
+  graph slices it to max(past_lengths) and builds the prefix mask from `past_lengths`, so the
+  runtime never slices or copies it and a step costs the committed length, not the capacity
+  (issue 13: 3-9x slower steps at capacity 8192 than 512 before the slice, 1.0x after);
 - attention as the opset-23 `Attention` op by default (ATTENTION_FORMS lists the alternatives);
 - Medusa heads as one 2-D MatMul per head: ONNX Runtime prepacks 2-D constant weights, and the
   reference's batched einsum runs 3-8x slower there.
@@ -18,6 +20,9 @@ per-tensor scale, its input goes through QuantizeLinear -> DequantizeLinear with
 activation scale, and with an FP8 KV cache the new keys/values do too. Q/DQ run in float32, where the
 checkpoint's scales live (`x` is cast to float32 first in a float16 graph): that is the reference's
 arithmetic, and ONNX Runtime's CPU kernels do not take a float16 input with a float32 scale.
+
+int4 models (modeling.quantize_model_int4, medusa-build --weights int4) export each Int4Linear as one
+com.microsoft MatMulNBits node over its packed bytes, scales and zero points.
 
 Graph interface (names are the contract with `medusa_trt.runtime.ort_backend`):
 
@@ -62,7 +67,8 @@ from torch import nn
 
 from medusa_trt.acceptance import CANDIDATE_TOPK, candidates_from_topk, greedy_accept
 from medusa_trt.checkpoint import dequantize_fp8
-from medusa_trt.modeling import FP8Linear, MedusaModel, _KeepsFP8, attention_with_past, fake_quant_fp8
+from medusa_trt.modeling import (FP8Linear, Int4Linear, MedusaModel, _KeepsFP8, attention_with_past, fake_quant_fp8,
+                                 int4_matmul)
 
 log = logging.getLogger(__name__)
 
@@ -245,6 +251,63 @@ def _fp8_translations() -> dict:
             torch.ops.medusa_trt.fp8_dequantize.default: _dequantize_translation}
 
 
+# -- int4 weights as com.microsoft MatMulNBits ------------------------------------------------------
+
+
+@functools.cache
+def _int4_op() -> Callable:
+    """A custom op standing for Int4Linear's matmul, translated to one MatMulNBits node (traced as
+    plain ops it would be an unpack-and-dequantize chain and a float MatMul)."""
+
+    @torch.library.custom_op("medusa_trt::matmul_nbits", mutates_args=())
+    def op(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor,
+           accuracy_level: int) -> torch.Tensor:
+        return int4_matmul(x, packed, scales, zero_points, accuracy_level)
+
+    @op.register_fake
+    def _(x, packed, scales, zero_points, accuracy_level):
+        return x.new_empty((*x.shape[:-1], packed.shape[0]))
+
+    return op
+
+
+def _export_int4_matmul(x, packed, scales, zero_points, accuracy_level):
+    return _int4_op()(x, packed, scales, zero_points, accuracy_level)
+
+
+@functools.cache
+def _matmul_nbits_schema():
+    """The inputs of ONNX Runtime's contrib MatMulNBits this exporter writes (onnx has no schema)."""
+    import onnx
+
+    p = onnx.defs.OpSchema.FormalParameter
+    optional = onnx.defs.OpSchema.FormalParameterOption.Optional
+    attr = onnx.defs.OpSchema.Attribute
+    return onnx.defs.OpSchema(
+        "MatMulNBits", "com.microsoft", 1,
+        inputs=[p("A", "T1"), p("B", "T2"), p("scales", "T1"), p("zero_points", "T2", param_option=optional)],
+        outputs=[p("Y", "T1")],
+        type_constraints=[("T1", ["tensor(float)", "tensor(float16)"], ""), ("T2", ["tensor(uint8)"], "")],
+        attributes=[attr(name, onnx.defs.OpSchema.AttrType.INT, "", required=True)
+                    for name in ("K", "N", "bits", "block_size", "accuracy_level")],
+    )
+
+
+def _matmul_nbits_translation(x, packed, scales, zero_points, accuracy_level):
+    from onnxscript import opset23 as op
+    from onnxscript.values import Op, Opset
+
+    n, blocks, half = (int(d) for d in packed.shape)
+    mm = Op(Opset("com.microsoft", 1), "MatMulNBits", _matmul_nbits_schema())
+    # scales [N, blocks] -> [N * blocks], the layout the kernel reads (folded at load: an initializer).
+    return mm(x, packed, op.Reshape(scales, op.Constant(value_ints=[-1])), zero_points, K=blocks * 2 * half, N=n,
+              bits=4, block_size=2 * half, accuracy_level=int(accuracy_level))
+
+
+def has_int4(model: MedusaModel) -> bool:
+    return any(isinstance(m, Int4Linear) for m in model.modules())
+
+
 def has_fp8(model: MedusaModel) -> bool:
     return any(isinstance(m, _KeepsFP8) for m in model.modules())
 
@@ -277,9 +340,10 @@ DEFAULT_ATTENTION = "attention23"
 class _ExportModule(nn.Module):
     """The graph's interface around MedusaModel.forward (see the module docstring)."""
 
-    def __init__(self, model: MedusaModel):
+    def __init__(self, model: MedusaModel, committed_prefix: bool = True):
         super().__init__()
         self.model = model
+        self.committed_prefix = committed_prefix
         cfg = model.cfg
         pairs = [(h, i) for h in range(cfg.num_medusa_heads) for i in range(cfg.num_medusa_layers)]
         # Per-head 2-D weights, aliases of the stacked parameters (no copy); FP8 heads as one
@@ -307,9 +371,9 @@ class _ExportModule(nn.Module):
             self.first_b = nn.Parameter(model.medusa_b[:, 0].reshape(-1).clone(), requires_grad=False)
         # Heads that use the base lm_head (FasterDecoding v2 heads; the merged checkpoint holds a copy
         # per head) share one MatMul: [heads * rows, d] against one matrix instead of one per head.
-        base_lm = model.lm_head.weight
-        self.shared_lm_head = cfg.num_medusa_heads > 0 and all(
-            torch.equal(model.medusa_lm_head[h], base_lm) for h in range(cfg.num_medusa_heads))
+        base_lm = getattr(model.lm_head, "weight", None)  # None: an int4 lm_head
+        self.shared_lm_head = cfg.num_medusa_heads > 0 and (model.heads_use_lm_head or base_lm is not None and all(
+            torch.equal(model.medusa_lm_head[h], base_lm) for h in range(cfg.num_medusa_heads)))
         self.head_lm = nn.ParameterList(
             nn.Parameter(model.medusa_lm_head[h], requires_grad=False) for h in range(cfg.num_medusa_heads)
         ) if not self.shared_lm_head else None
@@ -345,10 +409,17 @@ class _ExportModule(nn.Module):
             x = torch.stack(xs, dim=1)
             if not self.shared_lm_head:
                 return x
-        return F.linear(x.reshape(n * heads, d), self.model.lm_head.weight).float().reshape(n, heads, -1)
+        return self.model.lm_head(x.reshape(n * heads, d)).float().reshape(n, heads, -1)
 
     def forward(self, input_ids, position_ids, past_lengths, new_mask, logit_positions, past):
         b, s = input_ids.shape
+        if self.committed_prefix:
+            # Attention reads only the committed prefix [0, max(past_lengths)) of the cache buffer,
+            # so a step costs what the cache holds, not its capacity (BENCHMARKS.md, issue 13).
+            used = past_lengths.max().item()
+            torch._check(used >= 0)
+            torch._check(used <= past[0].shape[2])
+            past = tuple(p.narrow(2, 0, used) for p in past)
         t = past[0].shape[2]
         prefix = torch.arange(t, device=input_ids.device)[None, None, :] < past_lengths[:, None, None]
         mask = torch.cat([prefix.expand(b, s, t), new_mask], dim=-1)  # [B, S, T+S]
@@ -429,6 +500,9 @@ def _export_mode(model: MedusaModel, form: AttentionForm, heads: Callable, wrapp
     fp8 = [m for m in wrapper.modules() if isinstance(m, _KeepsFP8)]
     for m in fp8:
         m.fake_quant, m.dequant = _export_fake_quant, _export_dequant
+    int4 = [m for m in wrapper.modules() if isinstance(m, Int4Linear)]
+    for m in int4:
+        m.matmul = _export_int4_matmul
     try:
         yield
     finally:
@@ -437,6 +511,8 @@ def _export_mode(model: MedusaModel, form: AttentionForm, heads: Callable, wrapp
         del model.medusa_heads
         for m in fp8:
             m.fake_quant, m.dequant = fake_quant_fp8, dequantize_fp8
+        for m in int4:
+            m.matmul = int4_matmul
 
 
 def example_inputs(model: MedusaModel, batch: int = 2, new: int = 3, past: int = 5, logits: int = 2) -> dict:
@@ -476,10 +552,13 @@ def export_onnx(
     opset: int = DEFAULT_OPSET,
     external_data: bool | None = None,
     fused_step: bool = False,
+    committed_prefix: bool = True,
 ) -> ExportResult:
     """Exports `model` (in its current dtype) to `path`. `external_data` None: only when the
     weights exceed the 2 GB protobuf limit. `fused_step`: also the fused greedy step graph (it holds
-    a second copy of the decoder's weights on disk)."""
+    a second copy of the decoder's weights on disk). `committed_prefix`: attention reads only the
+    cache's committed prefix (a Slice per past input); off, the past inputs go straight into the
+    attention's Concat, the form the TensorRT rewrite (engines/onnx_rewrite.py) recognises."""
     if attention not in ATTENTION_FORMS:
         raise ValueError(f"attention form {attention!r} is unknown; expected one of {sorted(ATTENTION_FORMS)}")
     form = ATTENTION_FORMS[attention]
@@ -499,7 +578,7 @@ def export_onnx(
 
     path = Path(path)
     cfg = model.cfg
-    wrapper = _ExportModule(model).eval()
+    wrapper = _ExportModule(model, committed_prefix).eval()
     inputs = example_inputs(model)
     batch, new, past, logits = Dim("batch"), Dim("new_tokens"), Dim("past"), Dim("num_logits")
     dynamic_shapes = {
@@ -516,6 +595,9 @@ def export_onnx(
         table[torch.ops.medusa_trt.attention_with_past.default] = form.translation
     if fp8:
         table.update(_fp8_translations())
+    if has_int4(model):
+        _int4_op()  # registers torch.ops.medusa_trt.matmul_nbits
+        table[torch.ops.medusa_trt.matmul_nbits.default] = _matmul_nbits_translation
     weight_bytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     if external_data is None:
         external_data = weight_bytes > MAX_PROTOBUF_BYTES - (64 << 20)  # leave room for the graph itself

@@ -283,9 +283,13 @@ def _check_attention(node, inputs: dict) -> float | None:
         raise RewriteError(f"{where}: q has shape {q.shape}, expected 4 dims [B, H, S, D]")
     for index, kind in ((1, "key"), (2, "value")):
         concat = _producer(node.inputs[index])
+        past = concat.inputs[0] if concat is not None and concat.inputs else None
+        sliced = _producer(past) if past is not None else None
+        if sliced is not None and sliced.op == "Slice":  # the committed prefix of the past (onnx_export)
+            past = sliced.inputs[0]
         ok = (concat is not None and concat.op == "Concat" and len(concat.inputs) == 2
               and _attr_int(concat, "axis") in (2, -2)
-              and concat.inputs[0].name.startswith(f"past_{kind}_") and concat.inputs[0].name in inputs)
+              and past.name.startswith(f"past_{kind}_") and past.name in inputs)
         if not ok:
             raise RewriteError(f"{where}: input {index} ({node.inputs[index].name!r}) is not Concat(past_{kind}_i, "
                                f"new, axis=2) of a graph input; the plugin needs the past first, new tokens last")

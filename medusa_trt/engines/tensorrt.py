@@ -209,7 +209,7 @@ def export_for_tensorrt(opts: BuildOptions, mode: str, dtype: str, onnx_dir: Pat
     cfg = model.cfg
     try:
         exported = export_onnx(model, onnx_dir / "model.onnx", attention=opts.attention or "attention23",
-                               opset=opts.opset or DEFAULT_OPSET)
+                               opset=opts.opset or DEFAULT_OPSET, committed_prefix=False)
     except ValueError as e:
         raise BuildError(str(e)) from None
     del model

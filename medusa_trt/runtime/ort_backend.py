@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from medusa_trt.engines.build import ENGINE_FORMAT_VERSION
+from medusa_trt.engines.build import ENGINE_FORMAT_VERSION, WEIGHT_FORMATS
 from medusa_trt.runtime.backend import ModelInfo, check_forward, scatter_pending, zero_cache
 
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -110,6 +110,10 @@ class OrtBackend:
         if threads is not None and threads < 1:
             raise EngineError(f"threads {threads}: expected >= 1 (or None: one per core)")
         self.engine = engine = read_engine_json(self.engine_dir)
+        weights = (engine.get("weights") or {}).get("format")
+        if weights not in WEIGHT_FORMATS:
+            raise EngineError(f"{self.engine_dir / 'engine.json'}: weights.format {weights!r}, this runtime reads "
+                              f"{' or '.join(WEIGHT_FORMATS)}; rebuild it with medusa-build")
         self.device = device or engine.get("device", "cpu")
         model, limits, onnx_info = engine["model"], engine["limits"], engine["onnx"]
         onnx_path = self.engine_dir / onnx_info["file"]

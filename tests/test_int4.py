@@ -1,0 +1,139 @@
+"""issue 13: int4 engines (MatMulNBits) against the int4 reference, and the committed-prefix cache.
+
+The int4 reference (modeling.quantize_model_int4) runs MatMulNBits' arithmetic: the same packed
+weights dequantized in float32, and with accuracy level 4 the activations rounded to int8 per block.
+Level 0 parity is float32 parity (1e-4). At level 4 a value at an int8 rounding boundary may round
+the other way in the kernel (seen: 1.2e-2 on a few logits of a 3x64-slot tree step, 2e-6 elsewhere),
+so level 4 is held to medusa-check's FP8 criterion: 90th percentile within 1e-4, max within 0.25.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from medusa_trt.check import main as check_main
+from medusa_trt.modeling import MedusaModel, dequantize_int4, quantize_int4, quantize_model_int4
+from medusa_trt.runtime.decoding import GenerationConfig, decode
+from medusa_trt.runtime.ort_backend import EngineError, OrtBackend, make_session
+from tests.test_onnx_export import ATOL, make_inputs
+from medusa_trt.engines.onnx_export import past_names
+
+INT4 = {"weights": "int4", "int4_block_size": 32}
+
+
+def int4_engine(ort_engine, level: int):
+    return ort_engine("llama", extra={**INT4, "int4_accuracy_level": level})
+
+
+def int4_reference(tiny_merged, level: int) -> MedusaModel:
+    model = MedusaModel.from_checkpoint(tiny_merged("llama"))
+    assert quantize_model_int4(model, 32, level) == []
+    return model
+
+
+def test_quantize_int4_round_trip():
+    """Within half a step of each block's scale, zero exact, block layout as MatMulNBits reads it."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(6, 64, generator=g)
+    w[0, :32] = 0.0  # an all-zero block
+    packed, scales, zp = quantize_int4(w, 32)
+    assert packed.shape == (6, 2, 16) and packed.dtype == torch.uint8 and zp.shape == (6, 1)
+    back = dequantize_int4(packed, scales, zp)
+    step = scales.repeat_interleave(32, dim=1)
+    assert bool(((back - w).abs() <= step / 2 + 1e-6).all())
+    assert bool((back[0, :32] == 0).all())
+
+
+def test_unfit_block_size_stays_float(tiny_merged):
+    """hidden 64 is not a multiple of 128: those Linears stay float and are named; proj (K=128) is int4."""
+    model = MedusaModel.from_checkpoint(tiny_merged("llama"))
+    skipped = quantize_model_int4(model, 128, 4)
+    assert "layers.0.qkv" in skipped and "lm_head" in skipped and "layers.0.proj" not in skipped
+    with pytest.raises(ValueError, match="block size 48"):
+        quantize_model_int4(MedusaModel.from_checkpoint(tiny_merged("llama")), 48, 4)
+
+
+@pytest.mark.parametrize("level", [0, 4])
+@pytest.mark.parametrize("batch, past, kind", [(1, 0, "causal"), (3, 11, "tree")])
+def test_int4_engine_parity(ort_engine, tiny_merged, level, batch, past, kind):
+    engine = int4_engine(ort_engine, level)
+    info = json.loads((engine / "engine.json").read_text())["weights"]
+    assert info["format"] == "int4" and info["block_size"] == 32 and info["accuracy_level"] == level
+    model = int4_reference(tiny_merged, level)
+    feeds, ref_args = make_inputs(model, batch, past, kind)
+    got = make_session(engine / "model.onnx").run(None, feeds)
+    with torch.no_grad():
+        want = model.forward_hidden(*ref_args)
+    for name, a, b in zip(("logits", "hidden", "present_keys", "present_values"), got, want, strict=True):
+        diff = np.abs(a - b.numpy())
+        if level == 0:
+            assert diff.max() <= ATOL, f"{name}: {diff.max():.2e}"
+        else:
+            assert np.quantile(diff, 0.9) <= ATOL and diff.max() <= 0.25, f"{name}: {diff.max():.2e}"
+    # the int4 graph really is int4: no float copy of the decoder weights
+    import onnx
+
+    ops = {n.op_type for n in onnx.load(engine / "model.onnx").graph.node}
+    assert "MatMulNBits" in ops
+
+
+def test_int4_medusa_greedy_equals_plain(ort_engine):
+    """Medusa greedy on an int4 engine == plain greedy on the same engine (fused step and two-call path)."""
+    backend = OrtBackend(int4_engine(ort_engine, 4))
+    prompts = [[5, 9, 17, 33], [3, 4], list(range(20, 40))]
+    plain = decode(backend, prompts, GenerationConfig(max_new_tokens=32, use_medusa=False)).tokens
+    assert decode(backend, prompts, GenerationConfig(max_new_tokens=32, use_medusa=True)).tokens == plain
+    backend.step_session = None
+    backend.fused_step_topk = None
+    assert decode(backend, prompts, GenerationConfig(max_new_tokens=32, use_medusa=True)).tokens == plain
+
+
+def test_medusa_check_int4(ort_engine, tmp_path):
+    report = tmp_path / "r.json"
+    assert check_main(["--engine", str(int4_engine(ort_engine, 4)), "--json", str(report),
+                       "--max-new-tokens", "12", "--tree-steps", "2"]) == 0
+    assert json.loads(report.read_text())["passed"]
+
+
+def test_unknown_weight_format_is_refused(ort_engine, tmp_path):
+    import shutil
+
+    engine = tmp_path / "engine"
+    shutil.copytree(ort_engine("llama"), engine)
+    data = json.loads((engine / "engine.json").read_text())
+    data["weights"]["format"] = "int3"
+    (engine / "engine.json").write_text(json.dumps(data))
+    with pytest.raises(EngineError, match="weights.format 'int3'"):
+        OrtBackend(engine)
+
+
+def test_step_is_capacity_independent(ort_engine, tiny_merged):
+    """Attention reads only the committed prefix: the same step with the cache in a buffer 5x larger
+    (tail filled with garbage) gives bit-identical outputs."""
+    model = MedusaModel.from_checkpoint(tiny_merged("llama"))
+    feeds, _ = make_inputs(model, 3, 9, "tree")
+    sess = make_session(ort_engine("llama") / "model.onnx")
+    small = sess.run(None, feeds)
+    for name in past_names(model.cfg.num_layers):
+        cache = feeds[name]
+        big = np.full((*cache.shape[:2], 45, cache.shape[3]), 1e4, dtype=cache.dtype)
+        big[:, :, :9] = cache
+        for b, n in enumerate(feeds["past_lengths"]):
+            big[b, :, n:9] = 1e4
+        feeds[name] = big
+    for a, b in zip(sess.run(None, feeds), small, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_decode_with_large_capacity_equals_small(ort_engine):
+    backend = OrtBackend(ort_engine("llama"))
+    prompts = [[5, 9, 17, 33], [3, 4]]
+    cfg = GenerationConfig(max_new_tokens=16)
+    small = decode(backend, prompts, cfg).tokens
+    start = backend.start
+    backend.start = lambda batch, capacity: start(batch, capacity + 300)
+    assert decode(backend, prompts, cfg).tokens == small
