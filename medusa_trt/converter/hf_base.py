@@ -91,6 +91,13 @@ class TensorSource:
     dtypes: dict[str, torch.dtype] = field(default_factory=dict)
     _safetensors: dict[Path, SafetensorsFile] = field(default_factory=dict)
     _pickle: tuple[Path, dict] | None = None
+    _memory: dict[str, torch.Tensor] | None = None  # tensors already loaded (a GGUF base)
+
+    @classmethod
+    def in_memory(cls, tensors: dict[str, torch.Tensor], origin: Path) -> TensorSource:
+        """Tensors already in memory, reported as coming from `origin` in error messages."""
+        return cls([origin], dict.fromkeys(tensors, origin), {n: tuple(t.shape) for n, t in tensors.items()},
+                   {n: t.dtype for n, t in tensors.items()}, _memory=dict(tensors))
 
     @classmethod
     def open(cls, files: Sequence[Path]) -> TensorSource:
@@ -120,6 +127,8 @@ class TensorSource:
         return name in self.where
 
     def read(self, name: str) -> torch.Tensor:
+        if self._memory is not None:
+            return self._memory[name]
         path = self.where[name]
         if path in self._safetensors:
             return self._safetensors[path].read(name)
@@ -134,6 +143,7 @@ class TensorSource:
             st.close()
         self._safetensors.clear()
         self._pickle = None
+        self._memory = None
 
 
 def find_weight_files(directory: Path) -> list[Path] | None:
@@ -181,9 +191,17 @@ class BaseModel:
     model_type: str  # HF model_type: llama | mistral | qwen2
     weights: TensorSource
     generation_config: dict = field(default_factory=dict)
+    tokenizer: object | None = None  # a loaded HF tokenizer when the base has no tokenizer files (GGUF)
+    gguf: dict | None = None  # what the GGUF file held (converter/gguf.py), recorded in the checkpoint
 
 
 def read_base(base_dir: Path) -> BaseModel:
+    """An HF model directory, or a GGUF file (or a directory holding one) as llama.cpp users have."""
+    from medusa_trt.converter.gguf import find_gguf, read_gguf_base
+
+    gguf_file = find_gguf(base_dir)
+    if gguf_file is not None:
+        return read_gguf_base(gguf_file)
     if not base_dir.is_dir():
         raise ConvertError(f"{base_dir}: base model directory not found")
     config_path = base_dir / "config.json"

