@@ -1,9 +1,9 @@
-"""Greedy tree acceptance and next-step candidates, in tensor ops only.
+"""Tree acceptance (greedy, typical, sample) and next-step candidates, in tensor ops only.
 
 One implementation serves the decoding loop (eager torch) and the ONNX Runtime engine's fused step
-graph (engines/onnx_export.py traces these functions), so both accept exactly the same path.
+graph (engines/onnx_export.py traces the greedy functions), so both accept exactly the same path.
 Everything is gathers, compares and reductions with shapes fixed by the inputs: no data-dependent
-shapes, no Python branching on values.
+shapes, no Python branching on values. The sampling rule and its proof: docs/sampling.md.
 """
 
 from __future__ import annotations
@@ -46,3 +46,80 @@ def tree_candidates(root: torch.Tensor, medusa: torch.Tensor, index: torch.Tenso
 def candidates_from_topk(root: torch.Tensor, top: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """`tree_candidates` from the heads' top-k token ids already taken, top [B, H, k]."""
     return torch.cat([root[:, None], top.reshape(top.shape[0], -1).index_select(1, index)], dim=1)
+
+
+def typical_posterior(logits: torch.Tensor, temperature: float, epsilon: float, delta: float):
+    """p = softmax(logits / T) [..., V] and the acceptance threshold min(epsilon, delta * exp(-H(p)))
+    [...] of the Medusa reference's typical acceptance."""
+    probs = torch.softmax(logits / temperature, dim=-1)
+    entropy = -(probs * torch.log(probs + 1e-5)).sum(-1)
+    return probs, torch.minimum(torch.full_like(entropy, epsilon), delta * torch.exp(-entropy))
+
+
+def typical_accept(retrieve: torch.Tensor, tokens: torch.Tensor, logits: torch.Tensor, temperature: float,
+                   epsilon: float, delta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Typical acceptance (Medusa paper): a draft token is accepted when its probability under the
+    tempered distribution of the slot before it exceeds the entropy-dependent threshold. Not exact:
+    the output does not follow the base model's sampling distribution (use `sample_accept`).
+
+    retrieve [N, D+1], tokens [B, T], logits [B, T, V]. Returns (best path [B], accepted [B]): the
+    longest accepted run, ties to the larger sum of log-probabilities."""
+    valid = retrieve[:, 1:] >= 0
+    cand = tokens[:, retrieve[:, 1:].clamp(min=0)]  # [B, N, D] candidate at each depth
+    prev = retrieve[:, :-1].clamp(min=0)  # [N, D] slot whose logits judge it
+    # Posterior per slot, then one flat gather of p(candidate | previous slot): [B, N, D].
+    probs, threshold = typical_posterior(logits, temperature, epsilon, delta)
+    v = probs.shape[-1]
+    p = probs.flatten(1).gather(1, (prev * v + cand).flatten(1)).view(cand.shape)
+    ok, logp = p > threshold[:, prev], torch.log(p + 1e-10)
+    keep = (ok & valid).long().cumprod(-1)
+    accepted = keep.sum(-1)
+    score = (logp * keep).sum(-1).masked_fill(accepted < accepted.max(-1, keepdim=True).values, -torch.inf)
+    return score.argmax(-1), accepted.max(-1).values
+
+
+def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int | None = None,
+                   top_p: float = 1.0) -> torch.Tensor:
+    """The distribution sampling draws from [..., V]: softmax(logits / temperature) restricted to the
+    top_k most likely tokens (ties at the k-th value kept), then to the nucleus (the most likely
+    tokens until their mass reaches top_p; a token is dropped when the tokens above it already hold
+    top_p), renormalized. Same order and rules as transformers' TopK/TopP warpers."""
+    x = logits.float() / temperature
+    if top_k is not None and top_k < x.shape[-1]:
+        x = x.masked_fill(x < x.topk(top_k, dim=-1).values[..., -1:], -torch.inf)
+    probs = torch.softmax(x, dim=-1)
+    if top_p < 1.0:
+        ranked, order = probs.sort(dim=-1, descending=True)
+        drop = (ranked.cumsum(-1) - ranked) >= top_p  # the most likely token is never dropped
+        probs = probs.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample_tokens(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draws: the token whose CDF interval holds u (probs [..., V], uniforms [...] in
+    (0, 1]). Explicit uniforms instead of torch.multinomial, so a seed gives the same tokens on every
+    backend and batch size. u > 0 never lands on a zero-probability token."""
+    cdf = probs.cumsum(-1)  # non-decreasing in floating point too (non-negative addends)
+    return (cdf < (uniforms * cdf[..., -1])[..., None]).sum(-1).clamp(max=probs.shape[-1] - 1)
+
+
+def sample_accept(retrieve: torch.Tensor, tokens: torch.Tensor, probs: torch.Tensor,
+                  uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Lossless sampling over the tree (docs/sampling.md).
+
+    At every slot one token is drawn from the target distribution of that slot (probs [B, T, V],
+    from `sampling_probs`; uniforms [B, T]). The walk starts at the root, moves to the child whose
+    token equals the draw at the current node (siblings are distinct tokens, so at most one does)
+    and stops at a node where no child matches: its draw is the next token (the bonus). Per node this
+    is the recursive rejection rule with point-mass proposals (try child x_i with probability
+    p_i(x_i), on rejection zero it and renormalize, finally sample the residual), whose output law is
+    exactly p, and which accepts with probability p(children), the most any exact rule can for a
+    deterministic candidate set. Draws are independent across slots, so each emitted token follows
+    the target given the tokens before it.
+
+    Returns (best path [B], accepted draft tokens [B], draws [B, T]); the next root is the draw at
+    the last accepted slot."""
+    drawn = sample_tokens(probs, uniforms)
+    best, accepted = greedy_accept(retrieve, tokens, drawn)
+    return best, accepted, drawn

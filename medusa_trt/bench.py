@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from medusa_trt.runtime.backend import Backend
-from medusa_trt.runtime.decoding import GenerationConfig, SequenceStats, decode
+from medusa_trt.runtime.decoding import ACCEPTANCE, GenerationConfig, SequenceStats, decode
 from medusa_trt.tree import DEFAULT_TREE
 
 PROG = "medusa-bench"
@@ -151,18 +151,25 @@ def medusa_ratios(plain: ModeSummary, medusa: ModeSummary) -> dict:
 
 def compare(backend: Backend, prompts: list[list[int]], medusa_choices=DEFAULT_TREE, max_new_tokens: int = 128,
             stop_token_ids: tuple[int, ...] = (), repeat: int = 1, warmup: bool = True,
-            progress: bool = True, extra_modes: dict | None = None) -> dict:
+            progress: bool = True, extra_modes: dict | None = None, sampling: dict | None = None) -> dict:
     """Plain vs Medusa (and any `extra_modes` {name: medusa_choices}) per prompt, interleaved.
+    `sampling`: GenerationConfig fields (acceptance, temperature, top_k, top_p, seed) for the Medusa
+    modes; with typical or sample acceptance the plain baseline is plain sampling on the same backend.
 
     Returns {"modes": {name: figures}, "per_prompt": [...], "medusa": {...ratios...}}."""
     from tqdm import tqdm
 
     timer = ForwardTimer(backend)
-    modes = {"plain": GenerationConfig(max_new_tokens=max_new_tokens, use_medusa=False, stop_token_ids=stop_token_ids),
+    sampling = sampling or {}
+    plain = ({k: v for k, v in sampling.items() if k in ("temperature", "top_k", "top_p", "seed")} | {"acceptance": "sample"}
+             if sampling.get("acceptance", "greedy") != "greedy" else {})
+    modes = {"plain": GenerationConfig(max_new_tokens=max_new_tokens, use_medusa=False, stop_token_ids=stop_token_ids,
+                                       **plain),
              "medusa": GenerationConfig(max_new_tokens=max_new_tokens, medusa_choices=medusa_choices,
-                                        stop_token_ids=stop_token_ids)}
+                                        stop_token_ids=stop_token_ids, **sampling)}
     for name, tree in (extra_modes or {}).items():
-        modes[name] = GenerationConfig(max_new_tokens=max_new_tokens, medusa_choices=tree, stop_token_ids=stop_token_ids)
+        modes[name] = GenerationConfig(max_new_tokens=max_new_tokens, medusa_choices=tree, stop_token_ids=stop_token_ids,
+                                       **sampling)
     if warmup:  # first calls pay for allocation and ONNX Runtime's lazy initialization
         for cfg in modes.values():
             timed_decode(timer, prompts[0], GenerationConfig(**{**asdict(cfg), "max_new_tokens": min(8, max_new_tokens)}))
@@ -291,6 +298,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-hf", action="store_true", help="skip the transformers generate baseline")
     p.add_argument("--threads", type=int, help="engine intra-op threads (default: one per core); small models "
                    "often decode fastest on one")
+    p.add_argument("--acceptance", choices=list(ACCEPTANCE), default="greedy",
+                   help="Medusa acceptance; typical and sample are compared with plain sampling")
+    p.add_argument("--temperature", type=float, default=0.7, help="typical and sample acceptance temperature")
+    p.add_argument("--top-k", type=int, default=None, help="sample: keep the k most likely tokens")
+    p.add_argument("--top-p", type=float, default=1.0, help="sample: nucleus mass in (0, 1]")
+    p.add_argument("--seed", type=int, default=0, help="sample: generator seed of every run")
     p.add_argument("--json", type=Path, help="write all figures to this file")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p
@@ -326,8 +339,11 @@ def main(argv: list[str] | None = None) -> int:
         tok = load_tokenizer(args.engine)
         _, prompts = load_prompts(args.prompts, tok, args.limit)
         stops = stop_tokens(args.engine, tok)
+        sampling = {"acceptance": args.acceptance, "temperature": args.temperature, "top_k": args.top_k,
+                    "top_p": args.top_p, "seed": args.seed}
+        GenerationConfig(**sampling)  # bad values: one line, exit 2, before any work
         result = compare(backend, prompts, args.medusa_choices, args.max_new_tokens, stops, args.repeat,
-                         progress=not args.quiet)
+                         progress=not args.quiet, sampling=sampling)
         hf = {"skipped": hf_note} if hf_note else None
         if hf_dir is not None:
             plain_tokens = None
@@ -342,7 +358,8 @@ def main(argv: list[str] | None = None) -> int:
         "engine": str(args.engine), "backend": type(backend).__name__, "prompts": str(args.prompts),
         "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "repeat": args.repeat,
         "medusa_choices": str(args.medusa_choices), "threads": args.threads or len(os.sched_getaffinity(0)),
-        "fused_step": getattr(backend, "fused_step_topk", None) is not None,
+        "fused_step": getattr(backend, "fused_step_topk", None) is not None and args.acceptance == "greedy",
+        "acceptance": args.acceptance, "temperature": args.temperature if args.acceptance != "greedy" else None,
         "plain": result["modes"]["plain"], "medusa": {**result["modes"]["medusa"], **result["medusa"]},
         "hf_generate": hf, "per_prompt": result["per_prompt"],
     }
@@ -361,7 +378,8 @@ def format_report(r: dict) -> str:
     speedups = [row["medusa"]["speedup"] for row in r["per_prompt"]]
     lines = [
         f"{PROG}: {r['num_prompts']} prompts x {r['repeat']}, up to {r['max_new_tokens']} new tokens, "
-        f"{r['backend']} ({r['engine']}), tree {r['medusa_choices']}",
+        f"{r['backend']} ({r['engine']}), tree {r['medusa_choices']}, {r.get('acceptance', 'greedy')} acceptance"
+        + (f" at temperature {r['temperature']}" if r.get("temperature") is not None else ""),
         f"{'':<22}{'tokens/s':>10}{'step ms':>10}{'tok/step':>10}{'host share':>12}",
         f"{'plain':<22}{p['tokens_per_s']:>10.1f}{p['step_ms']:>10.3f}{1.0:>10.2f}{p['host_overhead_share']:>12.1%}",
         f"{'medusa':<22}{m['tokens_per_s']:>10.1f}{m['step_ms']:>10.3f}{m['tokens_per_step']:>10.2f}"
@@ -376,7 +394,8 @@ def format_report(r: dict) -> str:
         f"per-step overhead (Medusa step / plain step): {m['step_overhead']:.2f}x",
         "acceptance per head (steps whose accepted path reached depth k): "
         + ", ".join(f"{a:.2f}" for a in m["acceptance_per_head"]),
-        f"Medusa output equals plain greedy: {m['equal_to_plain']}",
+        f"Medusa output equals plain greedy: {m['equal_to_plain']}" if r.get("acceptance", "greedy") == "greedy"
+        else "plain = plain sampling on the same backend (outputs differ draw by draw; `sample` is exact in distribution)",
     ]
     if hf:
         lines.append(f"vs transformers generate: plain {p['speedup_vs_hf_generate']:.2f}x, Medusa "

@@ -179,6 +179,8 @@ def train_heads(
     history: list[float] | None = None,
     pairs: tuple[torch.Tensor, torch.Tensor] | None = None,
     shared_lm_head: bool = False,
+    lm_head: torch.Tensor | None = None,
+    vocab: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Fits Medusa heads to `sequences` (token ids) with the base frozen; returns a v1 state dict,
     or with `shared_lm_head` a v2 one: ResBlocks only, logits through the base's frozen lm_head
@@ -188,14 +190,23 @@ def train_heads(
     initializes them, so step 0 already predicts "the next token" and training only has to learn
     the shift. AdamW with a cosine schedule; `bf16` runs the matmuls under CPU bf16 autocast (2-5x
     faster on CPUs with AVX512-BF16 / AMX, master weights stay float32). `history` receives the
-    loss of every step; `pairs` (from head_pairs) skips recomputing the hidden states."""
+    loss of every step; `pairs` (from head_pairs) skips recomputing the hidden states, and with
+    `lm_head` (the base's output matrix [V, d]) `model` is not needed at all. `vocab` (token ids,
+    shared lm_head only) restricts the softmax to those tokens: a large vocabulary's lm_head
+    dominates a step's cost, and targets outside the subset are left out of the loss."""
     if num_heads < 1 or num_layers < 1:
         raise ValueError(f"num_heads and num_layers must be >= 1, got {num_heads} and {num_layers}")
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     g = torch.Generator().manual_seed(seed)
     x, y = pairs if pairs is not None else head_pairs(model, sequences, num_heads, starts)  # [N, d], [N, H]
-    base_lm = model.get_output_embeddings().weight.detach().float()
+    base_lm = (lm_head if lm_head is not None else model.get_output_embeddings().weight).detach().float()
+    if vocab is not None:
+        if not shared_lm_head:
+            raise ValueError("vocab restricts a shared lm_head's softmax; heads with their own lm_head train on all of it")
+        remap = torch.full((base_lm.shape[0],), -100, dtype=torch.long)
+        remap[vocab] = torch.arange(len(vocab))
+        base_lm, y = base_lm[vocab], remap[y]  # [V', d], [N, H] with -100 (ignored) outside the subset
     d = x.shape[1]
     w = torch.zeros(num_heads, num_layers, d, d, requires_grad=True)
     b = torch.zeros(num_heads, num_layers, d, requires_grad=True)
@@ -209,9 +220,10 @@ def train_heads(
     bar = tqdm(range(steps), desc="training heads", disable=not progress)
     for _ in bar:
         idx = torch.randint(0, len(x), (n,), generator=g)
+        xb = x[idx].float()
         autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
         with autocast:
-            z = x[idx][None].expand(num_heads, -1, -1)  # [H, n, d]
+            z = xb[None].expand(num_heads, -1, -1)  # [H, n, d]
             for layer in range(num_layers):
                 z = z + F.silu(torch.einsum("hni,hoi->hno", z, w[:, layer]) + b[:, layer, None, :])
             logits = z @ base_lm.T if shared_lm_head else torch.einsum("hni,hvi->hnv", z, lm)  # [H, n, V]

@@ -117,3 +117,33 @@ def test_settings_need_the_engine_dir():
     with pytest.raises(ValueError, match="bad parameter value"):
         ModelSettings.from_model_config({"name": "m", "parameters": {"engine_dir": {"string_value": "/x"},
                                                                      "max_input_len": {"string_value": "ten"}}})
+
+
+def test_sample_requests_batch_together_and_repeat_their_seeds(service):
+    """Two seeded sample requests (one with two rows) decode in one group; each row's tokens are the
+    offline decode with seed + row, whatever else is in the batch; a bad one errs alone."""
+    def sample(texts, n, seed, **extra):
+        out = request(texts, n, acceptance=["sample"] * len(texts), temperature=[0.8] * len(texts), **extra)
+        out["seed"] = np.array([[seed]] * len(texts), dtype=np.uint64)
+        return out
+
+    batch = [sample(["Hello world", "a"], [10, 6], 7), sample(["zzz"], [8], 123),
+             sample(["zzz"], [8], 1, top_p=[1.5])]
+    assert len({j.key for i in (0, 1) for j in parse_request(service, batch[i]).jobs}) == 1
+    sent = run(service, batch)
+    outputs = {i: p for i, p, final in sent if final}
+    assert isinstance(outputs[2], Exception) and "top_p 1.5: expected a value in (0, 1]" in str(outputs[2])
+    for i, r, text, n, seed in [(0, 0, "Hello world", 10, 7), (0, 1, "a", 6, 8), (1, 0, "zzz", 8, 123)]:
+        want = offline(service, text, n, acceptance="sample", temperature=0.8, seed=seed)
+        ids = outputs[i]["output_ids"][r]
+        assert ids[ids >= 0].tolist() == want.tokens[0], (i, r)
+
+
+@pytest.mark.parametrize("extra,message", [
+    ({"acceptance": ["sample"], "temperature": [0.0]}, "temperature 0.0 with acceptance 'sample'.*'greedy'"),
+    ({"acceptance": ["sample"], "top_k": [0]}, "top_k 0: expected an integer >= 1"),
+    ({"acceptance": ["nucleus"]}, "acceptance: 'nucleus'; expected one of greedy, typical, sample"),
+])
+def test_bad_sampling_requests(service, extra, message):
+    with pytest.raises(RequestError, match=message):
+        parse_request(service, request(["a"], [4], **extra))

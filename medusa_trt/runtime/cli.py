@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from medusa_trt.runtime.decoding import GenerationConfig, SequenceStats, generate
+from medusa_trt.runtime.decoding import ACCEPTANCE, GenerationConfig, SequenceStats, generate
 from medusa_trt.runtime.loading import load_backend, load_tokenizer, stop_tokens
 
 
@@ -21,8 +21,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     inp.add_argument("--batch-file", type=Path, help="a text file with one prompt per line")
     p.add_argument("--medusa-choices", default=None, help="preset name, list of paths, file or brace form")
     p.add_argument("--no-medusa", action="store_true", help="plain decoding on the same backend")
-    p.add_argument("--acceptance", choices=["greedy", "typical"], default="greedy")
-    p.add_argument("--temperature", type=float, default=0.7, help="typical acceptance temperature")
+    p.add_argument("--acceptance", choices=list(ACCEPTANCE), default="greedy",
+                   help="sample: lossless sampling (output follows the base model's sampling exactly)")
+    p.add_argument("--temperature", type=float, default=0.7, help="typical and sample acceptance temperature")
+    p.add_argument("--top-k", type=int, default=None, help="sample: keep the k most likely tokens")
+    p.add_argument("--top-p", type=float, default=1.0, help="sample: nucleus mass in (0, 1]")
+    p.add_argument("--seed", type=int, default=None, help="sample: prompt i draws from seed + i (default: random)")
     p.add_argument("--posterior-threshold", type=float, default=0.09, help="typical acceptance epsilon")
     p.add_argument("--posterior-alpha", type=float, default=0.3, help="typical acceptance delta")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -51,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = GenerationConfig(
             max_new_tokens=args.max_new_tokens, use_medusa=not args.no_medusa, acceptance=args.acceptance,
             temperature=args.temperature, posterior_threshold=args.posterior_threshold,
-            posterior_alpha=args.posterior_alpha, stop_token_ids=stop_tokens(directory, tok), **extra,
+            posterior_alpha=args.posterior_alpha, stop_token_ids=stop_tokens(directory, tok), top_k=args.top_k,
+            top_p=args.top_p, seed=args.seed, **extra,
         )
         prompts = [tok.encode(t) for t in texts]
         stats = [SequenceStats() for _ in prompts]

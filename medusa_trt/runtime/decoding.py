@@ -1,20 +1,31 @@
 """The Medusa decoding loop, shared by every backend.
 
 Each step: candidates from the base argmax (root) and each head's top-k at the last accepted
-position, one forward over all tree slots with the tree mask, acceptance (greedy or typical),
-commit of the accepted slots' KV, and the next logits are those at the last accepted slot. Greedy
-acceptance emits exactly the tokens plain greedy decoding would.
+position, one forward over all tree slots with the tree mask, acceptance (greedy, typical or
+sample), commit of the accepted slots' KV, and the next root is the base model's pick (argmax, or
+a draw under `sample`) at the last accepted slot. Greedy acceptance emits exactly the tokens plain
+greedy decoding would; sample acceptance emits tokens distributed exactly as plain sampling would.
 """
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
-from medusa_trt.acceptance import CANDIDATE_TOPK, candidate_index, greedy_accept, tree_candidates
+from medusa_trt.acceptance import (
+    CANDIDATE_TOPK,
+    candidate_index,
+    greedy_accept,
+    sample_accept,
+    sample_tokens,
+    sampling_probs,
+    tree_candidates,
+    typical_accept,
+)
 from medusa_trt.runtime.backend import Backend
 from medusa_trt.tree import DEFAULT_TREE, TreeBuffers, build_tree
 
@@ -24,19 +35,38 @@ class GenerationConfig:
     max_new_tokens: int = 64
     medusa_choices: object = DEFAULT_TREE  # anything tree.parse_medusa_choices accepts
     use_medusa: bool = True
-    acceptance: str = "greedy"  # "greedy" | "typical"
-    temperature: float = 0.7  # typical acceptance only; 0 means greedy
+    acceptance: str = "greedy"  # "greedy" | "typical" | "sample" (lossless sampling, docs/sampling.md)
+    temperature: float = 0.7  # typical and sample; typical with 0 means greedy, sample needs > 0
     posterior_threshold: float = 0.09  # epsilon
     posterior_alpha: float = 0.3  # delta
     stop_token_ids: tuple[int, ...] = ()  # EOS and any other token that ends a sequence
+    top_k: int | None = None  # sample: keep the k most likely tokens (None: all)
+    top_p: float = 1.0  # sample: nucleus mass in (0, 1]
+    seed: int | None = None  # sample: sequence i draws from a torch.Generator seeded seed + i (None: random)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.acceptance not in ("greedy", "typical"):
-            raise ValueError(f"acceptance must be 'greedy' or 'typical', got {self.acceptance!r}")
+        if self.acceptance not in ACCEPTANCE:
+            raise ValueError(f"acceptance must be one of {', '.join(ACCEPTANCE)}, got {self.acceptance!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.acceptance == "sample" and not self.temperature > 0:
+            raise ValueError(f"temperature {self.temperature} with acceptance 'sample': expected > 0 "
+                             "(for temperature 0 use acceptance 'greedy')")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p {self.top_p}: expected a value in (0, 1]")
+        if self.top_k is not None and (not _is_int(self.top_k) or self.top_k < 1):
+            raise ValueError(f"top_k {self.top_k!r}: expected an integer >= 1")
+        if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < 2**63):
+            raise ValueError(f"seed {self.seed!r}: expected an integer in [0, 2**63)")
+
+
+ACCEPTANCE = ("greedy", "typical", "sample")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass
@@ -80,54 +110,47 @@ class GenerationResult:
     stats: list[SequenceStats]
 
 
-def typical_posterior(logits: torch.Tensor, temperature: float, epsilon: float, delta: float):
-    """p = softmax(logits / T) [..., V] and the acceptance threshold min(epsilon, delta * exp(-H(p)))
-    [...] of the reference's typical acceptance."""
-    probs = torch.softmax(logits / temperature, dim=-1)
-    entropy = -(probs * torch.log(probs + 1e-5)).sum(-1)
-    return probs, torch.minimum(torch.full_like(entropy, epsilon), delta * torch.exp(-entropy))
-
-
-def typical_accept(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, epsilon: float, delta: float):
-    """Whether each token is accepted under the distribution of its logits (logits [..., V], tokens
-    [...]): p(x) > threshold, and its log-probability."""
-    probs, threshold = typical_posterior(logits, temperature, epsilon, delta)
-    p = probs.gather(-1, tokens[..., None]).squeeze(-1)
-    return p > threshold, torch.log(p + 1e-10)
-
-
-def accept_paths(
-    ret: torch.Tensor, tokens: torch.Tensor, logits: torch.Tensor, cfg: GenerationConfig
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Best path per sequence. ret [N, D+1] retrieve indices (-1 padded), tokens [B, T] tree
-    tokens, logits [B, T, V] at every slot.
-
-    Returns (best path index [B], accepted draft count [B]); ties go to the first path (greedy) or
-    to the larger sum of log-probabilities (typical)."""
-    if _greedy(cfg):
-        return greedy_accept(ret, tokens, logits.argmax(-1))  # argmax per slot first: no [B, N, D, V] gather
-    valid = ret[:, 1:] >= 0
-    cand = tokens[:, ret[:, 1:].clamp(min=0)]  # [B, N, D] candidate at each depth
-    prev = ret[:, :-1].clamp(min=0)  # [N, D] slot whose logits judge it
-    # Posterior per slot, then one flat gather of p(candidate | previous slot): [B, N, D].
-    probs, threshold = typical_posterior(logits, cfg.temperature, cfg.posterior_threshold, cfg.posterior_alpha)
-    v = probs.shape[-1]
-    p = probs.flatten(1).gather(1, (prev * v + cand).flatten(1)).view(cand.shape)
-    ok, logp = p > threshold[:, prev], torch.log(p + 1e-10)
-    keep = (ok & valid).long().cumprod(-1)
-    accepted = keep.sum(-1)
-    score = (logp * keep).sum(-1).masked_fill(accepted < accepted.max(-1, keepdim=True).values, -torch.inf)
-    return score.argmax(-1), accepted.max(-1).values
-
-
 def _greedy(cfg: GenerationConfig) -> bool:
-    return cfg.acceptance == "greedy" or cfg.temperature == 0
+    return cfg.acceptance == "greedy" or (cfg.acceptance == "typical" and cfg.temperature == 0)
+
+
+class _Sampler:
+    """Per-sequence random streams and the target distribution of `sample` acceptance. Each
+    sequence owns a torch.Generator and draws a fixed number of uniforms per step (one per tree
+    slot), so its tokens depend on its seed only: not on the backend, the batch or its row."""
+
+    def __init__(self, cfg: GenerationConfig, seeds: list[int]):
+        self.cfg = cfg
+        self.generators = [torch.Generator().manual_seed(s) for s in seeds]
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        return sampling_probs(logits, self.cfg.temperature, self.cfg.top_k, self.cfg.top_p)
+
+    def uniforms(self, count: int) -> torch.Tensor:
+        """[B, count] in (0, 1]: 1 - U[0, 1) so a draw never lands on a zero-probability token."""
+        return 1.0 - torch.stack([torch.rand(count, generator=g) for g in self.generators])
+
+    def draw(self, logits: torch.Tensor) -> torch.Tensor:
+        """One token per sequence from logits [B, V]."""
+        return sample_tokens(self.probs(logits), self.uniforms(1)[:, 0])
+
+    def keep(self, rows: torch.Tensor) -> None:
+        self.generators = [self.generators[i] for i in rows.tolist()]
+
+
+def _seeds(cfg: GenerationConfig, n: int, seeds: list[int] | None) -> list[int]:
+    if seeds is not None:
+        if len(seeds) != n or not all(_is_int(s) for s in seeds):
+            raise ValueError(f"seeds {seeds!r}: expected {n} integers, one per prompt")
+        return list(seeds)
+    base = cfg.seed if cfg.seed is not None else secrets.randbelow(2**62)  # torch's global RNG is fixed-seeded
+    return [base + i for i in range(n)]
 
 
 def generate(backend: Backend, prompts: list[list[int]], cfg: GenerationConfig,
-             stats: list[SequenceStats] | None = None) -> Iterator[StepOutput]:
+             stats: list[SequenceStats] | None = None, seeds: list[int] | None = None) -> Iterator[StepOutput]:
     """Decodes all prompts together, yielding each step's new tokens. `stats` (one per prompt) is
-    filled in place when given."""
+    filled in place when given. `seeds` (one per prompt, `sample` only) replaces cfg.seed + i."""
     # An engine computes on its own threads; the loop's torch ops are tiny, and more torch threads
     # only contend with the engine for the same cores (measured 4x slower steps on 2 cores).
     threads = getattr(backend, "host_threads", None)
@@ -135,13 +158,13 @@ def generate(backend: Backend, prompts: list[list[int]], cfg: GenerationConfig,
     if threads:
         torch.set_num_threads(threads)
     try:
-        yield from _generate(backend, prompts, cfg, stats)
+        yield from _generate(backend, prompts, cfg, stats, seeds)
     finally:
         torch.set_num_threads(saved)
 
 
 def _generate(backend: Backend, prompts: list[list[int]], cfg: GenerationConfig,
-              stats: list[SequenceStats] | None) -> Iterator[StepOutput]:
+              stats: list[SequenceStats] | None, seeds: list[int] | None) -> Iterator[StepOutput]:
     info = backend.info
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
@@ -149,7 +172,8 @@ def _generate(backend: Backend, prompts: list[list[int]], cfg: GenerationConfig,
         raise ValueError("this model has no Medusa heads; decode with use_medusa=False")
     tree = _Tree.of(build_tree(cfg.medusa_choices, info.num_medusa_heads, info.max_draft_len),
                     info.vocab_size) if cfg.use_medusa else None
-    # A backend with a fused greedy step verifies, accepts and drafts the next tree in one call.
+    # A backend with a fused greedy step verifies, accepts and drafts the next tree in one call. Its
+    # graph has argmax acceptance built in: `sample` (and typical) take the two-call path.
     fused = (tree is not None and _greedy(cfg) and getattr(backend, "fused_step_topk", None) == tree.k)
     depth = tree.max_depth if tree else 0
     longest = max(len(p) for p in prompts)
@@ -159,6 +183,7 @@ def _generate(backend: Backend, prompts: list[list[int]], cfg: GenerationConfig,
             f"exceeds the model's maximum sequence length {info.max_seq_len}"
         )
     n = len(prompts)
+    sampler = _Sampler(cfg, _seeds(cfg, n, seeds)) if cfg.acceptance == "sample" else None
     stats = stats if stats is not None else [SequenceStats() for _ in prompts]
     width = tree.num_slots if tree else 1
     backend.start(n, longest + cfg.max_new_tokens + width + 1)
@@ -169,7 +194,8 @@ def _generate(backend: Backend, prompts: list[list[int]], cfg: GenerationConfig,
         s.prefill_s = time.perf_counter() - t0
         s.accepted_per_depth = [0] * depth
 
-    tokens = tree_candidates(logits.argmax(-1), medusa, tree.index, tree.k) if fused else None  # [B, T]
+    root = sampler.draw(logits) if sampler else logits.argmax(-1)  # [B] the next token, emitted by the step
+    tokens = tree_candidates(root, medusa, tree.index, tree.k) if fused else None  # [B, T]
     active = torch.arange(n)  # prompt index of each row still in the backend
     produced = [0] * n
     stop = set(cfg.stop_token_ids)
@@ -178,9 +204,9 @@ def _generate(backend: Backend, prompts: list[list[int]], cfg: GenerationConfig,
         if fused:
             emitted, tokens = _fused_tree_step(backend, tree, tokens, stats, active)
         elif tree is None:
-            emitted, logits, medusa = _plain_step(backend, logits.argmax(-1))
+            emitted, root = _plain_step(backend, root, sampler)
         else:
-            emitted, logits, medusa = _tree_step(backend, tree, logits.argmax(-1), medusa, cfg, stats, active)
+            emitted, root, medusa = _tree_step(backend, tree, root, medusa, cfg, sampler, stats, active)
         elapsed = time.perf_counter() - t_step
         out = [[] for _ in range(n)]
         finished = [False] * n
@@ -203,7 +229,9 @@ def _generate(backend: Backend, prompts: list[list[int]], cfg: GenerationConfig,
         if len(still) < len(active):
             rows = torch.tensor(still, dtype=torch.long)
             backend.keep(rows)
-            active, logits = active[rows], logits[rows]
+            active, root = active[rows], root[rows]
+            if sampler:
+                sampler.keep(rows)
             medusa = medusa[:, rows] if medusa is not None else None
             tokens = tokens[rows] if tokens is not None else None
 
@@ -234,12 +262,12 @@ def _prefill(backend: Backend, prompts: list[list[int]]):
     return logits[:, 0], medusa
 
 
-def _plain_step(backend: Backend, root: torch.Tensor):
+def _plain_step(backend: Backend, root: torch.Tensor, sampler: _Sampler | None):
     b = len(root)
     pos = backend.lengths[:, None]
     logits, _ = backend.forward(root[:, None], pos, torch.ones(b, 1, 1, dtype=torch.bool), with_heads=False)
     backend.commit(torch.zeros(b, 1, dtype=torch.long), torch.ones(b, dtype=torch.long))
-    return [[t] for t in root.tolist()], logits[:, 0], None
+    return [[t] for t in root.tolist()], sampler.draw(logits[:, 0]) if sampler else logits[:, 0].argmax(-1)
 
 
 @dataclass(frozen=True)
@@ -261,14 +289,22 @@ class _Tree:
                    torch.tensor(t.position_offsets), torch.tensor(t.attention_mask), torch.tensor(t.retrieve_indices))
 
 
-def _tree_step(backend, tree: _Tree, root, medusa, cfg, stats, active):
+def _tree_step(backend, tree: _Tree, root, medusa, cfg: GenerationConfig, sampler: _Sampler | None, stats, active):
     b = len(root)
     tokens = tree_candidates(root, medusa, tree.index, tree.k)  # [B, T]
     pos = backend.lengths[:, None] + tree.position_offsets[None]
     logits, _ = backend.forward(tokens, pos, tree.mask[None].expand(b, -1, -1), with_heads=False)  # [B, T, V]
-    best, accepted = accept_paths(tree.retrieve, tokens, logits, cfg)
+    if sampler:
+        best, accepted, picks = sample_accept(tree.retrieve, tokens, sampler.probs(logits), sampler.uniforms(tree.num_slots))
+    else:
+        picks = logits.argmax(-1)  # [B, T] argmax per slot first: no [B, N, D, V] gather
+        if _greedy(cfg):
+            best, accepted = greedy_accept(tree.retrieve, tokens, picks)  # ties go to the first path
+        else:
+            best, accepted = typical_accept(tree.retrieve, tokens, logits, cfg.temperature,
+                                            cfg.posterior_threshold, cfg.posterior_alpha)
     emitted, last = _commit_path(backend, tree, tokens, best, accepted, stats, active)
-    return emitted, logits[torch.arange(b), last], backend.heads(last)
+    return emitted, picks[torch.arange(b), last], backend.heads(last)
 
 
 def _fused_tree_step(backend, tree: _Tree, tokens, stats, active):

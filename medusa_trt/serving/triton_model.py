@@ -2,7 +2,9 @@
 
 Triton's dynamic batcher hands `execute` every request that queued while the previous batch ran.
 Rows that share a generation config (same tree, acceptance mode and, for typical acceptance, the
-same temperature and thresholds, same stop ids) decode together in one batched `generate` call;
+same temperature and thresholds, for sample acceptance the same temperature, top_k and top_p, same
+stop ids) decode together in one batched `generate` call; under `sample` each row draws from its own
+generator (the request's `seed` + row, random without one), so batching never changes its tokens;
 each row still stops at its own max_tokens, end id or stop word, and its statistics are the ones a
 single-request decode would report (snapshotted when the row finishes). A bad request gets an
 error response of its own; the rest of the batch is unaffected.
@@ -20,13 +22,14 @@ from __future__ import annotations
 import json
 import logging
 import math
+import secrets
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
-from medusa_trt.runtime.decoding import GenerationConfig, SequenceStats, generate
+from medusa_trt.runtime.decoding import ACCEPTANCE, GenerationConfig, SequenceStats, generate
 from medusa_trt.runtime.loading import load_backend, load_tokenizer, stop_tokens
 from medusa_trt.serving.triton_repo import MODEL_INPUTS
 from medusa_trt.tree import TreeError, parse_medusa_choices, validate_and_expand
@@ -35,7 +38,7 @@ log = logging.getLogger(__name__)
 
 # numpy dtypes Triton hands the stub for each declared data type.
 _NUMPY_KINDS = {"TYPE_STRING": (np.object_, np.bytes_, np.str_), "TYPE_INT32": (np.int32,),
-                "TYPE_FP32": (np.float32,), "TYPE_BOOL": (np.bool_,)}
+                "TYPE_FP32": (np.float32,), "TYPE_BOOL": (np.bool_,), "TYPE_UINT64": (np.uint64,)}
 _INPUTS = {s.name: s for s in MODEL_INPUTS}
 
 
@@ -117,6 +120,7 @@ class Job:
     cfg: GenerationConfig
     key: tuple  # rows with equal keys decode in one batched generate call
     stop_words: tuple[str, ...] = ()
+    seed: int | None = None  # sample acceptance: this row's generator seed
     tokens: list[int] = field(default_factory=list)
     live: SequenceStats | None = None  # filled by generate while the group decodes
     final: SequenceStats | None = None  # snapshot when this row finished
@@ -184,8 +188,8 @@ def parse_request(service: Service, inputs: Mapping[str, np.ndarray], index: int
                                f"depth ({depth}) exceeds the engine's max_seq_len {info.max_seq_len}")
         acceptance = one("acceptance")
         acceptance = _text("acceptance", acceptance, where) if acceptance is not None else s.acceptance
-        if acceptance not in ("greedy", "typical"):
-            raise RequestError(f"acceptance{where}: {acceptance!r}; expected 'greedy' or 'typical'")
+        if acceptance not in ACCEPTANCE:
+            raise RequestError(f"acceptance{where}: {acceptance!r}; expected one of {', '.join(ACCEPTANCE)}")
         temperature = float(one("temperature", s.temperature))
         threshold = float(one("posterior_threshold", s.posterior_threshold))
         alpha = float(one("posterior_alpha", s.posterior_alpha))
@@ -203,13 +207,24 @@ def parse_request(service: Service, inputs: Mapping[str, np.ndarray], index: int
             stop_ids = (end_id,)  # as in tensorrtllm_backend: end_id replaces the model's EOS
         stop_words = tuple(w for w in (_text("stop_words", v, where) for v in values.get("stop_words", [[]] * rows)[r])
                            if w)
-        greedy = acceptance == "greedy" or temperature == 0  # typical knobs are unused then
-        key = (tuple(map(tuple, nodes)), "greedy" if greedy else "typical",
-               None if greedy else (temperature, threshold, alpha), stop_ids)
-        cfg = GenerationConfig(max_new_tokens=max_tokens, medusa_choices=nodes, acceptance=acceptance,
-                               temperature=temperature, posterior_threshold=threshold, posterior_alpha=alpha,
-                               stop_token_ids=stop_ids)
-        jobs.append(Job(index, r, prompt, max_tokens, cfg, key, stop_words))
+        top_k = one("top_k")
+        top_k = int(top_k) if top_k is not None else None
+        top_p = float(one("top_p", 1.0))
+        seed = one("seed")
+        seed = int(seed) + r if seed is not None else secrets.randbelow(2**62)
+        try:
+            cfg = GenerationConfig(max_new_tokens=max_tokens, medusa_choices=nodes, acceptance=acceptance,
+                                   temperature=temperature, posterior_threshold=threshold, posterior_alpha=alpha,
+                                   stop_token_ids=stop_ids, top_k=top_k, top_p=top_p, seed=seed)
+        except ValueError as err:
+            raise RequestError(f"{err}{where}") from None
+        if acceptance == "sample":  # the seed is per row (Job.seed), not part of the key
+            knobs = (temperature, top_k, top_p)
+        else:
+            acceptance = "greedy" if acceptance == "greedy" or temperature == 0 else "typical"
+            knobs = None if acceptance == "greedy" else (temperature, threshold, alpha)  # typical knobs only
+        key = (tuple(map(tuple, nodes)), acceptance, knobs, stop_ids)
+        jobs.append(Job(index, r, prompt, max_tokens, cfg, key, stop_words, seed if acceptance == "sample" else None))
     return Parsed(jobs, stream)
 
 
@@ -231,7 +246,8 @@ def decode_group(service: Service, jobs: list[Job], on_step: Callable[[list[Job]
     stats = [SequenceStats() for _ in jobs]
     for job, st in zip(jobs, stats, strict=True):
         job.live = st
-    steps = generate(service.backend, [j.prompt for j in jobs], cfg, stats)
+    seeds = [j.seed for j in jobs] if cfg.acceptance == "sample" else None
+    steps = generate(service.backend, [j.prompt for j in jobs], cfg, stats, seeds)
     try:
         for step in steps:
             changed = []

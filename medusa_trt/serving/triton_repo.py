@@ -54,6 +54,9 @@ MODEL_INPUTS = (
     TensorSpec("acceptance", "TYPE_STRING", (1,), optional=True),
     TensorSpec("posterior_threshold", "TYPE_FP32", (1,), optional=True),
     TensorSpec("posterior_alpha", "TYPE_FP32", (1,), optional=True),
+    TensorSpec("top_k", "TYPE_INT32", (1,), optional=True),  # sample acceptance
+    TensorSpec("top_p", "TYPE_FP32", (1,), optional=True),  # sample acceptance
+    TensorSpec("seed", "TYPE_UINT64", (1,), optional=True),  # sample acceptance: row r draws from seed + r
     TensorSpec("end_id", "TYPE_INT32", (1,), optional=True),
     TensorSpec("stop_words", "TYPE_STRING", (-1,), optional=True),
     TensorSpec("stream", "TYPE_BOOL", (1,), optional=True),
@@ -168,8 +171,10 @@ def write_triton_repo(
         if not 1 <= value < room:
             raise RepoError(f"{name} {value}: expected 1..{room - 1} ({info.directory} allows "
                             f"{info.max_seq_len} positions, the default tree is {depth} deep)")
-    if acceptance not in ("greedy", "typical"):
-        raise RepoError(f"acceptance {acceptance!r}: expected 'greedy' or 'typical'")
+    if acceptance not in ("greedy", "typical", "sample"):
+        raise RepoError(f"acceptance {acceptance!r}: expected 'greedy', 'typical' or 'sample'")
+    if acceptance == "sample" and not temperature > 0:
+        raise RepoError(f"temperature {temperature} with acceptance 'sample': expected > 0 (use acceptance 'greedy')")
     if temperature < 0 or posterior_threshold <= 0 or posterior_alpha < 0:
         raise RepoError(f"temperature {temperature}, posterior_threshold {posterior_threshold}, posterior_alpha "
                         f"{posterior_alpha}: expected temperature >= 0, threshold > 0, alpha >= 0")

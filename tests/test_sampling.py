@@ -1,0 +1,341 @@
+"""Lossless sampling over a Medusa tree (`acceptance="sample"`, docs/sampling.md).
+
+The claim under test: the tokens emitted under `sample` follow plain sampling from the base model's
+processed distribution (temperature, top-k, top-p) exactly. The oracle is the exact law of the first
+K tokens, enumerated from transformers' logits on a model with a 72-token vocabulary; thousands of
+seeded runs (one batch, one torch.Generator per sequence) are compared with it by a chi-square test.
+
+False-alarm rate: each test rejects at p < ALPHA = 1e-3, so a correct implementation fails one of
+the 6 statistical checks below with probability < 0.6% for a random seed; the seeds are fixed, so
+the outcome is reproducible. Power: the deliberately broken rules (accept a draft when it is the
+argmax; SpecInfer's min(1, p/q) rule applied to deterministic top-k candidates) fail the same
+tests with p-values far below ALPHA.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from medusa_trt.acceptance import greedy_accept, sample_accept, sample_tokens, sampling_probs, typical_accept
+from medusa_trt.converter import convert
+from medusa_trt.modeling import MedusaModel
+from medusa_trt.runtime import decoding
+from medusa_trt.runtime.backend import TorchBackend
+from medusa_trt.runtime.cli import main as run_main
+from medusa_trt.runtime.decoding import GenerationConfig, decode
+from medusa_trt.training import greedy_continuations, save_heads, train_heads
+from medusa_trt.tree import build_tree
+
+ALPHA = 1e-3
+PROMPT = [5, 17, 30, 41]
+WIDE = [[0], [1], [2], [3], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1]]
+CHAIN = [[0], [0, 0], [0, 0, 0]]
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory, tiny_base):
+    """A 72-token Llama (the synthetic tokenizer's minimum) with 3 heads distilled on its own greedy
+    continuations (a few seconds), so drafts are accepted often (about 60% at depth 1 at T=0.3)."""
+    base = tiny_base("llama", vocab=72, hidden_size=32, intermediate=64, seed=3)
+    hf = AutoModelForCausalLM.from_pretrained(base).eval()
+    rng = random.Random(0)
+    train = [[rng.randrange(3, 72) for _ in range(6)] for _ in range(64)]
+    state = train_heads(hf, greedy_continuations(hf, train, 48), num_heads=3, steps=150, batch_tokens=2048,
+                        progress=False)
+    root = tmp_path_factory.mktemp("sampling")
+    save_heads(state, root / "heads", base, num_heads=3, num_layers=1)
+    convert(base, root / "heads", root / "ckpt", progress=False)
+    return SimpleNamespace(hf=hf, ckpt=root / "ckpt", backend=TorchBackend(MedusaModel.from_checkpoint(root / "ckpt")))
+
+
+@torch.no_grad()
+def exact_law(hf, prompt: list[int], k_tokens: int, **processing) -> dict[tuple[int, ...], float]:
+    """P(first k_tokens tokens) of plain sampling, enumerated level by level from transformers' logits
+    processed by `sampling_probs` (itself checked against transformers' warpers below)."""
+    law = {(): 1.0}
+    for _ in range(k_tokens):
+        prefixes = list(law)
+        logits = hf(torch.tensor([prompt + list(p) for p in prefixes])).logits[:, -1]
+        probs = sampling_probs(logits, **processing).double()
+        law = {p + (t,): law[p] * float(probs[i, t])
+               for i, p in enumerate(prefixes) for t in probs[i].nonzero().flatten().tolist()}
+    return law
+
+
+def chi_square_p(samples: list[tuple[int, ...]], law: dict[tuple[int, ...], float]) -> float:
+    """Pearson chi-square goodness of fit; cells expected below 5 are pooled into one (with any
+    sample outside the law's support) so the chi-square approximation holds."""
+    n = len(samples)
+    counts = Counter(samples)
+    stat, cells, pooled_e, pooled_o = 0.0, 0, 0.0, n
+    for cell, p in law.items():
+        if n * p >= 5:
+            o, e = counts.get(cell, 0), n * p
+            stat += (o - e) ** 2 / e
+            cells += 1
+            pooled_o -= o
+        else:
+            pooled_e += n * p
+    if pooled_e > 0:
+        stat += (pooled_o - pooled_e) ** 2 / pooled_e
+        cells += 1
+    elif pooled_o:
+        return 0.0  # samples where the law has no mass at all
+    df = cells - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def sampled_prefixes(backend, tree, k_tokens: int, n: int, use_medusa: bool = True, **processing):
+    cfg = GenerationConfig(max_new_tokens=k_tokens, medusa_choices=tree, use_medusa=use_medusa,
+                           acceptance="sample", seed=12345, **processing)
+    result = decode(backend, [PROMPT] * n, cfg)
+    return [tuple(t) for t in result.tokens], result.stats
+
+
+CASES = [  # tree, tokens compared, processing: several trees, temperatures, top-k and top-p
+    (WIDE, 2, dict(temperature=0.3)),
+    (WIDE, 3, dict(temperature=0.5, top_k=5)),
+    (CHAIN, 3, dict(temperature=1.0, top_k=3)),
+    (WIDE, 2, dict(temperature=0.8, top_p=0.6)),
+]
+
+
+@pytest.mark.parametrize("tree,k_tokens,processing", CASES)
+def test_sample_acceptance_follows_plain_sampling(small, tree, k_tokens, processing):
+    law = exact_law(small.hf, PROMPT, k_tokens, **processing)
+    samples, stats = sampled_prefixes(small.backend, tree, k_tokens, 8000, **processing)
+    assert sum(s.accepted_draft_tokens for s in stats) > 0.2 * len(stats)  # the acceptance path carries weight
+    assert chi_square_p(samples, law) > ALPHA
+
+
+def test_plain_sampling_on_the_same_backend_follows_the_law(small):
+    processing = dict(temperature=0.5, top_k=5)
+    samples, _ = sampled_prefixes(small.backend, None, 3, 4000, use_medusa=False, **processing)
+    assert chi_square_p(samples, exact_law(small.hf, PROMPT, 3, **processing)) > ALPHA
+
+
+def _argmax_rule(retrieve, tokens, probs, uniforms):
+    """Broken: accepts a draft whenever it is the argmax of its parent's distribution."""
+    drawn = sample_tokens(probs, uniforms)
+    best, accepted = greedy_accept(retrieve, tokens, probs.argmax(-1))
+    return best, accepted, drawn
+
+
+def test_a_broken_rule_fails_the_same_test(small, monkeypatch):
+    tree, k_tokens, processing = CASES[1]
+    law = exact_law(small.hf, PROMPT, k_tokens, **processing)
+    monkeypatch.setattr(decoding, "sample_accept", _argmax_rule)
+    samples, _ = sampled_prefixes(small.backend, tree, k_tokens, 8000, **processing)
+    assert chi_square_p(samples, law) < ALPHA
+
+
+# --- the rule itself on enumerated distributions (no model): every node of a tree, 200k draws at once
+
+
+def _tree_case(seed: int, vocab: int = 6):
+    """A tree with its slot tokens (children of a node are distinct, as the heads' top-k ranks are),
+    random target distributions per slot, and the exact law of the step's outcome: (end slot, bonus
+    token) with P = P(path to the slot) * p_slot(bonus), bonus not among the slot's children."""
+    g = torch.Generator().manual_seed(seed)
+    buffers = build_tree(WIDE, 3, 63)
+    t = buffers.num_slots
+    retrieve = torch.tensor(buffers.retrieve_indices)
+    parent = [-1] * t
+    for row in buffers.retrieve_indices:
+        for a, b in zip(row[:-1], row[1:], strict=True):
+            if b >= 0:
+                parent[b] = a
+    perm = torch.randperm(vocab, generator=g)
+    tokens = torch.tensor([int(perm[0])] + [int(perm[buffers.rank[i]]) for i in range(1, t)])
+    probs = torch.softmax(1.5 * torch.randn(t, vocab, generator=g), -1).double()
+    reach = [1.0] * t
+    for s in range(1, t):  # slots are in breadth-first order: parents first
+        reach[s] = reach[parent[s]] * float(probs[parent[s], tokens[s]])
+    law = {}
+    for s in range(t):
+        children = {int(tokens[c]) for c in range(t) if parent[c] == s}
+        for v in range(vocab):
+            if v not in children:
+                law[(s, v)] = reach[s] * float(probs[s, v])
+    return retrieve, tokens, probs.float(), law, perm
+
+
+def _outcomes(rule, retrieve, tokens, probs, n: int, seed: int) -> list[tuple[int, int]]:
+    uniforms = 1.0 - torch.rand(n, probs.shape[0], generator=torch.Generator().manual_seed(seed))
+    best, accepted, drawn = rule(retrieve, tokens[None].expand(n, -1), probs[None].expand(n, -1, -1), uniforms)
+    last = retrieve[best, accepted]
+    return list(zip(last.tolist(), drawn[torch.arange(n), last].tolist(), strict=True))
+
+
+def _q_rule_on_top_k(q):
+    """Broken: SpecInfer's rule for children *sampled* from q (accept x with min(1, p/q); residual
+    norm(max(p - q, 0))) applied to the deterministic top-k children the tree holds."""
+    def rule(retrieve, tokens, probs, uniforms):
+        b, t, v = probs.shape
+        g = torch.Generator().manual_seed(7)
+        slot = torch.zeros(b, dtype=torch.long)
+        done = torch.zeros(b, dtype=torch.bool)
+        accepted = torch.zeros(b, dtype=torch.long)
+        drawn = torch.zeros(b, t, dtype=torch.long)
+        kids = {s: [c for c in range(t) if int((retrieve[:, :-1] == s).logical_and(retrieve[:, 1:] == c).any())]
+                for s in range(t)}
+        for _ in range(retrieve.shape[1]):
+            res = probs[torch.arange(b), slot].clone()
+            moved = torch.zeros(b, dtype=torch.bool)
+            for rank in range(max(len(c) for c in kids.values())):
+                child = torch.tensor([kids[s][rank] if rank < len(kids[s]) else -1 for s in slot.tolist()])
+                has = (child >= 0) & ~moved & ~done
+                x = tokens[torch.arange(b), child.clamp(min=0)]
+                px, qx = res[torch.arange(b), x], q[x]
+                take = has & (torch.rand(b, generator=g) < (px / qx).clamp(max=1))
+                slot = torch.where(take, child, slot)
+                accepted += take.long()
+                moved |= take
+                rej = has & ~take
+                res[rej] = (res[rej] - q[None]).clamp(min=0)
+                res[rej] /= res[rej].sum(-1, keepdim=True)
+            stop = ~moved & ~done
+            drawn[stop, slot[stop]] = sample_tokens(res[stop], uniforms[stop, 0])
+            done |= stop
+        best = torch.tensor([next(i for i, r in enumerate(retrieve.tolist()) if r[a] == s)
+                             for s, a in zip(slot.tolist(), accepted.tolist(), strict=True)])
+        return best, accepted, drawn
+    return rule
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_sample_accept_law_on_enumerated_trees(seed):
+    retrieve, tokens, probs, law, _ = _tree_case(seed)
+    assert abs(sum(law.values()) - 1) < 1e-6  # the outcomes partition the probability space (float32 probs)
+    assert chi_square_p(_outcomes(sample_accept, retrieve, tokens, probs, 200_000, seed), law) > ALPHA
+    assert chi_square_p(_outcomes(_argmax_rule, retrieve, tokens, probs, 200_000, seed), law) < ALPHA
+
+
+def test_q_based_rule_is_not_exact_for_deterministic_candidates():
+    """docs/sampling.md: with the candidates fixed (the heads' top ranks), the min(1, p/q) rule
+    over-emits them; the point-mass rule is the exact one."""
+    retrieve, tokens, probs, law, perm = _tree_case(0)
+    ranked = torch.softmax(torch.randn(probs.shape[1], generator=torch.Generator().manual_seed(1)), -1).sort(descending=True).values
+    q = torch.empty_like(ranked).index_copy_(0, perm, ranked)  # the rank-r child is q's r-th most likely token
+    outcomes = _outcomes(_q_rule_on_top_k(q), retrieve, tokens, probs, 50_000, 0)
+    assert chi_square_p(outcomes, law) < ALPHA
+
+
+def test_sampling_probs_equals_transformers_warpers():
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    logits = 2 * torch.randn(64, 50, generator=torch.Generator().manual_seed(0))
+    for t, k, p in [(0.7, None, 0.9), (1.0, 5, 1.0), (0.5, 8, 0.8), (1.3, None, 0.3), (1.0, 1, 1.0)]:
+        ref = TemperatureLogitsWarper(t)(None, logits.clone())
+        ref = TopKLogitsWarper(k)(None, ref) if k else ref
+        ref = TopPLogitsWarper(p)(None, ref) if p < 1 else ref
+        ours = sampling_probs(logits, t, k, p)
+        assert torch.equal(ours > 0, torch.softmax(ref, -1) > 0), (t, k, p)
+        assert torch.allclose(ours, torch.softmax(ref, -1), atol=1e-6), (t, k, p)
+
+
+def test_sample_tokens_never_draws_a_zero_probability_token():
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.5, 0.0])
+    edges = torch.tensor([2.0**-24, 0.5, 0.5 + 2.0**-24, 1.0])  # the smallest, a boundary, the largest u
+    assert sample_tokens(probs.expand(4, -1), edges).tolist() == [1, 1, 3, 3]
+
+
+def test_typical_accept_on_hand_made_distributions():
+    """The typical rule production calls (acceptance.typical_accept), on a 2-slot chain: threshold
+    min(epsilon, delta * exp(-H))."""
+    retrieve = torch.tensor([[0, 1]])
+    # Peaked: p = [0.97, 0.01, 0.01, 0.01]; H ~ 0.168 -> threshold = min(0.09, 0.3 e^-H = 0.254) = 0.09.
+    peaked = torch.log(torch.tensor([0.97, 0.01, 0.01, 0.01]))
+    flat = torch.zeros(4)  # p = 0.25, H = ln 4 -> threshold = min(0.09, 0.075) = 0.075 < 0.25
+    logits = torch.stack([torch.stack([peaked, flat]), torch.stack([peaked, flat]), torch.stack([flat, flat])])
+    tokens = torch.tensor([[0, 0], [0, 1], [0, 3]])
+    assert typical_accept(retrieve, tokens, logits, 1.0, 0.09, 0.3)[1].tolist() == [1, 0, 1]
+    # Lower epsilon lets the 0.01 token through; temperature sharpens and rejects it again.
+    assert typical_accept(retrieve, tokens[1:2], logits[1:2], 1.0, 0.005, 0.3)[1].tolist() == [1]
+    assert typical_accept(retrieve, tokens[1:2], logits[1:2], 0.5, 0.005, 0.3)[1].tolist() == [0]
+    # Two paths accepted equally far: the larger log-probability wins.
+    two = torch.tensor([[0, 1], [0, 2]])
+    probs = torch.log(torch.tensor([0.1, 0.4, 0.5, 0.0001]))
+    best, accepted = typical_accept(two, torch.tensor([[0, 1, 2]]), torch.stack([probs, flat, flat])[None], 1.0, 0.09, 0.3)
+    assert (best.item(), accepted.item()) == (1, 1)
+
+
+# --- reproducibility, limits, bad input
+
+
+def test_seeded_runs_repeat_and_rows_equal_single_runs(small):
+    prompts = [PROMPT, [9, 3, 60], [44] * 7]
+    cfg = GenerationConfig(max_new_tokens=20, medusa_choices=WIDE, acceptance="sample", temperature=0.8, seed=42)
+    batch = decode(small.backend, prompts, cfg).tokens
+    assert decode(small.backend, prompts, cfg).tokens == batch
+    for i, p in enumerate(prompts):  # row i draws from seed + i, whatever the batch
+        assert decode(small.backend, [p], GenerationConfig(**{**cfg.__dict__, "seed": 42 + i})).tokens == [batch[i]]
+    other = decode(small.backend, prompts, GenerationConfig(**{**cfg.__dict__, "seed": 43})).tokens
+    assert other != batch
+
+
+def test_temperature_to_zero_is_greedy(small):
+    prompts = [PROMPT, [9, 3, 60]]
+    greedy = decode(small.backend, prompts, GenerationConfig(max_new_tokens=24, medusa_choices=WIDE)).tokens
+    cold = GenerationConfig(max_new_tokens=24, medusa_choices=WIDE, acceptance="sample", temperature=1e-4, seed=0)
+    assert decode(small.backend, prompts, cold).tokens == greedy
+
+
+def test_same_seed_same_tokens_on_onnx_runtime(ort_engine, tiny_merged):
+    """The reference and the ONNX Runtime engine of one checkpoint draw the same tokens from one seed
+    (the engine has the fused greedy step; `sample` takes the two-call path on it)."""
+    from medusa_trt.runtime.ort_backend import OrtBackend
+
+    engine = OrtBackend(ort_engine("llama"))
+    assert engine.fused_step_topk
+    reference = TorchBackend(MedusaModel.from_checkpoint(tiny_merged("llama")))
+    prompts = [PROMPT, [9, 3, 60], [44] * 7, [70, 71]]
+    cfg = GenerationConfig(max_new_tokens=24, acceptance="sample", temperature=0.5, top_p=0.95, seed=5)
+    ours = decode(engine, prompts, cfg)
+    assert ours.tokens == decode(reference, prompts, cfg).tokens
+    assert sum(s.accepted_draft_tokens for s in ours.stats) > 0
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(temperature=0.0), "temperature 0.0 with acceptance 'sample'.*use acceptance 'greedy'"),
+    (dict(temperature=-1.0), "temperature must be >= 0"),
+    (dict(top_p=0.0), r"top_p 0.0: expected a value in \(0, 1\]"),
+    (dict(top_p=1.5), "top_p 1.5"),
+    (dict(top_k=0), "top_k 0: expected an integer >= 1"),
+    (dict(seed=1.5), "seed 1.5: expected an integer"),
+    (dict(seed="7"), "seed '7'"),
+])
+def test_bad_sampling_settings(kw, message):
+    with pytest.raises(ValueError, match=message):
+        GenerationConfig(**{"acceptance": "sample", **kw})
+
+
+def test_medusa_run_sample_flags(small, capsys):
+    args = ["--checkpoint", str(small.ckpt), "--prompt", "abc", "--max-new-tokens", "12", "--json",
+            "--medusa-choices", str(WIDE), "--acceptance", "sample", "--temperature", "0.8", "--top-p", "0.9",
+            "--top-k", "20", "--seed", "3"]
+    import json
+
+    assert run_main(args) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert run_main(args) == 0
+    assert json.loads(capsys.readouterr().out)["output_ids"] == first["output_ids"]
+    for bad, said in ((["--temperature", "0"], "temperature 0.0"), (["--top-p", "1.2"], "top_p 1.2"),
+                      (["--top-k", "0"], "top_k 0")):
+        assert run_main(args + bad) == 2
+        err = capsys.readouterr().err
+        assert said in err and len(err.strip().splitlines()) == 1, err
+    with pytest.raises(SystemExit) as exit_info:
+        run_main(args + ["--seed", "1.5"])
+    assert exit_info.value.code == 2 and "'1.5'" in capsys.readouterr().err
+
