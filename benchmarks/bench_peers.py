@@ -83,8 +83,10 @@ class Prompt:
 
 
 def read_prompts(path: Path, tokenizer, limit: int | None = None) -> list[Prompt]:
-    """.jsonl lines {"text": ..., "kind": "code"|"chat"}; chat ones are rendered with the tokenizer's
-    chat template (one user turn, generation prompt added), code ones are continued as they are."""
+    """.jsonl lines {"text": ..., "kind": "code"|"chat"}; a chat text is rendered with the tokenizer's
+    chat template (one user turn, generation prompt added) unless it already is (it holds the
+    template's special tokens, as scripts/train_smollm2_heads.py writes them); code is continued as
+    it is."""
     if not path.is_file():
         raise BenchInputError(f"{path}: prompts file not found")
     prompts = []
@@ -99,11 +101,12 @@ def read_prompts(path: Path, tokenizer, limit: int | None = None) -> list[Prompt
         if kind not in ("code", "chat") or not isinstance(text, str) or not text:
             raise BenchInputError(f"{path}:{n}: kind {kind!r} / text {text!r:.40}: expected 'code' or 'chat' "
                                   "and a non-empty text")
-        if kind == "chat":
+        if kind == "chat" and not any(t in text for t in tokenizer.all_special_tokens):
             text = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                                  tokenize=False)
-        # The chat template writes its special tokens itself; code is continued without any.
-        prompts.append(Prompt(text, kind, tokenizer.encode(text, add_special_tokens=False)))
+        # The chat template writes its special tokens itself; code gets what the tokenizer adds.
+        ids = tokenizer.encode(text, add_special_tokens=kind == "code")
+        prompts.append(Prompt(text, kind, ids))
     if limit:  # an even share of both kinds, in file order
         code = [p for p in prompts if p.kind == "code"]
         chat = [p for p in prompts if p.kind == "chat"]
@@ -191,8 +194,10 @@ class LlamaCpp:
                          n_batch=n_ctx, seed=0, verbose=False)
         self.stops = set(stops)
 
-    def tokenize(self, text: str) -> list[int]:
-        return self.llm.tokenize(text.encode(), add_bos=False, special=True)
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        """llama.cpp's ids for the prompt's text, special tokens parsed, BOS added (when the model
+        asks for one) to code only, as read_prompts does on the HF side."""
+        return self.llm.tokenize(prompt.text.encode(), add_bos=prompt.kind == "code", special=True)
 
     def generate(self, prompt: Prompt, max_new_tokens: int) -> Output:
         t0 = time.perf_counter()
@@ -364,7 +369,7 @@ def check_llama_tokenizer(llama: LlamaCpp, prompts: list[Prompt]) -> dict:
     fed the HF ids; this says whether a llama.cpp user would have fed the same)."""
     diffs = []
     for i, p in enumerate(prompts):
-        ids = llama.tokenize(p.text)
+        ids = llama.tokenize(p)
         if ids != p.ids:
             at = next((j for j, (a, b) in enumerate(zip(ids, p.ids, strict=False)) if a != b), min(len(ids), len(p.ids)))
             diffs.append({"prompt": i, "first_difference": at, "llama_cpp": ids[at: at + 5], "hf": p.ids[at: at + 5]})
