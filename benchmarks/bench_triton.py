@@ -2,7 +2,7 @@
 
 Starts a real tritonserver (medusa_trt.serving.server) on a repository written by medusa-triton and
 drives it with tritonclient (gRPC, one client and thread per simulated user, each sending its
-requests back to back). Reported as ratios measured in the same run (DESIGN.md): each concurrency
+requests back to back). Reported as ratios measured in the same run (docs/design.md): each concurrency
 against 1 client (what dynamic batching buys), and 1 client against the offline runtime decoding
 the same requests one by one in this process (what serving costs). Every served output is checked
 against the offline decode of the same request.

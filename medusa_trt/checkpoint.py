@@ -3,7 +3,7 @@
 This module is the format contract shared by the converter, the engines and the runtime, so it
 imports nothing from them. A merged checkpoint is a directory with `config.json` and
 `rank{N}.safetensors` for N in 0..tp_size-1, laid out the way TensorRT-LLM's `MedusaForCausalLM`
-expects (see shared/reference/FORMATS.md section 2).
+expects (see docs/formats.md section 2).
 
 Safetensors is read and written here by our own small code rather than through `safetensors` so
 that conversion can stream: the reader uses plain positioned reads into a fresh buffer (no mmap,

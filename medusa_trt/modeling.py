@@ -7,7 +7,7 @@ exact bytes they build from. Everything a tree verify needs is explicit in `forw
 prompt, the tree mask for a verify step), and the past key/values. The module holds no cache state,
 which keeps it exportable to ONNX as one graph.
 
-FP8 checkpoints (`quantization.quant_algo == "FP8"`, FORMATS.md section 2) run as fake quantization:
+FP8 checkpoints (`quantization.quant_algo == "FP8"`, docs/formats.md section 2) run as fake quantization:
 quantized Linears keep their float8_e4m3fn weights and dequantize them (q * scale, in float32) at
 each call, and quantize-dequantize their input with the calibrated activation scale; with an FP8 KV
 cache the new keys/values go through the same round trip before attention, so a token reads its own

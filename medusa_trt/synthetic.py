@@ -1,7 +1,7 @@
 """Tiny real checkpoints for tests, the demo and benchmarks.
 
 Bases are made by transformers' own model classes (random weights, `save_pretrained`), heads are
-written the way each producer writes them (FORMATS.md section 1), and a small real tokenizer is
+written the way each producer writes them (docs/formats.md section 1), and a small real tokenizer is
 saved next to them. Nothing is downloaded.
 """
 

@@ -1,4 +1,4 @@
-"""Medusa-1 head training on a frozen base model (the FasterDecoding v1 head format as output).
+"""Medusa-1 head training on a frozen base model (FasterDecoding v1 or v2 head files as output).
 
 Self-distillation: the targets are the base model's own greedy continuations, so the heads learn
 what the base would say next, which is exactly what greedy verification accepts. Head k reads the

@@ -1,6 +1,6 @@
 """Medusa trees: parse and validate medusa_choices, and build the buffers every backend shares.
 
-Semantics (reference/FORMATS.md section 3): nodes sorted by (depth, path); slot 0 is the root (the
+Semantics (docs/formats.md section 4): nodes sorted by (depth, path); slot 0 is the root (the
 base model's own token) and sorted node j is slot j + 1.
 """
 

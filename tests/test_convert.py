@@ -100,7 +100,7 @@ def check_mapping(out: Path, base: Path, heads: Path, dtype: torch.dtype | None 
 
 
 def check_layout(out: Path) -> dict:
-    """config keys, names/shapes of the FORMATS table, official loader on every rank."""
+    """config keys, names/shapes of docs/formats.md section 2, official loader on every rank."""
     config = json.loads((out / "config.json").read_text())
     for key in REQUIRED_CONFIG_KEYS + ("sliding_window", "bos_token_id", "eos_token_id",
                                        "tie_word_embeddings", "medusa_trt"):

@@ -1,5 +1,5 @@
 """Tests for medusa_trt.tree. Expected buffers are recomputed here from the definition in
-reference/FORMATS.md section 3 (prefix relations on raw paths), not from the implementation's
+docs/formats.md section 4 (prefix relations on raw paths), not from the implementation's
 parent pointers."""
 
 from __future__ import annotations

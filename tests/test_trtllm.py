@@ -1,5 +1,5 @@
 """medusa-build --backend tensorrt-llm: the trtllm-build command line for several checkpoints, the
-checkpoint layout against TensorRT-LLM's naming and shape rules (FORMATS.md section 2, written out
+checkpoint layout against TensorRT-LLM's naming and shape rules (docs/formats.md section 2, written out
 here independently of medusa_trt.checkpoint), and the wrapper around the trtllm-build process.
 
 TensorRT-LLM is not installable here: the process tests run a stand-in `trtllm-build` executable
@@ -146,11 +146,11 @@ def test_command_long_context_and_errors(checkpoint, tmp_path):
         trtllm_build_command(ckpt, tmp_path / "e", no_heads, opts)
 
 
-# -- checkpoint layout: FORMATS.md section 2, written out independently ------------------------------
+# -- checkpoint layout: docs/formats.md section 2, written out independently -------------------------
 
 
 def trtllm_layout(config: dict, rank: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Every tensor of rank `rank` with its shape and dtype, from FORMATS.md's rules alone."""
+    """Every tensor of rank `rank` with its shape and dtype, from the rules of docs/formats.md section 2 alone."""
     dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[config["dtype"]]
     d, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     nq, nkv = config["num_attention_heads"], config["num_key_value_heads"]
@@ -225,7 +225,7 @@ def test_checkpoint_layout_follows_trtllm_rules(checkpoint, name):
 
 
 def test_tp4_duplicates_kv_heads(checkpoint):
-    """2 KV heads over 4 ranks: ranks 0-1 hold KV head 0, ranks 2-3 KV head 1 (FORMATS.md: duplicated
+    """2 KV heads over 4 ranks: ranks 0-1 hold KV head 0, ranks 2-3 KV head 1 (docs/formats.md section 2: duplicated
     before splitting), while each rank holds its own query head."""
     ckpt = checkpoint("fp32-tp4")
     config = read_config(ckpt)

@@ -1,4 +1,4 @@
-"""Finding and reading Medusa heads in every known format (shared/reference/FORMATS.md section 1).
+"""Finding and reading Medusa heads in every known format (docs/formats.md section 1).
 
 The tensors decide: head and layer counts are counted from the keys, never taken from a config
 (published v1 configs under-report the head count), and every key must be placed or the

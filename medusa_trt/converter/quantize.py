@@ -1,6 +1,6 @@
 """medusa-convert --quantize fp8: calibrated per-tensor FP8 in TensorRT-LLM's checkpoint conventions.
 
-What is written (FORMATS.md section 2; scale = amax / 448, dequantized x = q * scale):
+What is written (docs/formats.md section 2; scale = amax / 448, dequantized x = q * scale):
 - every decoder Linear (qkv, dense, fc, gate, proj): float8_e4m3fn weight, float32 (1,)
   `weights_scaling_factor` from the weight's own amax and `activation_scaling_factor` from the
   calibrated input amax;

@@ -3,7 +3,7 @@
 What every backend shares lives here: checkpoint validation, the atomic directory write (a temp
 dir beside --out, renamed at the end), the tokenizer copy, checksums and `engine.json`. A backend
 is one function in BUILDERS that writes its artifacts into the temp dir and returns its part of
-engine.json; adding TensorRT or TensorRT-LLM is adding one entry.
+engine.json (onnxruntime here; tensorrt and tensorrt-llm in their own modules).
 """
 
 from __future__ import annotations

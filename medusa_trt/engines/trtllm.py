@@ -1,6 +1,6 @@
 """medusa-build --backend tensorrt-llm: `trtllm-build` on the merged checkpoint, engine.json around it.
 
-The merged checkpoint already is a TensorRT-LLM checkpoint (MedusaForCausalLM, FORMATS.md section
+The merged checkpoint already is a TensorRT-LLM checkpoint (MedusaForCausalLM, docs/formats.md section
 2), so the build is one `trtllm-build` run. `trtllm_build_command` decides its flags from the
 checkpoint config and the medusa-build options (a pure function, tested without TensorRT-LLM):
 

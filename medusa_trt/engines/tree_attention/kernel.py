@@ -12,7 +12,7 @@ Contract (shared by the Triton kernel, the PyTorch reference and the TensorRT pl
   positions >= past_lens[b] are holes and are never attended.
 - packed_mask: [T, W] int32 (one tree for the whole batch) or [B, T, W] (one per sequence), with
   W >= ceil(T / 32). Query slot i may attend new slot j iff bit (j % 32) of word (j // 32) of row i
-  is set (little-endian bit order, the TensorRT-LLM packed mask; reference/FORMATS.md section 3).
+  is set (little-endian bit order, the TensorRT-LLM packed mask; docs/formats.md section 4).
   Every query attends all valid past positions. A lower-triangular mask expresses causal prefill.
 - out: [B, Hq, T, D] in q's dtype. Scores are scaled by `scale` (default 1 / sqrt(D)), softmax and
   accumulation run in float32. A query row with no allowed key yields zeros, never NaN.
