@@ -137,6 +137,18 @@ class ModeSummary:
         }
 
 
+def medusa_ratios(plain: ModeSummary, medusa: ModeSummary) -> dict:
+    """Medusa against plain decoding on the same engine: tokens/s ratios (wall and decode only),
+    tokens per step, and the cost of one tree step in plain steps."""
+    p, m = plain, medusa
+    return {
+        "speedup": round(p.wall_s / m.wall_s * m.tokens / max(p.tokens, 1), 4),  # tokens/s ratio
+        "decode_speedup": round(p.decode_s / m.decode_s * m.tokens / max(p.tokens, 1), 4),
+        "tokens_per_step": round(m.tokens / max(m.steps, 1), 4),
+        "step_overhead": round((m.decode_s / max(m.steps, 1)) / (p.decode_s / max(p.steps, 1)), 4),
+    }
+
+
 def compare(backend: Backend, prompts: list[list[int]], medusa_choices=DEFAULT_TREE, max_new_tokens: int = 128,
             stop_token_ids: tuple[int, ...] = (), repeat: int = 1, warmup: bool = True,
             progress: bool = True, extra_modes: dict | None = None, sampling: dict | None = None) -> dict:
@@ -188,10 +200,7 @@ def compare(backend: Backend, prompts: list[list[int]], medusa_choices=DEFAULT_T
     for name in names[1:]:
         s = summaries[name]
         out[name] = {
-            "speedup": round(plain.wall_s / s.wall_s * s.tokens / max(plain.tokens, 1), 4),  # tokens/s ratio
-            "decode_speedup": round(plain.decode_s / s.decode_s * s.tokens / max(plain.tokens, 1), 4),
-            "tokens_per_step": round(s.tokens / max(s.steps, 1), 4),
-            "step_overhead": round((s.decode_s / max(s.steps, 1)) / (plain.decode_s / max(plain.steps, 1)), 4),
+            **medusa_ratios(plain, s),
             "acceptance_per_head": [round(h / max(s.steps, 1), 4) for h in depth_hits.get(name, [])],
             "equal_to_plain": all(r[name]["equal_to_plain"] for r in per_prompt),
         }
@@ -216,6 +225,18 @@ def hf_model_dir(directory: Path) -> Path:
     return Path(base)
 
 
+def hf_greedy(model, prompt: list[int], max_new_tokens: int, stop_token_ids: tuple[int, ...]) -> list[int]:
+    """One prompt through transformers generate(do_sample=False), batch 1; the new tokens, cut after
+    the first stop token as ours are. Call under torch.inference_mode()."""
+    eos = list(stop_token_ids) or None
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                         eos_token_id=eos, pad_token_id=eos[0] if eos else 0)
+    new = out[0, len(prompt):].tolist()
+    cut = next((j for j, t in enumerate(new) if t in stop_token_ids), None)
+    return new[: cut + 1] if cut is not None else new
+
+
 def hf_generate(model_dir: Path, prompts: list[list[int]], max_new_tokens: int, stop_token_ids: tuple[int, ...],
                 plain_tokens: list[list[int]] | None = None, progress: bool = True) -> dict:
     """transformers generate(do_sample=False), batch 1, float32, with as many torch threads as cores
@@ -227,24 +248,17 @@ def hf_generate(model_dir: Path, prompts: list[list[int]], max_new_tokens: int, 
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     except Exception as e:  # transformers raises many unrelated types for a bad model dir
         raise BenchError(f"{model_dir}: transformers cannot load it ({type(e).__name__}: {e})") from None
-    eos = list(stop_token_ids) or None
-    kw = dict(do_sample=False, eos_token_id=eos, pad_token_id=eos[0] if eos else 0)
     tokens, seconds, same = 0, 0.0, 0
     threads = torch.get_num_threads()
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     try:
         with torch.inference_mode():
-            ids = torch.tensor([prompts[0]])
-            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, **kw)  # warm-up
+            hf_greedy(model, prompts[0], 4, stop_token_ids)  # warm-up
             for i, p in enumerate(tqdm(prompts, desc="transformers generate", disable=not progress, leave=False,
                                        file=sys.stderr)):
-                ids = torch.tensor([p])
                 t0 = time.perf_counter()
-                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, **kw)
+                new = hf_greedy(model, p, max_new_tokens, stop_token_ids)
                 seconds += time.perf_counter() - t0
-                new = out[0, len(p):].tolist()
-                cut = next((j for j, t in enumerate(new) if t in stop_token_ids), None)
-                new = new[: cut + 1] if cut is not None else new
                 tokens += len(new)
                 same += plain_tokens is not None and new == plain_tokens[i]
     finally:

@@ -1,0 +1,76 @@
+"""benchmarks/bench_peers.py's figures: agreement with the reference, ratios to the fastest peer of the
+same weight precision, Medusa's ratios against plain decoding on the same engine, the table. (Running
+the peers themselves is the benchmark's job, not the test suite's.)"""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from medusa_trt.bench import ModeSummary
+
+_spec = importlib.util.spec_from_file_location(
+    "bench_peers", Path(__file__).resolve().parents[1] / "benchmarks" / "bench_peers.py")
+bench_peers = importlib.util.module_from_spec(_spec)
+sys.modules["bench_peers"] = bench_peers  # dataclasses look their module up there
+_spec.loader.exec_module(bench_peers)
+
+
+@pytest.mark.parametrize("out, ref, expected", [
+    ([1, 2, 3, 4], [1, 2, 3, 4], (True, 1.0, 1.0)),
+    ([1, 2, 9, 4], [1, 2, 3, 4], (False, 0.5, 0.75)),  # positions after a divergence still count
+    ([1, 2], [1, 2, 3, 4], (False, 0.5, 0.5)),  # stopped early: the missing tokens disagree
+    ([1, 2, 3, 4, 5], [1, 2, 3, 4], (False, 1.0, 1.0)),  # went on past the reference's stop token
+    ([7], [1, 2, 3, 4], (False, 0.0, 0.0)),
+])
+def test_agreement(out, ref, expected):
+    assert bench_peers.agreement(out, ref) == expected
+
+
+def _tally(group, tokens, wall_s, equal=()):
+    t = bench_peers.Tally(group, tokens, wall_s)
+    for e in equal:
+        t.equal.append(e)
+        t.prefix_share.append(1.0 if e else 0.5)
+        t.agreement.append(1.0 if e else 0.75)
+    return t
+
+
+def test_summarize_ratios_per_precision_and_medusa():
+    F, Q = bench_peers.FLOAT32, bench_peers.FOUR_BIT
+    tallies = {
+        "transformers": _tally(F, 100, 10.0, [True, True]),  # 10 tok/s
+        "ort-genai fp32": _tally(F, 100, 4.0, [True, True]),  # 25 tok/s: the fastest float32 peer
+        "ours plain": _tally(F, 100, 2.0, [True, True]),  # 50 tok/s; ours is never "the fastest peer"
+        "ours medusa": _tally(F, 100, 1.0, [True, True]),
+        "ort-genai int4": _tally(Q, 90, 1.0, [False, True]),  # 90 tok/s
+        "llama.cpp Q4_1": _tally(Q, 120, 1.0, [False, False]),  # 120 tok/s: the fastest 4-bit peer
+    }
+    plain = ModeSummary(tokens=100, steps=100, wall_s=2.0, decode_s=1.8)
+    medusa = ModeSummary(tokens=100, steps=40, wall_s=1.0, decode_s=0.9)  # 2.5 tokens/step, step 1.25x plain
+    rows = bench_peers.summarize(tallies, {"ours plain": plain, "ours medusa": medusa})
+    assert rows["transformers"]["vs_fastest_peer"] == 0.4
+    assert rows["ort-genai fp32"]["vs_fastest_peer"] == 1.0
+    assert rows["ours plain"]["vs_fastest_peer"] == 2.0
+    assert rows["ours medusa"]["vs_fastest_peer"] == 4.0
+    assert rows["ort-genai int4"]["vs_fastest_peer"] == 0.75
+    assert rows["llama.cpp Q4_1"]["vs_fastest_peer"] == 1.0
+    m = rows["ours medusa"]
+    assert (m["tokens_per_step"], m["step_overhead"], m["speedup"]) == (2.5, 1.25, 2.0)
+    assert "tokens_per_step" not in rows["ours plain"]
+    assert rows["ort-genai int4"]["equal_to_reference"] == "1/2"
+    assert rows["ort-genai int4"]["prefix_share"] == 0.75
+    assert rows["llama.cpp Q4_1"]["position_agreement"] == 0.75
+
+    table = bench_peers.markdown({"1": rows})
+    lines = table.splitlines()
+    assert len(lines) == 2 + len(rows)
+    assert all(line.count("|") == lines[0].count("|") for line in lines)
+    assert "| 1 | ours medusa | float32 | 100.0 | 4.00 | 2.50 | 1.25 | 2.00 | 2/2 | 1.000 | 1.000 |" in lines
+
+
+def test_no_peer_in_a_group_leaves_the_ratio_empty():
+    rows = bench_peers.summarize({"ours int4 plain": _tally(bench_peers.FOUR_BIT, 10, 1.0)})
+    assert rows["ours int4 plain"]["vs_fastest_peer"] is None
+    assert "equal_to_reference" not in rows["ours int4 plain"]
