@@ -51,6 +51,7 @@ from train_demo_model import is_heldout, list_files, read_code  # noqa: E402
 from medusa_trt.training import save_heads  # noqa: E402
 
 CODE_SHARE = 0.5
+MAX_PROMPT_TOKENS = 512  # the distillation engine holds 1024 positions
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -66,11 +67,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=80, help="greedy tokens per prompt")
     p.add_argument("--batch", type=int, default=24, help="prompts decoded together on the engine (memory-bound: a batch costs little more than one sequence)")
     p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--layers", type=int, default=1, help="ResBlocks per head")
-    p.add_argument("--steps", type=int, default=1500)
+    p.add_argument("--layers", type=int, default=2, help="ResBlocks per head")
+    p.add_argument("--steps", type=int, default=600)
     p.add_argument("--batch-tokens", type=int, default=2048)
     p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--vocab-subset", type=int, default=8192, help="most frequent target tokens in the softmax")
+    p.add_argument("--vocab-subset", type=int, default=4096, help="most frequent target tokens in the softmax")
     return p.parse_args(argv)
 
 
@@ -135,7 +136,8 @@ def make_prompts(args, tok) -> dict[str, list[dict]]:
         while sum(p["kind"] == "code" for p in out) < n_code:
             rel, text = rng.choice(pool)
             snippet = code_prompt(rng, text)
-            if snippet:
+            # A few files tokenize at one token per character or two; keep prompts within the engine.
+            if snippet and len(tok.encode(snippet)) <= MAX_PROMPT_TOKENS:
                 out.append({"text": snippet, "kind": "code", "file": rel})
         items = [(rel, it) for rel, text in pool
                  for it in docstring_items(Path(rel), text, rel.removesuffix(".py").replace("/", "."))]
