@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from medusa_trt.errors import MedusaTrtError
 from medusa_trt.runtime.backend import Backend
 from medusa_trt.runtime.decoding import GenerationConfig, SequenceStats, decode
 from medusa_trt.tree import DEFAULT_TREE
@@ -30,7 +31,7 @@ from medusa_trt.tree import DEFAULT_TREE
 PROG = "medusa-bench"
 
 
-class BenchError(ValueError):
+class BenchError(MedusaTrtError):
     """Bad input to medusa-bench / medusa-tune-tree (a file, a directory, an option); exit 2."""
 
 

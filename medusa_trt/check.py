@@ -42,6 +42,8 @@ from pathlib import Path
 
 import torch
 
+from medusa_trt.errors import MedusaTrtError
+
 PROG = "medusa-check"
 TOLERANCES = {"float32": 1e-4, "float16": 5e-2, "bfloat16": 2.5e-1}
 FP8_QUANTILE, FP8_FLIP_BOUND = 0.9, 0.25  # FP8 engines: see the module docstring
@@ -53,7 +55,7 @@ DEFAULT_PROMPTS = (
 COMPARED_OUTPUTS = ("logits", "medusa_logits")
 
 
-class CheckInputError(ValueError):
+class CheckInputError(MedusaTrtError):
     """Bad input to medusa-check (engine, checkpoint, prompts); the CLI exits 2."""
 
 

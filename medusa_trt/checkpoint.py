@@ -26,8 +26,10 @@ from pathlib import Path
 
 import torch
 
+from medusa_trt.errors import MedusaTrtError
 
-class CheckpointError(Exception):
+
+class CheckpointError(MedusaTrtError):
     """A checkpoint file or directory is missing, corrupt, or does not match its config."""
 
 

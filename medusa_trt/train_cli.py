@@ -24,12 +24,14 @@ import sys
 import time
 from pathlib import Path
 
+from medusa_trt.errors import MedusaTrtError
+
 PROG = "medusa-train-heads"
 DTYPES = ("float32", "float16", "bfloat16")
 HEAD_FILES = ("medusa_lm_head.pt", "medusa_lm_head.safetensors")  # v1, v2 (training.save_heads)
 
 
-class TrainError(ValueError):
+class TrainError(MedusaTrtError):
     """Bad input (a file, the base dir, an option): the CLI prints it and exits 2."""
 
 

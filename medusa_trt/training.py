@@ -20,11 +20,13 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from medusa_trt.errors import MedusaTrtError
+
 LOSS_DECAY = 0.8  # Medusa-1's per-head loss weight: head k counts 0.8^k
 DATA_SUFFIXES = (".txt", ".jsonl")
 
 
-class DataError(ValueError):
+class DataError(MedusaTrtError):
     """A data file that cannot be used; the message names the file, the line and what was expected."""
 
 

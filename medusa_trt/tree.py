@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from medusa_trt.errors import MedusaTrtError
+
 log = logging.getLogger(__name__)
 
 DEFAULT_TREE = "mc_sim_7b_63"
@@ -27,7 +29,7 @@ REFERENCE_TOPK = 10  # the FasterDecoding reference keeps the top 10 tokens of e
 _TREE_FILE_SUFFIXES = (".json", ".yaml", ".yml")
 
 
-class TreeError(ValueError):
+class TreeError(MedusaTrtError):
     """A medusa_choices input that cannot be used; the message names the input and the bad value."""
 
 

@@ -33,6 +33,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from medusa_trt.errors import MedusaTrtError
+
 PROG = "medusa-serve"
 
 
@@ -40,7 +42,7 @@ _LOG_ERROR = re.compile(r"E\d{4} ")  # glog severity E + month and day
 _LOG_NOISE = ("CudaDriverHelper has not been initialized",)  # every start on a machine without a GPU
 
 
-class ServerError(RuntimeError):
+class ServerError(MedusaTrtError, RuntimeError):
     """tritonserver is missing, would not start, or died; the message says which and shows its log."""
 
 

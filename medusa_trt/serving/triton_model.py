@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from medusa_trt.errors import MedusaTrtError
 from medusa_trt.runtime.decoding import GenerationConfig, SequenceStats, generate
 from medusa_trt.runtime.loading import load_backend, load_tokenizer, stop_tokens
 from medusa_trt.serving.triton_repo import MODEL_INPUTS
@@ -39,7 +40,7 @@ _NUMPY_KINDS = {"TYPE_STRING": (np.object_, np.bytes_, np.str_), "TYPE_INT32": (
 _INPUTS = {s.name: s for s in MODEL_INPUTS}
 
 
-class RequestError(ValueError):
+class RequestError(MedusaTrtError):
     """A request this model refuses; the message names the input, the value and what was expected."""
 
 

@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from medusa_trt.errors import MedusaTrtError
 from medusa_trt.tree import DEFAULT_TREE, TreeError, parse_medusa_choices, tree_to_brace, validate_and_expand
 
 PROG = "medusa-triton"
@@ -32,7 +33,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 _MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
-class RepoError(ValueError):
+class RepoError(MedusaTrtError):
     """A repository that cannot be written; the message names the path or value and what was expected."""
 
 
