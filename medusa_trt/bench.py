@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from medusa_trt.cli_common import run_cli
 from medusa_trt.errors import MedusaTrtError
 from medusa_trt.runtime.backend import Backend
 from medusa_trt.runtime.decoding import GenerationConfig, SequenceStats, decode
@@ -283,7 +284,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def _main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from medusa_trt.runtime.loading import load_backend, load_tokenizer, stop_tokens
 
@@ -370,6 +371,10 @@ def format_report(r: dict) -> str:
                      f"{m['speedup_vs_hf_generate']:.2f}x (transformers tokens equal plain: "
                      f"{hf['equal_to_plain'] or 'not checked with --repeat > 1'})")
     return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(PROG, lambda: _main(argv))
 
 
 if __name__ == "__main__":

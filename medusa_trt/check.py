@@ -42,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from medusa_trt.cli_common import run_cli
 from medusa_trt.errors import MedusaTrtError
 
 PROG = "medusa-check"
@@ -332,7 +333,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         prompts = None
@@ -358,6 +359,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(report.as_dict(), indent=2) + "\n")
     return 0 if report.passed else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_cli(PROG, lambda: _main(argv))
 
 
 if __name__ == "__main__":

@@ -16,12 +16,11 @@ everything and refuses a mismatch.
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from medusa_trt.errors import MedusaTrtError, require, require_section
+from medusa_trt.errors import MedusaTrtError, read_json_object, require, require_section
 
 # 2: the decoder graph outputs `hidden` and the Medusa heads are a graph of their own.
 ENGINE_FORMAT_VERSION = 2
@@ -31,7 +30,7 @@ SECTIONS = {"onnxruntime": "onnx", "tensorrt": "tensorrt", "tensorrt-llm": "tens
 DTYPES = ("float32", "float16", "bfloat16")
 DEVICES = ("cpu", "cuda")
 LOAD_DIGEST_BYTES = 64 << 20  # files up to this size are hashed at every load (see module docstring)
-MAX_ENGINE_JSON_BYTES = 16 << 20  # engine.json is a few KiB; anything this large is not one
+
 
 # Graph interface (engines/onnx_export.py writes it; the runtime backends bind it).
 INPUT_NAMES = ("input_ids", "position_ids", "past_lengths", "new_mask", "logit_positions")
@@ -49,28 +48,6 @@ class EngineError(MedusaTrtError):
 def past_names(num_layers: int) -> list[str]:
     """Per-layer cache inputs in graph order: past_key_0, past_value_0, past_key_1, ..."""
     return [f"past_{kind}_{i}" for i in range(num_layers) for kind in ("key", "value")]
-
-
-def read_json_object(path: Path, error: type[MedusaTrtError] = EngineError, what: str = "file",
-                     max_bytes: int = MAX_ENGINE_JSON_BYTES) -> dict:
-    """A JSON object from `path`; every failure (missing, unreadable, too large, not UTF-8, not JSON,
-    not an object) is one `error` naming the file."""
-    try:
-        size = path.stat().st_size
-        if size > max_bytes:
-            raise error(f"{path}: {size} bytes; expected a {what} of at most {max_bytes} bytes")
-        data = json.loads(path.read_bytes().decode("utf-8"))
-    except FileNotFoundError:
-        raise error(f"{path}: not found; expected a {what}") from None
-    except IsADirectoryError:
-        raise error(f"{path}: is a directory; expected a {what}") from None
-    except UnicodeDecodeError as e:
-        raise error(f"{path}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
-    except (json.JSONDecodeError, RecursionError) as e:
-        raise error(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise error(f"{path}: expected a JSON object, got a {type(data).__name__}")
-    return data
 
 
 def _relative_file(section: dict, key: str, path: Path, prefix: str, optional: bool = False) -> str | None:
@@ -146,7 +123,7 @@ def read_engine(engine_dir: str | Path, backend: str | None = None) -> dict:
     path = Path(engine_dir) / ENGINE_JSON
     if not path.exists():
         raise EngineError(f"{path}: not found; expected an engine directory written by medusa-build")
-    return validate_engine(read_json_object(path, what="medusa-build engine.json"), path, backend)
+    return validate_engine(read_json_object(path, EngineError, "medusa-build engine.json"), path, backend)
 
 
 def read_engine_json(engine_dir: str | Path, backend: str = "onnxruntime", section: str | None = None) -> dict:

@@ -8,12 +8,14 @@ the value and what was expected; `require` and its helpers write such messages f
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
 _MISSING = object()
+MAX_JSON_BYTES = 64 << 20  # configs, indexes and engine.json are KiB to a few MiB; larger is not one
 
 
 class MedusaTrtError(ValueError):
@@ -74,6 +76,28 @@ def check_number(value: float | int | None, name: str, *, positive: bool = False
         raise error(f"{name} {value}: expected a positive number")
     if nonnegative and value < 0:
         raise error(f"{name} {value}: expected a non-negative number")
+
+
+def read_json_object(path: Path, error: type[MedusaTrtError] = MedusaTrtError, what: str = "JSON file",
+                     max_bytes: int = MAX_JSON_BYTES) -> dict:
+    """A JSON object from `path`; every failure (missing, unreadable, too large, not UTF-8, not JSON,
+    not an object) is one `error` naming the file."""
+    try:
+        size = path.stat().st_size
+        if size > max_bytes:
+            raise error(f"{path}: {size} bytes; expected a {what} of at most {max_bytes} bytes")
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except FileNotFoundError:
+        raise error(f"{path}: not found; expected a {what}") from None
+    except IsADirectoryError:
+        raise error(f"{path}: is a directory; expected a {what}") from None
+    except UnicodeDecodeError as e:
+        raise error(f"{path}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise error(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise error(f"{path}: expected a JSON object, got a {type(data).__name__}")
+    return data
 
 
 def _kind_name(kind: type | tuple[type, ...]) -> str:

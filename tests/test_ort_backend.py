@@ -4,6 +4,7 @@ decodes against transformers' own generate()."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -146,9 +147,17 @@ def test_bad_engine_dir(tmp_path, ort_engine):
     (tmp_path / "engine.json").write_text(json.dumps(engine))
     with pytest.raises(EngineError, match="model.onnx: missing"):
         OrtBackend(tmp_path)
-    (tmp_path / "model.onnx").write_bytes(b"not a protobuf")
-    with pytest.raises(EngineError, match="modified after the build"):  # engine.json's digests are checked
-        OrtBackend(tmp_path)
+    copy = tmp_path / "copy"
+    shutil.copytree(ort_engine("llama"), copy)
+    (copy / "model.onnx").write_bytes(b"not a protobuf")
+    with pytest.raises(EngineError, match="model.onnx: 14 bytes, engine.json records"):  # sizes are checked
+        OrtBackend(copy)
+    shutil.copyfile(ort_engine("llama") / "model.onnx", copy / "model.onnx")
+    data = bytearray((copy / "model.onnx").read_bytes())
+    data[-1] ^= 1  # same size, one bit: the digest catches it
+    (copy / "model.onnx").write_bytes(bytes(data))
+    with pytest.raises(EngineError, match="model.onnx: sha256 differs"):
+        OrtBackend(copy)
 
 
 def test_medusa_run_engine(ort_engine, capsys):

@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from medusa_trt.cli_common import run_cli
 from medusa_trt.runtime.decoding import GenerationConfig, SequenceStats, generate
 from medusa_trt.runtime.loading import load_backend, load_tokenizer, stop_tokens
 
@@ -33,7 +34,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         if args.batch_file:
@@ -85,6 +86,10 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr if args.json else sys.stdout,
         )
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli("medusa-run", lambda: _main(argv))
 
 
 if __name__ == "__main__":

@@ -99,12 +99,12 @@ class OrtBackend:
         if threads is not None and threads < 1:
             raise EngineError(f"threads {threads}: expected >= 1 (or None: one per core)")
         self.engine = engine = read_engine_json(self.engine_dir)
-        check_artifacts(self.engine_dir, engine)
         self.device = device or engine.get("device", "cpu")
         model, limits, onnx_info = engine["model"], engine["limits"], engine["onnx"]
         onnx_path = self.engine_dir / onnx_info["file"]
         if not onnx_path.is_file():
             raise EngineError(f"{onnx_path}: missing; the engine directory is incomplete (rebuild it)")
+        check_artifacts(self.engine_dir, engine)
         if self.device == "cuda" and not torch.cuda.is_available():
             raise EngineError("device 'cuda' keeps the KV cache in torch CUDA tensors, but this torch "
                               f"{torch.__version__} has no CUDA device")

@@ -33,6 +33,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from medusa_trt.cli_common import run_cli
 from medusa_trt.errors import MedusaTrtError
 
 PROG = "medusa-serve"
@@ -250,7 +251,7 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog=PROG, description="Serve a Triton model repository (from medusa-triton or "
                                 "medusa-build --triton-repo) with tritonserver on 127.0.0.1.")
     p.add_argument("--repo", required=True, type=Path, action="append",
@@ -281,6 +282,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{PROG}: stopped")
         return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_cli(PROG, lambda: _main(argv))
 
 
 if __name__ == "__main__":

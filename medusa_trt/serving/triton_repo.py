@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from medusa_trt.cli_common import run_cli
 from medusa_trt.errors import MedusaTrtError
 from medusa_trt.tree import DEFAULT_TREE, TreeError, parse_medusa_choices, tree_to_brace, validate_and_expand
 
@@ -501,7 +502,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         out = write_triton_repo(
@@ -517,6 +518,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     models = sorted(p.parent.name for p in out.glob("*/config.pbtxt"))
     print(f"{PROG}: wrote {out} (models: {', '.join(models)}); serve it with: medusa-serve --repo {out}")
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_cli(PROG, lambda: _main(argv))
 
 
 if __name__ == "__main__":
