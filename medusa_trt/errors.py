@@ -100,6 +100,33 @@ def read_json_object(path: Path, error: type[MedusaTrtError] = MedusaTrtError, w
     return data
 
 
+def read_text_lines(path: Path, error: type[MedusaTrtError] = MedusaTrtError, what: str = "prompt file") -> list[str]:
+    """Non-empty lines of a UTF-8 text file; missing, unreadable, not UTF-8 or empty is one `error`."""
+    path = Path(path)
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise error(f"{path}: {what} not found") from None
+    except IsADirectoryError:
+        raise error(f"{path}: is a directory; expected a {what}") from None
+    except UnicodeDecodeError as e:
+        raise error(f"{path}: not valid UTF-8 ({e.reason} at byte {e.start}); expected a UTF-8 {what}") from None
+    lines = [line for line in text.splitlines() if line.strip()]
+    if not lines:
+        raise error(f"{path}: no prompts (expected a {what} with one per line)")
+    return lines
+
+
+def check_utf8(text: str, name: str, error: type[MedusaTrtError] = MedusaTrtError) -> str:
+    """A command-line string that came from bytes that are not UTF-8 (Python keeps them as lone
+    surrogates) is refused here, naming the option, instead of failing inside a tokenizer."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise error(f"{name} {text[:40]!r}: not valid UTF-8 (at character {e.start})") from None
+    return text
+
+
 def _kind_name(kind: type | tuple[type, ...]) -> str:
     kinds = kind if isinstance(kind, tuple) else (kind,)
     names = {int: "integer", float: "number", str: "string", bool: "boolean", list: "list", dict: "JSON object"}

@@ -52,8 +52,8 @@ def read_samples(path: str | Path) -> list[str]:
             continue
         try:
             obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{n}: not valid JSON ({e.msg}); expected an object like {{\"text\": \"...\"}}") from None
+        except (json.JSONDecodeError, RecursionError) as e:
+            raise DataError(f"{path}:{n}: not valid JSON ({getattr(e, 'msg', e)}); expected an object like {{\"text\": \"...\"}}") from None
         if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
             raise DataError(f"{path}:{n}: expected an object with a string 'text' field, got {line[:60]!r}")
         if obj["text"]:
