@@ -199,13 +199,16 @@ def compare(backend: Backend, prompts: list[list[int]], medusa_choices=DEFAULT_T
 def hf_model_dir(directory: Path) -> Path:
     """The HF base a checkpoint or engine was made from: engine.json -> checkpoint -> config's
     medusa_trt.base (both written by our tools)."""
+    from medusa_trt.engine_dir import ENGINE_JSON, read_engine
+    from medusa_trt.errors import read_json_object
+
     ckpt = directory
-    if (directory / "engine.json").is_file():
-        ckpt = Path(json.loads((directory / "engine.json").read_text()).get("checkpoint", {}).get("path", ""))
+    if (directory / ENGINE_JSON).exists():
+        ckpt = Path(read_engine(directory).get("checkpoint", {}).get("path") or "")
     config = ckpt / "config.json"
     if not config.is_file():
         raise BenchError(f"{config}: not found, so the HF base model is unknown; pass --hf-model DIR")
-    base = (json.loads(config.read_text()).get("medusa_trt") or {}).get("base")
+    base = (read_json_object(config, BenchError, "merged checkpoint config.json").get("medusa_trt") or {}).get("base")
     if not base or not (Path(base) / "config.json").is_file():
         raise BenchError(f"{config}: records base {base!r}, which is not an HF model dir here; pass --hf-model DIR")
     return Path(base)

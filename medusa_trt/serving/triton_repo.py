@@ -16,17 +16,17 @@ This module only writes text: no torch, no tritonclient.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import shutil
 import sys
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from medusa_trt.cli_common import run_cli
-from medusa_trt.errors import MedusaTrtError
+from medusa_trt.engine_dir import ENGINE_JSON, EngineError, read_engine
+from medusa_trt.errors import MedusaTrtError, read_json_object
+from medusa_trt.outputs import atomic_output_dir
 from medusa_trt.tree import DEFAULT_TREE, TreeError, parse_medusa_choices, tree_to_brace, validate_and_expand
 
 PROG = "medusa-triton"
@@ -104,16 +104,14 @@ def read_engine_info(engine_dir: str | Path) -> EngineInfo:
     if not d.is_dir():
         raise RepoError(f"{d}: engine directory not found (expected a medusa-build engine dir, a merged "
                         "checkpoint or a TensorRT-LLM engine dir)")
-    if (d / "engine.json").is_file():
-        e = _read_json(d / "engine.json")
+    if (d / ENGINE_JSON).exists():
         try:
-            limits, medusa = e["limits"], e["medusa"]
-            return EngineInfo(d.resolve(), str(e["backend"]), int(medusa["num_heads"]),
-                              int(limits["max_draft_len"]), int(limits["max_seq_len"]),
-                              int(limits["max_batch_size"]))
-        except (KeyError, TypeError, ValueError) as err:
-            raise RepoError(f"{d / 'engine.json'}: missing or bad field {err} (expected backend, "
-                            "medusa.num_heads and limits.max_draft_len/max_seq_len/max_batch_size)") from None
+            e = read_engine(d)
+        except EngineError as err:
+            raise RepoError(str(err)) from None
+        limits = e["limits"]
+        return EngineInfo(d.resolve(), e["backend"], e["medusa"]["num_heads"], limits["max_draft_len"],
+                          limits["max_seq_len"], limits["max_batch_size"])
     if not (d / "config.json").is_file():
         raise RepoError(f"{d}: neither engine.json nor config.json found (expected a medusa-build engine "
                         "dir, a merged checkpoint or a TensorRT-LLM engine dir)")
@@ -389,13 +387,7 @@ def write_trtllm_triton_repo(
 # --- helpers -------------------------------------------------------------------------------------
 
 def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise RepoError(f"{path}: cannot read it as JSON ({err})") from None
-    if not isinstance(data, dict):
-        raise RepoError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
+    return read_json_object(path, RepoError)
 
 
 def _check_tokenizer(directory: Path) -> None:
@@ -429,20 +421,8 @@ def _write_atomically(out: Path, fill: Callable[[Path], None], force: bool) -> P
     """fill(tmp) writes the repository into a fresh temp dir beside `out`, renamed into place."""
     if out.exists() and not force:
         raise RepoError(f"{out}: already exists (pass force=True / --force to replace it)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
-    try:
+    with atomic_output_dir(out, force, RepoError) as tmp:
         fill(tmp)
-        if out.exists():  # force: swap, then drop the old one, so `out` is never half-written
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
-            out.rename(old / "repo")
-            tmp.rename(out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
