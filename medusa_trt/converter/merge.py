@@ -144,6 +144,7 @@ def convert(base: str | Path, heads: str | Path | None, out: str | Path, *, dtyp
     base_model = read_base(base_dir)
     medusa: MedusaHeads | None = None
     try:
+        base_config(base_model)  # validates every config.json field before the heads are matched to it
         medusa = find_heads(heads_path, base_model)
         out_dtype = dtype or default_out_dtype(base_model)
         config = build_config(base_model, medusa, dtype=out_dtype, tp_size=tp_size,

@@ -179,6 +179,10 @@ def parse_request(service: Service, inputs: Mapping[str, np.ndarray], index: int
             nodes = validate_and_expand(parse_medusa_choices(spec), info.num_medusa_heads, info.max_draft_len)
         except TreeError as err:
             raise RequestError(f"medusa_choices{where}: {err}") from None
+        rank = max(max(p) for p in nodes)
+        if rank >= info.vocab_size:
+            raise RequestError(f"medusa_choices{where}: rank {rank} is beyond the vocabulary ({info.vocab_size} "
+                               f"tokens); expected ranks < {info.vocab_size}")
         depth = max(len(p) for p in nodes)
         if len(prompt) + max_tokens + depth > info.max_seq_len:
             raise RequestError(f"text_input{where}: prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) + tree "
