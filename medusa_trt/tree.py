@@ -32,6 +32,8 @@ _TREE_FILE_SUFFIXES = (".json", ".yaml", ".yml")
 # is refused in linear time.
 MAX_TREE_TEXT = 256 * 1024
 MAX_TREE_NESTING = 8
+# TensorRT-LLM's C++ runtime packs each node's rank into 4 bits: ranks >= 16 collide or throw there.
+TRTLLM_MAX_RANK = 15
 
 
 class TreeError(MedusaTrtError):
@@ -189,6 +191,14 @@ def parse_medusa_choices(spec: str | os.PathLike | list | tuple) -> list[list[in
         return _parse_file(path)
     raise TreeError(f"{where}: unknown preset name; expected one of {sorted(_presets())}, "
                     "a list such as '[[0], [0, 1]]', a brace form '{0}, {0, 1}' or a .json/.yaml file")
+
+
+def check_trtllm_ranks(nodes: list[list[int]], where: str = "medusa_choices") -> None:
+    """Refuses a tree TensorRT-LLM cannot hold (see TRTLLM_MAX_RANK)."""
+    bad = next((p for p in nodes if max(p) > TRTLLM_MAX_RANK), None)
+    if bad is not None:
+        raise TreeError(f"{where}: path {list(bad)} has rank {max(bad)}; TensorRT-LLM encodes tree ranks in 4 bits, "
+                        f"expected ranks <= {TRTLLM_MAX_RANK}")
 
 
 def validate_and_expand(choices: list, num_heads: int, max_draft_len: int | None = None) -> list[list[int]]:

@@ -101,6 +101,16 @@ def _poison_heads(ctx: Ctx) -> Path:
     return d
 
 
+def _trtllm_engine(ctx: Ctx) -> Path:
+    """What trtllm-build leaves (its config.json; the engines cannot be built here)."""
+    d = ctx.tmp / "trtllm"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({
+        "pretrained_config": {"architecture": "MedusaForCausalLM", "num_medusa_heads": 4, "max_draft_len": 63},
+        "build_config": {"max_batch_size": 8, "max_seq_len": 512, "max_draft_len": 63}}))
+    return d
+
+
 def _engine_dir_with(ctx: Ctx, edit) -> Path:
     return ctx.edit_json(ctx.engine, "eng", "engine.json", edit)
 
@@ -274,6 +284,10 @@ CASES = [
     ("triton-tree-deep", TRITON,
      lambda c: ["--engine", str(c.ckpt), "--out", str(c.out), "--medusa-choices", "[" * 5000],
      ["nested 5000 levels"]),
+    ("triton-trtllm-rank-16", TRITON,
+     lambda c: ["--engine", str(_trtllm_engine(c)), "--out", str(c.out), "--tokenizer-dir", str(c.ckpt),
+                "--medusa-choices", "[[0], [16]]"],
+     ["rank 16", "4 bits"]),
     # -- medusa-tune-tree, medusa-bench, medusa-train-heads ---------------------------------------
     ("tune-tree-calibration-too-small", TUNE,
      lambda c: ["--engine", str(c.ckpt), "--calib-data", str(c.write("cal.txt", "a\n")), "--out", str(c.out / "t.json"),

@@ -287,3 +287,17 @@ def test_medusa_build_writes_the_repository_beside_the_engine(tmp_path, tiny_mer
     config = parse_config(repo / "medusa" / "config.pbtxt")
     assert config.max_batch_size == 4
     assert Path(params(config)["engine_dir"]) == engine.resolve()
+
+
+def test_trtllm_scalars_are_reshaped_and_ranks_fit_4_bits(tiny_merged, tmp_path):
+    """tensorrtllm_backend's template reshapes its scalar inputs to []: without it the backend sees
+    [B, 1] input_lengths and refuses requests of several rows. Its C++ runtime holds tree ranks in 4 bits."""
+    engine = trtllm_engine(tmp_path)
+    out = write_trtllm_triton_repo(engine, tmp_path / "repo", tiny_merged(), medusa_choices="[[0], [15]]")
+    config = parse_config(out / "tensorrt_llm" / "config.pbtxt")
+    reshaped = {i.name for i in config.input if i.HasField("reshape") and list(i.reshape.shape) == []}
+    assert {"input_lengths", "end_id", "pad_id", "temperature", "runtime_top_k", "runtime_top_p"} <= reshaped
+    assert not {"input_ids", "request_output_len", "stop_words_list", "streaming"} & reshaped
+    with pytest.raises(RepoError, match=r"rank 16; TensorRT-LLM encodes tree ranks in 4 bits"):
+        write_trtllm_triton_repo(engine, tmp_path / "repo2", tiny_merged(), medusa_choices="[[0], [16]]")
+    assert not (tmp_path / "repo2").exists()

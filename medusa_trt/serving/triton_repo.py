@@ -27,7 +27,14 @@ from medusa_trt.cli_common import run_cli
 from medusa_trt.engine_dir import ENGINE_JSON, EngineError, read_engine
 from medusa_trt.errors import MedusaTrtError, read_json_object
 from medusa_trt.outputs import atomic_output_dir
-from medusa_trt.tree import DEFAULT_TREE, TreeError, parse_medusa_choices, tree_to_brace, validate_and_expand
+from medusa_trt.tree import (
+    DEFAULT_TREE,
+    TreeError,
+    check_trtllm_ranks,
+    parse_medusa_choices,
+    tree_to_brace,
+    validate_and_expand,
+)
 
 PROG = "medusa-triton"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -44,6 +51,7 @@ class TensorSpec:
     dtype: str  # Triton data type, e.g. "TYPE_INT32"
     dims: tuple[int, ...]  # without the batch dimension (every model here has max_batch_size > 0)
     optional: bool = False
+    scalar: bool = False  # `reshape: { shape: [ ] }`: the backend gets [B], not [B, 1] (tensorrtllm_backend)
 
 
 # The Python-backend model's interface: tensorrtllm_backend's ensemble names where one exists, so
@@ -255,17 +263,19 @@ PRE_OUTPUTS = (
 )
 TRTLLM_INPUTS = (
     TensorSpec("input_ids", "TYPE_INT32", (-1,)),
-    TensorSpec("input_lengths", "TYPE_INT32", (1,)),
+    # Scalars reshaped as tensorrtllm_backend's tensorrt_llm/config.pbtxt template does; without it the
+    # backend sees [B, 1] input_lengths and its batch split rejects requests of more than one row.
+    TensorSpec("input_lengths", "TYPE_INT32", (1,), scalar=True),
     TensorSpec("request_output_len", "TYPE_INT32", (1,)),
-    TensorSpec("end_id", "TYPE_INT32", (1,), optional=True),
-    TensorSpec("pad_id", "TYPE_INT32", (1,), optional=True),
+    TensorSpec("end_id", "TYPE_INT32", (1,), optional=True, scalar=True),
+    TensorSpec("pad_id", "TYPE_INT32", (1,), optional=True, scalar=True),
     TensorSpec("stop_words_list", "TYPE_INT32", (2, -1), optional=True),
     TensorSpec("bad_words_list", "TYPE_INT32", (2, -1), optional=True),
     TensorSpec("streaming", "TYPE_BOOL", (1,), optional=True),
-    TensorSpec("temperature", "TYPE_FP32", (1,), optional=True),
-    TensorSpec("runtime_top_k", "TYPE_INT32", (1,), optional=True),
-    TensorSpec("runtime_top_p", "TYPE_FP32", (1,), optional=True),
-    TensorSpec("return_perf_metrics", "TYPE_BOOL", (1,), optional=True),
+    TensorSpec("temperature", "TYPE_FP32", (1,), optional=True, scalar=True),
+    TensorSpec("runtime_top_k", "TYPE_INT32", (1,), optional=True, scalar=True),
+    TensorSpec("runtime_top_p", "TYPE_FP32", (1,), optional=True, scalar=True),
+    TensorSpec("return_perf_metrics", "TYPE_BOOL", (1,), optional=True, scalar=True),  # as the return_* flags
 )
 TRTLLM_OUTPUTS = (
     TensorSpec("output_ids", "TYPE_INT32", (-1, -1)),  # [beam, tokens]
@@ -327,6 +337,10 @@ def write_trtllm_triton_repo(
     _check_tokenizer(tokenizer)
     batch = _check_batch(max_batch_size, info)
     tree = _default_tree(medusa_choices, info)
+    try:
+        check_trtllm_ranks(tree, f"default tree for the TensorRT-LLM engine {info.directory}")
+    except TreeError as err:
+        raise RepoError(str(err)) from None
     if not 0 <= kv_cache_free_gpu_mem_fraction <= 1:
         raise RepoError(f"kv_cache_free_gpu_mem_fraction {kv_cache_free_gpu_mem_fraction}: expected 0..1")
     dynamic = f"dynamic_batching {{\n  max_queue_delay_microseconds: {max_queue_delay_us}\n}}"
@@ -436,6 +450,8 @@ def _tensors(key: str, specs: Sequence[TensorSpec], ragged: bool = False) -> str
     items = []
     for s in specs:
         lines = [f"    name: {_q(s.name)}", f"    data_type: {s.dtype}", f"    dims: [ {', '.join(map(str, s.dims))} ]"]
+        if s.scalar:
+            lines.append("    reshape: { shape: [ ] }")
         if s.optional:
             lines.append("    optional: true")
         if ragged:
