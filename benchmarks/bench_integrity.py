@@ -28,13 +28,6 @@ def _median(fn, reps: int) -> float:
 
 
 def main() -> None:
-    import onnx
-    import onnxruntime as ort
-    from onnx import TensorProto, helper, numpy_helper
-
-    from medusa_trt.converter.hf_base import check_finite
-    from medusa_trt.engine_dir import sha256_file
-
     p = argparse.ArgumentParser()
     p.add_argument("--mb", type=int, default=538)
     p.add_argument("--workdir", type=Path)
