@@ -301,3 +301,16 @@ def test_trtllm_scalars_are_reshaped_and_ranks_fit_4_bits(tiny_merged, tmp_path)
     with pytest.raises(RepoError, match=r"rank 16; TensorRT-LLM encodes tree ranks in 4 bits"):
         write_trtllm_triton_repo(engine, tmp_path / "repo2", tiny_merged(), medusa_choices="[[0], [16]]")
     assert not (tmp_path / "repo2").exists()
+
+
+def test_repository_dirs_get_the_umask_permissions(tiny_merged, tmp_path):
+    """Made with mkdir (not mkdtemp's 0700): the Triton server's user can read what medusa-triton wrote."""
+    import os
+
+    umask = os.umask(0o022)
+    try:
+        out = write_triton_repo(tiny_merged(), tmp_path / "repo")
+    finally:
+        os.umask(umask)
+    for d in (out, out / "medusa", out / "medusa" / "1"):
+        assert d.stat().st_mode & 0o777 == 0o755, d
