@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 REPO ?= build/demo/triton_repo
 
-.PHONY: setup demo test lint serve clean
+.PHONY: setup demo test lint serve clean gpu-check
 
 setup: $(STAMP)
 
@@ -22,6 +22,11 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# Everything that needs an NVIDIA GPU (kernel vs reference and SDPA, TensorRT plugin/native and ONNX
+# Runtime CUDA engines with medusa-check, Medusa vs plain timing); one line and exit 0 without a GPU.
+gpu-check: setup
+	$(PY) scripts/gpu_check.py --out build/gpu_check/report.json
 
 serve: setup
 	$(PY) -m medusa_trt.serving.server --repo $(REPO)

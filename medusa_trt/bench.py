@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from medusa_trt.cli_common import run_cli
+from medusa_trt.errors import MedusaTrtError
 from medusa_trt.runtime.backend import Backend
 from medusa_trt.runtime.decoding import ACCEPTANCE, GenerationConfig, SequenceStats, decode
 from medusa_trt.tree import DEFAULT_TREE
@@ -30,7 +32,7 @@ from medusa_trt.tree import DEFAULT_TREE
 PROG = "medusa-bench"
 
 
-class BenchError(ValueError):
+class BenchError(MedusaTrtError):
     """Bad input to medusa-bench / medusa-tune-tree (a file, a directory, an option); exit 2."""
 
 
@@ -213,13 +215,16 @@ def compare(backend: Backend, prompts: list[list[int]], medusa_choices=DEFAULT_T
 def hf_model_dir(directory: Path) -> Path:
     """The HF base a checkpoint or engine was made from: engine.json -> checkpoint -> config's
     medusa_trt.base (both written by our tools)."""
+    from medusa_trt.engine_dir import ENGINE_JSON, read_engine
+    from medusa_trt.errors import read_json_object
+
     ckpt = directory
-    if (directory / "engine.json").is_file():
-        ckpt = Path(json.loads((directory / "engine.json").read_text()).get("checkpoint", {}).get("path", ""))
+    if (directory / ENGINE_JSON).exists():
+        ckpt = Path(read_engine(directory).get("checkpoint", {}).get("path") or "")
     config = ckpt / "config.json"
     if not config.is_file():
         raise BenchError(f"{config}: not found, so the HF base model is unknown; pass --hf-model DIR")
-    base = (json.loads(config.read_text()).get("medusa_trt") or {}).get("base")
+    base = (read_json_object(config, BenchError, "merged checkpoint config.json").get("medusa_trt") or {}).get("base")
     if not base or not (Path(base) / "config.json").is_file():
         raise BenchError(f"{config}: records base {base!r}, which is not an HF model dir here; pass --hf-model DIR")
     return Path(base)
@@ -309,7 +314,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def _main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from medusa_trt.runtime.loading import load_backend, load_tokenizer, stop_tokens
 
@@ -402,6 +407,10 @@ def format_report(r: dict) -> str:
                      f"{m['speedup_vs_hf_generate']:.2f}x (transformers tokens equal plain: "
                      f"{hf['equal_to_plain'] or 'not checked with --repeat > 1'})")
     return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(PROG, lambda: _main(argv))
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -41,6 +42,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+
+from medusa_trt.cli_common import run_cli
+from medusa_trt.errors import MedusaTrtError, read_text_lines
 
 PROG = "medusa-check"
 TOLERANCES = {"float32": 1e-4, "float16": 5e-2, "bfloat16": 2.5e-1}
@@ -53,7 +57,7 @@ DEFAULT_PROMPTS = (
 COMPARED_OUTPUTS = ("logits", "medusa_logits")
 
 
-class CheckInputError(ValueError):
+class CheckInputError(MedusaTrtError):
     """Bad input to medusa-check (engine, checkpoint, prompts); the CLI exits 2."""
 
 
@@ -102,13 +106,18 @@ def run_check(engine_dir: str | Path, checkpoint: str | Path | None = None, prom
               atol: float | None = None) -> CheckReport:
     """Runs every comparison; raises CheckInputError on bad input, never on a parity failure."""
     from medusa_trt.checkpoint import CheckpointError, validate_checkpoint
-    from medusa_trt.engines.build import sha256_file, verify_artifacts
+    from medusa_trt.engine_dir import sha256_file, verify_artifacts
     from medusa_trt.modeling import MedusaModel
     from medusa_trt.runtime.backend import TorchBackend
     from medusa_trt.runtime.loading import load_backend
 
     engine_dir = Path(engine_dir)
+    if atol is not None and not (atol >= 0 and math.isfinite(atol)):
+        raise CheckInputError(f"--atol {atol}: expected a finite number >= 0")
     engine = _read_engine(engine_dir)
+    problems = verify_artifacts(engine_dir, engine)  # every digest: this is the integrity check
+    if problems:
+        raise CheckInputError("; ".join(problems) + " (rebuild the engine with medusa-build)")
     recorded = (engine.get("checkpoint") or {}).get("path")
     if checkpoint is None and not recorded:
         raise CheckInputError(f"{engine_dir / 'engine.json'} records no checkpoint path; pass --checkpoint")
@@ -132,7 +141,6 @@ def run_check(engine_dir: str | Path, checkpoint: str | Path | None = None, prom
     tol = atol if atol is not None else TOLERANCES[dtype]
     report = CheckReport(str(engine_dir), str(checkpoint), str(engine.get("backend")), dtype, tol)
 
-    report.warnings += verify_artifacts(engine_dir, engine)
     recorded_sha = (engine.get("checkpoint") or {}).get("config_sha256")
     if recorded_sha and sha256_file(checkpoint / "config.json") != recorded_sha:
         report.warnings.append(f"{checkpoint / 'config.json'} differs from the one the engine was built from")
@@ -184,16 +192,12 @@ def _prompt_ids(engine_dir: Path, prompts: Sequence[str] | None, vocab_size: int
 
 
 def _read_engine(engine_dir: Path) -> dict:
-    path = engine_dir / "engine.json"
-    if not path.is_file():
-        raise CheckInputError(f"{path}: not found; expected an engine directory written by medusa-build")
+    from medusa_trt.engine_dir import EngineError, read_engine
+
     try:
-        engine = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckInputError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(engine, dict):
-        raise CheckInputError(f"{path}: expected a JSON object")
-    return engine
+        return read_engine(engine_dir)
+    except EngineError as e:
+        raise CheckInputError(str(e)) from None
 
 
 def default_tree(num_heads: int, max_draft_len: int):
@@ -338,16 +342,12 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         prompts = None
         if args.prompts is not None:
-            if not args.prompts.is_file():
-                raise CheckInputError(f"{args.prompts}: prompt file not found")
-            prompts = [line for line in args.prompts.read_text().splitlines() if line.strip()]
-            if not prompts:
-                raise CheckInputError(f"{args.prompts}: no prompts (expected one per line)")
+            prompts = read_text_lines(args.prompts, CheckInputError, "prompt file (--prompts)")
         if args.max_new_tokens < 1 or args.tree_steps < 0:
             raise CheckInputError("--max-new-tokens must be >= 1 and --tree-steps >= 0")
         report = run_check(args.engine, args.checkpoint, prompts, max_new_tokens=args.max_new_tokens,
@@ -364,6 +364,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(report.as_dict(), indent=2) + "\n")
     return 0 if report.passed else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_cli(PROG, lambda: _main(argv))
 
 
 if __name__ == "__main__":

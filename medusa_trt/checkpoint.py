@@ -26,8 +26,10 @@ from pathlib import Path
 
 import torch
 
+from medusa_trt.errors import MedusaTrtError, read_json_object, require
 
-class CheckpointError(Exception):
+
+class CheckpointError(MedusaTrtError):
     """A checkpoint file or directory is missing, corrupt, or does not match its config."""
 
 
@@ -629,17 +631,56 @@ def write_checkpoint(out_dir: str | os.PathLike, config: dict,
 
 
 def read_config(directory: str | os.PathLike) -> dict:
+    """config.json of a merged checkpoint, with every field that is present type- and range-checked
+    (validate_checkpoint reports the missing ones)."""
     path = Path(directory) / "config.json"
-    try:
-        with open(path) as f:
-            config = json.load(f)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: not found; expected a merged checkpoint directory") from None
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{path}: expected a JSON object")
+    config = read_json_object(path, CheckpointError, "merged checkpoint config.json")
+    validate_config(config, path)
     return config
+
+
+_POSITIVE_INTS = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size", "head_size",
+                  "intermediate_size", "vocab_size", "max_position_embeddings", "max_draft_len")
+
+
+def validate_config(config: dict, path: Path) -> None:
+    """Types and ranges of the config.json fields this project reads; absent fields are left to
+    validate_checkpoint's list of missing keys."""
+    def req(obj, key, kind, prefix="", **kw):
+        return require(obj, key, kind, file=path, prefix=prefix, error=CheckpointError, default=None, **kw)
+
+    for key in _POSITIVE_INTS:
+        req(config, key, int, positive=True)
+    for key in ("num_medusa_heads", "num_medusa_layers", "embedding_sharding_dim"):
+        req(config, key, int, nonnegative=True)
+    for key in ("rotary_base", "norm_epsilon"):
+        req(config, key, float, positive=True)
+    req(config, "dtype", str, choices=tuple(CONFIG_DTYPES))
+    req(config, "logits_dtype", str, choices=tuple(CONFIG_DTYPES))
+    for key in ("architecture", "model_type", "hidden_act", "position_embedding_type"):
+        req(config, key, str)
+    for key in ("attn_bias", "mlp_bias", "use_parallel_embedding", "tie_word_embeddings"):
+        req(config, key, bool)
+    req(config, "sliding_window", int, positive=True)
+    req(config, "rotary_scaling", dict)
+    mapping = req(config, "mapping", dict)
+    for key in ("world_size", "tp_size", "pp_size"):
+        if mapping is not None:
+            req(mapping, key, int, "mapping.", positive=True)
+    quant = req(config, "quantization", dict)
+    if quant is not None:
+        for key in ("quant_algo", "kv_cache_quant_algo"):
+            req(quant, key, str, "quantization.")
+        req(quant, "exclude_modules", list, "quantization.")
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        v = config.get(key)
+        if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and v >= 0) and not (
+                isinstance(v, list) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in v)):
+            raise CheckpointError(f"{path}: {key} {v!r}; expected a token id, a list of token ids or null")
+    if config.get("num_attention_heads") and config.get("num_key_value_heads") and (
+            config["num_attention_heads"] % config["num_key_value_heads"]):
+        raise CheckpointError(f"{path}: num_attention_heads {config['num_attention_heads']} is not a multiple of "
+                              f"num_key_value_heads {config['num_key_value_heads']}")
 
 
 def validate_checkpoint(directory: str | os.PathLike, *, strict: bool = True) -> list[str]:

@@ -24,12 +24,15 @@ import sys
 import time
 from pathlib import Path
 
+from medusa_trt.cli_common import run_cli
+from medusa_trt.errors import MedusaTrtError
+
 PROG = "medusa-train-heads"
 DTYPES = ("float32", "float16", "bfloat16")
 HEAD_FILES = ("medusa_lm_head.pt", "medusa_lm_head.safetensors")  # v1, v2 (training.save_heads)
 
 
-class TrainError(ValueError):
+class TrainError(MedusaTrtError):
     """Bad input (a file, the base dir, an option): the CLI prints it and exits 2."""
 
 
@@ -129,7 +132,7 @@ def build_sequences(args, samples: list[str], tok, model) -> tuple[list[list[int
     return seqs, [len(p) - 1 for p in prompts]
 
 
-def main(argv: list[str] | None = None) -> int:
+def _main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     t0 = time.perf_counter()
     try:
@@ -211,6 +214,10 @@ def _saved_dtype(base: Path):
     name = cfg.get("dtype") or cfg.get("torch_dtype")
     dtype = getattr(torch, name, None) if isinstance(name, str) else None
     return dtype if isinstance(dtype, torch.dtype) else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(PROG, lambda: _main(argv))
 
 
 if __name__ == "__main__":

@@ -20,11 +20,13 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from medusa_trt.errors import MedusaTrtError
+
 LOSS_DECAY = 0.8  # Medusa-1's per-head loss weight: head k counts 0.8^k
 DATA_SUFFIXES = (".txt", ".jsonl")
 
 
-class DataError(ValueError):
+class DataError(MedusaTrtError):
     """A data file that cannot be used; the message names the file, the line and what was expected."""
 
 
@@ -50,8 +52,8 @@ def read_samples(path: str | Path) -> list[str]:
             continue
         try:
             obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{n}: not valid JSON ({e.msg}); expected an object like {{\"text\": \"...\"}}") from None
+        except (json.JSONDecodeError, RecursionError) as e:
+            raise DataError(f"{path}:{n}: not valid JSON ({getattr(e, 'msg', e)}); expected an object like {{\"text\": \"...\"}}") from None
         if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
             raise DataError(f"{path}:{n}: expected an object with a string 'text' field, got {line[:60]!r}")
         if obj["text"]:

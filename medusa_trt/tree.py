@@ -20,14 +20,23 @@ from typing import Any
 
 import numpy as np
 
+from medusa_trt.errors import MedusaTrtError
+
 log = logging.getLogger(__name__)
 
 DEFAULT_TREE = "mc_sim_7b_63"
 REFERENCE_TOPK = 10  # the FasterDecoding reference keeps the top 10 tokens of every head
 _TREE_FILE_SUFFIXES = (".json", ".yaml", ".yml")
+# Bounds checked before any parser runs (a 63-node tree is under 1 KB and 3 levels deep), so a tree
+# file or request built to exhaust memory or the stack (a YAML alias bomb, JSON nested 50,000 deep)
+# is refused in linear time.
+MAX_TREE_TEXT = 256 * 1024
+MAX_TREE_NESTING = 8
+# TensorRT-LLM's C++ runtime packs each node's rank into 4 bits: ranks >= 16 collide or throw there.
+TRTLLM_MAX_RANK = 15
 
 
-class TreeError(ValueError):
+class TreeError(MedusaTrtError):
     """A medusa_choices input that cannot be used; the message names the input and the bad value."""
 
 
@@ -59,6 +68,44 @@ def _as_path_list(obj: Any, where: str) -> list[list[Any]]:
     return [list(path) for path in obj]
 
 
+def _check_bounds(text: str, where: str, yaml_text: bool = False) -> None:
+    if len(text) > MAX_TREE_TEXT:
+        raise TreeError(f"{where}: {len(text)} characters; expected a tree of at most {MAX_TREE_TEXT}")
+    depth = deepest = 0
+    quote = None
+    for ch in text:  # bracket nesting outside strings; linear, no recursion
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "\"'":
+            quote = ch
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    if deepest > MAX_TREE_NESTING:
+        raise TreeError(f"{where}: nested {deepest} levels deep; a tree is a list of paths (at most "
+                        f"{MAX_TREE_NESTING} levels)")
+    if yaml_text:
+        import yaml
+
+        opens = (yaml.BlockSequenceStartToken, yaml.BlockMappingStartToken, yaml.FlowSequenceStartToken,
+                 yaml.FlowMappingStartToken)
+        closes = (yaml.BlockEndToken, yaml.FlowSequenceEndToken, yaml.FlowMappingEndToken)
+        depth = 0
+        try:
+            for token in yaml.scan(text):  # the scanner does not expand aliases or recurse
+                if isinstance(token, (yaml.AliasToken, yaml.AnchorToken)):
+                    raise TreeError(f"{where}: YAML anchors and aliases are not accepted in a tree file "
+                                    "(write the paths out)")
+                depth += isinstance(token, opens) - isinstance(token, closes)
+                if depth > MAX_TREE_NESTING:
+                    raise TreeError(f"{where}: nested more than {MAX_TREE_NESTING} levels deep; a tree is a list "
+                                    "of paths")
+        except yaml.YAMLError as err:
+            raise TreeError(f"{where}: cannot parse it as YAML ({' '.join(str(err).split())})") from None
+
+
 def _parse_brace(text: str, where: str) -> list[list[Any]]:
     # Triton's form "{0}, {0, 1}", optionally inside one more pair of braces: "{{0}, {0, 1}}".
     compact = re.sub(r"\s+", "", text)
@@ -79,9 +126,14 @@ def _parse_file(path: Path) -> list[list[Any]]:
     if suffix not in _TREE_FILE_SUFFIXES:
         raise TreeError(f"{where}: unsupported suffix {suffix!r}; expected one of {_TREE_FILE_SUFFIXES}")
     try:
-        text = path.read_text()
+        if path.stat().st_size > MAX_TREE_TEXT:
+            raise TreeError(f"{where}: {path.stat().st_size} bytes; expected a tree file of at most {MAX_TREE_TEXT}")
+        text = path.read_bytes().decode("utf-8")
     except OSError as err:
         raise TreeError(f"{where}: cannot read it ({err.strerror or err})") from None
+    except UnicodeDecodeError as err:
+        raise TreeError(f"{where}: not valid UTF-8 ({err.reason} at byte {err.start})") from None
+    _check_bounds(text, where, yaml_text=suffix != ".json")
     try:
         if suffix == ".json":
             data = json.loads(text)
@@ -115,6 +167,11 @@ def parse_medusa_choices(spec: str | os.PathLike | list | tuple) -> list[list[in
                         "name, a list of paths, a string or a file path")
     text = spec.strip()
     where = f"medusa_choices {_short(spec)}"
+    if not text:
+        raise TreeError(f"{where}: empty; expected a preset name ({', '.join(sorted(_presets()))}), a list such "
+                        "as '[[0], [0, 1]]', a brace form '{0}, {0, 1}' or a .json/.yaml file")
+    if text.startswith(("[", "{")):
+        _check_bounds(text, where)
     if text in _presets():
         return [list(path) for path in _presets()[text]]
     if text.startswith("["):
@@ -134,6 +191,14 @@ def parse_medusa_choices(spec: str | os.PathLike | list | tuple) -> list[list[in
         return _parse_file(path)
     raise TreeError(f"{where}: unknown preset name; expected one of {sorted(_presets())}, "
                     "a list such as '[[0], [0, 1]]', a brace form '{0}, {0, 1}' or a .json/.yaml file")
+
+
+def check_trtllm_ranks(nodes: list[list[int]], where: str = "medusa_choices") -> None:
+    """Refuses a tree TensorRT-LLM cannot hold (see TRTLLM_MAX_RANK)."""
+    bad = next((p for p in nodes if max(p) > TRTLLM_MAX_RANK), None)
+    if bad is not None:
+        raise TreeError(f"{where}: path {list(bad)} has rank {max(bad)}; TensorRT-LLM encodes tree ranks in 4 bits, "
+                        f"expected ranks <= {TRTLLM_MAX_RANK}")
 
 
 def validate_and_expand(choices: list, num_heads: int, max_draft_len: int | None = None) -> list[list[int]]:

@@ -38,7 +38,8 @@ def test_prompts_file_and_explicit_checkpoint(ort_engine, tiny_merged, tmp_path)
 
 
 def test_perturbed_weights_fail(ort_engine, tmp_path, capsys):
-    """One initializer nudged after the build: parity fails (exit 1) and the checksum warns."""
+    """One initializer nudged after the build: the digest refuses it (exit 2); with digests re-recorded,
+    parity fails (exit 1)."""
     engine = tmp_path / "engine"
     shutil.copytree(ort_engine("llama"), engine)
     model = onnx.load(engine / "model.onnx")
@@ -47,10 +48,21 @@ def test_perturbed_weights_fail(ort_engine, tmp_path, capsys):
     weights[: weights.shape[0] // 2] += 0.05
     target.CopyFrom(numpy_helper.from_array(weights, target.name))
     onnx.save(model, engine / "model.onnx")
+    capsys.readouterr()
+    # engine.json's digest no longer matches: refused before any comparison, naming the file.
+    assert main(["--engine", str(engine), *FAST]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "model.onnx: sha256 differs" in err[0], err
+    # Digests re-recorded (a deliberate edit): parity itself must catch the change.
+    from medusa_trt.engine_dir import artifact_checksums
+
+    info = json.loads((engine / "engine.json").read_text())
+    info["artifacts"] = artifact_checksums(engine)
+    (engine / "engine.json").write_text(json.dumps(info))
     report_path = tmp_path / "report.json"
     assert main(["--engine", str(engine), "--json", str(report_path), *FAST]) == 1
     out = capsys.readouterr().out
-    assert "FAIL" in out and "model.onnx" in out
+    assert "FAIL" in out
     report = json.loads(report_path.read_text())
     assert not report["passed"]
     assert any(not r["passed"] and r["output"] in ("logits", "medusa_logits") for r in report["rows"])

@@ -233,3 +233,15 @@ def test_float16_engine(trt_engine, tiny_merged):
     mask = torch.ones(2, 8, 8, dtype=torch.bool).tril()
     got, want = (b.forward(ids, torch.arange(8).expand(2, 8), mask) for b in (backend, ref))
     torch.testing.assert_close(got[0], want[0], atol=5e-2, rtol=5e-2)
+
+
+def test_tensorrt_version_floor():
+    """The opset-23 graphs need RMSNormalization (TensorRT 10.15) and Attention (10.14): older is refused."""
+    from medusa_trt.engines.build import BuildError
+    from medusa_trt.engines.tensorrt import check_tensorrt_version
+
+    for ok in ("10.15.1.29", "10.16.0", "11.0.0"):
+        check_tensorrt_version(ok)
+    for old in ("10.9.0.34", "10.14.1", "8.6.1"):
+        with pytest.raises(BuildError, match=r"TensorRT >= 10.15"):
+            check_tensorrt_version(old)

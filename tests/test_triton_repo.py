@@ -223,7 +223,7 @@ def test_interrupted_write_leaves_no_repository(tiny_merged, tmp_path, monkeypat
     monkeypatch.setattr(triton_repo.shutil, "copyfile", fail_after_some_files)
     with pytest.raises(OSError, match="No space"):
         write_trtllm_triton_repo(trtllm_engine(tmp_path), tmp_path / "out" / "repo", tiny_merged())
-    assert list((tmp_path / "out").iterdir()) == []
+    assert not (tmp_path / "out").exists()  # nor the parent it created
 
 
 def test_bad_engine_dirs_give_clear_errors(tiny_merged, tiny_base, tmp_path):
@@ -236,7 +236,7 @@ def test_bad_engine_dirs_give_clear_errors(tiny_merged, tiny_base, tmp_path):
         write_triton_repo(tiny_base(), tmp_path / "repo")  # an HF base, not merged
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "engine.json").write_text("{not json")
-    with pytest.raises(RepoError, match=r"broken/engine.json: cannot read it as JSON"):
+    with pytest.raises(RepoError, match=r"broken/engine.json: not valid JSON"):
         write_triton_repo(tmp_path / "broken", tmp_path / "repo")
     with pytest.raises(RepoError, match=r"depth 6 exceeds num_heads=4"):
         write_triton_repo(tiny_merged(), tmp_path / "repo", medusa_choices="[[0, 0, 0, 0, 0, 0]]")
@@ -247,14 +247,15 @@ def test_bad_engine_dirs_give_clear_errors(tiny_merged, tiny_base, tmp_path):
     assert not (tmp_path / "repo").exists()
 
 
-def test_engine_json_limits(tiny_merged, tmp_path):
+def test_engine_json_limits(tiny_merged, ort_engine, tmp_path):
     # An engine dir as medusa-build writes it: the repository takes its limits from engine.json.
     engine = tmp_path / "engine"
     engine.mkdir()
     (engine / "tokenizer.json").write_text((tiny_merged() / "tokenizer.json").read_text())
-    (engine / "engine.json").write_text(json.dumps({
-        "backend": "onnxruntime", "medusa": {"num_heads": 4, "max_draft_len": 20},
-        "limits": {"max_batch_size": 4, "max_seq_len": 128, "max_draft_len": 20}}))
+    built = json.loads((ort_engine("llama") / "engine.json").read_text())
+    built["medusa"].update(num_heads=4, max_draft_len=20)
+    built["limits"] = {"max_batch_size": 4, "max_seq_len": 128, "max_draft_len": 20}
+    (engine / "engine.json").write_text(json.dumps(built))
     info = read_engine_info(engine)
     assert (info.kind, info.max_batch_size, info.max_seq_len) == ("onnxruntime", 4, 128)
     with pytest.raises(RepoError, match="max_draft_len=20"):  # mc_sim_7b_63 has 63 nodes
@@ -286,3 +287,30 @@ def test_medusa_build_writes_the_repository_beside_the_engine(tmp_path, tiny_mer
     config = parse_config(repo / "medusa" / "config.pbtxt")
     assert config.max_batch_size == 4
     assert Path(params(config)["engine_dir"]) == engine.resolve()
+
+
+def test_trtllm_scalars_are_reshaped_and_ranks_fit_4_bits(tiny_merged, tmp_path):
+    """tensorrtllm_backend's template reshapes its scalar inputs to []: without it the backend sees
+    [B, 1] input_lengths and refuses requests of several rows. Its C++ runtime holds tree ranks in 4 bits."""
+    engine = trtllm_engine(tmp_path)
+    out = write_trtllm_triton_repo(engine, tmp_path / "repo", tiny_merged(), medusa_choices="[[0], [15]]")
+    config = parse_config(out / "tensorrt_llm" / "config.pbtxt")
+    reshaped = {i.name for i in config.input if i.HasField("reshape") and list(i.reshape.shape) == []}
+    assert {"input_lengths", "end_id", "pad_id", "temperature", "runtime_top_k", "runtime_top_p"} <= reshaped
+    assert not {"input_ids", "request_output_len", "stop_words_list", "streaming"} & reshaped
+    with pytest.raises(RepoError, match=r"rank 16; TensorRT-LLM encodes tree ranks in 4 bits"):
+        write_trtllm_triton_repo(engine, tmp_path / "repo2", tiny_merged(), medusa_choices="[[0], [16]]")
+    assert not (tmp_path / "repo2").exists()
+
+
+def test_repository_dirs_get_the_umask_permissions(tiny_merged, tmp_path):
+    """Made with mkdir (not mkdtemp's 0700): the Triton server's user can read what medusa-triton wrote."""
+    import os
+
+    umask = os.umask(0o022)
+    try:
+        out = write_triton_repo(tiny_merged(), tmp_path / "repo")
+    finally:
+        os.umask(umask)
+    for d in (out, out / "medusa", out / "medusa" / "1"):
+        assert d.stat().st_mode & 0o777 == 0o755, d

@@ -29,13 +29,15 @@ from pathlib import Path
 
 import torch
 
+from medusa_trt.errors import MedusaTrtError
+
 log = logging.getLogger("medusa_trt.calibration")
 
 DEFAULT_CALIB_SAMPLES = 512  # as ModelOpt's default calib_size
 BATCH_SIZE = 8
 
 
-class CalibrationError(ValueError):
+class CalibrationError(MedusaTrtError):
     """Calibration data that cannot be used; the message names the file, the sample and the limit."""
 
 

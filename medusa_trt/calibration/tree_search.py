@@ -41,6 +41,8 @@ from pathlib import Path
 
 import torch
 
+from medusa_trt.cli_common import run_cli
+
 PROG = "medusa-tune-tree"
 REFERENCE_TREE = "mc_sim_7b_63"
 DEFAULT_TOPK = 10  # ranks measured per head: the reference trees use ranks 0..9
@@ -584,7 +586,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def _main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from medusa_trt.bench import BenchError, compare, load_prompts
     from medusa_trt.runtime.loading import load_backend, load_tokenizer, stop_tokens
@@ -625,6 +627,10 @@ def main(argv: list[str] | None = None) -> int:
     print(format_report(result))
     print(f"{PROG}: wrote {args.out} ({len(result['medusa_choices'])} nodes; use --medusa-choices {args.out})")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(PROG, lambda: _main(argv))
 
 
 if __name__ == "__main__":

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from collections.abc import Sequence
 
-from medusa_trt.checkpoint import CheckpointError
+from medusa_trt.cli_common import run_cli
 from medusa_trt.converter.merge import DEFAULT_MAX_DRAFT_LEN, convert
 from medusa_trt.converter.quantize import KV_CACHE_DTYPES, QUANTIZE_CHOICES, QuantOptions
 
@@ -47,39 +46,22 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-class _Formatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:  # "medusa-convert: warning: ..."
-        return f"{PROG}: {record.levelname.lower()}: {record.getMessage()}"
-
-
-def _fail(message: str) -> None:
-    print(f"{PROG}: error: {' '.join(message.split())}", file=sys.stderr)
-    raise SystemExit(2)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
+def _main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_Formatter())
-    logger = logging.getLogger("medusa_trt")
-    logger.addHandler(handler)
-    try:
-        quant = QuantOptions(quantize=args.quantize, kv_cache_dtype=args.kv_cache_dtype,
-                             calib_data=args.calib_data, calib_samples=args.calib_samples,
-                             calib_seq_len=args.calib_seq_len, quantize_heads=args.quantize_heads)
-        summary = convert(args.base, args.heads, args.out, dtype=args.dtype, tp_size=args.tp_size,
-                          max_draft_len=args.max_draft_len, force=args.force, progress=not args.quiet,
-                          quant=quant)
-    except CheckpointError as e:  # ConvertError included: bad input, already explained
-        _fail(str(e))
-    except KeyboardInterrupt:
-        _fail("interrupted; --out left as it was")
-    finally:
-        logger.removeHandler(handler)
+    quant = QuantOptions(quantize=args.quantize, kv_cache_dtype=args.kv_cache_dtype,
+                         calib_data=args.calib_data, calib_samples=args.calib_samples,
+                         calib_seq_len=args.calib_seq_len, quantize_heads=args.quantize_heads)
+    summary = convert(args.base, args.heads, args.out, dtype=args.dtype, tp_size=args.tp_size,
+                      max_draft_len=args.max_draft_len, force=args.force, progress=not args.quiet,
+                      quant=quant)
     if not args.quiet:
         print(f"{PROG}: wrote {summary.out}")
         print(summary)
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_cli(PROG, lambda: _main(argv))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import pickle
@@ -21,6 +20,7 @@ from medusa_trt.checkpoint import (
     SafetensorsFile,
     layer_prefix,
 )
+from medusa_trt.errors import read_json_object, require
 
 log = logging.getLogger("medusa_trt.converter")
 
@@ -38,16 +38,7 @@ _DTYPE_ALIASES = {"float16": "float16", "fp16": "float16", "half": "float16", "b
 
 
 def read_json(path: Path) -> dict:
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise ConvertError(f"{path}: not found") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConvertError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise ConvertError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
+    return read_json_object(path, ConvertError)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -292,16 +283,27 @@ def source_dtype(base: BaseModel) -> str:
 def base_config(base: BaseModel) -> dict:
     """The TensorRT-LLM config keys that describe the base model."""
     c, path = base.hf_config, base.config_path
+
+    def req(key, kind, **kw):
+        return require(c, key, kind, file=path, error=ConvertError, **kw)
+
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
                 "vocab_size"):
-        if not isinstance(c.get(key), int) or c[key] <= 0:
-            raise ConvertError(f"{path}: {key} is {c.get(key)!r}, expected a positive integer")
+        req(key, int, positive=True)
     nq = c["num_attention_heads"]
-    nkv = c.get("num_key_value_heads") or nq
+    nkv = req("num_key_value_heads", int, positive=True, default=nq)
     if nq % nkv:
         raise ConvertError(f"{path}: num_attention_heads {nq} is not a multiple of num_key_value_heads {nkv}")
-    head_size = c.get("head_dim") or c["hidden_size"] // nq
-    if c.get("hidden_act", "silu") != "silu":
+    head_size = req("head_dim", int, positive=True, default=c["hidden_size"] // nq)
+    max_pos = req("max_position_embeddings", int, positive=True, default=2048)
+    norm_eps = req("rms_norm_eps", float, positive=True, default=1e-6)
+    for key in ("mlp_bias", "attention_bias", "tie_word_embeddings", "use_sliding_window"):
+        req(key, bool, default=False)
+    req("sliding_window", int, positive=True, default=None)
+    for key in ("bos_token_id", "eos_token_id"):
+        _token_ids(c, key, path)
+        _token_ids(base.generation_config, key, path.with_name("generation_config.json"))
+    if req("hidden_act", str, default="silu") != "silu":
         raise ConvertError(f"{path}: hidden_act {c.get('hidden_act')!r} is not supported; expected 'silu'")
     if c.get("mlp_bias"):
         raise ConvertError(f"{path}: mlp_bias true is not supported")
@@ -322,11 +324,11 @@ def base_config(base: BaseModel) -> dict:
         "intermediate_size": c["intermediate_size"],
         "vocab_size": c["vocab_size"],
         "position_embedding_type": "rope_gpt_neox",
-        "max_position_embeddings": c.get("max_position_embeddings", 2048),
+        "max_position_embeddings": max_pos,
         "hidden_act": "silu",
         "rotary_base": rotary_base,
         "rotary_scaling": rotary_scaling,
-        "norm_epsilon": float(c.get("rms_norm_eps", 1e-6)),
+        "norm_epsilon": norm_eps,
         "attn_bias": base.model_type == "qwen2",
         "mlp_bias": False,
         "sliding_window": sliding_window,
@@ -337,6 +339,15 @@ def base_config(base: BaseModel) -> dict:
     if base.model_type == "qwen2":
         config["qwen_type"] = "qwen2"
     return config
+
+
+def _token_ids(c: dict, key: str, path: Path) -> None:
+    """A token id, a list of them, or null."""
+    v = c.get(key)
+    ok = v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0) or (
+        isinstance(v, list) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in v))
+    if not ok:
+        raise ConvertError(f"{path}: {key} {v!r}; expected a token id, a list of token ids or null")
 
 
 # Tensors in HF checkpoints that carry no weights (recomputed at load time).
@@ -370,7 +381,24 @@ class Piece:
                 t = t.to(torch.float32) * self.source.read(scale).to(torch.float32)
             parts.append(t)
         out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-        return out.to(dtype)
+        out = out.to(dtype)
+        # Once, on what is written: NaN/Inf in a source stays NaN/Inf here, and a cast that overflows shows too.
+        check_finite(out, f"{_files(self.source)}: tensor {', '.join(map(repr, self.keys))} (as {dtype})")
+        return out
+
+
+def check_finite(t: torch.Tensor, what: str) -> None:
+    """NaN or Inf in a weight is refused, naming the tensor: it would convert, build and decode
+    without a word and give garbage. aminmax propagates NaN and shows an Inf as min or max, without
+    a mask the size of the tensor: about a tenth of the cast's cost (BENCHMARKS.md)."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return
+    x = t if t.element_size() > 1 else t.to(torch.float32)  # float8 has no aminmax kernel
+    lo, hi = torch.aminmax(x)
+    if not (bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))):
+        bad = int((~torch.isfinite(x)).sum())
+        raise ConvertError(f"{what}: {bad} of {t.numel()} values are NaN or Inf; expected finite weights "
+                           "(a corrupt or overflowed file)")
 
 
 def _files(source: TensorSource) -> str:

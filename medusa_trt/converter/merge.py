@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import shutil
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ from medusa_trt.converter.hf_base import (
 )
 from medusa_trt.converter.quantize import EXCLUDED_HEADS as EXCLUDED_HEADS_PATTERN
 from medusa_trt.converter.quantize import QuantOptions, fp8_tensors, quantization_block
+from medusa_trt.outputs import atomic_output_dir, check_output_dir
 
 log = logging.getLogger("medusa_trt.converter")
 
@@ -107,10 +107,7 @@ def build_config(base: BaseModel, heads: MedusaHeads, *, dtype: str, tp_size: in
 
 
 def _check_out(out: Path, force: bool, inputs: list[Path]) -> None:
-    if out.exists() and not out.is_dir():
-        raise ConvertError(f"{out}: --out exists and is not a directory")
-    if out.exists() and any(out.iterdir()) and not force:
-        raise ConvertError(f"{out}: --out exists and is not empty; pass --force to replace it")
+    check_output_dir(out, force, ConvertError)
     for src in inputs:
         if same_dir(out, src) or src.resolve().is_relative_to(out.resolve()):
             raise ConvertError(f"{out}: --out must not be or contain the input {src}")
@@ -148,6 +145,7 @@ def convert(base: str | Path, heads: str | Path | None, out: str | Path, *, dtyp
     base_model = read_base(base_dir)
     medusa: MedusaHeads | None = None
     try:
+        base_config(base_model)  # validates every config.json field before the heads are matched to it
         medusa = find_heads(heads_path, base_model)
         out_dtype = dtype or default_out_dtype(base_model)
         config = build_config(base_model, medusa, dtype=out_dtype, tp_size=tp_size,
@@ -172,12 +170,7 @@ def convert(base: str | Path, heads: str | Path | None, out: str | Path, *, dtyp
         if quant.active:
             load, calib = _calibrated(base_model, config, pieces, quant, texts, progress)
 
-        out.parent.mkdir(parents=True, exist_ok=True)
-        # Beside --out so the final rename stays on one filesystem; mkdir (unlike mkdtemp) leaves
-        # the usual umask permissions on what becomes the output directory.
-        tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:12]}"
-        tmp.mkdir()
-        try:
+        with atomic_output_dir(out, force, ConvertError) as tmp:
             _write(tmp, config, load, progress)
             if base_model.tokenizer is not None:
                 base_model.tokenizer.save_pretrained(tmp)
@@ -185,12 +178,6 @@ def convert(base: str | Path, heads: str | Path | None, out: str | Path, *, dtyp
                 for name in TOKENIZER_FILES:
                     if (base_dir / name).is_file():
                         shutil.copy2(base_dir / name, tmp / name)
-            if out.exists():
-                shutil.rmtree(out)
-            tmp.rename(out)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
     finally:
         base_model.weights.close()
         if medusa is not None:

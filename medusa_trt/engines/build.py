@@ -8,7 +8,6 @@ engine.json (onnxruntime here; tensorrt and tensorrt-llm in their own modules).
 
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
 import json
 import logging
@@ -16,24 +15,30 @@ import platform
 import shutil
 import sys
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from medusa_trt.checkpoint import CheckpointError, read_config, validate_checkpoint
+from medusa_trt.engine_dir import (  # noqa: F401 (re-exported: the engine format's names used to live here)
+    DEVICES,
+    DTYPES,
+    ENGINE_FORMAT_VERSION,
+    ENGINE_JSON,
+    artifact_checksums,
+    sha256_file,
+    validate_engine,
+    verify_artifacts,
+)
+from medusa_trt.errors import MedusaTrtError
+from medusa_trt.outputs import atomic_output_dir, check_output_dir
 
 log = logging.getLogger(__name__)
 
-# 2: the decoder graph outputs `hidden` and the Medusa heads are a graph of their own.
-# 3: a `weights` section (int4 engines: MatMulNBits weights an older runtime would misread).
-ENGINE_FORMAT_VERSION = 3
-DTYPES = ("float32", "float16", "bfloat16")
-DEVICES = ("cpu", "cuda")
 _CHECKPOINT_ONLY = ("config.json",)  # checkpoint files that are not copied into the engine
 
 
-class BuildError(Exception):
+class BuildError(MedusaTrtError):
     """Bad input to medusa-build (a checkpoint, an option, a missing tool); the CLI exits 2."""
 
 
@@ -99,7 +104,6 @@ def _quantization_part(config: dict) -> dict | None:
 # which is slower than float32 below the lm_head's size; block 32 was fastest at one row.
 INT4_DEFAULT_BLOCK_SIZE = 32
 INT4_DEFAULT_ACCURACY_LEVEL = 4
-WEIGHT_FORMATS = ("float", "int4")
 
 
 def _quantize_int4(opts: BuildOptions, config: dict, model) -> dict:
@@ -243,30 +247,16 @@ def build_engine(opts: BuildOptions) -> BuildResult:
     except CheckpointError as e:
         raise BuildError(str(e)) from None
     check_options(opts, config)
-    if opts.out.exists() and not opts.force:
-        raise BuildError(f"{opts.out}: --out exists; pass --force to replace it")
+    check_output_dir(opts.out, opts.force, BuildError)
     if opts.out.resolve() == opts.checkpoint.resolve() or opts.checkpoint.resolve().is_relative_to(opts.out.resolve()):
         raise BuildError(f"{opts.out}: --out must not be or contain the checkpoint {opts.checkpoint}")
 
-    opts.out.parent.mkdir(parents=True, exist_ok=True)
-    # Beside --out so the final rename stays on one filesystem.
-    tmp = opts.out.parent / f".{opts.out.name}.tmp-{uuid.uuid4().hex[:12]}"
-    tmp.mkdir()
-    try:
+    with atomic_output_dir(opts.out, opts.force, BuildError) as tmp:
         backend_part = BUILDERS[opts.backend](opts, config, tmp)
         _copy_tokenizer(opts.checkpoint, tmp)
         engine = engine_json(opts, config, backend_part, tmp, time.perf_counter() - start)
-        (tmp / "engine.json").write_text(json.dumps(engine, indent=2) + "\n")
-        if opts.out.exists():
-            old = opts.out.parent / f".{opts.out.name}.old-{uuid.uuid4().hex[:12]}"
-            opts.out.rename(old)
-            tmp.rename(opts.out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(opts.out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        validate_engine(engine, opts.out / ENGINE_JSON)  # the writer obeys the schema its readers check
+        (tmp / ENGINE_JSON).write_text(json.dumps(engine, indent=2) + "\n")
     return BuildResult(opts.out, engine, time.perf_counter() - start)
 
 
@@ -301,6 +291,9 @@ def engine_json(opts: BuildOptions, config: dict, backend_part: dict, workdir: P
         },
         **backend_part,
         "eos_token_id": config.get("eos_token_id"),
+        # The HF model_type the tokenizer belongs to: transformers picks the tokenizer class from it
+        # when tokenizer_config.json names a generic class, and the engine dir has no config.json.
+        "tokenizer": {"model_type": (config.get("medusa_trt") or {}).get("base_model_type") or config.get("model_type")},
         "checkpoint": {
             "path": str(opts.checkpoint.resolve()),
             "dtype": config.get("dtype"),
@@ -312,35 +305,6 @@ def engine_json(opts: BuildOptions, config: dict, backend_part: dict, workdir: P
                   "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(opts).items()}},
     }
     return engine
-
-
-def artifact_checksums(directory: Path) -> dict[str, dict]:
-    """sha256 and size of every file in the engine dir except engine.json (which holds them)."""
-    out = {}
-    for path in sorted(p for p in directory.rglob("*") if p.is_file() and p.name != "engine.json"):
-        out[path.relative_to(directory).as_posix()] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
-    return out
-
-
-def verify_artifacts(engine_dir: str | Path, engine: dict) -> list[str]:
-    """Files whose checksum no longer matches engine.json (or that are missing)."""
-    engine_dir = Path(engine_dir)
-    problems = []
-    for name, info in (engine.get("artifacts") or {}).items():
-        path = engine_dir / name
-        if not path.is_file():
-            problems.append(f"{name}: missing")
-        elif sha256_file(path) != info.get("sha256"):
-            problems.append(f"{name}: sha256 differs from engine.json (modified after the build)")
-    return problems
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def tool_versions() -> dict[str, str]:

@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from medusa_trt.engines.build import (BUILDERS, DEVICES, DTYPES, INT4_DEFAULT_ACCURACY_LEVEL, INT4_DEFAULT_BLOCK_SIZE,
-                                      BuildError, BuildOptions, build_engine)
+from medusa_trt.cli_common import run_cli
+from medusa_trt.engines.build import (
+    BUILDERS,
+    DEVICES,
+    DTYPES,
+    INT4_DEFAULT_ACCURACY_LEVEL,
+    INT4_DEFAULT_BLOCK_SIZE,
+    BuildOptions,
+    build_engine,
+)
 
 PROG = "medusa-build"
 
@@ -56,12 +63,8 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(f"{PROG}: %(levelname)s: %(message)s"))
-    logger = logging.getLogger("medusa_trt")
-    logger.addHandler(handler)
     opts = BuildOptions(
         checkpoint=args.checkpoint, out=args.out, backend=args.backend, dtype=args.dtype,
         max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, max_draft_len=args.max_draft_len,
@@ -72,16 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         | ({"weights": "int4", "int4_block_size": args.int4_block_size,
             "int4_accuracy_level": args.int4_accuracy_level} if args.weights == "int4" else {}),
     )
-    try:
-        result = build_engine(opts)
-    except BuildError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"{PROG}: error: interrupted; --out left as it was", file=sys.stderr)
-        return 2
-    finally:
-        logger.removeHandler(handler)
+    result = build_engine(opts)
     if args.triton_repo:
         from medusa_trt.serving.triton_repo import RepoError, write_triton_repo
 
@@ -100,6 +94,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: wrote {result.out} ({e['backend']}, {e['dtype']}, {e['device']}, "
               f"{size / 2**20:.1f} MiB, {result.seconds:.1f} s)")
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_cli(PROG, lambda: _main(argv))
 
 
 if __name__ == "__main__":

@@ -67,8 +67,24 @@ from torch import nn
 
 from medusa_trt.acceptance import CANDIDATE_TOPK, candidates_from_topk, greedy_accept
 from medusa_trt.checkpoint import dequantize_fp8
-from medusa_trt.modeling import (FP8Linear, Int4Linear, MedusaModel, _KeepsFP8, attention_with_past, fake_quant_fp8,
-                                 int4_matmul)
+from medusa_trt.engine_dir import (  # noqa: F401 (re-exported for the TensorRT builder and tests)
+    HEADS_INPUT,
+    HEADS_OUTPUT,
+    INPUT_NAMES,
+    OUTPUT_NAMES,
+    STEP_INPUT_NAMES,
+    STEP_OUTPUT_NAMES,
+    past_names,
+)
+from medusa_trt.modeling import (
+    FP8Linear,
+    Int4Linear,
+    MedusaModel,
+    _KeepsFP8,
+    attention_with_past,
+    fake_quant_fp8,
+    int4_matmul,
+)
 
 log = logging.getLogger(__name__)
 
@@ -76,16 +92,7 @@ DEFAULT_OPSET = 23  # RMSNormalization and Attention became standard ops in opse
 MIN_OPSET = 18  # the dynamo exporter's floor
 MIN_FP8_OPSET = 19  # float8 types in QuantizeLinear/DequantizeLinear
 MAX_PROTOBUF_BYTES = 2**31 - 1  # one protobuf message; larger models must use external data
-INPUT_NAMES = ("input_ids", "position_ids", "past_lengths", "new_mask", "logit_positions")
-OUTPUT_NAMES = ("logits", "hidden", "present_keys", "present_values")
-HEADS_INPUT, HEADS_OUTPUT = "hidden", "medusa_logits"
-STEP_INPUT_NAMES = ("input_ids", "position_ids", "past_lengths", "new_mask", "retrieve", "candidate_index")
-STEP_OUTPUT_NAMES = ("best_path", "accepted", "next_tokens", "present_keys", "present_values")
-
-
-def past_names(num_layers: int) -> list[str]:
-    """Per-layer cache inputs in graph order: past_key_0, past_value_0, past_key_1, ..."""
-    return [f"past_{kind}_{i}" for i in range(num_layers) for kind in ("key", "value")]
+# The graph interface (names, past_names) is part of the engine-dir contract: medusa_trt/engine_dir.py.
 
 
 # -- attention forms ---------------------------------------------------------------------------

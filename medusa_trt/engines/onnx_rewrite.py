@@ -57,6 +57,7 @@ from medusa_trt.engines.tree_attention.plugin import (
     SCALE_ATTR,
     onnx_node_attributes,
 )
+from medusa_trt.errors import MedusaTrtError
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ _MASK_INPUT, _LENGTHS_INPUT = "new_mask", "past_lengths"
 _ONNX_DOMAINS = (None, "", "ai.onnx")  # gs leaves the default domain None
 
 
-class RewriteError(ValueError):
+class RewriteError(MedusaTrtError):
     """A graph the rewrite cannot handle; the message names the node and what was expected."""
 
 

@@ -124,7 +124,20 @@ def require_tensorrt():
     except ImportError as e:
         raise BuildError(f"--backend tensorrt needs TensorRT, which is not importable here ({e}): "
                          f"{EXTRA_HINT} on a machine with an NVIDIA GPU") from None
+    check_tensorrt_version(trt.__version__)
     return trt
+
+
+# The exported graphs are opset 23: RMSNormalization (parsed by TensorRT's ONNX parser from 10.15) in
+# both modes, and Attention (from 10.14) with --trt-attention native. pyproject's extra states the same floor.
+MIN_TENSORRT = (10, 15)
+
+
+def check_tensorrt_version(version: str) -> None:
+    parts = tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
+    if parts < MIN_TENSORRT:
+        raise BuildError(f"TensorRT {version}: the exported opset-23 graphs (RMSNormalization, Attention) need "
+                         f"TensorRT >= {'.'.join(map(str, MIN_TENSORRT))}; pip install -U 'medusa-trt[tensorrt]'")
 
 
 def require_gpu() -> None:

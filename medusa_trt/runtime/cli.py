@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from medusa_trt.cli_common import run_cli
+from medusa_trt.errors import MedusaTrtError, check_number, check_utf8, read_text_lines
 from medusa_trt.runtime.decoding import ACCEPTANCE, GenerationConfig, SequenceStats, generate
 from medusa_trt.runtime.loading import load_backend, load_tokenizer, stop_tokens
 
@@ -37,17 +39,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         if args.batch_file:
-            if not args.batch_file.is_file():
-                raise ValueError(f"{args.batch_file}: prompt file not found")
-            texts = [line.rstrip("\n") for line in args.batch_file.read_text().splitlines() if line.strip()]
-            if not texts:
-                raise ValueError(f"{args.batch_file}: no prompts (expected one per line)")
+            texts = read_text_lines(args.batch_file, what="prompt file (--batch-file)")
         else:
-            texts = args.prompt
+            texts = [check_utf8(t, "--prompt") for t in args.prompt]
+        check_number(args.temperature, "--temperature", nonnegative=True)
+        check_number(args.posterior_threshold, "--posterior-threshold", nonnegative=True)
+        check_number(args.posterior_alpha, "--posterior-alpha", nonnegative=True)
+        check_number(args.max_new_tokens, "--max-new-tokens", positive=True)
+        check_number(args.threads, "--threads", positive=True)
         directory = args.engine or args.checkpoint
         backend = load_backend(directory, dtype=args.dtype, device=args.device, threads=args.threads)
         tok = load_tokenizer(directory)
@@ -71,9 +74,10 @@ def main(argv: list[str] | None = None) -> int:
                 sys.stdout.write(text[len(shown):] if text.startswith(shown) else "\n" + text)
                 sys.stdout.flush()
                 shown = text
-    except ValueError as e:
-        print(f"medusa-run: error: {e}", file=sys.stderr)
-        return 2
+    except MedusaTrtError:
+        raise
+    except ValueError as e:  # the runtime's own checks (limits, tree sizes): bad input, explained
+        raise MedusaTrtError(str(e)) from None
     for i, text in enumerate(texts):
         out = tok.decode(tokens[i], skip_special_tokens=True)
         if args.json:
@@ -90,6 +94,10 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr if args.json else sys.stdout,
         )
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli("medusa-run", lambda: _main(argv))
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from medusa_trt.acceptance import (
     typical_accept,
 )
 from medusa_trt.runtime.backend import Backend
-from medusa_trt.tree import DEFAULT_TREE, TreeBuffers, build_tree
+from medusa_trt.tree import DEFAULT_TREE, TreeBuffers, TreeError, build_tree
 
 
 @dataclass
@@ -284,6 +284,9 @@ class _Tree:
 
     @classmethod
     def of(cls, t: TreeBuffers, vocab_size: int) -> _Tree:
+        if int(t.topk_per_depth.max()) > vocab_size:  # a rank r needs top-(r+1) of the vocabulary
+            raise TreeError(f"medusa_choices: rank {int(t.topk_per_depth.max()) - 1} is beyond the vocabulary "
+                            f"({vocab_size} tokens); expected ranks < {vocab_size}")
         k = max(int(t.topk_per_depth.max()), min(CANDIDATE_TOPK, vocab_size))
         return cls(t.num_slots, t.max_depth, k, torch.tensor(candidate_index(t.head[1:], t.rank[1:], k)),
                    torch.tensor(t.position_offsets), torch.tensor(t.attention_mask), torch.tensor(t.retrieve_indices))

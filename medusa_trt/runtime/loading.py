@@ -1,11 +1,18 @@
-"""Opening a merged checkpoint or an engine directory as a runtime backend."""
+"""Opening a merged checkpoint or an engine directory as a runtime backend, and its tokenizer."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from medusa_trt.engine_dir import ENGINE_JSON, EngineError, read_engine, read_json_object
 from medusa_trt.runtime.backend import Backend, TorchBackend
+
+
+def _merged_config(directory: Path) -> dict:
+    """config.json of a merged checkpoint (validated by checkpoint.read_config)."""
+    from medusa_trt.checkpoint import read_config
+
+    return read_config(directory)
 
 
 def load_backend(directory: str | Path, dtype: str | None = None, device: str | None = None,
@@ -13,9 +20,12 @@ def load_backend(directory: str | Path, dtype: str | None = None, device: str | 
     """An engine dir (engine.json) opens its engine; a merged checkpoint opens the PyTorch reference.
     `threads`: ONNX Runtime intra-op threads (default: one per core this process may use)."""
     directory = Path(directory)
-    if (directory / "engine.json").is_file():
-        engine = json.loads((directory / "engine.json").read_text())
-        kind = engine.get("backend")
+    if threads is not None and threads < 1:
+        raise EngineError(f"threads {threads}: expected a positive number (or none: one per core)")
+    if not directory.is_dir():
+        raise EngineError(f"{directory}: not a directory; expected an engine directory or a merged checkpoint")
+    if (directory / ENGINE_JSON).exists():
+        kind = read_engine(directory)["backend"]
         if kind == "onnxruntime":
             from medusa_trt.runtime.ort_backend import OrtBackend
 
@@ -24,14 +34,15 @@ def load_backend(directory: str | Path, dtype: str | None = None, device: str | 
             from medusa_trt.runtime.trt_backend import TensorRTBackend
 
             return TensorRTBackend(directory)
-        raise ValueError(f"{directory / 'engine.json'}: backend {kind!r} has no Python runtime here")
-    config_path = directory / "config.json"
-    if not config_path.is_file():
-        raise ValueError(f"{directory}: neither engine.json nor config.json found (expected an engine or merged checkpoint)")
-    config = json.loads(config_path.read_text())
+        raise EngineError(f"{directory / ENGINE_JSON}: backend {kind!r} has no Python runtime here "
+                          "(serve a TensorRT-LLM engine with medusa-triton + tritonserver)")
+    if not (directory / "config.json").exists():
+        raise EngineError(f"{directory}: neither engine.json nor config.json found (expected an engine or merged "
+                          "checkpoint)")
+    config = _merged_config(directory)
     if config.get("architecture") != "MedusaForCausalLM":
-        raise ValueError(
-            f"{config_path}: architecture {config.get('architecture')!r} is not a merged checkpoint "
+        raise EngineError(
+            f"{directory / 'config.json'}: architecture {config.get('architecture')!r} is not a merged checkpoint "
             "(expected 'MedusaForCausalLM'; run medusa-convert first)"
         )
     from medusa_trt.modeling import MedusaModel
@@ -40,23 +51,48 @@ def load_backend(directory: str | Path, dtype: str | None = None, device: str | 
     return TorchBackend(model, max_draft_len=config.get("max_draft_len", 63))
 
 
-def load_tokenizer(directory: str | Path):
-    from transformers import AutoTokenizer
+def tokenizer_model_type(directory: str | Path) -> str | None:
+    """The HF model_type whose tokenizer an engine dir, merged checkpoint or HF model dir uses."""
+    directory = Path(directory)
+    if (directory / ENGINE_JSON).exists():
+        engine = read_engine(directory)
+        return (engine.get("tokenizer") or {}).get("model_type") or engine["model"].get("model_type")
+    if (directory / "config.json").is_file():
+        config = read_json_object(directory / "config.json", what="model config.json")
+        return (config.get("medusa_trt") or {}).get("base_model_type") or config.get("model_type")
+    return None
 
+
+def load_tokenizer(directory: str | Path):
+    """AutoTokenizer with the config class of the model's HF model_type: when tokenizer_config.json
+    names a generic class, transformers picks the tokenizer from the model config, and an engine dir
+    has none; passing the same config makes an engine, its checkpoint and its HF base tokenize alike."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    model_type = tokenizer_model_type(directory)
+    kwargs = {}
+    if model_type:
+        try:
+            kwargs["config"] = AutoConfig.for_model(model_type)
+        except ValueError:  # a model_type this transformers does not know: its own choice
+            pass
     try:
-        return AutoTokenizer.from_pretrained(str(directory))
+        return AutoTokenizer.from_pretrained(str(directory), **kwargs)
     except Exception as e:  # transformers raises many types here; one clear message is what users need
-        raise ValueError(f"{directory}: cannot load the tokenizer ({e})") from e
+        raise EngineError(f"{directory}: cannot load the tokenizer ({' '.join(str(e).split())})") from e
 
 
 def stop_tokens(directory: str | Path, tokenizer) -> tuple[int, ...]:
     """EOS ids from the model config (int or list) and the tokenizer."""
     ids: set[int] = set()
-    for name in ("config.json", "engine.json"):
-        path = Path(directory) / name
-        if path.is_file():
-            eos = json.loads(path.read_text()).get("eos_token_id")
-            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    directory = Path(directory)
+    if (directory / ENGINE_JSON).exists():
+        eos = read_engine(directory).get("eos_token_id")
+    elif (directory / "config.json").is_file():
+        eos = _merged_config(directory).get("eos_token_id")
+    else:
+        eos = None
+    ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return tuple(sorted(ids))

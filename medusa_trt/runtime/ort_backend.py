@@ -16,40 +16,29 @@ host code. Returned tensors are new every step, so a caller may keep them.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from medusa_trt.engines.build import ENGINE_FORMAT_VERSION, WEIGHT_FORMATS
+from medusa_trt.engine_dir import (  # noqa: F401 (EngineError, read_engine_json: re-exported)
+    HEADS_INPUT,
+    HEADS_OUTPUT,
+    INPUT_NAMES,
+    OUTPUT_NAMES,
+    STEP_INPUT_NAMES,
+    STEP_OUTPUT_NAMES,
+    EngineError,
+    check_artifacts,
+    check_graph,
+    past_names,
+    read_engine_json,
+)
 from medusa_trt.runtime.backend import ModelInfo, check_forward, scatter_pending, zero_cache
 
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
-
-
-class EngineError(ValueError):
-    """An engine directory that cannot be run here; the message names the file and the problem."""
-
-
-def read_engine_json(engine_dir: str | Path, backend: str = "onnxruntime", section: str = "onnx") -> dict:
-    """engine.json of an engine dir written by medusa-build for `backend`, with its `section`."""
-    path = Path(engine_dir) / "engine.json"
-    try:
-        engine = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise EngineError(f"{path}: not found; expected an engine directory written by medusa-build") from None
-    except json.JSONDecodeError as e:
-        raise EngineError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(engine, dict) or engine.get("backend") != backend or section not in engine:
-        raise EngineError(f"{path}: backend {engine.get('backend') if isinstance(engine, dict) else None!r}, "
-                          f"expected {backend!r} (with a {section!r} section)")
-    if engine.get("format_version") != ENGINE_FORMAT_VERSION:
-        raise EngineError(f"{path}: engine format {engine.get('format_version')!r}, this runtime reads format "
-                          f"{ENGINE_FORMAT_VERSION}; rebuild it with medusa-build")
-    return engine
 
 
 def session_options(threads: int | None = None, *, spinning: bool = False, level: str = "all"):
@@ -110,15 +99,12 @@ class OrtBackend:
         if threads is not None and threads < 1:
             raise EngineError(f"threads {threads}: expected >= 1 (or None: one per core)")
         self.engine = engine = read_engine_json(self.engine_dir)
-        weights = (engine.get("weights") or {}).get("format")
-        if weights not in WEIGHT_FORMATS:
-            raise EngineError(f"{self.engine_dir / 'engine.json'}: weights.format {weights!r}, this runtime reads "
-                              f"{' or '.join(WEIGHT_FORMATS)}; rebuild it with medusa-build")
         self.device = device or engine.get("device", "cpu")
         model, limits, onnx_info = engine["model"], engine["limits"], engine["onnx"]
         onnx_path = self.engine_dir / onnx_info["file"]
         if not onnx_path.is_file():
             raise EngineError(f"{onnx_path}: missing; the engine directory is incomplete (rebuild it)")
+        check_artifacts(self.engine_dir, engine)
         if self.device == "cuda" and not torch.cuda.is_available():
             raise EngineError("device 'cuda' keeps the KV cache in torch CUDA tensors, but this torch "
                               f"{torch.__version__} has no CUDA device")
@@ -130,6 +116,7 @@ class OrtBackend:
         step_file = onnx_info.get("step_file") if self.device == "cpu" else None
         self.step_session = make_session(self.engine_dir / step_file, self.device, threads) if step_file else None
         self.fused_step_topk = onnx_info.get("step_topk") if step_file else None
+        self._check_graphs(engine)
         self.num_layers, self.num_kv_heads = model["num_layers"], model["num_kv_heads"]
         self.head_dim, self.num_medusa_heads = model["head_dim"], engine["medusa"]["num_heads"]
         self.vocab_size, self.hidden_size = model["vocab_size"], model["hidden_size"]
@@ -145,6 +132,22 @@ class OrtBackend:
         self.start(1, 1)
 
     # -- Backend interface ---------------------------------------------------------------------
+
+    def _check_graphs(self, engine: dict) -> None:
+        """The sessions' inputs and outputs against engine.json (layer count, vocabulary)."""
+        def io(session):
+            return ({i.name: i.shape for i in session.get_inputs()}, {o.name: o.shape for o in session.get_outputs()})
+
+        past = past_names(engine["model"]["num_layers"])
+        onnx_info = engine["onnx"]
+        check_graph(engine, self.engine_dir / onnx_info["file"], *io(self.session), [*INPUT_NAMES, *past],
+                    list(OUTPUT_NAMES), ("logits",))
+        if self.heads_session is not None:
+            check_graph(engine, self.engine_dir / onnx_info["heads_file"], *io(self.heads_session), [HEADS_INPUT],
+                        [HEADS_OUTPUT], (HEADS_OUTPUT,))
+        if self.step_session is not None:
+            check_graph(engine, self.engine_dir / onnx_info["step_file"], *io(self.step_session),
+                        [*STEP_INPUT_NAMES, *past], list(STEP_OUTPUT_NAMES))
 
     def start(self, batch: int, capacity: int) -> None:
         if batch > self.max_batch_size:

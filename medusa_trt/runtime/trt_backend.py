@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
+from medusa_trt.engine_dir import EngineError, check_artifacts, read_engine_json
 from medusa_trt.runtime.backend import ModelInfo, check_forward, scatter_pending, zero_cache
-from medusa_trt.runtime.ort_backend import EngineError, read_engine_json
 
 _EXTRA_HINT = "pip install 'medusa-trt[tensorrt]'"
 _INPUTS = ("input_ids", "position_ids", "past_lengths", "new_mask", "logit_positions")
@@ -101,6 +101,7 @@ class TensorRTBackend:
     def __init__(self, engine_dir: str | Path, device: str | None = None):
         self.engine_dir = Path(engine_dir)
         self.engine_info = info = read_engine_json(self.engine_dir, "tensorrt", "tensorrt")
+        check_artifacts(self.engine_dir, info)
         try:
             import tensorrt as trt
         except ImportError as e:

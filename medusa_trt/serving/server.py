@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
+import math
 import os
 import re
 import shutil
@@ -33,6 +34,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from medusa_trt.cli_common import run_cli
+from medusa_trt.errors import MedusaTrtError
+
 PROG = "medusa-serve"
 
 
@@ -40,7 +44,7 @@ _LOG_ERROR = re.compile(r"E\d{4} ")  # glog severity E + month and day
 _LOG_NOISE = ("CudaDriverHelper has not been initialized",)  # every start on a machine without a GPU
 
 
-class ServerError(RuntimeError):
+class ServerError(MedusaTrtError, RuntimeError):
     """tritonserver is missing, would not start, or died; the message says which and shows its log."""
 
 
@@ -155,6 +159,11 @@ def start_server(repos: Path | Sequence[Path], workdir: Path, *, http_port: int 
     """Starts tritonserver and waits until it is ready; workdir holds the backend copy and the log.
     Ports 0 pick free ones. `models` loads only those (explicit model control) instead of all."""
     repos = [Path(repos)] if isinstance(repos, (str, Path)) else [Path(r) for r in repos]
+    for name, port in (("--http-port", http_port), ("--grpc-port", grpc_port), ("--metrics-port", metrics_port)):
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ServerError(f"{name} {port!r}: expected a TCP port 1..65535 (0: pick a free one)")
+    if not (timeout > 0 and math.isfinite(timeout)):
+        raise ServerError(f"--timeout {timeout}: expected a positive number of seconds")
     for repo in repos:
         if not repo.is_dir() or not any(repo.glob("*/config.pbtxt")):
             raise ServerError(f"{repo}: not a model repository (expected <model>/config.pbtxt; write one with "
@@ -219,7 +228,8 @@ def stop_server(server: RunningServer, timeout: float = 30.0) -> int | None:
         except subprocess.TimeoutExpired:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)  # its own session: the server and its stubs only
-            p.wait()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout)  # bounded even for a process stuck in the kernel
     return p.returncode
 
 
@@ -248,7 +258,7 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog=PROG, description="Serve a Triton model repository (from medusa-triton or "
                                 "medusa-build --triton-repo) with tritonserver on 127.0.0.1.")
     p.add_argument("--repo", required=True, type=Path, action="append",
@@ -279,6 +289,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{PROG}: stopped")
         return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_cli(PROG, lambda: _main(argv))
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from medusa_trt.errors import MedusaTrtError
 from medusa_trt.runtime.decoding import ACCEPTANCE, GenerationConfig, SequenceStats, generate
 from medusa_trt.runtime.loading import load_backend, load_tokenizer, stop_tokens
 from medusa_trt.serving.triton_repo import MODEL_INPUTS
@@ -42,7 +43,7 @@ _NUMPY_KINDS = {"TYPE_STRING": (np.object_, np.bytes_, np.str_), "TYPE_INT32": (
 _INPUTS = {s.name: s for s in MODEL_INPUTS}
 
 
-class RequestError(ValueError):
+class RequestError(MedusaTrtError):
     """A request this model refuses; the message names the input, the value and what was expected."""
 
 
@@ -182,6 +183,10 @@ def parse_request(service: Service, inputs: Mapping[str, np.ndarray], index: int
             nodes = validate_and_expand(parse_medusa_choices(spec), info.num_medusa_heads, info.max_draft_len)
         except TreeError as err:
             raise RequestError(f"medusa_choices{where}: {err}") from None
+        rank = max(max(p) for p in nodes)
+        if rank >= info.vocab_size:
+            raise RequestError(f"medusa_choices{where}: rank {rank} is beyond the vocabulary ({info.vocab_size} "
+                               f"tokens); expected ranks < {info.vocab_size}")
         depth = max(len(p) for p in nodes)
         if len(prompt) + max_tokens + depth > info.max_seq_len:
             raise RequestError(f"text_input{where}: prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) + tree "

@@ -16,23 +16,32 @@ This module only writes text: no torch, no tritonclient.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import shutil
 import sys
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from medusa_trt.tree import DEFAULT_TREE, TreeError, parse_medusa_choices, tree_to_brace, validate_and_expand
+from medusa_trt.cli_common import run_cli
+from medusa_trt.engine_dir import ENGINE_JSON, EngineError, read_engine
+from medusa_trt.errors import MedusaTrtError, read_json_object
+from medusa_trt.outputs import atomic_output_dir
+from medusa_trt.tree import (
+    DEFAULT_TREE,
+    TreeError,
+    check_trtllm_ranks,
+    parse_medusa_choices,
+    tree_to_brace,
+    validate_and_expand,
+)
 
 PROG = "medusa-triton"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 _MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
-class RepoError(ValueError):
+class RepoError(MedusaTrtError):
     """A repository that cannot be written; the message names the path or value and what was expected."""
 
 
@@ -42,6 +51,7 @@ class TensorSpec:
     dtype: str  # Triton data type, e.g. "TYPE_INT32"
     dims: tuple[int, ...]  # without the batch dimension (every model here has max_batch_size > 0)
     optional: bool = False
+    scalar: bool = False  # `reshape: { shape: [ ] }`: the backend gets [B], not [B, 1] (tensorrtllm_backend)
 
 
 # The Python-backend model's interface: tensorrtllm_backend's ensemble names where one exists, so
@@ -105,16 +115,14 @@ def read_engine_info(engine_dir: str | Path) -> EngineInfo:
     if not d.is_dir():
         raise RepoError(f"{d}: engine directory not found (expected a medusa-build engine dir, a merged "
                         "checkpoint or a TensorRT-LLM engine dir)")
-    if (d / "engine.json").is_file():
-        e = _read_json(d / "engine.json")
+    if (d / ENGINE_JSON).exists():
         try:
-            limits, medusa = e["limits"], e["medusa"]
-            return EngineInfo(d.resolve(), str(e["backend"]), int(medusa["num_heads"]),
-                              int(limits["max_draft_len"]), int(limits["max_seq_len"]),
-                              int(limits["max_batch_size"]))
-        except (KeyError, TypeError, ValueError) as err:
-            raise RepoError(f"{d / 'engine.json'}: missing or bad field {err} (expected backend, "
-                            "medusa.num_heads and limits.max_draft_len/max_seq_len/max_batch_size)") from None
+            e = read_engine(d)
+        except EngineError as err:
+            raise RepoError(str(err)) from None
+        limits = e["limits"]
+        return EngineInfo(d.resolve(), e["backend"], e["medusa"]["num_heads"], limits["max_draft_len"],
+                          limits["max_seq_len"], limits["max_batch_size"])
     if not (d / "config.json").is_file():
         raise RepoError(f"{d}: neither engine.json nor config.json found (expected a medusa-build engine "
                         "dir, a merged checkpoint or a TensorRT-LLM engine dir)")
@@ -260,17 +268,19 @@ PRE_OUTPUTS = (
 )
 TRTLLM_INPUTS = (
     TensorSpec("input_ids", "TYPE_INT32", (-1,)),
-    TensorSpec("input_lengths", "TYPE_INT32", (1,)),
+    # Scalars reshaped as tensorrtllm_backend's tensorrt_llm/config.pbtxt template does; without it the
+    # backend sees [B, 1] input_lengths and its batch split rejects requests of more than one row.
+    TensorSpec("input_lengths", "TYPE_INT32", (1,), scalar=True),
     TensorSpec("request_output_len", "TYPE_INT32", (1,)),
-    TensorSpec("end_id", "TYPE_INT32", (1,), optional=True),
-    TensorSpec("pad_id", "TYPE_INT32", (1,), optional=True),
+    TensorSpec("end_id", "TYPE_INT32", (1,), optional=True, scalar=True),
+    TensorSpec("pad_id", "TYPE_INT32", (1,), optional=True, scalar=True),
     TensorSpec("stop_words_list", "TYPE_INT32", (2, -1), optional=True),
     TensorSpec("bad_words_list", "TYPE_INT32", (2, -1), optional=True),
     TensorSpec("streaming", "TYPE_BOOL", (1,), optional=True),
-    TensorSpec("temperature", "TYPE_FP32", (1,), optional=True),
-    TensorSpec("runtime_top_k", "TYPE_INT32", (1,), optional=True),
-    TensorSpec("runtime_top_p", "TYPE_FP32", (1,), optional=True),
-    TensorSpec("return_perf_metrics", "TYPE_BOOL", (1,), optional=True),
+    TensorSpec("temperature", "TYPE_FP32", (1,), optional=True, scalar=True),
+    TensorSpec("runtime_top_k", "TYPE_INT32", (1,), optional=True, scalar=True),
+    TensorSpec("runtime_top_p", "TYPE_FP32", (1,), optional=True, scalar=True),
+    TensorSpec("return_perf_metrics", "TYPE_BOOL", (1,), optional=True, scalar=True),  # as the return_* flags
 )
 TRTLLM_OUTPUTS = (
     TensorSpec("output_ids", "TYPE_INT32", (-1, -1)),  # [beam, tokens]
@@ -332,6 +342,10 @@ def write_trtllm_triton_repo(
     _check_tokenizer(tokenizer)
     batch = _check_batch(max_batch_size, info)
     tree = _default_tree(medusa_choices, info)
+    try:
+        check_trtllm_ranks(tree, f"default tree for the TensorRT-LLM engine {info.directory}")
+    except TreeError as err:
+        raise RepoError(str(err)) from None
     if not 0 <= kv_cache_free_gpu_mem_fraction <= 1:
         raise RepoError(f"kv_cache_free_gpu_mem_fraction {kv_cache_free_gpu_mem_fraction}: expected 0..1")
     dynamic = f"dynamic_batching {{\n  max_queue_delay_microseconds: {max_queue_delay_us}\n}}"
@@ -392,13 +406,7 @@ def write_trtllm_triton_repo(
 # --- helpers -------------------------------------------------------------------------------------
 
 def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise RepoError(f"{path}: cannot read it as JSON ({err})") from None
-    if not isinstance(data, dict):
-        raise RepoError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
+    return read_json_object(path, RepoError)
 
 
 def _check_tokenizer(directory: Path) -> None:
@@ -432,20 +440,8 @@ def _write_atomically(out: Path, fill: Callable[[Path], None], force: bool) -> P
     """fill(tmp) writes the repository into a fresh temp dir beside `out`, renamed into place."""
     if out.exists() and not force:
         raise RepoError(f"{out}: already exists (pass force=True / --force to replace it)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
-    try:
+    with atomic_output_dir(out, force, RepoError) as tmp:
         fill(tmp)
-        if out.exists():  # force: swap, then drop the old one, so `out` is never half-written
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
-            out.rename(old / "repo")
-            tmp.rename(out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
@@ -459,6 +455,8 @@ def _tensors(key: str, specs: Sequence[TensorSpec], ragged: bool = False) -> str
     items = []
     for s in specs:
         lines = [f"    name: {_q(s.name)}", f"    data_type: {s.dtype}", f"    dims: [ {', '.join(map(str, s.dims))} ]"]
+        if s.scalar:
+            lines.append("    reshape: { shape: [ ] }")
         if s.optional:
             lines.append("    optional: true")
         if ragged:
@@ -505,7 +503,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         out = write_triton_repo(
@@ -521,6 +519,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     models = sorted(p.parent.name for p in out.glob("*/config.pbtxt"))
     print(f"{PROG}: wrote {out} (models: {', '.join(models)}); serve it with: medusa-serve --repo {out}")
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_cli(PROG, lambda: _main(argv))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,197 @@
+"""The engine directory contract: what medusa-build writes and every reader reads.
+
+One place for the engine.json schema (format version, sections, limits), its validation, the graph
+input/output names the runtime binds, and the artifact digests. Writers: engines/build.py (and
+its backends); readers: the runtime backends, runtime/loading.py, medusa-check, medusa-triton,
+medusa-bench. Every field read is validated here, with a message naming engine.json, the key, the
+value and what was expected, so a hand-edited or truncated engine.json is an EngineError, never a
+KeyError or a run with a wrong size.
+
+Digests: engine.json records sha256 and size of every artifact. Hashing costs about as much as
+loading (a 538 MB graph: 0.6 s of sha256 vs 0.8 s for an ONNX Runtime session, BENCHMARKS.md), so
+at load every size is checked and files up to LOAD_DIGEST_BYTES are hashed; medusa-check hashes
+everything and refuses a mismatch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from medusa_trt.errors import MedusaTrtError, read_json_object, require, require_section
+
+# 2: the decoder graph outputs `hidden` and the Medusa heads are a graph of their own.
+# 3: a `weights` section (int4 engines: MatMulNBits weights an older runtime would misread).
+ENGINE_FORMAT_VERSION = 3
+ENGINE_JSON = "engine.json"
+BACKENDS = ("onnxruntime", "tensorrt", "tensorrt-llm")
+SECTIONS = {"onnxruntime": "onnx", "tensorrt": "tensorrt", "tensorrt-llm": "tensorrt_llm"}
+DTYPES = ("float32", "float16", "bfloat16")
+DEVICES = ("cpu", "cuda")
+WEIGHT_FORMATS = ("float", "int4")  # onnxruntime engines: int4 = MatMulNBits decoder linears and lm_head
+LOAD_DIGEST_BYTES = 64 << 20  # files up to this size are hashed at every load (see module docstring)
+
+
+# Graph interface (engines/onnx_export.py writes it; the runtime backends bind it).
+INPUT_NAMES = ("input_ids", "position_ids", "past_lengths", "new_mask", "logit_positions")
+OUTPUT_NAMES = ("logits", "hidden", "present_keys", "present_values")
+HEADS_INPUT, HEADS_OUTPUT = "hidden", "medusa_logits"
+STEP_INPUT_NAMES = ("input_ids", "position_ids", "past_lengths", "new_mask", "retrieve", "candidate_index")
+STEP_OUTPUT_NAMES = ("best_path", "accepted", "next_tokens", "present_keys", "present_values")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+class EngineError(MedusaTrtError):
+    """An engine directory that cannot be run here; the message names the file and the problem."""
+
+
+def past_names(num_layers: int) -> list[str]:
+    """Per-layer cache inputs in graph order: past_key_0, past_value_0, past_key_1, ..."""
+    return [f"past_{kind}_{i}" for i in range(num_layers) for kind in ("key", "value")]
+
+
+def _relative_file(section: dict, key: str, path: Path, prefix: str, optional: bool = False) -> str | None:
+    name = require(section, key, str, file=path, prefix=prefix, error=EngineError,
+                   **({"default": None} if optional else {}))
+    if name is not None and (PurePosixPath(name).is_absolute() or ".." in PurePosixPath(name).parts or not name):
+        raise EngineError(f"{path}: {prefix}{key}: {name!r}; expected a file name inside the engine directory")
+    return name
+
+
+def validate_engine(engine: Any, path: Path, backend: str | None = None) -> dict:
+    """Checks every field the readers use; returns `engine` (a dict) unchanged."""
+    def req(obj, key, kind, prefix="", **kw):
+        return require(obj, key, kind, file=path, prefix=prefix, error=EngineError, **kw)
+
+    if not isinstance(engine, dict):
+        raise EngineError(f"{path}: expected a JSON object, got a {type(engine).__name__}")
+    if backend is not None and engine.get("backend") != backend:
+        raise EngineError(f"{path}: backend {engine.get('backend')!r}, expected {backend!r}")
+    kind = req(engine, "backend", str, choices=BACKENDS)
+    version = engine.get("format_version")
+    if version != ENGINE_FORMAT_VERSION:
+        raise EngineError(f"{path}: engine format {version!r}, this runtime reads format {ENGINE_FORMAT_VERSION}; "
+                          "rebuild it with medusa-build")
+    req(engine, "device", str, choices=DEVICES)
+    req(engine, "dtype", str, choices=DTYPES)
+    model = require_section(engine, "model", file=path, error=EngineError)
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                "head_dim", "max_position_embeddings"):
+        req(model, key, int, "model.", positive=True)
+    req(model, "model_type", str, "model.", default=None)
+    medusa = require_section(engine, "medusa", file=path, error=EngineError)
+    req(medusa, "num_heads", int, "medusa.", nonnegative=True)
+    req(medusa, "num_layers", int, "medusa.", nonnegative=True)
+    limits = require_section(engine, "limits", file=path, error=EngineError)
+    for key in ("max_batch_size", "max_seq_len", "max_draft_len"):
+        req(limits, key, int, "limits.", positive=True)
+    eos = engine.get("eos_token_id")
+    if eos is not None and not (isinstance(eos, int) and not isinstance(eos, bool) and eos >= 0) and not (
+            isinstance(eos, list) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in eos)):
+        raise EngineError(f"{path}: eos_token_id {eos!r}; expected a token id, a list of token ids or null")
+    checkpoint = require_section(engine, "checkpoint", file=path, optional=True, error=EngineError)
+    req(checkpoint, "path", str, "checkpoint.", default=None)
+    req(checkpoint, "config_sha256", str, "checkpoint.", default=None)
+    artifacts = require_section(engine, "artifacts", file=path, error=EngineError)
+    for name, info in artifacts.items():
+        _relative_file({name: name}, name, path, "artifacts.")
+        digest = req(info, "sha256", str, f"artifacts.{name}.")
+        if not _SHA256.fullmatch(digest):
+            raise EngineError(f"{path}: artifacts.{name}.sha256 {digest!r}; expected 64 lowercase hex digits")
+        req(info, "bytes", int, f"artifacts.{name}.", nonnegative=True)
+    section = require_section(engine, SECTIONS[kind], file=path, error=EngineError)
+    p = SECTIONS[kind] + "."
+    if kind == "onnxruntime":
+        _relative_file(section, "file", path, p)
+        _relative_file(section, "heads_file", path, p, optional=True)
+        _relative_file(section, "step_file", path, p, optional=True)
+        if section.get("step_file"):
+            req(section, "step_topk", int, p, positive=True)
+        weights = require_section(engine, "weights", file=path, error=EngineError)
+        req(weights, "format", str, "weights.", choices=WEIGHT_FORMATS)
+        if weights["format"] == "int4":
+            req(weights, "block_size", int, "weights.", positive=True)
+            req(weights, "accuracy_level", int, "weights.", nonnegative=True)
+    elif kind == "tensorrt":
+        _relative_file(section, "engine", path, p)
+        _relative_file(section, "heads_engine", path, p, optional=True)
+        req(section, "attention", str, p, choices=("plugin", "native"))
+    else:
+        engines = req(section, "engines", list, p)
+        for i, _ in enumerate(engines):
+            _relative_file({str(i): engines[i]}, str(i), path, f"{p}engines.")
+    return engine
+
+
+def read_engine(engine_dir: str | Path, backend: str | None = None) -> dict:
+    """engine.json of an engine dir written by medusa-build, validated (for `backend` if given)."""
+    path = Path(engine_dir) / ENGINE_JSON
+    if not path.exists():
+        raise EngineError(f"{path}: not found; expected an engine directory written by medusa-build")
+    return validate_engine(read_json_object(path, EngineError, "medusa-build engine.json"), path, backend)
+
+
+def read_engine_json(engine_dir: str | Path, backend: str = "onnxruntime", section: str | None = None) -> dict:
+    """read_engine for one backend (the signature the runtime backends use)."""
+    return read_engine(engine_dir, backend)
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def artifact_checksums(directory: Path) -> dict[str, dict]:
+    """sha256 and size of every file in the engine dir except engine.json (which holds them)."""
+    out = {}
+    for path in sorted(p for p in directory.rglob("*") if p.is_file() and p.name != ENGINE_JSON):
+        out[path.relative_to(directory).as_posix()] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+    return out
+
+
+def verify_artifacts(engine_dir: str | Path, engine: dict, max_bytes: int | None = None) -> list[str]:
+    """Artifacts that are missing, whose size differs, or (for files up to max_bytes; None: all) whose
+    sha256 differs from engine.json."""
+    engine_dir = Path(engine_dir)
+    problems = []
+    for name, info in (engine.get("artifacts") or {}).items():
+        path = engine_dir / name
+        if not path.is_file():
+            problems.append(f"{path}: missing")
+        elif path.stat().st_size != info.get("bytes"):
+            problems.append(f"{path}: {path.stat().st_size} bytes, engine.json records {info.get('bytes')} "
+                            "(modified after the build)")
+        elif (max_bytes is None or info["bytes"] <= max_bytes) and sha256_file(path) != info.get("sha256"):
+            problems.append(f"{path}: sha256 differs from engine.json (modified after the build)")
+    return problems
+
+
+def check_artifacts(engine_dir: str | Path, engine: dict, max_bytes: int | None = LOAD_DIGEST_BYTES) -> None:
+    """verify_artifacts as an EngineError: a modified engine never loads silently."""
+    problems = verify_artifacts(engine_dir, engine, max_bytes)
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise EngineError(f"{problems[0]}{more}; rebuild the engine with medusa-build")
+
+
+def check_graph(engine: dict, graph: str | Path, inputs: dict[str, list], outputs: dict[str, list],
+                expect_inputs: list[str], expect_outputs: list[str], vocab_outputs: tuple[str, ...] = ()) -> None:
+    """A loaded graph's inputs/outputs (name -> shape, dims int or symbolic) against engine.json: the
+    names the runtime binds (which carry the layer count) and the vocabulary dim of `vocab_outputs`."""
+    missing = [n for n in expect_inputs if n not in inputs] + [n for n in expect_outputs if n not in outputs]
+    extra = [n for n in inputs if n not in expect_inputs]
+    if missing or extra:
+        what = ", ".join([f"lacks {missing[:4]}"] * bool(missing) + [f"has unexpected inputs {extra[:4]}"] * bool(extra))
+        raise EngineError(f"{graph}: {what}; engine.json records {engine['model']['num_layers']} layers "
+                          "(engine.json and the graph disagree: rebuild the engine)")
+    vocab = engine["model"]["vocab_size"]
+    for name in vocab_outputs:
+        last = (outputs.get(name) or [None])[-1]
+        if isinstance(last, int) and last != vocab:
+            raise EngineError(f"{graph}: output {name!r} has vocabulary dim {last}, engine.json records "
+                              f"model.vocab_size {vocab} (engine.json and the graph disagree: rebuild the engine)")

@@ -1,0 +1,67 @@
+"""Output directories written atomically: a temp dir beside --out, renamed into place at the end.
+
+Used by medusa-convert, medusa-build and medusa-triton, so a failed, interrupted (SIGINT, SIGTERM)
+or refused write leaves --out as it was and nothing else behind: no temp dir, no `.old` copy, no
+parent directories it created. The temp dir is made with mkdir (not mkdtemp, which makes it 0700),
+so the output keeps the usual umask permissions.
+"""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+
+from medusa_trt.errors import MedusaTrtError
+
+
+def check_output_dir(out: Path, force: bool, error: type[MedusaTrtError] = MedusaTrtError) -> None:
+    """Refuses what atomic_output_dir would refuse, before any work is done."""
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise error(f"{out}: --out exists and is not a directory (a file is never replaced, even with --force)")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise error(f"{out}: --out exists and is not empty; pass --force to replace it")
+    ancestor = out.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise error(f"{out}: cannot create it: {ancestor} is not a directory")
+
+
+@contextmanager
+def atomic_output_dir(out: str | Path, force: bool = False,
+                      error: type[MedusaTrtError] = MedusaTrtError) -> Iterator[Path]:
+    """with atomic_output_dir(out, force) as tmp: write into tmp; on a normal exit tmp becomes `out`
+    (an existing `out` is replaced only with force); on any exception nothing is left behind."""
+    out = Path(out)
+    check_output_dir(out, force, error)
+    created = []  # parents made here, removed again on failure
+    parent = out.parent
+    while not parent.exists():
+        created.append(parent)
+        parent = parent.parent
+    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:12]}"
+    try:
+        for d in reversed(created):
+            d.mkdir()
+        tmp.mkdir()  # beside --out so the final rename stays on one filesystem
+        yield tmp
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:12]}"
+            out.rename(old)
+            try:
+                tmp.rename(out)
+            except BaseException:
+                old.rename(out)
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        for d in created:  # innermost first; rmdir removes only what is still empty
+            with suppress(OSError):
+                d.rmdir()
+        raise

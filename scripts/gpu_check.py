@@ -1,0 +1,215 @@
+"""`make gpu-check`: everything that needs an NVIDIA GPU, in one command, with one JSON report.
+
+On a machine with a CUDA GPU it
+1. runs the tree-attention Triton kernel against its PyTorch reference on the device, and times it
+   against PyTorch SDPA with a dense boolean mask (past 1k-8k tokens, trees of 16-64 nodes), with
+   the bandwidth each reaches as % of the GPU's peak HBM bandwidth (K/V bytes read / time);
+2. builds the demo model with `medusa-build --backend tensorrt` (plugin and native attention) and
+   runs `medusa-check` on each;
+3. builds an ONNX Runtime engine for the CUDA provider and runs `medusa-check --device cuda`;
+4. times Medusa against plain decoding on each engine (`medusa-bench`, one run, alternating);
+installs what is missing first (the `tensorrt` extra and onnxruntime-gpu; `--wheels DIR` installs
+from carried wheels on a machine without network), writes `--out` (JSON) and prints a short table.
+Every step is recorded, a failing step does not stop the others; the exit code is 1 if one failed.
+
+Without a CUDA GPU it prints one line saying so and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PROG = "gpu-check"
+NEEDS = {"tensorrt": "tensorrt>=10.15", "onnx_graphsurgeon": "onnx-graphsurgeon>=0.5", "triton": "triton>=3.3"}
+PASTS = (1024, 2048, 4096, 8192)
+TREES = (16, 32, 64)
+
+
+def gpu_summary() -> dict | None:
+    """The device, or None when torch sees no CUDA GPU (or torch is missing)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    p = torch.cuda.get_device_properties(0)
+    clock_khz, bus_bits = getattr(p, "memory_clock_rate", None), getattr(p, "memory_bus_width", None)
+    # Double data rate: two transfers per memory clock on the whole bus.
+    peak = 2 * clock_khz * 1e3 * bus_bits / 8 if clock_khz and bus_bits else None
+    return {"name": p.name, "capability": f"{p.major}.{p.minor}", "memory_gib": round(p.total_memory / 2**30, 1),
+            "peak_hbm_bytes_per_s": peak, "torch": torch.__version__, "cuda": torch.version.cuda}
+
+
+def install(wheels: Path | None) -> dict:
+    """pip installs what the GPU steps need and is missing."""
+    missing = [spec for module, spec in NEEDS.items() if importlib.util.find_spec(module) is None]
+    try:
+        import onnxruntime as ort
+
+        if "CUDAExecutionProvider" not in ort.get_available_providers():
+            # onnxruntime and onnxruntime-gpu share the module: the CPU wheel must go first.
+            subprocess.run([sys.executable, "-m", "pip", "uninstall", "-y", "-q", "onnxruntime"], check=False)
+            missing.append("onnxruntime-gpu")
+    except ImportError:
+        missing.append("onnxruntime-gpu")
+    if not missing:
+        return {"installed": []}
+    cmd = [sys.executable, "-m", "pip", "install", "-q", *missing]
+    if wheels:
+        cmd += ["--no-index", "--find-links", str(wheels)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        raise RuntimeError(f"pip install {' '.join(missing)} failed: {done.stderr.strip()[-400:]}")
+    return {"installed": missing}
+
+
+def _time_cuda(fn, reps: int = 50, warmup: int = 5) -> float:
+    """Median milliseconds of fn() with CUDA events."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def kernel_case(past: int, nodes: int, heads: int = 32, kv_heads: int = 8, dim: int = 128, batch: int = 1) -> dict:
+    """One (past, tree) point: Triton kernel vs reference (max abs diff) and vs SDPA with a dense mask."""
+    import torch
+    import torch.nn.functional as F
+
+    from medusa_trt.engines.tree_attention.kernel import (
+        dense_mask_from_packed,
+        reference_tree_attention,
+        triton_tree_attention,
+    )
+    from medusa_trt.tree import build_tree, parse_medusa_choices, validate_and_expand
+
+    g = torch.Generator(device="cuda").manual_seed(past + nodes)
+    dev, dt = "cuda", torch.float16
+    # The first nodes-1 of the 63-node tree in (depth, path) order: prefix-closed, so a valid tree.
+    paths = validate_and_expand(parse_medusa_choices("mc_sim_7b_63"), num_heads=8)[: nodes - 1]
+    tree = build_tree(paths, 8, nodes - 1)  # root + nodes-1 slots
+    t = tree.num_slots
+    packed = torch.tensor(tree.packed_mask, device=dev)
+    q = torch.randn(batch, heads, t, dim, device=dev, dtype=dt, generator=g)
+    k = torch.randn(batch, kv_heads, past + t, dim, device=dev, dtype=dt, generator=g)
+    v = torch.randn(batch, kv_heads, past + t, dim, device=dev, dtype=dt, generator=g)
+    lens = torch.full((batch,), past, device=dev, dtype=torch.int32)
+    got = triton_tree_attention(q, k, v, lens, packed)
+    want = reference_tree_attention(q, k, v, lens, packed)
+    diff = float((got.float() - want.float()).abs().max())
+    mask = torch.cat([torch.ones(t, past, dtype=torch.bool, device=dev), dense_mask_from_packed(packed, t)], dim=-1)
+    kr, vr = k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1)
+    kernel_ms = _time_cuda(lambda: triton_tree_attention(q, k, v, lens, packed))
+    sdpa_ms = _time_cuda(lambda: F.scaled_dot_product_attention(q, kr, vr, attn_mask=mask[None, None]))
+    kv_bytes = 2 * batch * kv_heads * (past + t) * dim * k.element_size()  # what the kernel must read
+    return {"past": past, "tree_nodes": t, "max_abs_diff_vs_reference": diff, "passed": diff <= 2e-3,
+            "kernel_ms": round(kernel_ms, 4), "sdpa_dense_mask_ms": round(sdpa_ms, 4),
+            "speedup_vs_sdpa": round(sdpa_ms / kernel_ms, 3), "kv_bytes": kv_bytes,
+            "kernel_bytes_per_s": kv_bytes / (kernel_ms / 1e3)}
+
+
+def run_tool(module: str, args: list[str], timeout: float = 3600) -> dict:
+    """A medusa-trt CLI as a child process: its exit code and the tail of its output."""
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=ROOT)
+    return {"rc": done.returncode, "seconds": round(time.perf_counter() - start, 1),
+            "tail": (done.stdout + done.stderr).strip().splitlines()[-8:]}
+
+
+def engine_steps(work: Path, name: str, build_args: list[str], device: str) -> list[dict]:
+    """Build, medusa-check, medusa-bench for one engine kind."""
+    engine = work / name
+    steps = [{"step": f"build {name}", **run_tool("medusa_trt.engines.cli", [
+        "--checkpoint", str(work / "ckpt"), "--out", str(engine), "--force", "--quiet", *build_args])}]
+    if steps[0]["rc"] != 0:
+        return steps
+    steps.append({"step": f"check {name}", **run_tool("medusa_trt.check", [
+        "--engine", str(engine), "--device", device, "--json", str(work / f"{name}.check.json")])})
+    bench_json = work / f"{name}.bench.json"
+    tree = ROOT / "assets" / "demo_model" / "tree.json"
+    steps.append({"step": f"bench {name}", **run_tool("medusa_trt.bench", [
+        "--engine", str(engine), "--prompts", str(ROOT / "assets" / "demo_model" / "prompts_heldout.jsonl"),
+        "--limit", "8", "--no-hf", "--quiet", "--json", str(bench_json),
+        *(["--medusa-choices", str(tree)] if tree.is_file() else [])])})
+    if bench_json.is_file():
+        modes = json.loads(bench_json.read_text()).get("modes", {})
+        steps[-1]["tokens_per_s"] = {m: v.get("tokens_per_s") for m, v in modes.items()}
+    return steps
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=ROOT / "build" / "gpu_check" / "report.json")
+    p.add_argument("--wheels", type=Path, help="install missing packages from this folder of wheels (no network)")
+    p.add_argument("--no-install", action="store_true", help="use what is installed")
+    p.add_argument("--skip-engines", action="store_true", help="kernel only")
+    args = p.parse_args(argv)
+    gpu = gpu_summary()
+    if gpu is None:
+        print(f"{PROG}: no CUDA GPU here (torch sees none); nothing to check")
+        return 0
+    report: dict = {"gpu": gpu, "python": platform.python_version(), "steps": [], "kernel": []}
+    work = args.out.parent
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        if not args.no_install:
+            report["install"] = install(args.wheels)
+        for past in PASTS:
+            for nodes in TREES:
+                case = kernel_case(past, nodes)
+                if gpu["peak_hbm_bytes_per_s"]:
+                    case["kernel_pct_of_peak_hbm"] = round(100 * case["kernel_bytes_per_s"] / gpu["peak_hbm_bytes_per_s"], 1)
+                report["kernel"].append(case)
+        if not args.skip_engines:
+            demo = ROOT / "assets" / "demo_model"
+            report["steps"].append({"step": "convert demo model", **run_tool("medusa_trt.converter.cli", [
+                "--base", str(demo / "base"), "--heads", str(demo / "heads"), "--out", str(work / "ckpt"),
+                "--force", "--quiet", "--dtype", "float16"])})
+            for name, build_args, device in (
+                    ("tensorrt-plugin", ["--backend", "tensorrt", "--trt-attention", "plugin"], "cuda"),
+                    ("tensorrt-native", ["--backend", "tensorrt", "--trt-attention", "native"], "cuda"),
+                    ("onnxruntime-cuda", ["--device", "cuda", "--dtype", "float16"], "cuda")):
+                report["steps"] += engine_steps(work, name, build_args, device)
+    except Exception as e:  # the report says how far it got
+        report["error"] = f"{type(e).__name__}: {e}"
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"{gpu['name']} (sm {gpu['capability']}), peak HBM "
+          f"{gpu['peak_hbm_bytes_per_s'] / 1e12:.2f} TB/s" if gpu["peak_hbm_bytes_per_s"] else gpu["name"])
+    print(f"{'past':>6} {'tree':>5} {'kernel ms':>10} {'SDPA ms':>9} {'x SDPA':>7} {'% HBM':>6}  ok")
+    for c in report["kernel"]:
+        print(f"{c['past']:>6} {c['tree_nodes']:>5} {c['kernel_ms']:>10.4f} {c['sdpa_dense_mask_ms']:>9.4f} "
+              f"{c['speedup_vs_sdpa']:>7.2f} {c.get('kernel_pct_of_peak_hbm', math.nan):>6.1f}  "
+              f"{'PASS' if c['passed'] else 'FAIL'}")
+    for s in report["steps"]:
+        extra = f"  {s['tokens_per_s']}" if s.get("tokens_per_s") else ""
+        verdict = "PASS" if s["rc"] == 0 else f"FAIL (rc {s['rc']})"
+        print(f"{s['step']:<28} {verdict}  {s['seconds']} s{extra}")
+    failed = ("error" in report or any(not c["passed"] for c in report["kernel"])
+              or any(s["rc"] != 0 for s in report["steps"]))
+    print(f"{PROG}: {'FAIL' if failed else 'PASS'}; report {args.out}" + (f" ({report['error']})" if "error" in report else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,434 @@
+"""Bad input and faults, one table for every CLI and the Triton model: each case must end in exit
+code 2 with ONE line `prog: error: ...` that names the bad thing, no traceback, and nothing left
+behind (no --out, no .tmp-*/.old-* dirs). The CLIs run in-process through main(argv); SIGTERM
+needs a real process."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.torch import load_file, save_file
+
+from medusa_trt import bench, check
+from medusa_trt import train_cli as train
+from medusa_trt.calibration import tree_search
+from medusa_trt.converter import cli as convert_cli
+from medusa_trt.engines import cli as build_cli
+from medusa_trt.runtime import cli as run_cli
+from medusa_trt.serving import triton_repo
+from medusa_trt.serving.server import main as serve_main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Ctx:
+    tmp: Path
+    base: Path
+    heads: Path
+    ckpt: Path
+    engine: Path
+
+    @property
+    def out(self) -> Path:
+        return self.tmp / "out"
+
+    def copy(self, src: Path, name: str) -> Path:
+        dst = self.tmp / name
+        shutil.copytree(src, dst)
+        return dst
+
+    def edit_json(self, src: Path, name: str, file: str, edit: Callable[[dict], object]) -> Path:
+        """A copy of `src` whose `file` (JSON) is edited; edit returns the new object or None to keep it."""
+        d = self.copy(src, name)
+        data = json.loads((d / file).read_text())
+        new = edit(data)
+        (d / file).write_text(json.dumps(data if new is None else new))
+        return d
+
+    def write(self, name: str, content: str | bytes) -> Path:
+        p = self.tmp / name
+        p.write_bytes(content if isinstance(content, bytes) else content.encode())
+        return p
+
+
+def _set(path: str, value):
+    """edit function: data[a][b] = value for path 'a.b'."""
+    def edit(data):
+        keys = path.split(".")
+        obj = data
+        for k in keys[:-1]:
+            obj = obj[k]
+        obj[keys[-1]] = value
+    return edit
+
+
+def _delete(key: str):
+    return lambda data: data.pop(key) and None
+
+
+def _poison(src: Path, ctx: Ctx, name: str, file: str, value: float) -> Path:
+    d = ctx.copy(src, name)
+    path = next(d.glob(file))
+    tensors = load_file(path)
+    key = sorted(k for k in tensors if tensors[k].is_floating_point())[0]
+    tensors[key] = tensors[key].clone()
+    tensors[key].view(-1)[3] = value
+    save_file(tensors, path, metadata={"format": "pt"})
+    return d
+
+
+def _poison_heads(ctx: Ctx) -> Path:
+    """A copy of the medusa_v1 heads (a torch state dict file) with one Inf."""
+    import torch
+
+    d = ctx.copy(ctx.heads, "h")
+    path = next(d.rglob("*.pt"))
+    state = torch.load(path, weights_only=True)
+    key = sorted(k for k in state if state[k].is_floating_point())[0]
+    state[key] = state[key].clone()
+    state[key].view(-1)[1] = float("inf")
+    torch.save(state, path)
+    return d
+
+
+def _trtllm_engine(ctx: Ctx) -> Path:
+    """What trtllm-build leaves (its config.json; the engines cannot be built here)."""
+    d = ctx.tmp / "trtllm"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({
+        "pretrained_config": {"architecture": "MedusaForCausalLM", "num_medusa_heads": 4, "max_draft_len": 63},
+        "build_config": {"max_batch_size": 8, "max_seq_len": 512, "max_draft_len": 63}}))
+    return d
+
+
+def _engine_dir_with(ctx: Ctx, edit) -> Path:
+    return ctx.edit_json(ctx.engine, "eng", "engine.json", edit)
+
+
+def _flip_byte(ctx: Ctx) -> Path:
+    d = ctx.copy(ctx.engine, "eng")
+    data = bytearray((d / "model.onnx").read_bytes())
+    data[-1] ^= 1
+    (d / "model.onnx").write_bytes(bytes(data))
+    return d
+
+
+def _wrong_digest(ctx: Ctx) -> Path:
+    def edit(data):
+        data["artifacts"]["tokenizer.json"]["sha256"] = "0" * 64
+    return _engine_dir_with(ctx, edit)
+
+
+def _truncate(ctx: Ctx) -> Path:
+    d = ctx.copy(ctx.ckpt, "ck")
+    f = d / "rank0.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    return d
+
+
+def _file(ctx: Ctx) -> Path:
+    return ctx.write("a_file", "keep me")
+
+
+def _ckpt_with(key, value):
+    return lambda c: c.edit_json(c.ckpt, "ck", "config.json", _set(key, value))
+
+
+def _base_with(key, value):
+    return lambda c: c.edit_json(c.base, "b", "config.json", _set(key, value))
+
+
+RUN = ("medusa-run", run_cli.main)
+CONVERT = ("medusa-convert", convert_cli.main)
+BUILD = ("medusa-build", build_cli.main)
+CHECK = ("medusa-check", check.main)
+TRITON = ("medusa-triton", triton_repo.main)
+TUNE = ("medusa-tune-tree", tree_search.main)
+BENCH = ("medusa-bench", bench.main)
+TRAIN = ("medusa-train-heads", train.main)
+
+
+def convert_args(c: Ctx, base=None, heads=None, out=None, *extra):
+    return ["--base", str(base or c.base), "--heads", str(heads or c.heads), "--out", str(out or c.out), "--quiet",
+            *extra]
+
+
+def build_args(c: Ctx, ckpt=None, out=None, *extra):
+    return ["--checkpoint", str(ckpt or c.ckpt), "--out", str(out or c.out), "--quiet", *extra]
+
+
+def run_args(c: Ctx, src=None, *extra, prompt="Hello"):
+    return ["--engine", str(src or c.engine), "--prompt", prompt, "--max-new-tokens", "4", *extra]
+
+
+def run_ckpt_args(c: Ctx, src=None, *extra):
+    return ["--checkpoint", str(src or c.ckpt), "--prompt", "Hello", "--max-new-tokens", "4", *extra]
+
+
+YAML_BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]\n" \
+            "c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b]\nmedusa_choices: [*c, *c, *c]\n"
+
+# (id, cli, argv(ctx), substrings the error line must hold)
+CASES = [
+    # -- medusa-convert: HF base config.json, weights, --out --------------------------------------
+    ("convert-missing-base", CONVERT, lambda c: convert_args(c, base=c.tmp / "nope"), ["nope"]),
+    ("convert-size-as-string", CONVERT, lambda c: convert_args(c, base=_base_with("hidden_size", "64")(c)),
+     ["config.json", "hidden_size", "'64'", "integer"]),
+    ("convert-negative-max-position", CONVERT,
+     lambda c: convert_args(c, base=_base_with("max_position_embeddings", -1)(c)),
+     ["config.json", "max_position_embeddings", "-1", "positive"]),
+    ("convert-zero-layers", CONVERT, lambda c: convert_args(c, base=_base_with("num_hidden_layers", 0)(c)),
+     ["num_hidden_layers", "positive"]),
+    ("convert-eps-as-string", CONVERT, lambda c: convert_args(c, base=_base_with("rms_norm_eps", "tiny")(c)),
+     ["rms_norm_eps", "'tiny'"]),
+    ("convert-bad-eos", CONVERT, lambda c: convert_args(c, base=_base_with("eos_token_id", "</s>")(c)),
+     ["eos_token_id", "token id"]),
+    ("convert-config-is-a-list", CONVERT,
+     lambda c: convert_args(c, base=c.edit_json(c.base, "b", "config.json", lambda d: [d])),
+     ["config.json", "JSON object", "list"]),
+    ("convert-config-not-json", CONVERT,
+     lambda c: convert_args(c, base=(lambda d: (d / "config.json").write_text("{oops") and d)(c.copy(c.base, "b"))),
+     ["config.json", "not valid JSON"]),
+    ("convert-config-nested-deep", CONVERT,
+     lambda c: convert_args(c, base=(lambda d: (d / "config.json").write_text("[" * 100000) and d)(c.copy(c.base, "b"))),
+     ["config.json", "not valid JSON"]),
+    ("convert-nan-in-base", CONVERT,
+     lambda c: convert_args(c, base=_poison(c.base, c, "b", "model.safetensors", float("nan"))),
+     ["model.safetensors", "NaN or Inf", "tensor"]),
+    ("convert-inf-in-heads", CONVERT, lambda c: convert_args(c, heads=_poison_heads(c)),
+     ["medusa_lm_head.pt", "NaN or Inf", "tensor"]),
+    ("convert-out-is-a-file-force", CONVERT, lambda c: convert_args(c, None, None, _file(c), "--force"),
+     ["a_file", "not a directory"]),
+    ("convert-out-under-a-file", CONVERT, lambda c: convert_args(c, None, None, _file(c) / "sub"),
+     ["a_file", "not a directory"]),
+    ("convert-max-draft-len-zero", CONVERT, lambda c: convert_args(c, None, None, None, "--max-draft-len", "0"),
+     ["--max-draft-len 0"]),
+    # -- medusa-build: merged config.json, options, --out -----------------------------------------
+    ("build-missing-checkpoint", BUILD, lambda c: build_args(c, c.tmp / "nope"), ["nope"]),
+    ("build-vocab-as-string", BUILD, lambda c: build_args(c, _ckpt_with("vocab_size", "many")(c)),
+     ["config.json", "vocab_size", "'many'", "integer"]),
+    ("build-negative-layers", BUILD, lambda c: build_args(c, _ckpt_with("num_hidden_layers", -2)(c)),
+     ["num_hidden_layers", "-2", "positive"]),
+    ("build-unknown-dtype", BUILD, lambda c: build_args(c, _ckpt_with("dtype", "float7")(c)),
+     ["config.json", "dtype", "float7"]),
+    ("build-mapping-is-a-list", BUILD, lambda c: build_args(c, _ckpt_with("mapping", [1])(c)),
+     ["config.json", "mapping", "JSON object"]),
+    ("build-config-missing", BUILD,
+     lambda c: build_args(c, (lambda d: (d / "config.json").unlink() or d)(c.copy(c.ckpt, "ck"))),
+     ["config.json", "not found"]),
+    ("build-out-is-a-file-force", BUILD, lambda c: build_args(c, None, _file(c), "--force"),
+     ["a_file", "not a directory"]),
+    ("build-max-batch-zero", BUILD, lambda c: build_args(c, None, None, "--max-batch-size", "0"),
+     ["--max-batch-size 0"]),
+    # -- medusa-run: engine.json, graphs, digests, run-time values --------------------------------
+    ("run-missing-engine", RUN, lambda c: run_args(c, c.tmp / "nope"), ["nope"]),
+    ("run-engine-vocab-as-string", RUN, lambda c: run_args(c, _engine_dir_with(c, _set("model.vocab_size", "x"))),
+     ["engine.json", "model.vocab_size", "'x'", "integer"]),
+    ("run-engine-json-is-a-list", RUN, lambda c: run_args(c, c.edit_json(c.engine, "eng", "engine.json", lambda d: [d])),
+     ["engine.json", "JSON object"]),
+    ("run-engine-missing-limits", RUN, lambda c: run_args(c, _engine_dir_with(c, _delete("limits"))),
+     ["engine.json", "limits", "missing"]),
+    ("run-engine-unknown-dtype", RUN, lambda c: run_args(c, _engine_dir_with(c, _set("dtype", "int3"))),
+     ["engine.json", "dtype", "int3"]),
+    ("run-engine-negative-seq-len", RUN, lambda c: run_args(c, _engine_dir_with(c, _set("limits.max_seq_len", -1))),
+     ["limits.max_seq_len", "-1", "positive"]),
+    ("run-engine-vocab-disagrees", RUN, lambda c: run_args(c, _engine_dir_with(c, _set("model.vocab_size", 300))),
+     ["model.onnx", "vocabulary dim 256", "300"]),
+    ("run-engine-layers-disagree", RUN, lambda c: run_args(c, _engine_dir_with(c, _set("model.num_layers", 3))),
+     ["model.onnx", "past_key_2", "3 layers"]),
+    ("run-tampered-graph", RUN, lambda c: run_args(c, _flip_byte(c)), ["model.onnx", "sha256 differs"]),
+    ("run-wrong-recorded-digest", RUN, lambda c: run_args(c, _wrong_digest(c)), ["tokenizer.json", "sha256 differs"]),
+    ("run-rank-beyond-vocab", RUN, lambda c: run_args(c, None, "--medusa-choices", "[[0], [300]]"),
+     ["rank 300", "vocabulary", "256"]),
+    ("run-nan-temperature", RUN, lambda c: run_args(c, None, "--temperature", "nan"), ["--temperature nan", "finite"]),
+    ("run-negative-threads", RUN, lambda c: run_args(c, None, "--threads", "-1"), ["--threads -1"]),
+    ("run-prompt-not-utf8", RUN, lambda c: run_args(c, prompt=b"caf\xe9".decode("utf-8", "surrogateescape")),
+     ["--prompt", "UTF-8"]),
+    ("run-prompt-file-not-utf8", RUN,
+     lambda c: ["--engine", str(c.engine), "--batch-file", str(c.write("p.txt", b"ok\ncaf\xe9\n"))],
+     ["p.txt", "UTF-8"]),
+    ("run-empty-medusa-choices", RUN, lambda c: run_args(c, None, "--medusa-choices", ""),
+     ["medusa_choices ''", "empty"]),
+    ("run-yaml-alias-bomb", RUN, lambda c: run_args(c, None, "--medusa-choices", str(c.write("t.yaml", YAML_BOMB))),
+     ["t.yaml", "aliases"]),
+    ("run-json-tree-nested-deep", RUN,
+     lambda c: run_args(c, None, "--medusa-choices", str(c.write("t.json", "[" * 60000 + "]" * 60000))),
+     ["t.json", "nested 60000 levels"]),
+    ("run-tree-file-not-json", RUN, lambda c: run_args(c, None, "--medusa-choices", str(c.write("t.json", "[[0],"))),
+     ["t.json", "JSON"]),
+    ("run-truncated-checkpoint", RUN, lambda c: run_ckpt_args(c, _truncate(c)), ["rank0.safetensors"]),
+    ("run-checkpoint-negative-heads", RUN, lambda c: run_ckpt_args(c, _ckpt_with("num_medusa_heads", -1)(c)),
+     ["num_medusa_heads", "-1"]),
+    # -- medusa-check ------------------------------------------------------------------------------
+    ("check-wrong-recorded-digest", CHECK, lambda c: ["--engine", str(_wrong_digest(c))],
+     ["tokenizer.json", "sha256 differs"]),
+    ("check-negative-atol", CHECK, lambda c: ["--engine", str(c.engine), "--atol", "-1"], ["--atol -1"]),
+    ("check-prompts-not-utf8", CHECK, lambda c: ["--engine", str(c.engine), "--prompts", str(c.write("p.txt", b"\xff\n"))],
+     ["p.txt", "UTF-8"]),
+    # -- medusa-triton -----------------------------------------------------------------------------
+    ("triton-out-is-a-file-force", TRITON, lambda c: ["--engine", str(c.ckpt), "--out", str(_file(c)), "--force"],
+     ["a_file", "not a directory"]),
+    ("triton-engine-batch-as-string", TRITON,
+     lambda c: ["--engine", str(_engine_dir_with(c, _set("limits.max_batch_size", "4"))), "--out", str(c.out)],
+     ["engine.json", "limits.max_batch_size", "'4'"]),
+    ("triton-tree-deep", TRITON,
+     lambda c: ["--engine", str(c.ckpt), "--out", str(c.out), "--medusa-choices", "[" * 5000],
+     ["nested 5000 levels"]),
+    ("triton-trtllm-rank-16", TRITON,
+     lambda c: ["--engine", str(_trtllm_engine(c)), "--out", str(c.out), "--tokenizer-dir", str(c.ckpt),
+                "--medusa-choices", "[[0], [16]]"],
+     ["rank 16", "4 bits"]),
+    ("serve-invalid-port", ("medusa-serve", serve_main),
+     lambda c: ["--repo", str(c.copy(c.ckpt, "repo")), "--http-port", "70000"], ["--http-port 70000", "65535"]),
+    # -- medusa-tune-tree, medusa-bench, medusa-train-heads ---------------------------------------
+    ("tune-tree-calibration-too-small", TUNE,
+     lambda c: ["--engine", str(c.ckpt), "--calib-data", str(c.write("cal.txt", "a\n")), "--out", str(c.out / "t.json"),
+                "--max-new-tokens", "1", "--no-measure", "--quiet"],
+     ["calibration"]),
+    ("bench-prompts-not-utf8", BENCH, lambda c: ["--engine", str(c.ckpt), "--prompts", str(c.write("p.txt", b"\xfe\n"))],
+     ["p.txt", "UTF-8"]),
+    ("train-data-deep-jsonl", TRAIN,
+     lambda c: ["--base", str(c.base), "--data", str(c.write("d.jsonl", "[" * 100000 + "\n")), "--out", str(c.out),
+                "--quiet"],
+     ["d.jsonl:1", "not valid JSON"]),
+]
+
+
+@pytest.fixture(scope="module")
+def fixtures(tiny_base, tiny_heads, tiny_merged, ort_engine):
+    base = tiny_base("llama")
+    return base, tiny_heads("medusa_v1", base), tiny_merged("llama"), ort_engine("llama")
+
+
+def _leftovers(root: Path) -> list[str]:
+    return [p.name for p in root.rglob(".*") if ".tmp-" in p.name or ".old-" in p.name]
+
+
+@pytest.mark.parametrize("name,cli,argv,expected", CASES, ids=[c[0] for c in CASES])
+def test_bad_input(name, cli, argv, expected, fixtures, tmp_path, capsys):
+    ctx = Ctx(tmp_path, *fixtures)
+    args = argv(ctx)
+    before = {p: p.read_bytes() for p in tmp_path.glob("a_file")}
+    capsys.readouterr()
+    prog, main = cli
+    assert main(args) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"{prog}: error: "), err
+    assert "Traceback" not in captured.err + captured.out
+    for part in expected:
+        assert part in err[0], (part, err[0])
+    assert "tree file '.'" not in err[0]
+    assert not ctx.out.exists() and not _leftovers(tmp_path)
+    assert {p: p.read_bytes() for p in tmp_path.glob("a_file")} == before  # a file is never replaced
+
+
+def test_the_corpus_covers_every_console_script():
+    scripts = [line.split("=")[0].strip() for line in (ROOT / "pyproject.toml").read_text().split("[project.scripts]")[1]
+               .split("\n\n")[0].strip().splitlines()]
+    covered = {c[1][0] for c in CASES}
+    assert set(scripts) <= covered and len(CASES) >= 40
+
+
+def test_os_errors_are_one_line(fixtures, tmp_path, capsys, monkeypatch):
+    """No space left on device half-way through writing: one line naming the file and the reason."""
+    ctx = Ctx(tmp_path, *fixtures)
+    import medusa_trt.converter.merge as merge
+
+    def full(src, dst, *a, **k):
+        raise OSError(28, "No space left on device", str(dst))
+
+    monkeypatch.setattr(merge.shutil, "copy2", full)
+    capsys.readouterr()
+    assert convert_cli.main(convert_args(ctx)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "No space left on device" in err[0] and "tokenizer" in err[0], err
+    assert not ctx.out.exists() and not _leftovers(tmp_path)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores directory permissions")
+def test_permission_denied_is_one_line(fixtures, tmp_path, capsys):
+    ctx = Ctx(tmp_path, *fixtures)
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    try:
+        assert build_cli.main(build_args(ctx, None, locked / "engine")) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "Permission denied" in err[0] and "locked" in err[0], err
+    finally:
+        locked.chmod(0o755)
+
+
+def test_request_values_are_refused_by_the_triton_model(fixtures):
+    """The Triton model's request checks: a NaN temperature, a rank beyond the vocabulary, a tree
+    string nested deep; each one RequestError naming the input (Triton returns it to the client)."""
+    from medusa_trt.serving.triton_model import ModelSettings, RequestError, load_service, parse_request
+
+    service = load_service(ModelSettings(engine_dir=fixtures[2], medusa_choices="[[0], [1]]", max_input_len=64,
+                                         max_output_len=8), decoupled=False)
+
+    def req(**extra):
+        out = {"text_input": np.array([[b"Hi"]], dtype=np.object_), "max_tokens": np.array([[4]], dtype=np.int32)}
+        out.update(extra)
+        return out
+
+    cases = [
+        (req(temperature=np.array([[np.nan]], dtype=np.float32), acceptance=np.array([[b"typical"]], dtype=np.object_)),
+         "temperature"),
+        (req(medusa_choices=np.array([[b"[[0], [999]]"]], dtype=np.object_)), "rank 999"),
+        (req(medusa_choices=np.array([[b"[" * 5000]], dtype=np.object_)), "nested 5000 levels"),
+        (req(max_tokens=np.array([[-3]], dtype=np.int32)), "max_tokens"),
+    ]
+    for inputs, message in cases:
+        with pytest.raises(RequestError, match=message) as e:
+            parse_request(service, inputs)
+        assert "\n" not in str(e.value)
+
+
+_SLOW_WRITE = """
+import sys, time
+import medusa_trt.converter.merge as merge
+import medusa_trt.engines.build as build
+
+def slow(*args, **kwargs):
+    print("writing", flush=True)
+    time.sleep(60)
+
+merge._write = slow
+build.BUILDERS["onnxruntime"] = slow
+from medusa_trt.converter.cli import main as convert
+from medusa_trt.engines.cli import main as build_main
+sys.exit((convert if sys.argv[1] == "convert" else build_main)(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize("tool", ["convert", "build"])
+def test_sigterm_leaves_nothing_behind(tool, fixtures, tmp_path):
+    ctx = Ctx(tmp_path, *fixtures)
+    argv = convert_args(ctx) if tool == "convert" else build_args(ctx)
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_WRITE, tool, *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout.readline().strip() == "writing"
+        assert _leftovers(tmp_path)  # the temp dir exists while it writes
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "terminated (SIGTERM)" in lines[0], lines
+    assert not ctx.out.exists() and not _leftovers(tmp_path)
