@@ -107,7 +107,7 @@ def test_unknown_weight_format_is_refused(ort_engine, tmp_path):
     data = json.loads((engine / "engine.json").read_text())
     data["weights"]["format"] = "int3"
     (engine / "engine.json").write_text(json.dumps(data))
-    with pytest.raises(EngineError, match="weights.format 'int3'"):
+    with pytest.raises(EngineError, match="weights.format: 'int3'; expected one of 'float', 'int4'"):
         OrtBackend(engine)
 
 
