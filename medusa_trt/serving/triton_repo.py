@@ -343,7 +343,7 @@ def write_trtllm_triton_repo(
     batch = _check_batch(max_batch_size, info)
     tree = _default_tree(medusa_choices, info)
     try:
-        check_trtllm_ranks(tree, f"default tree for the TensorRT-LLM engine {info.directory}")
+        check_trtllm_ranks(tree, f"default tree for the TensorRT-LLM engine {engine}")
     except TreeError as err:
         raise RepoError(str(err)) from None
     if not 0 <= kv_cache_free_gpu_mem_fraction <= 1:
