@@ -107,6 +107,8 @@ def validate_engine(engine: Any, path: Path, backend: str | None = None) -> dict
         _relative_file(section, "file", path, p)
         _relative_file(section, "heads_file", path, p, optional=True)
         _relative_file(section, "step_file", path, p, optional=True)
+        _relative_file(section, "weights_file", path, p, optional=True)  # shared by the graphs (absent: inline)
+        req(section, "prepack_weights", bool, p, default=True)
         if section.get("step_file"):
             req(section, "step_topk", int, p, positive=True)
         weights = require_section(engine, "weights", file=path, error=EngineError)

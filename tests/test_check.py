@@ -8,7 +8,6 @@ import shutil
 import numpy as np
 import onnx
 import pytest
-from onnx import numpy_helper
 
 from medusa_trt.check import main
 
@@ -42,17 +41,19 @@ def test_perturbed_weights_fail(ort_engine, tmp_path, capsys):
     parity fails (exit 1)."""
     engine = tmp_path / "engine"
     shutil.copytree(ort_engine("llama"), engine)
-    model = onnx.load(engine / "model.onnx")
+    # The weights live in the shared weights.bin (engines/onnx_weights.py): nudge one matrix in place.
+    model = onnx.load(engine / "model.onnx", load_external_data=False)
     target = max(model.graph.initializer, key=lambda t: np.prod(t.dims))  # an embedding or lm_head matrix
-    weights = numpy_helper.to_array(target).copy()
-    weights[: weights.shape[0] // 2] += 0.05
-    target.CopyFrom(numpy_helper.from_array(weights, target.name))
-    onnx.save(model, engine / "model.onnx")
+    info = {e.key: int(e.value) for e in target.external_data if e.key in ("offset", "length")}
+    data = np.fromfile(engine / "weights.bin", dtype=np.uint8)
+    region = data[info["offset"]:info["offset"] + info["length"]].view(np.float32)
+    region[: region.size // 2] += 0.05
+    data.tofile(engine / "weights.bin")
     capsys.readouterr()
     # engine.json's digest no longer matches: refused before any comparison, naming the file.
     assert main(["--engine", str(engine), *FAST]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "model.onnx: sha256 differs" in err[0], err
+    assert len(err) == 1 and "weights.bin: sha256 differs" in err[0], err
     # Digests re-recorded (a deliberate edit): parity itself must catch the change.
     from medusa_trt.engine_dir import artifact_checksums
 

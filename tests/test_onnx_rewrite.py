@@ -56,6 +56,7 @@ def rewritten(ort_engine, tmp_path_factory):
             src = ort_engine(arch) / "model.onnx"
             work = tmp_path_factory.mktemp(f"rewrite-{arch}")
             shutil.copy(src, work / "model.onnx")
+            shutil.copy(src.with_name("weights.bin"), work / "weights.bin")  # its external data (shared weights)
             cache[arch] = (src, rewrite_onnx_file(work / "model.onnx"))
         return cache[arch]
 

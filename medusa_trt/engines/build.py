@@ -130,6 +130,7 @@ def _quantize_int4(opts: BuildOptions, config: dict, model) -> dict:
 
 def _build_onnxruntime(opts: BuildOptions, config: dict, workdir: Path) -> dict:
     from medusa_trt.engines.onnx_export import DEFAULT_ATTENTION, DEFAULT_OPSET, export_onnx
+    from medusa_trt.engines.onnx_weights import share_weights
     from medusa_trt.modeling import MedusaModel
 
     opset = opts.opset or DEFAULT_OPSET
@@ -150,6 +151,11 @@ def _build_onnxruntime(opts: BuildOptions, config: dict, workdir: Path) -> dict:
                                  fused_step=opts.extra.get("fused_step", True))
         except ValueError as e:  # an option the exporter refuses (opset, attention form)
             raise BuildError(str(e)) from None
+        # One copy of the weights for all graphs (engines/onnx_weights.py): the step graph and the
+        # heads graph would otherwise repeat the decoder's (1.4 GB for a 538 MB model).
+        shared = share_weights([p for p in (result.path, result.heads_path, result.step_path) if p is not None])
+        log.info("%s: %.0f MB of graph weights stored as %.0f MB (%d tensors)", shared.path,
+                 shared.graph_bytes / 1e6, shared.file_bytes / 1e6, shared.tensors)
         bar.update()
     finally:
         bar.close()
@@ -157,7 +163,10 @@ def _build_onnxruntime(opts: BuildOptions, config: dict, workdir: Path) -> dict:
         "dtype": dtype,
         "weights": weights,
         "onnx": {"file": result.path.name, "opset": result.opset, "attention": result.attention,
-                 "external_data": result.external_data, "inputs": list(result.input_names),
+                 "external_data": True, "weights_file": shared.path.name,
+                 # Off (--no-prepack): the sessions share one mapping of weights_file (runtime/ort_backend.py).
+                 "prepack_weights": bool(opts.extra.get("prepack_weights", True)),
+                 "inputs": list(result.input_names),
                  "outputs": list(result.output_names),
                  "heads_file": result.heads_path.name if result.heads_path else None,
                  "shared_lm_head": result.shared_lm_head,

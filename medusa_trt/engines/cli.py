@@ -44,9 +44,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="--backend tensorrt: keep the exported (and rewritten) ONNX graphs in <out>/onnx")
     p.add_argument("--max-input-len", type=int,
                    help="--backend tensorrt-llm: longest prompt (default: max-seq-len minus one tree)")
+    p.add_argument("--no-prepack", dest="prepack_weights", action="store_false",
+                   help="onnxruntime: sessions compute from one shared mapping of the weights instead of "
+                        "each prepacking its own copy (less memory, slower steps; BENCHMARKS.md, issue 13)")
     p.add_argument("--no-fused-step", dest="fused_step", action="store_false",
-                   help="onnxruntime: skip the fused greedy step graph (saves a second copy of the weights "
-                        "on disk; greedy decoding then takes two engine calls and host work per step)")
+                   help="onnxruntime: skip the fused greedy step graph (its session's packed copy of the "
+                        "weights in memory; greedy decoding then takes two engine calls and host work per step)")
     p.add_argument("--weights", default="float", choices=["float", "int4"],
                    help="onnxruntime: int4 = 4-bit weight-only MatMulNBits for the decoder linears and the "
                         "lm_head (default: float, the engine dtype)")
@@ -71,7 +74,8 @@ def _main(argv: Sequence[str] | None = None) -> int:
         opset=args.opset, device=args.device, attention=args.attention, force=args.force,
         progress=not args.quiet,
         extra={k: v for k, v in (("trt_attention", args.trt_attention), ("keep_onnx", args.keep_onnx),
-                                 ("max_input_len", args.max_input_len)) if v} | {"fused_step": args.fused_step}
+                                 ("max_input_len", args.max_input_len)) if v} | {"fused_step": args.fused_step,
+                                                                       "prepack_weights": args.prepack_weights}
         | ({"weights": "int4", "int4_block_size": args.int4_block_size,
             "int4_accuracy_level": args.int4_accuracy_level} if args.weights == "int4" else {}),
     )

@@ -562,8 +562,8 @@ def export_onnx(
     committed_prefix: bool = True,
 ) -> ExportResult:
     """Exports `model` (in its current dtype) to `path`. `external_data` None: only when the
-    weights exceed the 2 GB protobuf limit. `fused_step`: also the fused greedy step graph (it holds
-    a second copy of the decoder's weights on disk). `committed_prefix`: attention reads only the
+    weights exceed the 2 GB protobuf limit. `fused_step`: also the fused greedy step graph (with its
+    own copy of the decoder's weights: medusa-build then shares them, engines/onnx_weights.py). `committed_prefix`: attention reads only the
     cache's committed prefix (a Slice per past input); off, the past inputs go straight into the
     attention's Concat, the form the TensorRT rewrite (engines/onnx_rewrite.py) recognises."""
     if attention not in ATTENTION_FORMS:

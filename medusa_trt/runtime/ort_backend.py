@@ -41,7 +41,8 @@ _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16":
 _PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 
 
-def session_options(threads: int | None = None, *, spinning: bool = False, level: str = "all"):
+def session_options(threads: int | None = None, *, spinning: bool = False, level: str = "all",
+                    prepack: bool = True):
     """Options measured on a 2-core CPU for decoding (benchmarks/bench_onnx.py --sweep-options): all
     graph optimizations (they fuse RMSNorm, SiLU and MatMul+Transpose), one intra-op thread per core
     this process may use, sequential execution (the graph is a chain), and no spinning: a spinning
@@ -62,12 +63,52 @@ def session_options(threads: int | None = None, *, spinning: bool = False, level
     so.inter_op_num_threads = 1
     so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
     so.add_session_config_entry("session.disable_quant_qdq", "1")
+    if not prepack:  # engine.json onnx.prepack_weights (engines/build.py says when and why)
+        so.add_session_config_entry("session.disable_prepacking", "1")
     so.log_severity_level = 3  # warnings about unused initializers are noise to users
     return so
 
 
-def make_session(onnx_path: str | Path, device: str = "cpu", threads: int | None = None):
-    """An InferenceSession on exactly `device`: a missing provider is an error, never a CPU fall back."""
+class SharedWeights:
+    """One read-only mapping of an engine's shared weights file (engines/onnx_weights.py), handed to
+    every session as its initializers (SessionOptions.add_initializer): ONNX Runtime then computes
+    from these pages instead of mapping or copying the file once per session, so a loaded engine's
+    weights are resident once (BENCHMARKS.md, issue 13). Tensors are built once per (offset, dtype,
+    shape) and shared by every graph that refers to them."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._file = np.memmap(path, dtype=np.uint8, mode="r")
+        self._values: dict[tuple, object] = {}
+
+    def initializers(self, onnx_path: Path) -> dict[str, object]:
+        """OrtValues over the mapping for the graph's initializers stored in this file."""
+        import onnx
+        import onnxruntime as ort
+        from onnx.helper import tensor_dtype_to_np_dtype
+
+        graph = onnx.load(str(onnx_path), load_external_data=False).graph
+        out = {}
+        for t in graph.initializer:
+            info = {e.key: e.value for e in t.external_data}
+            if t.data_location != onnx.TensorProto.EXTERNAL or info.get("location") != self.path.name:
+                continue
+            offset, length = int(info.get("offset", 0)), int(info["length"])
+            key = (offset, length, t.data_type, tuple(t.dims))
+            if key not in self._values:
+                if offset + length > len(self._file):
+                    raise EngineError(f"{onnx_path}: initializer {t.name!r} reads bytes {offset}..{offset + length} "
+                                      f"of {self.path}, which has {len(self._file)}; rebuild the engine")
+                array = self._file[offset:offset + length].view(tensor_dtype_to_np_dtype(t.data_type))
+                self._values[key] = ort.OrtValue.ortvalue_from_numpy(array.reshape(tuple(t.dims)))
+            out[t.name] = self._values[key]
+        return out
+
+
+def make_session(onnx_path: str | Path, device: str = "cpu", threads: int | None = None, prepack: bool = True,
+                 weights: SharedWeights | None = None):
+    """An InferenceSession on exactly `device`: a missing provider is an error, never a CPU fall back.
+    `weights`: the engine's shared weights file, mapped once for all its sessions."""
     import onnxruntime as ort
 
     if device not in _PROVIDERS:
@@ -79,8 +120,12 @@ def make_session(onnx_path: str | Path, device: str = "cpu", threads: int | None
         raise EngineError(f"device {device!r} needs ONNX Runtime's {provider}, which this onnxruntime "
                           f"{ort.__version__} lacks{hint}; available: {', '.join(available)}")
     providers = [provider] if device == "cpu" else [provider, "CPUExecutionProvider"]  # CPU only for shape ops
+    so = session_options(threads, prepack=prepack)
+    if weights is not None:
+        for name, value in weights.initializers(Path(onnx_path)).items():
+            so.add_initializer(name, value)
     try:
-        session = ort.InferenceSession(str(onnx_path), session_options(threads), providers=providers)
+        session = ort.InferenceSession(str(onnx_path), so, providers=providers)
     except Exception as e:  # onnxruntime raises its own exception types, one per failure kind
         raise EngineError(f"{onnx_path}: onnxruntime {ort.__version__} cannot load it ({e}); an older "
                           "onnxruntime may lack the engine's opset: rebuild with a lower --opset") from None
@@ -108,13 +153,24 @@ class OrtBackend:
         if self.device == "cuda" and not torch.cuda.is_available():
             raise EngineError("device 'cuda' keeps the KV cache in torch CUDA tensors, but this torch "
                               f"{torch.__version__} has no CUDA device")
-        self.session = make_session(onnx_path, self.device, threads)
+        # Sessions over one shared weights file (engines/onnx_weights.py) map it rather than copy it,
+        # unless they prepack: then each session holds its own packed copy (engine.json says which).
+        prepack = onnx_info.get("prepack_weights", True)
+        weights_file = onnx_info.get("weights_file")
+        # The sessions keep references to the mapped tensors; self keeps the mapping alive as long.
+        # Only without prepacking: a prepacking session keeps its packed copy and lets ONNX Runtime
+        # release the file's pages, which a shared initializer would pin (measured: 2.0 vs 1.5 GB).
+        shared = weights_file and not prepack and self.device == "cpu"
+        self._weights = SharedWeights(self.engine_dir / weights_file) if shared else None
+        self.session = make_session(onnx_path, self.device, threads, prepack, self._weights)
         heads_file = onnx_info.get("heads_file")
-        self.heads_session = make_session(self.engine_dir / heads_file, self.device, threads) if heads_file else None
+        self.heads_session = make_session(self.engine_dir / heads_file, self.device, threads, prepack,
+                                          self._weights) if heads_file else None
         # The fused greedy step (one call per step) on the CPU; on CUDA greedy steps take the
         # forward + heads path, whose outputs stay bound in device memory.
         step_file = onnx_info.get("step_file") if self.device == "cpu" else None
-        self.step_session = make_session(self.engine_dir / step_file, self.device, threads) if step_file else None
+        self.step_session = make_session(self.engine_dir / step_file, self.device, threads, prepack,
+                                         self._weights) if step_file else None
         self.fused_step_topk = onnx_info.get("step_topk") if step_file else None
         self._check_graphs(engine)
         self.num_layers, self.num_kv_heads = model["num_layers"], model["num_kv_heads"]
