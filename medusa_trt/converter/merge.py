@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from medusa_trt import __version__
 from medusa_trt.checkpoint import CONFIG_DTYPES, CheckpointError, CheckpointWriter, check_tp, expected_tensors
-from medusa_trt.converter.heads import MedusaHeads, find_heads, head_keys_in, head_pieces
+from medusa_trt.converter.heads import MedusaHeads, draft_vocab, find_heads, head_keys_in, head_pieces
 from medusa_trt.converter.hf_base import (
     BaseModel,
     ConvertError,
@@ -103,6 +103,9 @@ def build_config(base: BaseModel, heads: MedusaHeads, *, dtype: str, tp_size: in
             **({"gguf": base.gguf} if base.gguf else {}),
         },
     })
+    vocab = draft_vocab(heads, config["vocab_size"])
+    if vocab is not None:
+        config["medusa_trt"]["draft_vocab"] = vocab
     return config
 
 

@@ -384,6 +384,13 @@ class _ExportModule(nn.Module):
         self.head_lm = nn.ParameterList(
             nn.Parameter(model.medusa_lm_head[h], requires_grad=False) for h in range(cfg.num_medusa_heads)
         ) if not self.shared_lm_head else None
+        # A draft vocabulary (docs/formats.md section 1): the heads' logits are computed over its V'
+        # rows only, one [V', d] matrix when the heads share the lm_head.
+        self.draft_lm = None
+        if cfg.draft_vocab and cfg.num_medusa_heads:
+            lm = model.draft_lm_head
+            shared = all(torch.equal(lm[h], lm[0]) for h in range(cfg.num_medusa_heads))
+            self.draft_lm = nn.Parameter(lm[:1] if shared else lm, requires_grad=False)  # [1 or H, V', d]
 
     def medusa_heads(self, h: torch.Tensor) -> torch.Tensor:
         """Same math as MedusaModel.medusa_heads: h [B, S, d] -> [H, B, S, V]."""
@@ -394,6 +401,25 @@ class _ExportModule(nn.Module):
         """Medusa logits [N, H, V] (row-major: the fused step takes its top-k without a transpose) of
         hidden rows x0 [N, d], with 2-D MatMuls (ONNX Runtime prepacks those): the first ResBlock of
         all heads as one, later ones per head, logits per head or through the shared lm_head."""
+        if self.draft_lm is not None:
+            return self.model.draft_logits(self.draft_rows(x0))
+        return self._rows(x0)
+
+    def draft_rows(self, x0: torch.Tensor) -> torch.Tensor:
+        """Head logits over the draft vocabulary only, [N, H, V']."""
+        z = self._rows(x0, logits=False)  # [N, H, d]
+        n, heads, d = z.shape
+        if self.draft_lm.shape[0] == 1:
+            return F.linear(z.reshape(n * heads, d), self.draft_lm[0]).float().reshape(n, heads, -1)
+        return torch.stack([F.linear(z[:, h], self.draft_lm[h]) for h in range(heads)], dim=1).float()
+
+    def draft_topk(self, x0: torch.Tensor, k: int) -> torch.Tensor:
+        """Token ids [N, H, k] of each head's k most likely drafts at hidden rows x0 [N, d]."""
+        if self.draft_lm is None:
+            return self._rows(x0).topk(k, dim=-1).indices
+        return self.model.draft_ids[self.draft_rows(x0).topk(k, dim=-1).indices]
+
+    def _rows(self, x0: torch.Tensor, logits: bool = True) -> torch.Tensor:
         cfg = self.model.cfg
         heads, layers, (n, d) = cfg.num_medusa_heads, cfg.num_medusa_layers, x0.shape
         if not heads:  # a model without heads still has the output, with zero heads
@@ -403,7 +429,7 @@ class _ExportModule(nn.Module):
         else:
             x = torch.stack([x0 + F.silu(self.head_fp8[k * layers](x0) + self.head_b[k * layers])
                              for k in range(heads)], dim=1)
-        if layers > 1 or not self.shared_lm_head:
+        if layers > 1 or not self.shared_lm_head or not logits:
             xs = []
             for head in range(heads):
                 z = x[:, head]
@@ -412,9 +438,9 @@ class _ExportModule(nn.Module):
                     y = self.head_fp8[j](z) + self.head_b[j] if self.head_fp8 is not None else F.linear(
                         z, self.head_w[j], self.head_b[j])
                     z = z + F.silu(y)
-                xs.append(z if self.shared_lm_head else F.linear(z, self.head_lm[head]).float())
+                xs.append(z if self.shared_lm_head or not logits else F.linear(z, self.head_lm[head]).float())
             x = torch.stack(xs, dim=1)
-            if not self.shared_lm_head:
+            if not logits or not self.shared_lm_head:
                 return x
         return self.model.lm_head(x.reshape(n * heads, d)).float().reshape(n, heads, -1)
 
@@ -462,7 +488,7 @@ class _FusedStepModule(nn.Module):
         last = retrieve[best].gather(1, accepted[:, None])  # [B, 1] slot whose outputs continue
         root = argmax.gather(1, last).squeeze(1)
         h = hidden.gather(1, last[:, :, None].expand(-1, -1, hidden.shape[-1]))[:, 0]  # [B, d]
-        top = self.decoder.medusa_rows(h).topk(self.k, dim=-1).indices  # [B, H, k]
+        top = self.decoder.draft_topk(h, self.k)  # [B, H, k]
         return best, accepted, candidates_from_topk(root, top, candidate_index), new_k, new_v
 
 
