@@ -584,3 +584,19 @@ def test_console_script_in_a_subprocess(tmp_path, tiny_base, tiny_heads):
         f"medusa-convert: error: {tmp_path / 'out'}: --out exists and is not empty; pass --force to replace it"]
     with SafetensorsFile(rank_file(tmp_path / "out", 1)) as f:
         assert f.info("lm_head.weight").dtype == torch.float16
+
+
+@pytest.mark.parametrize("vocab, expected", [
+    ("all", "must be a list of token ids"),
+    (list(range(8)), "has 8 ids (8 distinct); expected at least 16"),
+    (list(range(15)) + [3], "has 16 ids (15 distinct)"),
+    (list(range(16)) + [10**6], "holds token id 1000000; expected ids in 0.."),
+])
+def test_bad_draft_vocab_is_refused(tmp_path, tiny_base, tiny_heads, vocab, expected):
+    heads = tmp_path / "heads"
+    shutil.copytree(tiny_heads("medusa_v2", tiny_base("llama")), heads)
+    config = json.loads((heads / "config.json").read_text())
+    (heads / "config.json").write_text(json.dumps(config | {"draft_vocab": vocab}))
+    with pytest.raises(ConvertError, match=r"config\.json: draft_vocab " + expected.replace("(", r"\(").replace(")", r"\)")):
+        convert(tiny_base("llama"), heads, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
