@@ -187,12 +187,7 @@ class BaseModel:
 
 
 def read_base(base_dir: Path) -> BaseModel:
-    """An HF model directory, or a GGUF file (or a directory holding one) as llama.cpp users have."""
-    from medusa_trt.converter.gguf import find_gguf, read_gguf_base
-
-    gguf_file = find_gguf(base_dir)
-    if gguf_file is not None:
-        return read_gguf_base(gguf_file)
+    """An HF model directory (GGUF files: converter/gguf.py)."""
     if not base_dir.is_dir():
         raise ConvertError(f"{base_dir}: base model directory not found")
     config_path = base_dir / "config.json"

@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from medusa_trt import __version__
 from medusa_trt.checkpoint import CONFIG_DTYPES, CheckpointError, CheckpointWriter, check_tp, expected_tensors
+from medusa_trt.converter.gguf import find_gguf, read_gguf_base
 from medusa_trt.converter.heads import MedusaHeads, draft_vocab, find_heads, head_keys_in, head_pieces
 from medusa_trt.converter.hf_base import (
     BaseModel,
@@ -145,7 +146,8 @@ def convert(base: str | Path, heads: str | Path | None, out: str | Path, *, dtyp
         except CalibrationError as e:
             raise ConvertError(str(e)) from None
 
-    base_model = read_base(base_dir)
+    gguf = find_gguf(base_dir)  # a GGUF file, or a dir holding one, as llama.cpp users have
+    base_model = read_gguf_base(gguf) if gguf is not None else read_base(base_dir)
     medusa: MedusaHeads | None = None
     try:
         base_config(base_model)  # validates every config.json field before the heads are matched to it
