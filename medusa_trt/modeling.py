@@ -30,9 +30,10 @@ from medusa_trt.checkpoint import dequantize_fp8, is_fp8_module, quantize_fp8
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-# Head logit of a token outside the draft vocabulary: below any real logit, and finite so that
-# statistics over whole logit tensors (medusa-check's comparator) do not overflow.
-OUTSIDE_DRAFT_LOGIT = -1e30
+# Head logit of a token outside the draft vocabulary: far below any real logit (they stay within
+# +-100), and small enough that statistics over whole logit tensors (medusa-check's comparator
+# squares them) do not overflow float32.
+OUTSIDE_DRAFT_LOGIT = -1e4
 
 
 @dataclass(frozen=True)
