@@ -278,6 +278,9 @@ def _main(argv: Sequence[str] | None = None) -> int:
             print(f"{PROG}: ready: HTTP {server.http_url}, gRPC {server.grpc_url}, metrics {server.metrics_url}")
             print(f"{PROG}: log {server.log_path}; Ctrl-C stops the server", flush=True)
             signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the server as cleanly as Ctrl-C
+            # Ctrl-C is how it stops, also when started with SIGINT ignored (inherited from a parent:
+            # a non-interactive shell starts background jobs that way), which Python would keep.
+            signal.signal(signal.SIGINT, signal.default_int_handler)
             while server.process.poll() is None:
                 time.sleep(0.5)
             print(f"{PROG}: error: tritonserver exited with status {server.process.returncode}; "
