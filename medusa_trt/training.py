@@ -152,13 +152,21 @@ def apply_heads(state: dict[str, torch.Tensor], x: torch.Tensor, num_heads: int,
     return torch.stack(out)
 
 
+def rank_hits(logits: torch.Tensor, targets: torch.Tensor, topk: int) -> torch.Tensor:
+    """[H, topk] counts of positions where head k's rank-r token equals the target. logits
+    [H, N, V], targets [H, N] (-1 never matches)."""
+    idx = logits.topk(min(topk, logits.shape[-1]), dim=-1).indices  # [H, N, k]
+    hits = (idx == targets[..., None]).sum(1)
+    if hits.shape[1] < topk:  # vocab smaller than topk: the missing ranks are never right
+        hits = torch.cat([hits, hits.new_zeros(hits.shape[0], topk - hits.shape[1])], dim=1)
+    return hits
+
+
 @torch.inference_mode()
 def head_accuracy(state: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, num_heads: int,
                   num_layers: int, topk: int = 10, chunk: int = 4096, lm_head: torch.Tensor | None = None) -> torch.Tensor:
     """[H, topk]: fraction of positions where head k's rank-r token is the target (not cumulative;
     top-k accuracy is the cumulative sum over r)."""
-    from medusa_trt.calibration.tree_search import rank_hits
-
     hits = torch.zeros(num_heads, topk, dtype=torch.long)
     for i in range(0, len(x), chunk):
         logits = apply_heads(state, x[i : i + chunk], num_heads, num_layers, lm_head)  # [H, n, V]

@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 from medusa_trt.cli_common import run_cli
+from medusa_trt.training import rank_hits
 
 PROG = "medusa-tune-tree"
 REFERENCE_TREE = "mc_sim_7b_63"
@@ -50,16 +51,6 @@ BLOCK = 4  # steps timed back to back per tree size and repetition
 
 
 # -- head accuracy -------------------------------------------------------------------------------
-
-
-def rank_hits(logits: torch.Tensor, targets: torch.Tensor, topk: int) -> torch.Tensor:
-    """[H, topk] counts of positions where head k's rank-r token equals the target. logits
-    [H, N, V], targets [H, N] (-1 never matches)."""
-    idx = logits.topk(min(topk, logits.shape[-1]), dim=-1).indices  # [H, N, k]
-    hits = (idx == targets[..., None]).sum(1)
-    if hits.shape[1] < topk:  # vocab smaller than topk: the missing ranks are never right
-        hits = torch.cat([hits, hits.new_zeros(hits.shape[0], topk - hits.shape[1])], dim=1)
-    return hits
 
 
 @dataclass
