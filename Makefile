@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: setup
-	$(PY) -m medusa_trt.demo --workdir build/demo
+	$(PY) -m medusa_trt.tools.demo --workdir build/demo
 
 test: setup
 	$(PY) -m pytest -q

@@ -115,7 +115,9 @@ def main() -> None:
 
     import torch
 
-    from medusa_trt.synthetic import make_heads, make_large_base
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test fixtures' model factories
+
+    from synthetic import make_heads, make_large_base
 
     work = args.workdir
     base, heads = work / "base", work / "heads" / "medusa_lm_head.safetensors"

@@ -55,7 +55,8 @@ def prepare(workdir: Path, size: str) -> dict[str, Path]:
     from medusa_trt.checkpoint import load_checkpoint, write_checkpoint
     from medusa_trt.converter import convert
     from medusa_trt.engines.build import BuildOptions, build_engine
-    from medusa_trt.synthetic import make_base, make_heads
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test fixtures' model factories
+    from synthetic import make_base, make_heads
 
     root = workdir / size
     paths = {name: root / name for name in ("base", "heads", "merged", "merged-base", "engine", "engine-base")}

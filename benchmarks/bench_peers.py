@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from medusa_trt.demo import ASSETS
+from medusa_trt.tools.demo import ASSETS
 
 # The model's shipped assets (heads, tuned tree, held-out prompts), as the demo reads them.
 DEFAULT_PROMPTS = ASSETS / "prompts_heldout.jsonl"
@@ -127,7 +127,7 @@ def read_prompts(path: Path, tokenizer, limit: int | None = None) -> list[Prompt
 class Output:
     tokens: list[int]  # new tokens, cut after the first stop token
     wall_s: float  # prefill + decode
-    run: object | None = None  # ours: medusa_trt.bench.Run (steps, decode time)
+    run: object | None = None  # ours: medusa_trt.tools.bench.Run (steps, decode time)
 
 
 def _cut(tokens: list[int], stops: set[int]) -> list[int]:
@@ -148,7 +148,7 @@ class Transformers:
     def generate(self, prompt: Prompt, max_new_tokens: int) -> Output:
         import torch
 
-        from medusa_trt.bench import hf_greedy
+        from medusa_trt.tools.bench import hf_greedy
 
         torch.set_num_threads(self.threads)  # our decoding loop sets its own and restores on exit
         with torch.inference_mode():
@@ -225,8 +225,8 @@ class Ours:
         self.choices, self.use_medusa = medusa_choices, use_medusa
 
     def generate(self, prompt: Prompt, max_new_tokens: int) -> Output:
-        from medusa_trt.bench import timed_decode
         from medusa_trt.runtime.decoding import GenerationConfig
+        from medusa_trt.tools.bench import timed_decode
 
         cfg = GenerationConfig(max_new_tokens=max_new_tokens, use_medusa=self.use_medusa,
                                medusa_choices=self.choices, stop_token_ids=self.stops)
@@ -265,7 +265,7 @@ class Tally:
 def summarize(tallies: dict[str, Tally], ours: dict[str, object] | None = None) -> dict[str, dict]:
     """Figures per system at one thread count. `ours`: {system name: ModeSummary}; a Medusa row is
     set against the plain row on the same engine ("ours medusa" -> "ours plain")."""
-    from medusa_trt.bench import medusa_ratios
+    from medusa_trt.tools.bench import medusa_ratios
 
     ours = ours or {}
     fastest = {}
@@ -312,8 +312,8 @@ def markdown(results: dict[str, dict[str, dict]]) -> str:
 
 def open_systems(names: list[str], threads: int, ctx: dict, skipped: dict[str, str]) -> dict[str, object]:
     """Every requested system that loads, at `threads`; the others go to `skipped` with the reason."""
-    from medusa_trt.bench import ForwardTimer
     from medusa_trt.runtime.loading import load_backend
+    from medusa_trt.tools.bench import ForwardTimer
 
     systems: dict[str, object] = {}
     engines = {"ours": ctx["engine"], "ours int4": ctx["engine_int4"]}
@@ -384,7 +384,7 @@ def check_llama_tokenizer(llama: LlamaCpp, prompts: list[Prompt]) -> dict:
 def run(args, ctx: dict) -> dict:
     from tqdm import tqdm
 
-    from medusa_trt.bench import ModeSummary
+    from medusa_trt.tools.bench import ModeSummary
 
     prompts: list[Prompt] = ctx["prompts"]
     skipped: dict[str, str] = {}

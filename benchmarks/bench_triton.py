@@ -39,7 +39,8 @@ PROMPTS = [
 def synthetic_checkpoint(work: Path) -> Path:
     """A small random Llama with trivial heads, merged by medusa-convert (reused when present)."""
     from medusa_trt.converter import convert
-    from medusa_trt.synthetic import make_base, make_heads
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test fixtures' model factories
+    from synthetic import make_base, make_heads
 
     ckpt = work / "ckpt"
     spec = {"hidden": 256, "layers": 4, "heads": 8, "kv_heads": 4, "vocab": 512, "intermediate": 512}

@@ -1,7 +1,7 @@
 """The project's one error type and the typed readers that validate what files give us.
 
 Every error raised for bad input (a file, an option, a request) is a `MedusaTrtError`; the CLIs turn
-it into one line `prog: error: <message>` and exit 2 (medusa_trt/cli_common.py). It subclasses
+it into one line `prog: error: <message>` and exit 2 (medusa_trt/cli/common.py). It subclasses
 ValueError so callers that caught ValueError keep working. The messages name the file, the key,
 the value and what was expected; `require` and its helpers write such messages for JSON fields.
 """

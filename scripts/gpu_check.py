@@ -140,15 +140,15 @@ def run_tool(module: str, args: list[str], timeout: float = 3600) -> dict:
 def engine_steps(work: Path, name: str, build_args: list[str], device: str) -> list[dict]:
     """Build, medusa-check, medusa-bench for one engine kind."""
     engine = work / name
-    steps = [{"step": f"build {name}", **run_tool("medusa_trt.engines.cli", [
+    steps = [{"step": f"build {name}", **run_tool("medusa_trt.cli.build", [
         "--checkpoint", str(work / "ckpt"), "--out", str(engine), "--force", "--quiet", *build_args])}]
     if steps[0]["rc"] != 0:
         return steps
-    steps.append({"step": f"check {name}", **run_tool("medusa_trt.check", [
+    steps.append({"step": f"check {name}", **run_tool("medusa_trt.tools.check", [
         "--engine", str(engine), "--device", device, "--json", str(work / f"{name}.check.json")])})
     bench_json = work / f"{name}.bench.json"
     tree = ROOT / "assets" / "demo_model" / "tree.json"
-    steps.append({"step": f"bench {name}", **run_tool("medusa_trt.bench", [
+    steps.append({"step": f"bench {name}", **run_tool("medusa_trt.tools.bench", [
         "--engine", str(engine), "--prompts", str(ROOT / "assets" / "demo_model" / "prompts_heldout.jsonl"),
         "--limit", "8", "--no-hf", "--quiet", "--json", str(bench_json),
         *(["--medusa-choices", str(tree)] if tree.is_file() else [])])})
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
                 report["kernel"].append(case)
         if not args.skip_engines:
             demo = ROOT / "assets" / "demo_model"
-            report["steps"].append({"step": "convert demo model", **run_tool("medusa_trt.converter.cli", [
+            report["steps"].append({"step": "convert demo model", **run_tool("medusa_trt.cli.convert", [
                 "--base", str(demo / "base"), "--heads", str(demo / "heads"), "--out", str(work / "ckpt"),
                 "--force", "--quiet", "--dtype", "float16"])})
             for name, build_args, device in (

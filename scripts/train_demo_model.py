@@ -3,7 +3,7 @@
 Everything comes from the machine itself: the corpus is this Python's own standard-library source
 (`sysconfig.get_paths()["stdlib"]`, *.py), the tokenizer is a byte-level BPE trained here by the
 `tokenizers` library, the base is a transformers LlamaForCausalLM trained from scratch, and the
-heads are fitted by self-distillation (the base's own greedy continuations, medusa_trt.training).
+heads are fitted by self-distillation (the base's own greedy continuations, medusa_trt.tools.train_heads).
 Outputs are in the formats a user's model comes in, so the demo and benchmarks go through
 medusa-convert like anyone's model:
 
@@ -47,7 +47,7 @@ from tqdm import tqdm
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
-from medusa_trt.training import (  # noqa: E402
+from medusa_trt.tools.train_heads import (  # noqa: E402
     LOSS_DECAY,
     greedy_continuations,
     head_accuracy,

@@ -48,7 +48,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from train_demo_model import is_heldout, list_files, read_code  # noqa: E402
 
-from medusa_trt.training import save_heads  # noqa: E402
+from medusa_trt.tools.train_heads import save_heads  # noqa: E402
 
 CODE_SHARE = 0.5
 MAX_PROMPT_TOKENS = 512  # the distillation engine holds 1024 positions
@@ -271,7 +271,7 @@ def base_engine(args, gguf: Path) -> Path:
 def top_hits(x: torch.Tensor, y: torch.Tensor, state: dict, lm_head: torch.Tensor, heads: int, layers: int,
              topk: int = 5) -> list[list[float]]:
     """[H][topk] cumulative top-r accuracy of each head on pairs (x, y), full vocabulary."""
-    from medusa_trt.training import head_accuracy
+    from medusa_trt.tools.train_heads import head_accuracy
 
     hits = head_accuracy(state, x, y, heads, layers, topk=topk, lm_head=lm_head)  # [H, topk] per rank
     return [[round(float(v), 4) for v in row.cumsum(0)] for row in hits]
@@ -323,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     from medusa_trt.checkpoint import load_checkpoint  # the merged checkpoint's tied lm_head
 
     lm_head = load_checkpoint(args.work / "ckpt")[1]["lm_head.weight"].float()
-    from medusa_trt.training import train_heads
+    from medusa_trt.tools.train_heads import train_heads
 
     t0 = time.perf_counter()
     history: list[float] = []

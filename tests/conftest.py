@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from synthetic import make_base, make_heads
 
 from medusa_trt.converter import convert
-from medusa_trt.synthetic import make_base, make_heads
 
 # The fixtures are tiny: intra-op threads only add sync overhead, and on a 2-core machine shared
 # with another process they make every small matmul wait (measured: 6x slower decodes).

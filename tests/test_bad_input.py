@@ -19,14 +19,14 @@ import numpy as np
 import pytest
 from safetensors.torch import load_file, save_file
 
-from medusa_trt import bench, check
-from medusa_trt import train_cli as train
-from medusa_trt.calibration import tree_search
-from medusa_trt.converter import cli as convert_cli
-from medusa_trt.engines import cli as build_cli
-from medusa_trt.runtime import cli as run_cli
+from medusa_trt.cli import build as build_cli
+from medusa_trt.cli import convert as convert_cli
+from medusa_trt.cli import run as run_cli
+from medusa_trt.cli import train_heads as train
 from medusa_trt.serving import triton_repo
 from medusa_trt.serving.server import main as serve_main
+from medusa_trt.tools import bench, check
+from medusa_trt.tools import tune_tree as tree_search
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -408,8 +408,8 @@ def slow(*args, **kwargs):
 
 merge._write = slow
 build.BUILDERS["onnxruntime"] = slow
-from medusa_trt.converter.cli import main as convert
-from medusa_trt.engines.cli import main as build_main
+from medusa_trt.cli.convert import main as convert
+from medusa_trt.cli.build import main as build_main
 sys.exit((convert if sys.argv[1] == "convert" else build_main)(sys.argv[2:]))
 """
 

@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from medusa_trt import bench
 from medusa_trt.runtime.decoding import GenerationConfig, decode
 from medusa_trt.runtime.loading import load_backend
+from medusa_trt.tools import bench
 
 TEXTS = ("def add(a, b):", "import os", "Hello there")
 

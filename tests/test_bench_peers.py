@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from medusa_trt.bench import ModeSummary
+from medusa_trt.tools.bench import ModeSummary
 
 _spec = importlib.util.spec_from_file_location(
     "bench_peers", Path(__file__).resolve().parents[1] / "benchmarks" / "bench_peers.py")

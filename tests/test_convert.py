@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
+from synthetic import HEAD_FORMATS
 
 from medusa_trt.checkpoint import (
     REQUIRED_CONFIG_KEYS,
@@ -26,9 +27,8 @@ from medusa_trt.checkpoint import (
     rank_file,
     validate_checkpoint,
 )
+from medusa_trt.cli.convert import main
 from medusa_trt.converter import ConvertError, convert
-from medusa_trt.converter.cli import main
-from medusa_trt.synthetic import HEAD_FORMATS
 
 ARCHS = ["llama", "mistral", "qwen2"]
 
@@ -571,7 +571,7 @@ def test_console_script_in_a_subprocess(tmp_path, tiny_base, tiny_heads):
     base = tiny_base("qwen2")
     heads = tiny_heads("medusa_v2", base)
     script = Path(sys.executable).parent / "medusa-convert"  # the installed console script
-    launcher = [str(script)] if script.exists() else [sys.executable, "-m", "medusa_trt.converter.cli"]
+    launcher = [str(script)] if script.exists() else [sys.executable, "-m", "medusa_trt.cli.convert"]
     cmd = [*launcher, "--base", str(base), "--heads", str(heads),
            "--out", str(tmp_path / "out"), "--dtype", "float16", "--tp-size", "2"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)

@@ -8,15 +8,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from synthetic import EOS
 from transformers import AutoModelForCausalLM
 
+from medusa_trt.cli.run import main as run_main
 from medusa_trt.converter import convert
 from medusa_trt.modeling import OUTSIDE_DRAFT_LOGIT, MedusaModel
 from medusa_trt.runtime.backend import TorchBackend
-from medusa_trt.runtime.cli import main as run_main
 from medusa_trt.runtime.decoding import GenerationConfig, decode, generate
-from medusa_trt.synthetic import EOS
-from medusa_trt.training import greedy_continuations, save_heads, train_heads
+from medusa_trt.tools.train_heads import greedy_continuations, save_heads, train_heads
 from medusa_trt.tree import PRESETS
 
 NEW = 48
@@ -224,9 +224,9 @@ def test_draft_vocabulary_heads(distilled, tmp_path):
     engine's fused step drafts from the subset; greedy output still equals transformers'."""
     import shutil
 
-    from medusa_trt.check import main as check_main
     from medusa_trt.engines.build import BuildOptions, build_engine
     from medusa_trt.runtime.ort_backend import OrtBackend
+    from medusa_trt.tools.check import main as check_main
 
     m = distilled("llama")
     heads = tmp_path / "heads"

@@ -10,15 +10,15 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
+from synthetic import make_heads
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from medusa_trt.checkpoint import SafetensorsFile, load_checkpoint, rank_file, validate_checkpoint
+from medusa_trt.cli.convert import main as convert_main
 from medusa_trt.converter import convert
-from medusa_trt.converter.cli import main as convert_main
 from medusa_trt.converter.hf_base import TensorSource, find_weight_files
 from medusa_trt.converter.quantize import QuantOptions
 from medusa_trt.modeling import FP8Linear, MedusaModel
-from medusa_trt.synthetic import make_heads
 
 E4M3_MAX = 448.0
 LINEARS = {"attention.qkv": ("q_proj", "k_proj", "v_proj"), "attention.dense": ("o_proj",),
@@ -448,7 +448,7 @@ def test_medusa_check_on_fp8_engine(fp8_engine, tiny_merged, tmp_path):
     a float16 FP8 engine without --atol."""
     import shutil
 
-    from medusa_trt.check import CheckInputError, run_check
+    from medusa_trt.tools.check import CheckInputError, run_check
 
     ckpt, engine_dir = fp8_engine
     report = run_check(engine_dir, max_new_tokens=8, tree_steps=2)

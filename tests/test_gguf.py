@@ -14,7 +14,7 @@ import pytest
 
 gguf = pytest.importorskip("gguf")
 
-from medusa_trt.converter.cli import main as convert_main  # noqa: E402
+from medusa_trt.cli.convert import main as convert_main  # noqa: E402
 from medusa_trt.converter.gguf import fetch_wheel_file, find_gguf  # noqa: E402
 from medusa_trt.converter.hf_base import ConvertError  # noqa: E402
 
@@ -45,7 +45,7 @@ def heads_dir(tmp_path_factory) -> Path:
     """A v2 head dir: bad bases must fail before the heads are even looked at."""
     import torch
 
-    from medusa_trt.training import save_heads
+    from medusa_trt.tools.train_heads import save_heads
 
     out = tmp_path_factory.mktemp("heads") / "heads"
     save_heads({"0.0.linear.weight": torch.zeros(32, 32), "0.0.linear.bias": torch.zeros(32)}, out, "x", 1, 1)

@@ -10,7 +10,7 @@ import onnx
 import pytest
 import torch
 
-from medusa_trt.engines import cli as build_cli
+from medusa_trt.cli import build as build_cli
 from medusa_trt.engines.build import BuildError, BuildOptions, build_engine, sha256_file
 from medusa_trt.engines.onnx_export import ATTENTION_FORMS, DEFAULT_ATTENTION, export_onnx, past_names
 from medusa_trt.modeling import MedusaModel

@@ -9,8 +9,8 @@ import shutil
 import pytest
 import torch
 
+from medusa_trt.cli import run as run_cli
 from medusa_trt.modeling import MedusaModel
-from medusa_trt.runtime import cli as run_cli
 from medusa_trt.runtime.backend import TorchBackend
 from medusa_trt.runtime.decoding import GenerationConfig, decode
 from medusa_trt.runtime.loading import load_backend, load_tokenizer

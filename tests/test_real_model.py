@@ -19,9 +19,9 @@ pytest.importorskip("gguf")
 
 from medusa_trt.converter import convert  # noqa: E402
 from medusa_trt.converter.gguf import fetch_smollm2  # noqa: E402
-from medusa_trt.demo import ASSETS  # noqa: E402
 from medusa_trt.runtime.decoding import GenerationConfig, decode  # noqa: E402
 from medusa_trt.runtime.loading import load_backend, load_tokenizer  # noqa: E402
+from medusa_trt.tools.demo import ASSETS  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 NEW_TOKENS = 40
@@ -88,7 +88,7 @@ def test_medusa_greedy_equals_transformers(smollm2, oracle):
 
 
 def test_medusa_check_passes(smollm2):
-    from medusa_trt.check import main as check_main
+    from medusa_trt.tools.check import main as check_main
 
     assert check_main(["--engine", str(smollm2[2]), "--checkpoint", str(smollm2[1]), "--max-new-tokens", "12",
                        "--tree-steps", "2"]) == 0

@@ -23,13 +23,13 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from medusa_trt.acceptance import greedy_accept, sample_accept, sample_tokens, sampling_probs, typical_accept
+from medusa_trt.cli.run import main as run_main
 from medusa_trt.converter import convert
 from medusa_trt.modeling import MedusaModel
 from medusa_trt.runtime import decoding
 from medusa_trt.runtime.backend import TorchBackend
-from medusa_trt.runtime.cli import main as run_main
 from medusa_trt.runtime.decoding import GenerationConfig, decode
-from medusa_trt.training import greedy_continuations, save_heads, train_heads
+from medusa_trt.tools.train_heads import greedy_continuations, save_heads, train_heads
 from medusa_trt.tree import build_tree
 
 ALPHA = 1e-3

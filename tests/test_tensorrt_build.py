@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from medusa_trt.engines import cli as build_cli
+from medusa_trt.cli import build as build_cli
 from medusa_trt.engines.build import BuildError, BuildOptions
 from medusa_trt.engines.tensorrt import (
     Limits,

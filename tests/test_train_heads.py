@@ -11,12 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from medusa_trt import train_cli
+from medusa_trt.cli import train_heads as train_cli
 from medusa_trt.converter import convert
+from medusa_trt.data import DataError, read_samples
 from medusa_trt.modeling import MedusaModel
 from medusa_trt.runtime.backend import TorchBackend
 from medusa_trt.runtime.decoding import GenerationConfig, decode
-from medusa_trt.training import DataError, greedy_continuations, read_samples
+from medusa_trt.tools.train_heads import greedy_continuations
 
 WORDS = "def return class import self value items print range list dict open with for in if else".split()
 DEMO = Path(__file__).resolve().parent.parent / "assets" / "demo_model"

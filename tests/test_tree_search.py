@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from medusa_trt.calibration import tree_search as ts
-from medusa_trt.calibration.tree_search import (
+from medusa_trt.tools import tune_tree as ts
+from medusa_trt.tools.tune_tree import (
     StepTimes,
     choose_tree,
     expected_tokens_per_step,

@@ -279,7 +279,7 @@ def test_cli(tiny_merged, tmp_path, capsys):
 
 
 def test_medusa_build_writes_the_repository_beside_the_engine(tmp_path, tiny_merged):
-    from medusa_trt.engines.cli import main as build_main
+    from medusa_trt.cli.build import main as build_main
 
     engine, repo = tmp_path / "engine", tmp_path / "repo"
     assert build_main(["--checkpoint", str(tiny_merged("llama")), "--out", str(engine), "--triton-repo", str(repo),

@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from medusa_trt.checkpoint import SafetensorsFile, expected_tensors, rank_file, rank_shape, read_config
+from medusa_trt.cli import build as build_cli
 from medusa_trt.converter import convert
 from medusa_trt.converter.quantize import QuantOptions
-from medusa_trt.engines import cli as build_cli
 from medusa_trt.engines.build import BuildError, BuildOptions, build_engine
 from medusa_trt.engines.trtllm import trtllm_build_command
 

@@ -53,7 +53,7 @@ class CalibrationData:
 
 def read_texts(path: str | Path, num_samples: int = DEFAULT_CALIB_SAMPLES) -> list[str]:
     """The first `num_samples` samples of a .txt (one per non-empty line) or .jsonl (`text` field) file."""
-    from medusa_trt.training import DataError, read_samples
+    from medusa_trt.data import DataError, read_samples
 
     if num_samples < 1:
         raise CalibrationError(f"--calib-samples {num_samples}: expected a positive integer")

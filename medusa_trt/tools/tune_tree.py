@@ -41,8 +41,8 @@ from pathlib import Path
 
 import torch
 
-from medusa_trt.cli_common import run_cli
-from medusa_trt.training import rank_hits
+from medusa_trt.cli.common import run_cli
+from medusa_trt.tools.train_heads import rank_hits
 
 PROG = "medusa-tune-tree"
 REFERENCE_TREE = "mc_sim_7b_63"
@@ -411,8 +411,8 @@ def measure_decode_steps(backend, prompts: list[list[int]], trees: list, max_new
     """Median wall ms and host ms (outside the backend's compute) per step of real decodes: plain
     (key 0) and each tree (key: its tokens). Medians over single steps: a busy machine preempts some
     steps, not all."""
-    from medusa_trt.bench import ForwardTimer
     from medusa_trt.runtime.decoding import GenerationConfig
+    from medusa_trt.tools.bench import ForwardTimer
     from medusa_trt.tree import build_tree
 
     timer = ForwardTimer(backend)
@@ -579,8 +579,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from medusa_trt.bench import BenchError, compare, load_prompts
     from medusa_trt.runtime.loading import load_backend, load_tokenizer, stop_tokens
+    from medusa_trt.tools.bench import BenchError, compare, load_prompts
 
     try:
         for name in ("max_nodes", "max_new_tokens", "limit", "topk", "reps", "eval_limit", "threads"):

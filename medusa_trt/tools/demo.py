@@ -17,11 +17,11 @@ import sys
 import time
 from pathlib import Path
 
-ASSETS = Path(__file__).resolve().parent / "assets" / "smollm2"
+ASSETS = Path(__file__).resolve().parents[1] / "assets" / "smollm2"
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m medusa_trt.demo", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m medusa_trt.tools.demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", type=Path, default=Path("build/demo"))
     p.add_argument("--gguf", type=Path, help="a GGUF base instead of SmolLM2 (its heads via --heads)")
@@ -40,12 +40,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args) -> int:
-    from medusa_trt.bench import ForwardTimer, timed_decode
     from medusa_trt.converter import convert
     from medusa_trt.converter.gguf import fetch_smollm2
     from medusa_trt.engines.build import BuildOptions, build_engine
     from medusa_trt.runtime.decoding import GenerationConfig, generate
     from medusa_trt.runtime.loading import load_backend, load_tokenizer, stop_tokens
+    from medusa_trt.tools.bench import ForwardTimer, timed_decode
 
     work = args.workdir
     t0 = time.perf_counter()

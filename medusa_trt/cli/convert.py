@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from medusa_trt.cli_common import run_cli
+from medusa_trt.cli.common import run_cli
 from medusa_trt.converter.merge import DEFAULT_MAX_DRAFT_LEN, convert
 from medusa_trt.converter.quantize import KV_CACHE_DTYPES, QUANTIZE_CHOICES, QuantOptions
 

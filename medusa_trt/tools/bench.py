@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from medusa_trt.cli_common import run_cli
+from medusa_trt.cli.common import run_cli
 from medusa_trt.errors import MedusaTrtError
 from medusa_trt.runtime.backend import Backend
 from medusa_trt.runtime.decoding import ACCEPTANCE, GenerationConfig, SequenceStats, decode
@@ -277,7 +277,7 @@ def hf_generate(model_dir: Path, prompts: list[list[int]], max_new_tokens: int, 
 
 
 def load_prompts(path: Path, tokenizer, limit: int | None = None) -> tuple[list[str], list[list[int]]]:
-    from medusa_trt.training import DataError, read_samples
+    from medusa_trt.data import DataError, read_samples
 
     try:
         texts = read_samples(path)

@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from medusa_trt.cli_common import run_cli
+from medusa_trt.cli.common import run_cli
 from medusa_trt.errors import MedusaTrtError, read_text_lines
 
 PROG = "medusa-check"

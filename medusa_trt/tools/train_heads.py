@@ -20,47 +20,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from medusa_trt.errors import MedusaTrtError
-
 LOSS_DECAY = 0.8  # Medusa-1's per-head loss weight: head k counts 0.8^k
-DATA_SUFFIXES = (".txt", ".jsonl")
-
-
-class DataError(MedusaTrtError):
-    """A data file that cannot be used; the message names the file, the line and what was expected."""
-
-
-def read_samples(path: str | Path) -> list[str]:
-    """Text samples from a .txt file (one sample per non-empty line) or a .jsonl file (one JSON
-    object per line with a string `text`, which may hold newlines: the form for code)."""
-    path = Path(path)
-    if path.suffix not in DATA_SUFFIXES:
-        raise DataError(f"{path}: unsupported suffix {path.suffix!r}; expected .txt (one sample per line) "
-                        "or .jsonl (objects with a 'text' field)")
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except FileNotFoundError:
-        raise DataError(f"{path}: file not found") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise DataError(f"{path}: cannot read it as UTF-8 text ({e})") from None
-    samples = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        if path.suffix == ".txt":
-            samples.append(line)
-            continue
-        try:
-            obj = json.loads(line)
-        except (json.JSONDecodeError, RecursionError) as e:
-            raise DataError(f"{path}:{n}: not valid JSON ({getattr(e, 'msg', e)}); expected an object like {{\"text\": \"...\"}}") from None
-        if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-            raise DataError(f"{path}:{n}: expected an object with a string 'text' field, got {line[:60]!r}")
-        if obj["text"]:
-            samples.append(obj["text"])
-    if not samples:
-        raise DataError(f"{path}: no samples (expected at least one non-empty line)")
-    return samples
 
 
 def _by_length(seqs: list[list[int]], batch_size: int) -> list[list[int]]:

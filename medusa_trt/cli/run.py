@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from medusa_trt.cli_common import run_cli
+from medusa_trt.cli.common import run_cli
 from medusa_trt.errors import MedusaTrtError, check_number, check_utf8, read_text_lines
 from medusa_trt.runtime.decoding import ACCEPTANCE, GenerationConfig, SequenceStats, generate
 from medusa_trt.runtime.loading import load_backend, load_tokenizer, stop_tokens

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from medusa_trt.cli_common import run_cli
+from medusa_trt.cli.common import run_cli
 from medusa_trt.engines.build import (
     BUILDERS,
     DEVICES,

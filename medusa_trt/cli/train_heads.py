@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from medusa_trt.cli_common import run_cli
+from medusa_trt.cli.common import run_cli
 from medusa_trt.errors import MedusaTrtError
 
 PROG = "medusa-train-heads"
@@ -119,7 +119,7 @@ def build_sequences(args, samples: list[str], tok, model) -> tuple[list[list[int
             raise TrainError(f"{args.data}: no sample is longer than {args.num_heads + 1} tokens; "
                              f"{args.num_heads} heads need at least {args.num_heads + 2}")
         return seqs, [0] * len(seqs)
-    from medusa_trt.training import greedy_continuations
+    from medusa_trt.tools.train_heads import greedy_continuations
 
     # Snippets: a random window of --prompt-tokens from a random sample (the whole sample when it is
     # shorter). Equal lengths batch without padding.
@@ -139,7 +139,7 @@ def _main(argv: list[str] | None = None) -> int:
         _check(args)
         import torch
 
-        from medusa_trt.training import (
+        from medusa_trt.tools.train_heads import (
             DataError,
             head_accuracy,
             head_pairs,
