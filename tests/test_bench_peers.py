@@ -47,6 +47,7 @@ def test_summarize_ratios_per_precision_and_medusa():
         "ort-genai int4": _tally(Q, 90, 1.0, [False, True]),  # 90 tok/s
         "llama.cpp Q4_1": _tally(Q, 120, 1.0, [False, False]),  # 120 tok/s: the fastest 4-bit peer
     }
+    tallies["ours medusa"].equal_to_plain = [True, False]  # set by run() from the two outputs
     plain = ModeSummary(tokens=100, steps=100, wall_s=2.0, decode_s=1.8)
     medusa = ModeSummary(tokens=100, steps=40, wall_s=1.0, decode_s=0.9)  # 2.5 tokens/step, step 1.25x plain
     rows = bench_peers.summarize(tallies, {"ours plain": plain, "ours medusa": medusa})
@@ -59,6 +60,7 @@ def test_summarize_ratios_per_precision_and_medusa():
     m = rows["ours medusa"]
     assert (m["tokens_per_step"], m["step_overhead"], m["speedup"]) == (2.5, 1.25, 2.0)
     assert "tokens_per_step" not in rows["ours plain"]
+    assert rows["ours medusa"]["equal_to_plain"] == "1/2" and "equal_to_plain" not in rows["ours plain"]
     assert rows["ort-genai int4"]["equal_to_reference"] == "1/2"
     assert rows["ort-genai int4"]["prefix_share"] == 0.75
     assert rows["llama.cpp Q4_1"]["position_agreement"] == 0.75
@@ -67,7 +69,13 @@ def test_summarize_ratios_per_precision_and_medusa():
     lines = table.splitlines()
     assert len(lines) == 2 + len(rows)
     assert all(line.count("|") == lines[0].count("|") for line in lines)
-    assert "| 1 | ours medusa | float32 | 100.0 | 4.00 | 2.50 | 1.25 | 2.00 | 2/2 | 1.000 | 1.000 |" in lines
+    assert "| 1 | ours medusa | float32 | 100.0 | 4.00 | 2.50 | 1.25 | 2.00 | 1/2 | 2/2 | 1.000 | 1.000 |" in lines
+
+
+def test_medusa_equal_to_plain_per_engine():
+    outputs = {"ours plain": [[1, 2], [3]], "ours medusa": [[1, 2], [4]], "ours int4 plain": [[5]],
+               "ours int4 medusa": [[5]], "transformers": [[1, 2], [3]]}
+    assert bench_peers.equal_to_plain(outputs) == {"ours medusa": [True, False], "ours int4 medusa": [True]}
 
 
 def test_no_peer_in_a_group_leaves_the_ratio_empty():
