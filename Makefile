@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: setup
-	$(PY) -m medusa_trt.tools.demo --workdir build/demo
+	$(PY) -m medusa_trt.cli.demo --workdir build/demo
 
 test: setup
 	$(PY) -m pytest -q
@@ -29,7 +29,7 @@ gpu-check: setup
 	$(PY) scripts/gpu_check.py --out build/gpu_check/report.json
 
 serve: setup
-	$(PY) -m medusa_trt.serving.server --repo $(REPO)
+	$(PY) -m medusa_trt.cli.serve --repo $(REPO)
 
 lint: setup
 	$(PY) -m ruff check medusa_trt tests benchmarks

@@ -15,11 +15,13 @@ class DataError(MedusaTrtError):
     """A data file that cannot be used; the message names the file, the line and what was expected."""
 
 
-def read_samples(path: str | Path) -> list[str]:
+def read_samples(path: str | Path, *, any_suffix_is_text: bool = False, what: str = "samples") -> list[str]:
     """Text samples from a .txt file (one sample per non-empty line) or a .jsonl file (one JSON
-    object per line with a string `text`, which may hold newlines: the form for code)."""
+    object per line with a string `text`, which may hold newlines: the form for code).
+    `any_suffix_is_text`: a file of any other suffix is read as .txt instead of refused."""
     path = Path(path)
-    if path.suffix not in DATA_SUFFIXES:
+    jsonl = path.suffix == ".jsonl"
+    if path.suffix not in DATA_SUFFIXES and not any_suffix_is_text:
         raise DataError(f"{path}: unsupported suffix {path.suffix!r}; expected .txt (one sample per line) "
                         "or .jsonl (objects with a 'text' field)")
     try:
@@ -32,7 +34,7 @@ def read_samples(path: str | Path) -> list[str]:
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
-        if path.suffix == ".txt":
+        if not jsonl:
             samples.append(line)
             continue
         try:
@@ -44,5 +46,11 @@ def read_samples(path: str | Path) -> list[str]:
         if obj["text"]:
             samples.append(obj["text"])
     if not samples:
-        raise DataError(f"{path}: no samples (expected at least one non-empty line)")
+        raise DataError(f"{path}: no {what} (expected at least one non-empty line)")
     return samples
+
+
+def read_prompts(path: str | Path) -> list[str]:
+    """Prompts to decode, from the file of every CLI's --prompts: .jsonl objects with a `text` field,
+    any other file one prompt per non-empty line (medusa-run's --batch-file took any name)."""
+    return read_samples(path, any_suffix_is_text=True, what="prompts")

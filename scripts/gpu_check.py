@@ -144,11 +144,11 @@ def engine_steps(work: Path, name: str, build_args: list[str], device: str) -> l
         "--checkpoint", str(work / "ckpt"), "--out", str(engine), "--force", "--quiet", *build_args])}]
     if steps[0]["rc"] != 0:
         return steps
-    steps.append({"step": f"check {name}", **run_tool("medusa_trt.tools.check", [
+    steps.append({"step": f"check {name}", **run_tool("medusa_trt.cli.check", [
         "--engine", str(engine), "--device", device, "--json", str(work / f"{name}.check.json")])})
     bench_json = work / f"{name}.bench.json"
     tree = ROOT / "assets" / "demo_model" / "tree.json"
-    steps.append({"step": f"bench {name}", **run_tool("medusa_trt.tools.bench", [
+    steps.append({"step": f"bench {name}", **run_tool("medusa_trt.cli.bench", [
         "--engine", str(engine), "--prompts", str(ROOT / "assets" / "demo_model" / "prompts_heldout.jsonl"),
         "--limit", "8", "--no-hf", "--quiet", "--json", str(bench_json),
         *(["--medusa-choices", str(tree)] if tree.is_file() else [])])})

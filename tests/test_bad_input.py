@@ -19,14 +19,14 @@ import numpy as np
 import pytest
 from safetensors.torch import load_file, save_file
 
+from medusa_trt.cli import bench, check
 from medusa_trt.cli import build as build_cli
 from medusa_trt.cli import convert as convert_cli
 from medusa_trt.cli import run as run_cli
 from medusa_trt.cli import train_heads as train
-from medusa_trt.serving import triton_repo
-from medusa_trt.serving.server import main as serve_main
-from medusa_trt.tools import bench, check
-from medusa_trt.tools import tune_tree as tree_search
+from medusa_trt.cli import triton as triton_cli
+from medusa_trt.cli import tune_tree as tune_cli
+from medusa_trt.cli.serve import main as serve_main
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -153,8 +153,8 @@ RUN = ("medusa-run", run_cli.main)
 CONVERT = ("medusa-convert", convert_cli.main)
 BUILD = ("medusa-build", build_cli.main)
 CHECK = ("medusa-check", check.main)
-TRITON = ("medusa-triton", triton_repo.main)
-TUNE = ("medusa-tune-tree", tree_search.main)
+TRITON = ("medusa-triton", triton_cli.main)
+TUNE = ("medusa-tune-tree", tune_cli.main)
 BENCH = ("medusa-bench", bench.main)
 TRAIN = ("medusa-train-heads", train.main)
 

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from medusa_trt.cli import bench as bench_cli
 from medusa_trt.runtime.decoding import GenerationConfig, decode
 from medusa_trt.runtime.loading import load_backend
 from medusa_trt.tools import bench
@@ -44,7 +45,7 @@ def check_report(report: dict, num_prompts: int, depth: int) -> None:
 
 def test_bench_on_a_checkpoint(tiny_merged, prompts_file, tmp_path, capsys):
     out = tmp_path / "bench.json"
-    rc = bench.main(["--engine", str(tiny_merged("llama")), "--prompts", str(prompts_file), "--max-new-tokens", "24",
+    rc = bench_cli.main(["--engine", str(tiny_merged("llama")), "--prompts", str(prompts_file), "--max-new-tokens", "24",
                      "--medusa-choices", "[[0], [0, 0], [1]]", "--json", str(out), "--quiet"])
     assert rc == 0
     report = json.loads(out.read_text())
@@ -56,7 +57,7 @@ def test_bench_on_a_checkpoint(tiny_merged, prompts_file, tmp_path, capsys):
 
 def test_bench_on_an_onnxruntime_engine(ort_engine, prompts_file, tmp_path):
     out = tmp_path / "bench.json"
-    rc = bench.main(["--engine", str(ort_engine("llama")), "--prompts", str(prompts_file), "--max-new-tokens", "24",
+    rc = bench_cli.main(["--engine", str(ort_engine("llama")), "--prompts", str(prompts_file), "--max-new-tokens", "24",
                      "--limit", "2", "--json", str(out), "--quiet"])
     assert rc == 0
     report = json.loads(out.read_text())
@@ -85,18 +86,18 @@ def test_hf_model_dir_follows_engine_and_checkpoint(tiny_merged, ort_engine, tin
 
 def test_bad_input_exits_2(tiny_merged, prompts_file, tmp_path, capsys):
     ckpt = str(tiny_merged("llama"))
-    assert bench.main(["--engine", ckpt, "--prompts", str(tmp_path / "none.txt")]) == 2
+    assert bench_cli.main(["--engine", ckpt, "--prompts", str(tmp_path / "none.txt")]) == 2
     assert "none.txt: file not found" in capsys.readouterr().err
-    assert bench.main(["--engine", str(tmp_path / "nope"), "--prompts", str(prompts_file)]) == 2
+    assert bench_cli.main(["--engine", str(tmp_path / "nope"), "--prompts", str(prompts_file)]) == 2
     assert "--engine directory not found" in capsys.readouterr().err
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "ok"}\n{"txt": "no"}\n')
-    assert bench.main(["--engine", ckpt, "--prompts", str(bad)]) == 2
+    assert bench_cli.main(["--engine", ckpt, "--prompts", str(bad)]) == 2
     assert "bad.jsonl:2: expected an object with a string 'text' field" in capsys.readouterr().err
-    assert bench.main(["--engine", ckpt, "--prompts", str(prompts_file), "--medusa-choices", "[[0, 0, 0, 0, 0]]",
+    assert bench_cli.main(["--engine", ckpt, "--prompts", str(prompts_file), "--medusa-choices", "[[0, 0, 0, 0, 0]]",
                        "--no-hf", "--quiet"]) == 2
     assert "depth 5 exceeds" in capsys.readouterr().err
-    assert bench.main(["--engine", ckpt, "--prompts", str(prompts_file), "--hf-model", str(tmp_path)]) == 2
+    assert bench_cli.main(["--engine", ckpt, "--prompts", str(prompts_file), "--hf-model", str(tmp_path)]) == 2
     assert "--hf-model has no config.json" in capsys.readouterr().err
 
 

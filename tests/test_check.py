@@ -9,7 +9,7 @@ import numpy as np
 import onnx
 import pytest
 
-from medusa_trt.tools.check import main
+from medusa_trt.cli.check import main
 
 FAST = ["--max-new-tokens", "12", "--tree-steps", "2"]
 

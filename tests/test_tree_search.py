@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from medusa_trt.cli import tune_tree as tune_cli
 from medusa_trt.tools import tune_tree as ts
 from medusa_trt.tools.tune_tree import (
     StepTimes,
@@ -161,7 +162,7 @@ def test_cli_writes_a_loadable_tree_and_warns_for_random_heads(tiny_merged, tmp_
     data.write_text("".join(json.dumps({"text": t}) + "\n" for t in ("def add(a, b):", "import os", "Hello there")))
     out = tmp_path / "tree.json"
     ckpt = tiny_merged("llama")  # random heads: they rarely predict anything
-    rc = ts.main(["--engine", str(ckpt), "--calib-data", str(data), "--out", str(out), "--max-nodes", "12",
+    rc = tune_cli.main(["--engine", str(ckpt), "--calib-data", str(data), "--out", str(out), "--max-nodes", "12",
                   "--max-new-tokens", "16", "--reps", "2", "--eval-limit", "1", "--quiet"])
     assert rc == 0
     printed = capsys.readouterr().out
@@ -184,14 +185,14 @@ def test_cli_writes_a_loadable_tree_and_warns_for_random_heads(tiny_merged, tmp_
 def test_cli_bad_input_exits_2(tiny_merged, tmp_path, capsys):
     ckpt = tiny_merged("llama")
     out = tmp_path / "tree.json"
-    assert ts.main(["--engine", str(ckpt), "--calib-data", str(tmp_path / "missing.jsonl"), "--out", str(out)]) == 2
+    assert tune_cli.main(["--engine", str(ckpt), "--calib-data", str(tmp_path / "missing.jsonl"), "--out", str(out)]) == 2
     assert "missing.jsonl: file not found" in capsys.readouterr().err
-    assert ts.main(["--engine", str(tmp_path / "nope"), "--calib-data", "x.txt", "--out", str(out)]) == 2
+    assert tune_cli.main(["--engine", str(tmp_path / "nope"), "--calib-data", "x.txt", "--out", str(out)]) == 2
     assert "--engine directory not found" in capsys.readouterr().err
     empty = tmp_path / "empty.txt"
     empty.write_text("\n\n")
-    assert ts.main(["--engine", str(ckpt), "--calib-data", str(empty), "--out", str(out)]) == 2
-    assert "no samples" in capsys.readouterr().err
+    assert tune_cli.main(["--engine", str(ckpt), "--calib-data", str(empty), "--out", str(out)]) == 2
+    assert "no prompts" in capsys.readouterr().err
     assert not out.exists()
 
 

@@ -13,12 +13,12 @@ import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
+from medusa_trt.cli.triton import main
 from medusa_trt.serving import trtllm_postprocessing, trtllm_preprocessing
 from medusa_trt.serving.triton_repo import (
     MODEL_INPUTS,
     MODEL_OUTPUTS,
     RepoError,
-    main,
     read_engine_info,
     write_triton_repo,
     write_trtllm_triton_repo,

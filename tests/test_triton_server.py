@@ -370,7 +370,7 @@ def test_server_that_cannot_load_its_model_fails_with_its_log(served, tmp_path):
 
 
 def test_medusa_serve_cli_prints_endpoints_and_stops_on_ctrl_c(served):
-    proc = subprocess.Popen([sys.executable, "-m", "medusa_trt.serving.server", "--repo", str(served["repo"]),
+    proc = subprocess.Popen([sys.executable, "-m", "medusa_trt.cli.serve", "--repo", str(served["repo"]),
                              "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

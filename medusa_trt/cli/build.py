@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from medusa_trt.cli.common import run_cli
+from medusa_trt.cli.common import add_quiet_arg, run_cli
 from medusa_trt.engines.build import (
     BUILDERS,
     DEVICES,
@@ -21,7 +21,7 @@ from medusa_trt.engines.build import (
 PROG = "medusa-build"
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description="Build an engine directory (engine.json, backend "
                                 "artifacts, tokenizer) from a merged checkpoint written by medusa-convert.")
     p.add_argument("--checkpoint", required=True, type=Path, help="merged checkpoint directory")
@@ -62,12 +62,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--triton-repo", type=Path, help="also write a Triton Inference Server model repository "
                    "for the engine here (same as medusa-triton --engine OUT --out DIR)")
     p.add_argument("--force", action="store_true", help="replace an existing --out (and --triton-repo)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
+    add_quiet_arg(p, help="no progress bar or summary")
     return p
 
 
 def _main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = parser().parse_args(argv)
     opts = BuildOptions(
         checkpoint=args.checkpoint, out=args.out, backend=args.backend, dtype=args.dtype,
         max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, max_draft_len=args.max_draft_len,

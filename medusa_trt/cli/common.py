@@ -1,4 +1,4 @@
-"""What every console script shares: one error line, exit 2, and clean interruption.
+"""What every console script shares: one error line, exit 2, clean interruption, and the flags.
 
 `run_cli(prog, body)` runs a CLI's body with a `prog: level: message` log handler and turns
 - a MedusaTrtError (bad input, already explained) and an OSError (permission denied, no space
@@ -7,14 +7,24 @@
   send) is turned into a KeyboardInterrupt subclass, so the `except BaseException` blocks that
   remove temporary output run exactly as they do for Ctrl-C.
 Anything else is a bug and keeps its traceback.
+
+The flag groups (`add_*`) give one concept one flag name in every command: `--engine`/`--checkpoint`,
+`--medusa-choices`, `--max-new-tokens`, the sampling flags, `--threads`, `--prompts`, `--quiet`.
+Spellings a command used before (`--batch-file`, `--intra-op-threads`, `--new-tokens`, ...) stay
+accepted as aliases of the same option and are hidden from --help (`old=`). Prompt files are read by
+`read_prompts` (medusa_trt.data: .txt or .jsonl). Calibration text for FP8 (medusa-convert
+--calib-data) and training text (medusa-train-heads --data) are not prompts to decode: they keep
+their own names, and are read by the same sample reader.
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from medusa_trt.errors import MedusaTrtError
 
@@ -83,3 +93,126 @@ def run_cli(prog: str, body: Callable[[], int | None], *, handle_sigterm: bool =
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
         logger.removeHandler(handler)
+
+
+# -- flag groups --------------------------------------------------------------------------------
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """--help lists an option by its current names only; its old spellings (`old=` of the add_*
+    functions, kept in `action.old_spellings`) are still parsed."""
+
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        old = getattr(action, "old_spellings", ())
+        if not old:
+            return super()._format_action_invocation(action)
+        saved = action.option_strings
+        action.option_strings = [s for s in saved if s not in old]
+        try:
+            return super()._format_action_invocation(action)
+        finally:
+            action.option_strings = saved
+
+
+class RawHelpFormatter(HelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """The same, keeping the description's line breaks (module docstrings)."""
+
+
+def new_parser(prog: str, description: str | None, *, raw: bool = False) -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(prog=prog, description=description,
+                                   formatter_class=RawHelpFormatter if raw else HelpFormatter)
+
+
+def _add(group, name: str, old: Sequence[str] = (), **kwargs) -> argparse.Action:
+    """One option under its current name, with `old` spellings as hidden aliases (same dest)."""
+    dest = name.lstrip("-").replace("-", "_")
+    action = group.add_argument(name, *old, dest=dest, **kwargs)
+    action.old_spellings = tuple(old)
+    return action
+
+
+ENGINE_HELP = "engine dir written by medusa-build"
+ENGINE_OR_CHECKPOINT_HELP = "engine dir (medusa-build) or merged checkpoint"
+
+
+def add_source_args(p: argparse.ArgumentParser, *, checkpoint: str | None = None,
+                    engine_help: str = ENGINE_HELP) -> None:
+    """--engine DIR (required). checkpoint="alternative": --checkpoint DIR instead of --engine (runs
+    the PyTorch reference); "reference": an optional --checkpoint DIR to compare the engine with."""
+    if checkpoint == "alternative":
+        src = p.add_mutually_exclusive_group(required=True)
+        src.add_argument("--checkpoint", type=Path, help="merged checkpoint dir (runs the PyTorch reference)")
+        src.add_argument("--engine", type=Path, help=engine_help)
+        return
+    p.add_argument("--engine", required=True, type=Path, help=engine_help)
+    if checkpoint == "reference":
+        p.add_argument("--checkpoint", type=Path, help="merged checkpoint (default: the one recorded in engine.json)")
+    elif checkpoint is not None:
+        raise ValueError(f"checkpoint={checkpoint!r}: expected 'alternative', 'reference' or None")
+
+
+def add_tree_arg(p: argparse.ArgumentParser, *, default: str | None = None,
+                 help: str = "preset name, list of paths, file or brace form") -> None:
+    p.add_argument("--medusa-choices", default=default, help=help)
+
+
+def add_max_new_tokens_arg(p: argparse.ArgumentParser, *, default: int, help: str | None = None,
+                           old: Sequence[str] = ()) -> None:
+    _add(p, "--max-new-tokens", old, type=int, default=default,
+         help=help or f"tokens to generate per prompt at most (default {default})")
+
+
+def add_sampling_args(p: argparse.ArgumentParser, *, typical: bool = True, seed: int | None = None,
+                      seed_help: str = "sample: prompt i draws from seed + i (default: random)",
+                      acceptance_help: str = "sample: lossless sampling (output follows the base model's "
+                                             "sampling exactly)") -> None:
+    """--acceptance, --temperature, --top-k, --top-p, --seed; with `typical`, the typical acceptance
+    epsilon and delta too."""
+    from medusa_trt.runtime.decoding import ACCEPTANCE
+
+    p.add_argument("--acceptance", choices=list(ACCEPTANCE), default="greedy", help=acceptance_help)
+    p.add_argument("--temperature", type=float, default=0.7, help="typical and sample acceptance temperature")
+    p.add_argument("--top-k", type=int, default=None, help="sample: keep the k most likely tokens")
+    p.add_argument("--top-p", type=float, default=1.0, help="sample: nucleus mass in (0, 1]")
+    p.add_argument("--seed", type=int, default=seed, help=seed_help)
+    if typical:
+        p.add_argument("--posterior-threshold", type=float, default=0.09, help="typical acceptance epsilon")
+        p.add_argument("--posterior-alpha", type=float, default=0.3, help="typical acceptance delta")
+
+
+def sampling_options(args: argparse.Namespace) -> dict:
+    """The GenerationConfig fields add_sampling_args set."""
+    keys = ("acceptance", "temperature", "top_k", "top_p", "seed", "posterior_threshold", "posterior_alpha")
+    return {k: getattr(args, k) for k in keys if hasattr(args, k)}
+
+
+def add_threads_arg(p: argparse.ArgumentParser, *, default: int | None = None,
+                    help: str = "engine intra-op threads (default: one per core)", old: Sequence[str] = ()) -> None:
+    _add(p, "--threads", old, type=int, default=default, help=help)
+
+
+PROMPTS_HELP = ".txt (one prompt a line) or .jsonl with 'text'"
+
+
+def add_prompts_arg(p, *, required: bool = False, default: Path | None = None, help: str = PROMPTS_HELP,
+                    old: Sequence[str] = (), name: str = "--prompts") -> None:
+    """A prompt file (read it with read_prompts). `p` may be a mutually exclusive group."""
+    _add(p, name, old, type=Path, required=required, default=default, help=help)
+
+
+def read_prompts(path: str | Path) -> list[str]:
+    """The prompts of a --prompts file (medusa_trt.data.read_prompts: .txt or .jsonl); a bad file is
+    a DataError, one line and exit 2 under run_cli."""
+    from medusa_trt.data import read_prompts as read
+
+    return read(path)
+
+
+def add_quiet_arg(p: argparse.ArgumentParser, *, help: str = "no progress bars") -> None:
+    p.add_argument("--quiet", action="store_true", help=help)
+
+
+def add_json_report_arg(p: argparse.ArgumentParser, *, help: str = "also write the report as JSON to this file") -> None:
+    """--json FILE: the commands whose report is a document (check, bench). medusa-run's --json is a
+    switch instead (one JSON object per prompt on stdout), as it always was."""
+    p.add_argument("--json", type=Path, help=help)

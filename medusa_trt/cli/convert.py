@@ -6,14 +6,14 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from medusa_trt.cli.common import run_cli
+from medusa_trt.cli.common import add_quiet_arg, run_cli
 from medusa_trt.converter.merge import DEFAULT_MAX_DRAFT_LEN, convert
 from medusa_trt.converter.quantize import KV_CACHE_DTYPES, QUANTIZE_CHOICES, QuantOptions
 
 PROG = "medusa-convert"
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=PROG,
         description="Merge a Hugging Face Llama/Mistral/Qwen2 model and Medusa heads (FasterDecoding v1/v2, "
@@ -42,12 +42,12 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--quantize-heads", action="store_true",
                    help="quantize the Medusa ResBlock linears too (their lm_heads stay in --dtype)")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")
-    p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
+    add_quiet_arg(p, help="no progress bar or summary")
     return p
 
 
 def _main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = parser().parse_args(argv)
     quant = QuantOptions(quantize=args.quantize, kv_cache_dtype=args.kv_cache_dtype,
                          calib_data=args.calib_data, calib_samples=args.calib_samples,
                          calib_seq_len=args.calib_seq_len, quantize_heads=args.quantize_heads)

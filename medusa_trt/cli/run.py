@@ -5,45 +5,50 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
-from medusa_trt.cli.common import run_cli
-from medusa_trt.errors import MedusaTrtError, check_number, check_utf8, read_text_lines
-from medusa_trt.runtime.decoding import ACCEPTANCE, GenerationConfig, SequenceStats, generate
+from medusa_trt.cli.common import (
+    add_max_new_tokens_arg,
+    add_prompts_arg,
+    add_sampling_args,
+    add_source_args,
+    add_threads_arg,
+    add_tree_arg,
+    new_parser,
+    read_prompts,
+    run_cli,
+    sampling_options,
+)
+from medusa_trt.errors import MedusaTrtError, check_number, check_utf8
+from medusa_trt.runtime.decoding import GenerationConfig, SequenceStats, generate
 from medusa_trt.runtime.loading import load_backend, load_tokenizer, stop_tokens
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="medusa-run", description=__doc__)
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", type=Path, help="merged checkpoint dir (runs the PyTorch reference)")
-    src.add_argument("--engine", type=Path, help="engine dir written by medusa-build")
+def parser() -> argparse.ArgumentParser:
+    p = new_parser("medusa-run", __doc__)
+    add_source_args(p, checkpoint="alternative")
     inp = p.add_mutually_exclusive_group(required=True)
     inp.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
-    inp.add_argument("--batch-file", type=Path, help="a text file with one prompt per line")
-    p.add_argument("--medusa-choices", default=None, help="preset name, list of paths, file or brace form")
+    add_prompts_arg(inp, help="prompt file: .txt (one prompt a line) or .jsonl with 'text'", old=["--batch-file"])
+    add_tree_arg(p)
     p.add_argument("--no-medusa", action="store_true", help="plain decoding on the same backend")
-    p.add_argument("--acceptance", choices=list(ACCEPTANCE), default="greedy",
-                   help="sample: lossless sampling (output follows the base model's sampling exactly)")
-    p.add_argument("--temperature", type=float, default=0.7, help="typical and sample acceptance temperature")
-    p.add_argument("--top-k", type=int, default=None, help="sample: keep the k most likely tokens")
-    p.add_argument("--top-p", type=float, default=1.0, help="sample: nucleus mass in (0, 1]")
-    p.add_argument("--seed", type=int, default=None, help="sample: prompt i draws from seed + i (default: random)")
-    p.add_argument("--posterior-threshold", type=float, default=0.09, help="typical acceptance epsilon")
-    p.add_argument("--posterior-alpha", type=float, default=0.3, help="typical acceptance delta")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    add_sampling_args(p)
+    add_max_new_tokens_arg(p, default=64)
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="checkpoint dtype override")
     p.add_argument("--device", default=None, help="engine device (cpu, cuda)")
-    p.add_argument("--threads", type=int, help="engine intra-op threads (default: one per core)")
+    add_threads_arg(p)
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of text")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    return parser().parse_args(argv)
 
 
 def _main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        if args.batch_file:
-            texts = read_text_lines(args.batch_file, what="prompt file (--batch-file)")
+        if args.prompts:
+            texts = read_prompts(args.prompts)
         else:
             texts = [check_utf8(t, "--prompt") for t in args.prompt]
         check_number(args.temperature, "--temperature", nonnegative=True)
@@ -56,10 +61,8 @@ def _main(argv: list[str] | None = None) -> int:
         tok = load_tokenizer(directory)
         extra = {"medusa_choices": args.medusa_choices} if args.medusa_choices is not None else {}
         cfg = GenerationConfig(
-            max_new_tokens=args.max_new_tokens, use_medusa=not args.no_medusa, acceptance=args.acceptance,
-            temperature=args.temperature, posterior_threshold=args.posterior_threshold,
-            posterior_alpha=args.posterior_alpha, stop_token_ids=stop_tokens(directory, tok), top_k=args.top_k,
-            top_p=args.top_p, seed=args.seed, **extra,
+            max_new_tokens=args.max_new_tokens, use_medusa=not args.no_medusa,
+            stop_token_ids=stop_tokens(directory, tok), **sampling_options(args), **extra,
         )
         prompts = [tok.encode(t) for t in texts]
         stats = [SequenceStats() for _ in prompts]

@@ -2,7 +2,7 @@
 
 Two kinds of targets:
 - plain (default): the data's own next tokens, each sample cut into windows of --seq-len tokens;
-- --self-distill: the base's own greedy continuations (--new-tokens) of --prompt-tokens snippets of
+- --self-distill: the base's own greedy continuations (--max-new-tokens) of --prompt-tokens snippets of
   the data. Greedy verification accepts exactly what the base would say, so these heads accept
   more, and the data need not be the base's training distribution.
 
@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from medusa_trt.cli.common import run_cli
+from medusa_trt.cli.common import add_max_new_tokens_arg, add_quiet_arg, add_threads_arg, new_parser, run_cli
 from medusa_trt.errors import MedusaTrtError
 
 PROG = "medusa-train-heads"
@@ -36,8 +36,8 @@ class TrainError(MedusaTrtError):
     """Bad input (a file, the base dir, an option): the CLI prints it and exits 2."""
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser() -> argparse.ArgumentParser:
+    p = new_parser(PROG, __doc__, raw=True)
     p.add_argument("--base", required=True, type=Path, help="Hugging Face model dir (config.json, weights, tokenizer)")
     p.add_argument("--data", required=True, type=Path,
                    help=".txt (one sample per line) or .jsonl (one {\"text\": ...} per line; text may hold newlines)")
@@ -49,7 +49,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="v2 heads: ResBlocks only, logits through the base's frozen lm_head (smaller, cheaper "
                         "to run: an engine computes every head's logits in one MatMul)")
     p.add_argument("--prompt-tokens", type=int, default=48, help="self-distill: snippet length (default 48)")
-    p.add_argument("--new-tokens", type=int, default=128, help="self-distill: greedy tokens per snippet (default 128)")
+    add_max_new_tokens_arg(p, default=128, help="self-distill: greedy tokens per snippet (default 128)",
+                           old=["--new-tokens"])
     p.add_argument("--num-prompts", type=int, default=1024, help="self-distill: snippets to continue (default 1024)")
     p.add_argument("--seq-len", type=int, default=256, help="plain: window length (default 256)")
     p.add_argument("--steps", type=int, default=600)
@@ -59,15 +60,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=DTYPES, help="dtype of the saved heads (default: the base's)")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast matmuls while training (faster on CPUs with "
                    "AVX512-BF16/AMX; master weights stay float32)")
-    p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    add_threads_arg(p, help="torch threads (default: torch's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--force", action="store_true", help="replace existing heads in --out")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_quiet_arg(p)
     return p
 
 
 def _check(args) -> None:
-    for name in ("num_heads", "num_layers", "prompt_tokens", "new_tokens", "num_prompts", "seq_len", "steps",
+    for name in ("num_heads", "num_layers", "prompt_tokens", "max_new_tokens", "num_prompts", "seq_len", "steps",
                  "batch_tokens"):
         if getattr(args, name) < 1:
             raise TrainError(f"--{name.replace('_', '-')} {getattr(args, name)}: expected a positive integer")
@@ -128,12 +129,12 @@ def build_sequences(args, samples: list[str], tok, model) -> tuple[list[list[int
         ids = encoded[rng.randrange(len(encoded))]
         start = rng.randrange(max(1, len(ids) - args.prompt_tokens + 1))
         prompts.append(ids[start : start + args.prompt_tokens])
-    seqs = greedy_continuations(model, prompts, args.new_tokens, progress=not args.quiet)
+    seqs = greedy_continuations(model, prompts, args.max_new_tokens, progress=not args.quiet)
     return seqs, [len(p) - 1 for p in prompts]
 
 
 def _main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = parser().parse_args(argv)
     t0 = time.perf_counter()
     try:
         _check(args)

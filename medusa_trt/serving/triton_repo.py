@@ -15,15 +15,12 @@ This module only writes text: no torch, no tritonclient.
 
 from __future__ import annotations
 
-import argparse
 import re
 import shutil
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from medusa_trt.cli.common import run_cli
 from medusa_trt.engine_dir import ENGINE_JSON, EngineError, read_engine
 from medusa_trt.errors import MedusaTrtError, read_json_object
 from medusa_trt.outputs import atomic_output_dir
@@ -36,7 +33,6 @@ from medusa_trt.tree import (
     validate_and_expand,
 )
 
-PROG = "medusa-triton"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 _MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
@@ -477,53 +473,3 @@ def _ensemble_scheduling(steps) -> str:
         maps += [f"      output_map {{\n        key: {_q(k)}\n        value: {_q(v)}\n      }}" for k, v in outputs.items()]
         blocks.append(f"    {{\n      model_name: {_q(model)}\n      model_version: -1\n" + "\n".join(maps) + "\n    }")
     return "ensemble_scheduling {\n  step [\n" + ",\n".join(blocks) + "\n  ]\n}"
-
-
-# --- CLI -----------------------------------------------------------------------------------------
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description="Write a Triton model repository for an engine dir or "
-                                "merged checkpoint (Python backend), or a TensorRT-LLM engine "
-                                "(tensorrtllm_backend layout).")
-    p.add_argument("--engine", required=True, type=Path, help="engine dir, merged checkpoint or TensorRT-LLM engine")
-    p.add_argument("--out", required=True, type=Path, help="model repository dir to write")
-    p.add_argument("--model-name", default="medusa", help="Python-backend model name (default: medusa)")
-    p.add_argument("--max-batch-size", type=int, help="largest dynamic batch (default: the engine's limit, or 8)")
-    p.add_argument("--medusa-choices", help="default tree: preset name, list, JSON/YAML file or brace form "
-                   f"(default: {DEFAULT_TREE})")
-    p.add_argument("--decoupled", action="store_true", help="decoupled model: needed for streaming responses")
-    p.add_argument("--acceptance", choices=["greedy", "typical"], default="greedy", help="default acceptance")
-    p.add_argument("--max-input-len", type=int, help="longest prompt in tokens (default: all the engine allows)")
-    p.add_argument("--max-output-len", type=int, help="largest max_tokens (default: all the engine allows)")
-    p.add_argument("--max-queue-delay-us", type=int, default=1000, help="dynamic batcher delay (default 1000)")
-    p.add_argument("--device", help="device for the engine (default: the engine's own)")
-    p.add_argument("--intra-op-threads", type=int, default=0, help="torch threads per instance (0: default)")
-    p.add_argument("--tokenizer-dir", type=Path, help="tokenizer for a TensorRT-LLM engine (default: --engine)")
-    p.add_argument("--force", action="store_true", help="replace an existing --out")
-    return p
-
-
-def _main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    try:
-        out = write_triton_repo(
-            args.engine, args.out, model_name=args.model_name, max_batch_size=args.max_batch_size,
-            medusa_choices=args.medusa_choices, decoupled=args.decoupled, acceptance=args.acceptance,
-            max_input_len=args.max_input_len, max_output_len=args.max_output_len,
-            max_queue_delay_us=args.max_queue_delay_us, device=args.device,
-            intra_op_threads=args.intra_op_threads, tokenizer_dir=args.tokenizer_dir, force=args.force,
-        )
-    except RepoError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
-    models = sorted(p.parent.name for p in out.glob("*/config.pbtxt"))
-    print(f"{PROG}: wrote {out} (models: {', '.join(models)}); serve it with: medusa-serve --repo {out}")
-    return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    return run_cli(PROG, lambda: _main(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

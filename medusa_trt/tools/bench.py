@@ -12,8 +12,6 @@ user would otherwise run; its tokens are also checked against plain decoding.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
 import sys
@@ -23,10 +21,9 @@ from pathlib import Path
 
 import torch
 
-from medusa_trt.cli.common import run_cli
 from medusa_trt.errors import MedusaTrtError
 from medusa_trt.runtime.backend import Backend
-from medusa_trt.runtime.decoding import ACCEPTANCE, GenerationConfig, SequenceStats, decode
+from medusa_trt.runtime.decoding import GenerationConfig, SequenceStats, decode
 from medusa_trt.tree import DEFAULT_TREE
 
 PROG = "medusa-bench"
@@ -273,14 +270,14 @@ def hf_generate(model_dir: Path, prompts: list[list[int]], max_new_tokens: int, 
             "equal_to_plain": None if plain_tokens is None else f"{same}/{len(prompts)}"}
 
 
-# -- CLI -------------------------------------------------------------------------------------
+# -- prompts and the report -------------------------------------------------------------------
 
 
 def load_prompts(path: Path, tokenizer, limit: int | None = None) -> tuple[list[str], list[list[int]]]:
-    from medusa_trt.data import DataError, read_samples
+    from medusa_trt.data import DataError, read_prompts
 
     try:
-        texts = read_samples(path)
+        texts = read_prompts(path)
     except DataError as e:
         raise BenchError(str(e)) from None
     texts = texts[:limit] if limit else texts
@@ -288,94 +285,6 @@ def load_prompts(path: Path, tokenizer, limit: int | None = None) -> tuple[list[
     if any(not p for p in ids):
         raise BenchError(f"{path}: a prompt encodes to no tokens")
     return texts, ids
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--engine", required=True, type=Path, help="engine dir (medusa-build) or merged checkpoint")
-    p.add_argument("--prompts", required=True, type=Path, help=".txt (one prompt a line) or .jsonl with 'text'")
-    p.add_argument("--medusa-choices", default=DEFAULT_TREE, help=f"tree for Medusa decoding (default {DEFAULT_TREE})")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--limit", type=int, help="use the first N prompts")
-    p.add_argument("--repeat", type=int, default=1, help="measure each prompt N times (default 1)")
-    p.add_argument("--hf-model", type=Path, help="HF model dir for the transformers baseline "
-                   "(default: the base recorded in the engine's checkpoint)")
-    p.add_argument("--no-hf", action="store_true", help="skip the transformers generate baseline")
-    p.add_argument("--threads", type=int, help="engine intra-op threads (default: one per core); small models "
-                   "often decode fastest on one")
-    p.add_argument("--acceptance", choices=list(ACCEPTANCE), default="greedy",
-                   help="Medusa acceptance; typical and sample are compared with plain sampling")
-    p.add_argument("--temperature", type=float, default=0.7, help="typical and sample acceptance temperature")
-    p.add_argument("--top-k", type=int, default=None, help="sample: keep the k most likely tokens")
-    p.add_argument("--top-p", type=float, default=1.0, help="sample: nucleus mass in (0, 1]")
-    p.add_argument("--seed", type=int, default=0, help="sample: generator seed of every run")
-    p.add_argument("--json", type=Path, help="write all figures to this file")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
-    return p
-
-
-def _main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    from medusa_trt.runtime.loading import load_backend, load_tokenizer, stop_tokens
-
-    if args.quiet:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-
-    try:
-        if not args.engine.is_dir():
-            raise BenchError(f"{args.engine}: --engine directory not found")
-        if args.max_new_tokens < 1 or args.repeat < 1 or (args.threads is not None and args.threads < 1):
-            raise BenchError(f"--max-new-tokens {args.max_new_tokens} / --repeat {args.repeat} / --threads "
-                             f"{args.threads}: expected >= 1")
-        hf_dir, hf_note = None, None
-        if args.hf_model is not None:
-            if not (args.hf_model / "config.json").is_file():
-                raise BenchError(f"{args.hf_model}: --hf-model has no config.json (expected a Hugging Face model dir)")
-            hf_dir = args.hf_model
-        elif not args.no_hf:
-            try:
-                hf_dir = hf_model_dir(args.engine)
-            except BenchError as e:  # the engine still benchmarks; only the baseline is missing
-                hf_note = str(e)
-                print(f"{PROG}: warning: skipping the transformers baseline: {e}", file=sys.stderr)
-        backend = load_backend(args.engine, threads=args.threads)
-        tok = load_tokenizer(args.engine)
-        _, prompts = load_prompts(args.prompts, tok, args.limit)
-        stops = stop_tokens(args.engine, tok)
-        sampling = {"acceptance": args.acceptance, "temperature": args.temperature, "top_k": args.top_k,
-                    "top_p": args.top_p, "seed": args.seed}
-        GenerationConfig(**sampling)  # bad values: one line, exit 2, before any work
-        result = compare(backend, prompts, args.medusa_choices, args.max_new_tokens, stops, args.repeat,
-                         progress=not args.quiet, sampling=sampling)
-        hf = {"skipped": hf_note} if hf_note else None
-        if hf_dir is not None:
-            plain_tokens = None
-            if args.repeat == 1:  # plain outputs per prompt, to check transformers agrees
-                plain_tokens = [decode(backend, [p], GenerationConfig(max_new_tokens=args.max_new_tokens,
-                                use_medusa=False, stop_token_ids=stops)).tokens[0] for p in prompts]
-            hf = hf_generate(hf_dir, prompts, args.max_new_tokens, stops, plain_tokens, progress=not args.quiet)
-    except ValueError as e:  # BenchError, TreeError, EngineError, load errors: bad input, explained
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
-    report = {
-        "engine": str(args.engine), "backend": type(backend).__name__, "prompts": str(args.prompts),
-        "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "repeat": args.repeat,
-        "medusa_choices": str(args.medusa_choices), "threads": args.threads or len(os.sched_getaffinity(0)),
-        "fused_step": getattr(backend, "fused_step_topk", None) is not None and args.acceptance == "greedy",
-        "acceptance": args.acceptance, "temperature": args.temperature if args.acceptance != "greedy" else None,
-        "plain": result["modes"]["plain"], "medusa": {**result["modes"]["medusa"], **result["medusa"]},
-        "hf_generate": hf, "per_prompt": result["per_prompt"],
-    }
-    if hf and "tokens_per_s" in hf:
-        report["medusa"]["speedup_vs_hf_generate"] = round(report["medusa"]["tokens_per_s"] / hf["tokens_per_s"], 4)
-        report["plain"]["speedup_vs_hf_generate"] = round(report["plain"]["tokens_per_s"] / hf["tokens_per_s"], 4)
-    print(format_report(report))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-    return 0
 
 
 def format_report(r: dict) -> str:
@@ -407,11 +316,3 @@ def format_report(r: dict) -> str:
                      f"{m['speedup_vs_hf_generate']:.2f}x (transformers tokens equal plain: "
                      f"{hf['equal_to_plain'] or 'not checked with --repeat > 1'})")
     return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    return run_cli(PROG, lambda: _main(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

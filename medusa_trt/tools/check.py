@@ -36,10 +36,7 @@ checked on float32 builds (medusa-build --dtype float32), and a float16 FP8 engi
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import sys
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -47,10 +44,8 @@ from pathlib import Path
 
 import torch
 
-from medusa_trt.cli.common import run_cli
-from medusa_trt.errors import MedusaTrtError, read_text_lines
+from medusa_trt.errors import MedusaTrtError
 
-PROG = "medusa-check"
 TOLERANCES = {"float32": 1e-4, "float16": 5e-2, "bfloat16": 2.5e-1}
 LOGIT_SCALE = 10.0  # the logit magnitude TOLERANCES are stated for (see the module docstring)
 FP8_QUANTILE, FP8_FLIP_BOUND = 0.9, 0.25  # FP8 engines: see the module docstring
@@ -334,50 +329,3 @@ def _compare_decodes(report: CheckReport, subject, reference, prompts: list[list
             detail = f"{len(b)} tokens equal" if mismatch is None else (
                 f"first mismatch at token {mismatch}: engine {a[mismatch:mismatch + 1]} vs reference {b[mismatch:mismatch + 1]}")
             report.rows.append(CheckRow(f"decode {offset + i} ({mode})", "tokens", mismatch is None, detail=detail))
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description="Compare an engine with the PyTorch reference on the "
-                                "same inputs: prefill, tree-verify steps and whole greedy decodes. "
-                                "Exit 0: parity; 1: a parity failure; 2: bad input.")
-    p.add_argument("--engine", required=True, type=Path, help="engine directory written by medusa-build")
-    p.add_argument("--checkpoint", type=Path, help="merged checkpoint (default: the one recorded in engine.json)")
-    p.add_argument("--prompts", type=Path, help="text file, one prompt per line (default: three built-in prompts)")
-    p.add_argument("--json", type=Path, help="also write the report as JSON to this file")
-    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens per greedy decode (default 32)")
-    p.add_argument("--tree-steps", type=int, default=4, help="tree-verify steps to compare (default 4)")
-    p.add_argument("--device", help="engine device override (cpu, cuda)")
-    p.add_argument("--atol", type=float, help="override the dtype's logits tolerance")
-    return p
-
-
-def _main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    try:
-        prompts = None
-        if args.prompts is not None:
-            prompts = read_text_lines(args.prompts, CheckInputError, "prompt file (--prompts)")
-        if args.max_new_tokens < 1 or args.tree_steps < 0:
-            raise CheckInputError("--max-new-tokens must be >= 1 and --tree-steps >= 0")
-        report = run_check(args.engine, args.checkpoint, prompts, max_new_tokens=args.max_new_tokens,
-                           tree_steps=args.tree_steps, device=args.device, atol=args.atol)
-    except CheckInputError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
-    print(f"{PROG}: {report.engine} ({report.backend}, {report.dtype}) vs {report.checkpoint} (PyTorch float32)")
-    for w in report.warnings:
-        print(f"{PROG}: warning: {w}")
-    print(report.table())
-    failed = sum(not r.passed for r in report.rows)
-    print(f"{PROG}: {'PASS' if report.passed else 'FAIL'} ({len(report.rows) - failed}/{len(report.rows)} checks passed)")
-    if args.json:
-        args.json.write_text(json.dumps(report.as_dict(), indent=2) + "\n")
-    return 0 if report.passed else 1
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    return run_cli(PROG, lambda: _main(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

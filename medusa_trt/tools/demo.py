@@ -11,7 +11,6 @@ ways, in alternating order). Medusa greedy output must equal plain greedy output
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -20,26 +19,8 @@ from pathlib import Path
 ASSETS = Path(__file__).resolve().parents[1] / "assets" / "smollm2"
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m medusa_trt.tools.demo", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workdir", type=Path, default=Path("build/demo"))
-    p.add_argument("--gguf", type=Path, help="a GGUF base instead of SmolLM2 (its heads via --heads)")
-    p.add_argument("--heads", type=Path, default=ASSETS / "heads")
-    p.add_argument("--prompts", type=Path, default=ASSETS / "prompts_heldout.jsonl")
-    p.add_argument("--num-prompts", type=int, default=4, help="held-out prompts to answer, half chat half code")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--medusa-choices", default=None, help="tree (default: the tuned tree beside the heads)")
-    p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
-    args = p.parse_args(argv)
-    try:
-        return _run(args)
-    except ValueError as e:  # ConvertError, BuildError, DataError...: already one line naming the input
-        print(f"demo: error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
-
-
-def _run(args) -> int:
+def run_demo(args) -> int:
+    """The demo with the options of medusa_trt.cli.demo's parser; 0 when Medusa output equals plain."""
     from medusa_trt.converter import convert
     from medusa_trt.converter.gguf import fetch_smollm2
     from medusa_trt.engines.build import BuildOptions, build_engine
@@ -124,5 +105,7 @@ def _user_message(chat_text: str) -> str:
     return body.split("<|im_end|>")[0]
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # `python -m medusa_trt.tools.demo`, the old spelling of `make demo`
+    from medusa_trt.cli.demo import main
+
     sys.exit(main())

@@ -27,24 +27,19 @@ said and plain decoding is recommended.
 
 from __future__ import annotations
 
-import argparse
 import heapq
 import json
-import os
 import random
 import statistics
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 
-from medusa_trt.cli.common import run_cli
 from medusa_trt.tools.train_heads import rank_hits
 
-PROG = "medusa-tune-tree"
 REFERENCE_TREE = "mc_sim_7b_63"
 DEFAULT_TOPK = 10  # ranks measured per head: the reference trees use ranks 0..9
 BLOCK = 4  # steps timed back to back per tree size and repetition
@@ -555,74 +550,3 @@ def dump_json(obj, level: int = 0) -> str:
     else:
         text = "[\n" + ",\n".join(inner + dump_json(v, level + 1) for v in obj) + "\n" + pad + "]"
     return text + ("\n" if level == 0 else "")
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--engine", required=True, type=Path, help="engine dir (medusa-build) or merged checkpoint")
-    p.add_argument("--calib-data", required=True, type=Path, help=".txt (one prompt a line) or .jsonl with 'text'")
-    p.add_argument("--out", required=True, type=Path, help="tree.json to write (loadable by --medusa-choices)")
-    p.add_argument("--max-nodes", type=int, default=64, help="largest tree considered (default 64, at most the "
-                   "engine's max_draft_len)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="greedy tokens per calibration prompt")
-    p.add_argument("--limit", type=int, default=32, help="calibration prompts used (default 32)")
-    p.add_argument("--topk", type=int, default=DEFAULT_TOPK, help="ranks measured per head")
-    p.add_argument("--reps", type=int, default=5, help=f"step-time repetitions per tree size (blocks of {BLOCK} steps)")
-    p.add_argument("--eval-data", type=Path, help="prompts for the measured comparison (default: --calib-data)")
-    p.add_argument("--eval-limit", type=int, default=8, help="prompts for the measured comparison (default 8)")
-    p.add_argument("--no-measure", action="store_true", help="predict only; skip the measured comparison")
-    p.add_argument("--threads", type=int, help="engine intra-op threads (default: one per core); tune with the "
-                   "setting you will decode with")
-    p.add_argument("--quiet", action="store_true")
-    return p
-
-
-def _main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    from medusa_trt.runtime.loading import load_backend, load_tokenizer, stop_tokens
-    from medusa_trt.tools.bench import BenchError, compare, load_prompts
-
-    try:
-        for name in ("max_nodes", "max_new_tokens", "limit", "topk", "reps", "eval_limit", "threads"):
-            if getattr(args, name) is not None and getattr(args, name) < 1:
-                raise BenchError(f"--{name.replace('_', '-')} {getattr(args, name)}: expected >= 1")
-        if not args.engine.is_dir():
-            raise BenchError(f"{args.engine}: --engine directory not found")
-        backend = load_backend(args.engine, threads=args.threads)
-        tok = load_tokenizer(args.engine)
-        _, calib = load_prompts(args.calib_data, tok, args.limit)
-        stops = stop_tokens(args.engine, tok)
-        result = tune(backend, calib, max_nodes=args.max_nodes, max_new_tokens=args.max_new_tokens,
-                      stop_token_ids=stops, topk=args.topk, reps=args.reps, progress=not args.quiet)
-        result.update(engine=str(args.engine), calib_data=str(args.calib_data), num_calib_prompts=len(calib),
-                      threads=args.threads or len(os.sched_getaffinity(0)))
-        if not args.no_measure:
-            data = args.eval_data or args.calib_data
-            _, prompts = load_prompts(data, tok, args.eval_limit)
-            extra = {REFERENCE_TREE: REFERENCE_TREE} if REFERENCE_TREE in result["predicted"] else {}
-            measured = compare(backend, prompts, result["medusa_choices"], args.max_new_tokens, stops,
-                               progress=not args.quiet, extra_modes=extra)
-            result["measured"] = {"data": str(data), "num_prompts": len(prompts),
-                                  "plain_tokens_per_s": measured["modes"]["plain"]["tokens_per_s"],
-                                  "tuned": {**measured["medusa"], "tokens_per_s": measured["modes"]["medusa"]["tokens_per_s"]}}
-            if extra:
-                ref = measured[REFERENCE_TREE]
-                result["measured"][REFERENCE_TREE] = {**ref, "tokens_per_s": measured["modes"][REFERENCE_TREE]["tokens_per_s"]}
-                result["measured"]["tuned_vs_" + REFERENCE_TREE] = round(
-                    result["measured"]["tuned"]["tokens_per_s"] / result["measured"][REFERENCE_TREE]["tokens_per_s"], 4)
-    except ValueError as e:  # BenchError, TreeError, EngineError, DataError: bad input, explained
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(dump_json(result))
-    print(format_report(result))
-    print(f"{PROG}: wrote {args.out} ({len(result['medusa_choices'])} nodes; use --medusa-choices {args.out})")
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    return run_cli(PROG, lambda: _main(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

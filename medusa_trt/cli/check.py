@@ -1,0 +1,66 @@
+"""medusa-check: compare an engine with the PyTorch reference (medusa_trt.tools.check)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from medusa_trt.cli.common import (
+    add_json_report_arg,
+    add_max_new_tokens_arg,
+    add_prompts_arg,
+    add_source_args,
+    new_parser,
+    read_prompts,
+    run_cli,
+)
+from medusa_trt.tools.check import CheckInputError, run_check
+
+PROG = "medusa-check"
+
+
+def parser() -> argparse.ArgumentParser:
+    p = new_parser(PROG, "Compare an engine with the PyTorch reference on the same inputs: prefill, tree-verify "
+                   "steps and whole greedy decodes. Exit 0: parity; 1: a parity failure; 2: bad input.")
+    add_source_args(p, checkpoint="reference")
+    add_prompts_arg(p, help=".txt (one prompt a line) or .jsonl with 'text' (default: three built-in prompts)")
+    add_json_report_arg(p)
+    add_max_new_tokens_arg(p, default=32, help="tokens per greedy decode (default 32)")
+    p.add_argument("--tree-steps", type=int, default=4, help="tree-verify steps to compare (default 4)")
+    p.add_argument("--device", help="engine device override (cpu, cuda)")
+    p.add_argument("--atol", type=float, help="override the dtype's logits tolerance")
+    return p
+
+
+def _main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        prompts = None
+        if args.prompts is not None:
+            prompts = read_prompts(args.prompts)
+        if args.max_new_tokens < 1 or args.tree_steps < 0:
+            raise CheckInputError("--max-new-tokens must be >= 1 and --tree-steps >= 0")
+        report = run_check(args.engine, args.checkpoint, prompts, max_new_tokens=args.max_new_tokens,
+                           tree_steps=args.tree_steps, device=args.device, atol=args.atol)
+    except CheckInputError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    print(f"{PROG}: {report.engine} ({report.backend}, {report.dtype}) vs {report.checkpoint} (PyTorch float32)")
+    for w in report.warnings:
+        print(f"{PROG}: warning: {w}")
+    print(report.table())
+    failed = sum(not r.passed for r in report.rows)
+    print(f"{PROG}: {'PASS' if report.passed else 'FAIL'} ({len(report.rows) - failed}/{len(report.rows)} checks passed)")
+    if args.json:
+        args.json.write_text(json.dumps(report.as_dict(), indent=2) + "\n")
+    return 0 if report.passed else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_cli(PROG, lambda: _main(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

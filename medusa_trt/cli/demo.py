@@ -1,0 +1,43 @@
+"""`make demo` (python -m medusa_trt.cli.demo): the command line of medusa_trt.tools.demo."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from medusa_trt.cli.common import (
+    add_max_new_tokens_arg,
+    add_prompts_arg,
+    add_threads_arg,
+    add_tree_arg,
+    new_parser,
+)
+from medusa_trt.tools import demo
+
+
+def parser() -> argparse.ArgumentParser:
+    p = new_parser("python -m medusa_trt.cli.demo", demo.__doc__, raw=True)
+    p.add_argument("--workdir", type=Path, default=Path("build/demo"))
+    p.add_argument("--gguf", type=Path, help="a GGUF base instead of SmolLM2 (its heads via --heads)")
+    p.add_argument("--heads", type=Path, default=demo.ASSETS / "heads")
+    add_prompts_arg(p, default=demo.ASSETS / "prompts_heldout.jsonl",
+                    help=".jsonl with 'text' and 'kind' (chat or code) (default: the held-out SmolLM2 prompts)")
+    p.add_argument("--num-prompts", type=int, default=4, help="held-out prompts to answer, half chat half code")
+    add_max_new_tokens_arg(p, default=128)
+    add_tree_arg(p, help="tree (default: the tuned tree beside the heads)")
+    add_threads_arg(p, help="ONNX Runtime intra-op threads")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return demo.run_demo(args)
+    except ValueError as e:  # ConvertError, BuildError, DataError...: already one line naming the input
+        print(f"demo: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""medusa-tune-tree: the Medusa tree that is fastest on this engine and this machine
+(medusa_trt.tools.tune_tree)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from medusa_trt.cli.common import (
+    ENGINE_OR_CHECKPOINT_HELP,
+    add_max_new_tokens_arg,
+    add_prompts_arg,
+    add_quiet_arg,
+    add_source_args,
+    add_threads_arg,
+    new_parser,
+    run_cli,
+)
+from medusa_trt.tools import tune_tree as tt
+
+PROG = "medusa-tune-tree"
+
+
+def parser() -> argparse.ArgumentParser:
+    p = new_parser(PROG, tt.__doc__, raw=True)
+    add_source_args(p, engine_help=ENGINE_OR_CHECKPOINT_HELP)
+    # The calibration prompts are prompts the engine decodes (greedily), hence --prompts; --calib-data,
+    # its old name, is kept as an alias (medusa-convert's --calib-data is FP8 calibration text instead).
+    add_prompts_arg(p, required=True, help="calibration prompts: .txt (one prompt a line) or .jsonl with 'text'",
+                    old=["--calib-data"])
+    p.add_argument("--out", required=True, type=Path, help="tree.json to write (loadable by --medusa-choices)")
+    p.add_argument("--max-nodes", type=int, default=64, help="largest tree considered (default 64, at most the "
+                   "engine's max_draft_len)")
+    add_max_new_tokens_arg(p, default=128, help="greedy tokens per calibration prompt (default 128)")
+    p.add_argument("--limit", type=int, default=32, help="calibration prompts used (default 32)")
+    p.add_argument("--topk", type=int, default=tt.DEFAULT_TOPK, help="ranks measured per head")
+    p.add_argument("--reps", type=int, default=5, help=f"step-time repetitions per tree size (blocks of {tt.BLOCK} steps)")
+    add_prompts_arg(p, name="--eval-prompts", old=["--eval-data"],
+                    help="prompts for the measured comparison (default: --prompts)")
+    p.add_argument("--eval-limit", type=int, default=8, help="prompts for the measured comparison (default 8)")
+    p.add_argument("--no-measure", action="store_true", help="predict only; skip the measured comparison")
+    add_threads_arg(p, help="engine intra-op threads (default: one per core); tune with the setting you will "
+                    "decode with")
+    add_quiet_arg(p)
+    return p
+
+
+def _main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    from medusa_trt.runtime.loading import load_backend, load_tokenizer, stop_tokens
+    from medusa_trt.tools.bench import BenchError, compare, load_prompts
+
+    try:
+        for name in ("max_nodes", "max_new_tokens", "limit", "topk", "reps", "eval_limit", "threads"):
+            if getattr(args, name) is not None and getattr(args, name) < 1:
+                raise BenchError(f"--{name.replace('_', '-')} {getattr(args, name)}: expected >= 1")
+        if not args.engine.is_dir():
+            raise BenchError(f"{args.engine}: --engine directory not found")
+        backend = load_backend(args.engine, threads=args.threads)
+        tok = load_tokenizer(args.engine)
+        _, calib = load_prompts(args.prompts, tok, args.limit)
+        stops = stop_tokens(args.engine, tok)
+        result = tt.tune(backend, calib, max_nodes=args.max_nodes, max_new_tokens=args.max_new_tokens,
+                         stop_token_ids=stops, topk=args.topk, reps=args.reps, progress=not args.quiet)
+        result.update(engine=str(args.engine), calib_data=str(args.prompts), num_calib_prompts=len(calib),
+                      threads=args.threads or len(os.sched_getaffinity(0)))
+        if not args.no_measure:
+            data = args.eval_prompts or args.prompts
+            _, prompts = load_prompts(data, tok, args.eval_limit)
+            ref_tree = tt.REFERENCE_TREE
+            extra = {ref_tree: ref_tree} if ref_tree in result["predicted"] else {}
+            measured = compare(backend, prompts, result["medusa_choices"], args.max_new_tokens, stops,
+                               progress=not args.quiet, extra_modes=extra)
+            result["measured"] = {"data": str(data), "num_prompts": len(prompts),
+                                  "plain_tokens_per_s": measured["modes"]["plain"]["tokens_per_s"],
+                                  "tuned": {**measured["medusa"], "tokens_per_s": measured["modes"]["medusa"]["tokens_per_s"]}}
+            if extra:
+                ref = measured[ref_tree]
+                result["measured"][ref_tree] = {**ref, "tokens_per_s": measured["modes"][ref_tree]["tokens_per_s"]}
+                result["measured"]["tuned_vs_" + ref_tree] = round(
+                    result["measured"]["tuned"]["tokens_per_s"] / result["measured"][ref_tree]["tokens_per_s"], 4)
+    except ValueError as e:  # BenchError, TreeError, EngineError, DataError: bad input, explained
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(tt.dump_json(result))
+    print(tt.format_report(result))
+    print(f"{PROG}: wrote {args.out} ({len(result['medusa_choices'])} nodes; use --medusa-choices {args.out})")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(PROG, lambda: _main(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
