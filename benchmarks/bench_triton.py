@@ -11,12 +11,11 @@ Without --engine it makes a small synthetic Llama (hidden 256, 4 layers) with tr
 (copies of the base lm_head, so some drafts are accepted) in --workdir; the PyTorch backend runs it.
 
     .venv/bin/python benchmarks/bench_triton.py [--engine DIR] [--clients 1,4,16] [--requests 8]
-        [--max-tokens 32] [--workdir build/bench_triton] [--json FILE]
+        [--max-new-tokens 32] [--threads 1] [--workdir build/bench_triton] [--json FILE]
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -98,14 +97,16 @@ def run_clients(url: str, clients: int, requests: int, max_tokens: int) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from medusa_trt.cli.common import add_max_new_tokens_arg, add_threads_arg, new_parser
+
+    ap = new_parser("bench_triton.py", __doc__, raw=True)
     ap.add_argument("--engine", type=Path, help="engine dir or merged checkpoint (default: a synthetic model)")
     ap.add_argument("--workdir", type=Path, default=Path("build/bench_triton"))
     ap.add_argument("--clients", default="1,4,16", help="comma-separated concurrency levels (default 1,4,16)")
     ap.add_argument("--requests", type=int, default=8, help="requests per client (default 8)")
-    ap.add_argument("--max-tokens", type=int, default=32)
+    add_max_new_tokens_arg(ap, default=32, help="max_tokens of every request (default 32)", old=["--max-tokens"])
     ap.add_argument("--medusa-choices", default="mc_sim_7b_63", help="tree every request uses (default mc_sim_7b_63)")
-    ap.add_argument("--intra-op-threads", type=int, default=1,
+    add_threads_arg(ap, default=1, old=["--intra-op-threads"],
                     help="torch threads in the server (default 1: leaves the clients a core on small machines)")
     ap.add_argument("--json", type=Path, help="results file (default: <workdir>/bench_triton.json)")
     args = ap.parse_args()
@@ -121,12 +122,12 @@ def main() -> int:
     args.workdir.mkdir(parents=True, exist_ok=True)
     engine = args.engine or synthetic_checkpoint(args.workdir / "model")
     repo = write_triton_repo(engine, args.workdir / "repo", max_batch_size=max(levels),
-                             medusa_choices=args.medusa_choices, intra_op_threads=args.intra_op_threads, force=True)
+                             medusa_choices=args.medusa_choices, intra_op_threads=args.threads, force=True)
 
     # Offline: the same requests one by one in this process, same thread count.
-    torch.set_num_threads(max(args.intra_op_threads, 1))
+    torch.set_num_threads(max(args.threads, 1))
     backend, tok = load_backend(engine), load_tokenizer(engine)
-    cfg = GenerationConfig(max_new_tokens=args.max_tokens, medusa_choices=args.medusa_choices,
+    cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, medusa_choices=args.medusa_choices,
                            stop_token_ids=stop_tokens(engine, tok))
     expected, steps = {}, 0
     decode(backend, [tok.encode(PROMPTS[0])], cfg)  # warm-up
@@ -143,9 +144,9 @@ def main() -> int:
 
     runs = []
     with running_server(repo, timeout=300) as server:
-        run_clients(server.grpc_url, 2, 2, args.max_tokens)  # warm-up: connections, first-batch costs
+        run_clients(server.grpc_url, 2, 2, args.max_new_tokens)  # warm-up: connections, first-batch costs
         for n in levels:
-            result = run_clients(server.grpc_url, n, args.requests, args.max_tokens)
+            result = run_clients(server.grpc_url, n, args.requests, args.max_new_tokens)
             outputs = result.pop("outputs")
             result["mismatches"] = sum(ids != expected[text] for text, ids in outputs)
             runs.append(result)
@@ -155,9 +156,9 @@ def main() -> int:
     for r in runs:
         r["speedup_vs_1_client"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
     summary = {
-        "engine": str(engine), "medusa_choices": args.medusa_choices, "max_tokens": args.max_tokens,
+        "engine": str(engine), "medusa_choices": args.medusa_choices, "max_tokens": args.max_new_tokens,
         "requests_per_client": args.requests,
-        "intra_op_threads": args.intra_op_threads, "cpu_count": os.cpu_count(), "offline_sequential": offline,
+        "intra_op_threads": args.threads, "cpu_count": os.cpu_count(), "offline_sequential": offline,
         "served": runs,
         "served_1_client_vs_offline": round(base["tokens_per_s"] / offline["tokens_per_s"], 3),
     }
