@@ -141,7 +141,13 @@ def _main(argv: list[str] | None = None) -> int:
         import torch
 
         from medusa_trt.data import DataError, read_samples
-        from medusa_trt.tools.train_heads import head_accuracy, head_pairs, load_head_file, save_heads, train_heads
+        from medusa_trt.tools.train_heads import (
+            head_accuracy,
+            head_pairs,
+            load_head_file,
+            save_heads,
+            train_heads,
+        )
 
         if args.threads:
             torch.set_num_threads(args.threads)
