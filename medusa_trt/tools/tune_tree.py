@@ -43,10 +43,9 @@ import torch
 
 from medusa_trt.cli.common import run_cli
 from medusa_trt.tools.train_heads import rank_hits
+from medusa_trt.tree import CANDIDATE_TOPK, DEFAULT_TREE
 
 PROG = "medusa-tune-tree"
-REFERENCE_TREE = "mc_sim_7b_63"
-DEFAULT_TOPK = 10  # ranks measured per head: the reference trees use ranks 0..9
 BLOCK = 4  # steps timed back to back per tree size and repetition
 
 
@@ -68,7 +67,7 @@ class HeadAccuracy:
 
 
 def measure_head_accuracy(backend, prompts: list[list[int]], max_new_tokens: int = 128,
-                          stop_token_ids: tuple[int, ...] = (), topk: int = DEFAULT_TOPK,
+                          stop_token_ids: tuple[int, ...] = (), topk: int = CANDIDATE_TOPK,
                           progress: bool = True) -> tuple[HeadAccuracy, list[list[int]]]:
     """Head accuracies on the base's greedy continuations of `prompts` (see the module docstring).
     Also returns each prompt + continuation."""
@@ -441,7 +440,7 @@ def fit_line(points: dict[int, float]) -> tuple[float, float]:
 
 
 def tune(backend, calib: list[list[int]], *, max_nodes: int = 64, max_new_tokens: int = 128,
-         stop_token_ids: tuple[int, ...] = (), topk: int = DEFAULT_TOPK, reps: int = 5,
+         stop_token_ids: tuple[int, ...] = (), topk: int = CANDIDATE_TOPK, reps: int = 5,
          progress: bool = True) -> dict:
     """Measures accuracy and step times, chooses the tree; returns the tree.json content."""
     # Engines compute on their own threads; the few torch ops here would only contend with them
@@ -456,14 +455,14 @@ def tune(backend, calib: list[list[int]], *, max_nodes: int = 64, max_new_tokens
 
 
 def _tune(backend, calib, max_nodes, max_new_tokens, stop_token_ids, topk, reps, progress) -> dict:
-    from medusa_trt.tree import PRESETS, TreeError, validate_and_expand
+    from medusa_trt.tree import TreeError, parse_medusa_choices, validate_and_expand
 
     info = backend.info
     max_nodes = min(max_nodes, info.max_draft_len)
     acc, seqs = measure_head_accuracy(backend, calib, max_new_tokens, stop_token_ids, topk, progress)
     reference = None
     try:
-        reference = validate_and_expand(PRESETS[REFERENCE_TREE], info.num_medusa_heads, info.max_draft_len)
+        reference = validate_and_expand(parse_medusa_choices(DEFAULT_TREE), info.num_medusa_heads, info.max_draft_len)
     except TreeError:
         pass  # fewer heads or a smaller max_draft_len than the reference tree needs: no comparison
     largest = max(max_nodes, len(reference) if reference else 0) + 1
@@ -487,9 +486,9 @@ def _tune(backend, calib, max_nodes, max_new_tokens, stop_token_ids, topk, reps,
                                expected_tokens_per_step(acc.accuracy, choice.medusa_choices), 4)},
                  "plain": {"tokens_per_step": 1.0, "step_ms": round(steps.plain_ms(), 4), "speedup_vs_plain": 1.0}}
     if reference is not None:
-        predicted[REFERENCE_TREE] = predict(acc.accuracy, steps, reference, acc.rank_paths)
-        predicted["tuned_vs_" + REFERENCE_TREE] = round(
-            choice.speedup_vs_plain / predicted[REFERENCE_TREE]["speedup_vs_plain"], 4)
+        predicted[DEFAULT_TREE] = predict(acc.accuracy, steps, reference, acc.rank_paths)
+        predicted["tuned_vs_" + DEFAULT_TREE] = round(
+            choice.speedup_vs_plain / predicted[DEFAULT_TREE]["speedup_vs_plain"], 4)
     return {
         "medusa_choices": choice.medusa_choices,
         "recommendation": choice.recommendation,
@@ -522,18 +521,18 @@ def format_report(result: dict) -> str:
         f"tuned tree: {t['nodes']} nodes, predicted {t['tokens_per_step']:.2f} tokens/step, {t['step_ms']:.3f} ms/step, "
         f"{t['speedup_vs_plain']:.2f}x vs plain",
     ]
-    if REFERENCE_TREE in p:
-        r = p[REFERENCE_TREE]
-        lines.append(f"{REFERENCE_TREE}: predicted {r['tokens_per_step']:.2f} tokens/step, {r['step_ms']:.3f} ms/step, "
-                     f"{r['speedup_vs_plain']:.2f}x vs plain; tuned / {REFERENCE_TREE} = {p['tuned_vs_' + REFERENCE_TREE]:.2f}x")
+    if DEFAULT_TREE in p:
+        r = p[DEFAULT_TREE]
+        lines.append(f"{DEFAULT_TREE}: predicted {r['tokens_per_step']:.2f} tokens/step, {r['step_ms']:.3f} ms/step, "
+                     f"{r['speedup_vs_plain']:.2f}x vs plain; tuned / {DEFAULT_TREE} = {p['tuned_vs_' + DEFAULT_TREE]:.2f}x")
     m = result.get("measured")
     if m:
         line = (f"measured on {m['num_prompts']} prompts ({m['data']}): tuned {m['tuned']['tokens_per_step']:.2f} "
                 f"tokens/step, {m['tuned']['speedup']:.2f}x vs plain")
-        if REFERENCE_TREE in m:
-            r = m[REFERENCE_TREE]
-            line += (f"; {REFERENCE_TREE} {r['tokens_per_step']:.2f} tokens/step, {r['speedup']:.2f}x vs plain; "
-                     f"tuned / {REFERENCE_TREE} = {m['tuned_vs_' + REFERENCE_TREE]:.2f}x")
+        if DEFAULT_TREE in m:
+            r = m[DEFAULT_TREE]
+            line += (f"; {DEFAULT_TREE} {r['tokens_per_step']:.2f} tokens/step, {r['speedup']:.2f}x vs plain; "
+                     f"tuned / {DEFAULT_TREE} = {m['tuned_vs_' + DEFAULT_TREE]:.2f}x")
         lines.append(line)
     if result["recommendation"] == "plain":
         lines.append(f"warning: no tree is predicted to beat plain decoding on this engine and machine (best "
@@ -566,7 +565,7 @@ def _parser() -> argparse.ArgumentParser:
                    "engine's max_draft_len)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="greedy tokens per calibration prompt")
     p.add_argument("--limit", type=int, default=32, help="calibration prompts used (default 32)")
-    p.add_argument("--topk", type=int, default=DEFAULT_TOPK, help="ranks measured per head")
+    p.add_argument("--topk", type=int, default=CANDIDATE_TOPK, help="ranks measured per head")
     p.add_argument("--reps", type=int, default=5, help=f"step-time repetitions per tree size (blocks of {BLOCK} steps)")
     p.add_argument("--eval-data", type=Path, help="prompts for the measured comparison (default: --calib-data)")
     p.add_argument("--eval-limit", type=int, default=8, help="prompts for the measured comparison (default 8)")
@@ -599,17 +598,17 @@ def _main(argv: list[str] | None = None) -> int:
         if not args.no_measure:
             data = args.eval_data or args.calib_data
             _, prompts = load_prompts(data, tok, args.eval_limit)
-            extra = {REFERENCE_TREE: REFERENCE_TREE} if REFERENCE_TREE in result["predicted"] else {}
+            extra = {DEFAULT_TREE: DEFAULT_TREE} if DEFAULT_TREE in result["predicted"] else {}
             measured = compare(backend, prompts, result["medusa_choices"], args.max_new_tokens, stops,
                                progress=not args.quiet, extra_modes=extra)
             result["measured"] = {"data": str(data), "num_prompts": len(prompts),
                                   "plain_tokens_per_s": measured["modes"]["plain"]["tokens_per_s"],
                                   "tuned": {**measured["medusa"], "tokens_per_s": measured["modes"]["medusa"]["tokens_per_s"]}}
             if extra:
-                ref = measured[REFERENCE_TREE]
-                result["measured"][REFERENCE_TREE] = {**ref, "tokens_per_s": measured["modes"][REFERENCE_TREE]["tokens_per_s"]}
-                result["measured"]["tuned_vs_" + REFERENCE_TREE] = round(
-                    result["measured"]["tuned"]["tokens_per_s"] / result["measured"][REFERENCE_TREE]["tokens_per_s"], 4)
+                ref = measured[DEFAULT_TREE]
+                result["measured"][DEFAULT_TREE] = {**ref, "tokens_per_s": measured["modes"][DEFAULT_TREE]["tokens_per_s"]}
+                result["measured"]["tuned_vs_" + DEFAULT_TREE] = round(
+                    result["measured"]["tuned"]["tokens_per_s"] / result["measured"][DEFAULT_TREE]["tokens_per_s"], 4)
     except ValueError as e:  # BenchError, TreeError, EngineError, DataError: bad input, explained
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
