@@ -46,6 +46,8 @@ from medusa_trt.tools.train_heads import rank_hits
 from medusa_trt.tree import CANDIDATE_TOPK, DEFAULT_TREE
 
 PROG = "medusa-tune-tree"
+# Ranks measured per head default to CANDIDATE_TOPK, so a tuned tree keeps the runtime's shared top-k
+# (and the fused step graph); DEFAULT_TREE is what the tuned tree is compared with.
 BLOCK = 4  # steps timed back to back per tree size and repetition
 
 
