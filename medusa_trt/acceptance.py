@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import torch
 
-CANDIDATE_TOPK = 10  # tokens kept per head; the fused step handles trees whose ranks are all below it
-
 
 def greedy_accept(retrieve: torch.Tensor, tokens: torch.Tensor, argmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Longest accepted path per sequence.
@@ -32,14 +30,10 @@ def greedy_accept(retrieve: torch.Tensor, tokens: torch.Tensor, argmax: torch.Te
     return best, accepted.gather(1, best[:, None]).squeeze(1)
 
 
-def candidate_index(head: torch.Tensor, rank: torch.Tensor, k: int = CANDIDATE_TOPK) -> torch.Tensor:
-    """Flat index of each non-root slot's token in the heads' top-k laid out [H * k] per sequence."""
-    return head * k + rank
-
-
-def tree_candidates(root: torch.Tensor, medusa: torch.Tensor, index: torch.Tensor, k: int = CANDIDATE_TOPK) -> torch.Tensor:
+def tree_candidates(root: torch.Tensor, medusa: torch.Tensor, index: torch.Tensor, k: int) -> torch.Tensor:
     """The next tree's tokens [B, 1 + C]: the root (base greedy token [B]) then, for each slot, the
-    rank-r token of head h at flat `index` [C] = h * k + r of the heads' top-k (medusa [H, B, V])."""
+    rank-r token of head h at flat `index` [C] = h * k + r of the heads' top-k (medusa [H, B, V];
+    k and index from tree.candidate_topk and tree.candidate_index)."""
     return candidates_from_topk(root, medusa.topk(k, dim=-1).indices.permute(1, 0, 2), index)
 
 

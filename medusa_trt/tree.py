@@ -24,8 +24,10 @@ from medusa_trt.errors import MedusaTrtError
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TREE = "mc_sim_7b_63"
-REFERENCE_TOPK = 10  # the FasterDecoding reference keeps the top 10 tokens of every head
+DEFAULT_TREE = "mc_sim_7b_63"  # the tree used when none is given, and the tuner's point of comparison
+# Tokens the runtime takes from each head's top-k (the FasterDecoding reference keeps 10): trees with
+# ranks below it share one top-k, which the fused step graph bakes in (engine.json step_topk).
+CANDIDATE_TOPK = 10
 _TREE_FILE_SUFFIXES = (".json", ".yaml", ".yml")
 # Bounds checked before any parser runs (a 63-node tree is under 1 KB and 3 levels deep), so a tree
 # file or request built to exhaust memory or the stack (a YAML alias bomb, JSON nested 50,000 deep)
@@ -245,8 +247,6 @@ class TreeBuffers:
     rank: np.ndarray  # [T] last rank of the path; root 0
     position_offsets: np.ndarray  # [T] = depth
     topk_per_depth: np.ndarray  # [max_depth] 1 + max rank at each depth (TensorRT-LLM's top-k)
-    candidate_k: int  # K of the reference candidate vector: 10, or more if a rank needs it
-    candidate_indices: np.ndarray  # [T] index into [root, top-K of head 0, top-K of head 1, ...]
     attention_mask: np.ndarray  # [T, T] bool: root, ancestors and self
     packed_mask: np.ndarray  # [T, W] int32, bit j % 32 of word j // 32
     retrieve_indices: np.ndarray  # [num_leaves, max_depth + 1] root..leaf slots, -1 padded
@@ -283,8 +283,6 @@ def _build(nodes: tuple[tuple[int, ...], ...], max_draft_len: int | None) -> Tre
     max_depth = int(depth.max())
     topk = np.zeros(max_depth, dtype=np.int64)
     np.maximum.at(topk, depth[1:] - 1, rank[1:] + 1)
-    k = max(REFERENCE_TOPK, int(rank.max()) + 1)
-    candidates = np.where(depth > 0, 1 + k * (depth - 1) + rank, 0)
 
     # Parents come before children in (depth, path) order, so one pass copies each parent's row.
     mask = np.zeros((T, T), dtype=bool)
@@ -305,12 +303,11 @@ def _build(nodes: tuple[tuple[int, ...], ...], max_draft_len: int | None) -> Tre
         retrieve[row, : len(chain)] = chain[::-1]
 
     arrays = dict(depth=depth, parent=parent, head=np.where(depth > 0, depth - 1, -1), rank=rank,
-                  position_offsets=depth.copy(), topk_per_depth=topk, candidate_indices=candidates,
+                  position_offsets=depth.copy(), topk_per_depth=topk,
                   attention_mask=mask, packed_mask=pack_mask(mask, num_words), retrieve_indices=retrieve)
     for a in arrays.values():
         a.flags.writeable = False
-    return TreeBuffers(nodes=nodes, num_slots=T, candidate_k=k, max_depth=max_depth,
-                       num_leaves=len(leaves), **arrays)
+    return TreeBuffers(nodes=nodes, num_slots=T, max_depth=max_depth, num_leaves=len(leaves), **arrays)
 
 
 def build_tree(spec: Any, num_heads: int, max_draft_len: int | None = None) -> TreeBuffers:
@@ -318,6 +315,33 @@ def build_tree(spec: Any, num_heads: int, max_draft_len: int | None = None) -> T
     nodes = validate_and_expand(parse_medusa_choices(spec), num_heads, max_draft_len)
     # num_heads only bounds the depth, which validation has checked; the buffers do not depend on it.
     return _build(tuple(tuple(p) for p in nodes), max_draft_len)
+
+
+def tree_for_engine(num_heads: int, max_draft_len: int) -> TreeBuffers:
+    """The default tree cut to what an engine supports: depth <= num_heads, nodes <= max_draft_len
+    ((depth, path) order is prefix-closed, so a cut keeps every node's ancestors)."""
+    shallow = [p for p in parse_medusa_choices(DEFAULT_TREE) if len(p) <= num_heads]
+    return build_tree(validate_and_expand(shallow, num_heads)[:max_draft_len], num_heads, max_draft_len)
+
+
+def candidate_topk(vocab_size: int, tree: TreeBuffers | None = None) -> int:
+    """k of the top-k the runtime takes of every head's logits: CANDIDATE_TOPK (at most the
+    vocabulary), or more when `tree` uses a rank at or above it. Without a tree: the k of every tree
+    whose ranks are below CANDIDATE_TOPK, the one the fused step graph bakes in."""
+    k = min(CANDIDATE_TOPK, vocab_size)
+    if tree is None:
+        return k
+    need = int(tree.topk_per_depth.max())  # a rank r needs the top r + 1
+    if need > vocab_size:
+        raise TreeError(f"medusa_choices: rank {need - 1} is beyond the vocabulary ({vocab_size} tokens); "
+                        f"expected ranks < {vocab_size}")
+    return max(need, k)
+
+
+def candidate_index(tree: TreeBuffers, k: int) -> np.ndarray:
+    """[T - 1] where each non-root slot's token sits in the heads' top-k laid out flat, [H * k] per
+    sequence: head * k + rank (acceptance.tree_candidates gathers the tokens with it)."""
+    return tree.head[1:] * k + tree.rank[1:]
 
 
 def tree_to_brace(choices: list) -> str:

@@ -8,6 +8,7 @@ import shutil
 import numpy as np
 import onnx
 import pytest
+import torch
 
 from medusa_trt.cli.check import main
 
@@ -115,3 +116,86 @@ def test_float16_engine(ort_engine, tmp_path):
     assert report["dtype"] == "float16" and report["tolerance"] == 5e-2
     worst = max(r["max_abs_diff"] for r in report["rows"] if r["max_abs_diff"] is not None)
     assert 1e-5 < worst < 5e-2  # really float16 arithmetic, within the stated bound
+
+
+# ---- the step comparison drives the decoding loop's own code ------------------------------------
+
+
+class _Recorder:
+    """A backend that records the inputs of every forward, delegating everything to `inner`."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def forward(self, input_ids, position_ids, new_mask, *args, **kwargs):
+        self.calls.append((input_ids.clone(), position_ids.clone(), new_mask.clone()))
+        return self.inner.forward(input_ids, position_ids, new_mask, *args, **kwargs)
+
+
+# With trivial heads (each head repeats the base's prediction), drafts are accepted where greedy
+# decoding repeats a token: the first two prompts end where the tiny model's continuation does.
+PROMPTS = [[3, 30, 38, 51, 183, 33], [8, 8, 1, 123, 159, 107, 5, 74, 232, 66, 26, 107], [5, 9, 2]]
+
+
+def _torch_backend(tiny_merged, perturb_heads: bool = False):
+    from medusa_trt.modeling import MedusaModel
+    from medusa_trt.runtime.backend import TorchBackend
+
+    model = MedusaModel.from_checkpoint(tiny_merged("llama", heads_kwargs={"trivial": True}), dtype="float32")
+    if perturb_heads:  # a fault in the Medusa heads only: the base logits stay exact
+        with torch.no_grad():
+            next(p for name, p in model.named_parameters() if name.startswith("medusa")).add_(0.05)
+    return TorchBackend(model, max_draft_len=63)
+
+
+def _report():
+    from medusa_trt.tools.check import CheckReport
+
+    return CheckReport("engine", "checkpoint", "torch", "float32", 1e-4)
+
+
+def test_steps_feed_the_backends_what_the_decoding_loop_feeds(tiny_merged):
+    """The prefill and tree steps medusa-check compares are the ones `decode` runs with the same tree
+    (greedy): the same token ids, positions and masks, forward by forward, drafts accepted on the way
+    (so the next tree comes from the accepted slot's heads, not the root's)."""
+    from medusa_trt.runtime.decoding import GenerationConfig, decode
+    from medusa_trt.tools.check import _compare_steps
+    from medusa_trt.tree import tree_for_engine
+
+    reference = _Recorder(_torch_backend(tiny_merged))
+    steps = 3
+    _compare_steps(_report(), _torch_backend(tiny_merged), reference, PROMPTS, steps, 1e-4, "")
+    assert len(reference.calls) == 1 + steps
+
+    loop = _Recorder(_torch_backend(tiny_merged))
+    tree = tree_for_engine(loop.info.num_medusa_heads, loop.info.max_draft_len)
+    assert tree.num_slots > 8  # a real tree, several depths
+    # Enough new tokens that no sequence finishes within the compared steps (each emits <= depth + 1).
+    cfg = GenerationConfig(max_new_tokens=steps * (tree.max_depth + 1) + 1, medusa_choices=[list(p) for p in tree.nodes])
+    decode(loop, PROMPTS, cfg)
+    assert len(loop.calls) > steps
+    starts = [pos[:, 0] for _, pos, _ in loop.calls[1: 1 + steps]]  # each tree step's root position
+    assert any(bool(((b - a) > 1).any()) for a, b in zip(starts, starts[1:], strict=False))  # some accepted
+    for i, (ours, theirs) in enumerate(zip(reference.calls, loop.calls[: 1 + steps], strict=True)):
+        for name, a, b in zip(("input_ids", "position_ids", "new_mask"), ours, theirs, strict=True):
+            assert torch.equal(a, b), (i, name)
+
+
+def test_step_comparison_is_exact_on_equal_backends_and_catches_a_head_fault(tiny_merged):
+    from medusa_trt.tools.check import _compare_steps
+
+    same = _report()
+    _compare_steps(same, _torch_backend(tiny_merged), _torch_backend(tiny_merged), PROMPTS, 2, 1e-4, " [x]")
+    assert [(r.stage, r.output) for r in same.rows] == [
+        (stage, output) for stage in ("prefill [x]", "tree step 1 [x]", "tree step 2 [x]")
+        for output in ("logits", "medusa_logits")]
+    assert all(r.passed and r.max_abs_diff == 0 for r in same.rows)
+
+    faulty = _report()
+    _compare_steps(faulty, _torch_backend(tiny_merged, perturb_heads=True), _torch_backend(tiny_merged), PROMPTS, 2,
+                   1e-4, "")
+    assert [r.passed for r in faulty.rows] == [True, False] * 3  # every stage: base logits exact, heads off
+    assert all(r.max_abs_diff > 1e-3 for r in faulty.rows if r.output == "medusa_logits")

@@ -10,16 +10,22 @@ import math
 
 import numpy as np
 import pytest
+import torch
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from medusa_trt import tree
+from medusa_trt.acceptance import tree_candidates
+from medusa_trt.runtime.decoding import StepTree
 from medusa_trt.tree import (
+    CANDIDATE_TOPK,
     DEFAULT_TREE,
     TreeError,
     build_tree,
+    candidate_topk,
     parse_medusa_choices,
+    tree_for_engine,
     tree_to_brace,
     unpack_mask,
     validate_and_expand,
@@ -39,7 +45,6 @@ def expected_buffers(choices: list[list[int]], max_draft_len: int | None = None)
     paths = sorted({tuple(p[:d]) for p in choices for d in range(1, len(p) + 1)}, key=lambda p: (len(p), p))
     slot = {p: i + 1 for i, p in enumerate(paths)}
     T = len(paths) + 1
-    k = max(10, 1 + max(p[-1] for p in paths))
     mask = [[j == 0 for j in range(T)] for _ in range(T)]
     for i, pi in enumerate(paths, start=1):
         for j, pj in enumerate(paths, start=1):
@@ -59,8 +64,6 @@ def expected_buffers(choices: list[list[int]], max_draft_len: int | None = None)
     return dict(
         nodes=tuple(paths),
         position_offsets=[0] + [len(p) for p in paths],
-        candidate_indices=[0] + [1 + k * (len(p) - 1) + p[-1] for p in paths],
-        candidate_k=k,
         attention_mask=mask,
         packed_mask=packed,
         retrieve_indices=retrieve,
@@ -74,13 +77,12 @@ def assert_matches_oracle(buf: tree.TreeBuffers, choices: list[list[int]], max_d
     exp = expected_buffers(choices, max_draft_len)
     assert buf.nodes == exp["nodes"]
     assert buf.num_slots == len(exp["nodes"]) + 1
-    for name in ("position_offsets", "candidate_indices", "topk_per_depth", "retrieve_indices"):
+    for name in ("position_offsets", "topk_per_depth", "retrieve_indices"):
         np.testing.assert_array_equal(getattr(buf, name), np.array(exp[name]), err_msg=name)
     np.testing.assert_array_equal(buf.attention_mask, np.array(exp["attention_mask"], dtype=bool))
     assert buf.packed_mask.dtype == np.int32
     assert [[int(x) for x in row] for row in buf.packed_mask] == exp["packed_mask"]
-    assert (buf.candidate_k, buf.max_depth, buf.num_leaves) == (
-        exp["candidate_k"], exp["max_depth"], exp["num_leaves"])
+    assert (buf.max_depth, buf.num_leaves) == (exp["max_depth"], exp["num_leaves"])
     np.testing.assert_array_equal(buf.depth, buf.position_offsets)
 
 
@@ -125,7 +127,6 @@ def test_small_tree_exact():
     assert buf.rank.tolist() == [0, 0, 1, 0, 1]
     assert buf.position_offsets.tolist() == [0, 1, 1, 2, 2]
     assert buf.topk_per_depth.tolist() == [2, 2]
-    assert buf.candidate_indices.tolist() == [0, 1, 2, 11, 12]
     assert buf.attention_mask.astype(int).tolist() == [
         [1, 0, 0, 0, 0],
         [1, 1, 0, 0, 0],
@@ -135,14 +136,18 @@ def test_small_tree_exact():
     ]
     assert buf.packed_mask.tolist() == [[0b1], [0b11], [0b101], [0b1011], [0b10011]]
     assert buf.retrieve_indices.tolist() == [[0, 2, -1], [0, 1, 3], [0, 1, 4]]
-    assert (buf.max_depth, buf.num_leaves, buf.candidate_k) == (2, 3, 10)
+    assert (buf.max_depth, buf.num_leaves) == (2, 3)
+    step = StepTree.of(buf, vocab_size=100)
+    assert step.topk == 10 and step.candidate_index.tolist() == [0, 1, 10, 11]  # head * k + rank
 
 
-def test_large_rank_widens_candidate_k():
+def test_large_rank_widens_the_top_k():
     buf = build_tree([[0], [12], [12, 3]], num_heads=2)
-    assert buf.candidate_k == 13
-    assert buf.candidate_indices.tolist() == [0, 1, 13, 1 + 13 + 3]
     assert buf.topk_per_depth.tolist() == [13, 4]
+    step = StepTree.of(buf, vocab_size=100)
+    assert step.topk == 13 and step.candidate_index.tolist() == [0, 12, 13 + 3]
+    with pytest.raises(TreeError, match="rank 12 is beyond the vocabulary .12 tokens.*ranks < 12"):
+        StepTree.of(buf, vocab_size=12)
 
 
 def test_buffers_are_cached_and_read_only():
@@ -348,3 +353,48 @@ def test_random_trees(paths, closed, rnd):
 
     # The brace form round-trips.
     assert parse_medusa_choices(tree_to_brace(choices)) == choices
+
+
+# ---- the candidates the decoding loop drafts ----------------------------------------------------
+
+
+def brute_force_candidates(nodes: tuple, medusa: np.ndarray) -> np.ndarray:
+    """[B, nodes]: node (r_1, ..., r_d) gets the token of rank r_d (0: the largest logit) of head
+    d - 1, found by sorting that head's whole row."""
+    order = np.argsort(-medusa, axis=-1, kind="stable")  # [H, B, V]
+    return np.array([[order[len(p) - 1, b, p[-1]] for p in nodes] for b in range(medusa.shape[1])])
+
+
+@settings(max_examples=100, deadline=None)
+@given(random_paths, st.integers(min_value=1, max_value=40), st.integers(min_value=0, max_value=2**31))
+def test_step_candidates_are_each_nodes_rank_in_its_head(paths, vocab, seed):
+    """The buffers the loop uses (StepTree: the top-k and flat index from tree.py) put in every slot
+    the rank-r token of head depth - 1, for any tree and vocabulary; the top-k is the one the fused
+    step graph bakes (candidate_topk(vocab)) exactly when every rank is below CANDIDATE_TOPK."""
+    buf = build_tree([list(p) for p in paths], num_heads=4)
+    top_rank = max(p[-1] for p in buf.nodes)
+    if top_rank >= vocab:
+        with pytest.raises(TreeError, match=f"rank {top_rank} is beyond the vocabulary"):
+            StepTree.of(buf, vocab)
+        return
+    step = StepTree.of(buf, vocab)
+    assert step.topk == max(min(CANDIDATE_TOPK, vocab), top_rank + 1)
+    assert (step.topk == candidate_topk(vocab)) == (top_rank < CANDIDATE_TOPK)
+    gen = torch.Generator().manual_seed(seed)
+    batch = 3
+    medusa = torch.stack([torch.randperm(vocab, generator=gen) for _ in range(4 * batch)]).float().view(4, batch, vocab)
+    root = torch.randint(vocab, (batch,), generator=gen)
+    got = tree_candidates(root, medusa, step.candidate_index, step.topk)
+    assert got[:, 0].tolist() == root.tolist()
+    np.testing.assert_array_equal(got[:, 1:].numpy(), brute_force_candidates(buf.nodes, medusa.numpy()))
+
+
+@pytest.mark.parametrize("num_heads, max_draft_len", [(4, 63), (4, 100), (3, 63), (2, 20), (1, 5), (5, 7)])
+def test_tree_for_engine_is_the_default_tree_cut(num_heads, max_draft_len):
+    full = [tuple(p) for p in tree.PRESETS[DEFAULT_TREE]]
+    assert prefix_closed(full) == sorted(map(list, full))  # the preset lists every prefix
+    want = sorted((p for p in full if len(p) <= num_heads), key=lambda p: (len(p), p))[:max_draft_len]
+    buf = tree_for_engine(num_heads, max_draft_len)
+    assert list(buf.nodes) == want
+    assert all(p[:-1] in set(want) for p in want if len(p) > 1)  # every node's parent kept
+    assert buf.packed_mask.shape[1] == math.ceil((max_draft_len + 1) / 32)

@@ -19,6 +19,7 @@ from medusa_trt.cli.common import (
     run_cli,
 )
 from medusa_trt.tools import tune_tree as tt
+from medusa_trt.tree import CANDIDATE_TOPK, DEFAULT_TREE
 
 PROG = "medusa-tune-tree"
 
@@ -35,7 +36,7 @@ def parser() -> argparse.ArgumentParser:
                    "engine's max_draft_len)")
     add_max_new_tokens_arg(p, default=128, help="greedy tokens per calibration prompt (default 128)")
     p.add_argument("--limit", type=int, default=32, help="calibration prompts used (default 32)")
-    p.add_argument("--topk", type=int, default=tt.DEFAULT_TOPK, help="ranks measured per head")
+    p.add_argument("--topk", type=int, default=CANDIDATE_TOPK, help="ranks measured per head")
     p.add_argument("--reps", type=int, default=5, help=f"step-time repetitions per tree size (blocks of {tt.BLOCK} steps)")
     add_prompts_arg(p, name="--eval-prompts", old=["--eval-data"],
                     help="prompts for the measured comparison (default: --prompts)")
@@ -69,7 +70,7 @@ def _main(argv: list[str] | None = None) -> int:
         if not args.no_measure:
             data = args.eval_prompts or args.prompts
             _, prompts = load_prompts(data, tok, args.eval_limit)
-            ref_tree = tt.REFERENCE_TREE
+            ref_tree = DEFAULT_TREE
             extra = {ref_tree: ref_tree} if ref_tree in result["predicted"] else {}
             measured = compare(backend, prompts, result["medusa_choices"], args.max_new_tokens, stops,
                                progress=not args.quiet, extra_modes=extra)

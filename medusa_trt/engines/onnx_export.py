@@ -65,7 +65,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from medusa_trt.acceptance import CANDIDATE_TOPK, candidates_from_topk, greedy_accept
+from medusa_trt.acceptance import candidates_from_topk, greedy_accept
 from medusa_trt.checkpoint import dequantize_fp8
 from medusa_trt.engine_dir import (  # noqa: F401 (re-exported for the TensorRT builder and tests)
     HEADS_INPUT,
@@ -85,6 +85,7 @@ from medusa_trt.modeling import (
     fake_quant_fp8,
     int4_matmul,
 )
+from medusa_trt.tree import candidate_topk
 
 log = logging.getLogger(__name__)
 
@@ -504,8 +505,9 @@ def step_example_inputs(model: MedusaModel) -> dict:
 
 
 def step_topk(model: MedusaModel) -> int:
-    """Top-k the fused step graph takes of each head (a tree's ranks must all be below it)."""
-    return min(CANDIDATE_TOPK, model.cfg.vocab_size)
+    """Top-k the fused step graph takes of each head: the runtime's k for every tree whose ranks are
+    below tree.CANDIDATE_TOPK (engine.json records it; the runtime uses the graph when they agree)."""
+    return candidate_topk(model.cfg.vocab_size)
 
 
 @contextlib.contextmanager

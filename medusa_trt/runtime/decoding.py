@@ -17,8 +17,6 @@ from dataclasses import dataclass, field
 import torch
 
 from medusa_trt.acceptance import (
-    CANDIDATE_TOPK,
-    candidate_index,
     greedy_accept,
     sample_accept,
     sample_tokens,
@@ -27,7 +25,7 @@ from medusa_trt.acceptance import (
     typical_accept,
 )
 from medusa_trt.runtime.backend import Backend
-from medusa_trt.tree import DEFAULT_TREE, TreeBuffers, TreeError, build_tree
+from medusa_trt.tree import DEFAULT_TREE, TreeBuffers, build_tree, candidate_index, candidate_topk
 
 
 @dataclass
@@ -170,11 +168,11 @@ def _generate(backend: Backend, prompts: list[list[int]], cfg: GenerationConfig,
         raise ValueError("every prompt needs at least one token")
     if cfg.use_medusa and info.num_medusa_heads == 0:
         raise ValueError("this model has no Medusa heads; decode with use_medusa=False")
-    tree = _Tree.of(build_tree(cfg.medusa_choices, info.num_medusa_heads, info.max_draft_len),
-                    info.vocab_size) if cfg.use_medusa else None
+    tree = StepTree.of(build_tree(cfg.medusa_choices, info.num_medusa_heads, info.max_draft_len),
+                       info.vocab_size) if cfg.use_medusa else None
     # A backend with a fused greedy step verifies, accepts and drafts the next tree in one call. Its
     # graph has argmax acceptance built in: `sample` (and typical) take the two-call path.
-    fused = (tree is not None and _greedy(cfg) and getattr(backend, "fused_step_topk", None) == tree.k)
+    fused = (tree is not None and _greedy(cfg) and getattr(backend, "fused_step_topk", None) == tree.topk)
     depth = tree.max_depth if tree else 0
     longest = max(len(p) for p in prompts)
     if longest + cfg.max_new_tokens + depth > info.max_seq_len:
@@ -189,24 +187,26 @@ def _generate(backend: Backend, prompts: list[list[int]], cfg: GenerationConfig,
     backend.start(n, longest + cfg.max_new_tokens + width + 1)
 
     t0 = time.perf_counter()
-    logits, medusa = _prefill(backend, prompts)  # [B, V], [H, B, V]
+    logits, medusa = prefill(backend, prompts)  # [B, V], [H, B, V]
     for s in stats:
         s.prefill_s = time.perf_counter() - t0
         s.accepted_per_depth = [0] * depth
 
     root = sampler.draw(logits) if sampler else logits.argmax(-1)  # [B] the next token, emitted by the step
-    tokens = tree_candidates(root, medusa, tree.index, tree.k) if fused else None  # [B, T]
+    tokens = tree_candidates(root, medusa, tree.candidate_index, tree.topk) if fused else None  # [B, T]
     active = torch.arange(n)  # prompt index of each row still in the backend
     produced = [0] * n
     stop = set(cfg.stop_token_ids)
     while len(active):
         t_step = time.perf_counter()
         if fused:
-            emitted, tokens = _fused_tree_step(backend, tree, tokens, stats, active)
+            emitted, accepted, tokens = _fused_tree_step(backend, tree, tokens)
         elif tree is None:
             emitted, root = _plain_step(backend, root, sampler)
         else:
-            emitted, root, medusa = _tree_step(backend, tree, root, medusa, cfg, sampler, stats, active)
+            emitted, accepted, root, medusa = tree_step(backend, tree, root, medusa, cfg, sampler)
+        if tree is not None:
+            _count_accepted(stats, active, tree, accepted)
         elapsed = time.perf_counter() - t_step
         out = [[] for _ in range(n)]
         finished = [False] * n
@@ -246,8 +246,9 @@ def decode(backend: Backend, prompts: list[list[int]], cfg: GenerationConfig) ->
     return GenerationResult(tokens, stats)
 
 
-def _prefill(backend: Backend, prompts: list[list[int]]):
-    """All prompts in one right-padded forward; logits at each prompt's last token."""
+def prefill(backend: Backend, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """All prompts in one right-padded forward, committed to the cache; returns the logits [B, V]
+    and Medusa logits [H, B, V] at each prompt's last token. medusa-check drives it too."""
     lens = torch.tensor([len(p) for p in prompts])
     s = int(lens.max())
     ids = torch.zeros(len(prompts), s, dtype=torch.long)
@@ -271,30 +272,32 @@ def _plain_step(backend: Backend, root: torch.Tensor, sampler: _Sampler | None):
 
 
 @dataclass(frozen=True)
-class _Tree:
+class StepTree:
     """The tree buffers the loop reads every step, as torch tensors (converted once per request)."""
 
     num_slots: int
     max_depth: int
-    k: int  # top-k taken of each head: CANDIDATE_TOPK, more if a rank needs it (at most the vocabulary)
-    index: torch.Tensor  # [T-1] each non-root slot's token in the heads' flat top-k (acceptance.candidate_index)
+    topk: int  # top-k taken of each head's logits (tree.candidate_topk)
+    candidate_index: torch.Tensor  # [T-1] each non-root slot's token in the heads' flat top-k (tree.candidate_index)
     position_offsets: torch.Tensor  # [T]
     mask: torch.Tensor  # [T, T] bool
     retrieve: torch.Tensor  # [N, D+1] -1 padded
 
     @classmethod
-    def of(cls, t: TreeBuffers, vocab_size: int) -> _Tree:
-        if int(t.topk_per_depth.max()) > vocab_size:  # a rank r needs top-(r+1) of the vocabulary
-            raise TreeError(f"medusa_choices: rank {int(t.topk_per_depth.max()) - 1} is beyond the vocabulary "
-                            f"({vocab_size} tokens); expected ranks < {vocab_size}")
-        k = max(int(t.topk_per_depth.max()), min(CANDIDATE_TOPK, vocab_size))
-        return cls(t.num_slots, t.max_depth, k, torch.tensor(candidate_index(t.head[1:], t.rank[1:], k)),
-                   torch.tensor(t.position_offsets), torch.tensor(t.attention_mask), torch.tensor(t.retrieve_indices))
+    def of(cls, t: TreeBuffers, vocab_size: int) -> StepTree:
+        k = candidate_topk(vocab_size, t)
+        return cls(t.num_slots, t.max_depth, k, torch.tensor(candidate_index(t, k)), torch.tensor(t.position_offsets),
+                   torch.tensor(t.attention_mask), torch.tensor(t.retrieve_indices))
 
 
-def _tree_step(backend, tree: _Tree, root, medusa, cfg: GenerationConfig, sampler: _Sampler | None, stats, active):
+def tree_step(backend: Backend, tree: StepTree, root: torch.Tensor, medusa: torch.Tensor, cfg: GenerationConfig,
+              sampler: _Sampler | None = None):
+    """One step of the two-call path: the tree drafted from root [B] and the heads' logits medusa
+    [H, B, V] is verified, accepted (cfg.acceptance) and its accepted path committed. Returns the
+    emitted tokens per sequence, the accepted draft tokens [B], and the next root [B] and medusa
+    logits [H, B, V]. medusa-check drives it too."""
     b = len(root)
-    tokens = tree_candidates(root, medusa, tree.index, tree.k)  # [B, T]
+    tokens = tree_candidates(root, medusa, tree.candidate_index, tree.topk)  # [B, T]
     pos = backend.lengths[:, None] + tree.position_offsets[None]
     logits, _ = backend.forward(tokens, pos, tree.mask[None].expand(b, -1, -1), with_heads=False)  # [B, T, V]
     if sampler:
@@ -306,30 +309,33 @@ def _tree_step(backend, tree: _Tree, root, medusa, cfg: GenerationConfig, sample
         else:
             best, accepted = typical_accept(tree.retrieve, tokens, logits, cfg.temperature,
                                             cfg.posterior_threshold, cfg.posterior_alpha)
-    emitted, last = _commit_path(backend, tree, tokens, best, accepted, stats, active)
-    return emitted, picks[torch.arange(b), last], backend.heads(last)
+    emitted, last = _commit_path(backend, tree, tokens, best, accepted)
+    return emitted, accepted, picks[torch.arange(b), last], backend.heads(last)
 
 
-def _fused_tree_step(backend, tree: _Tree, tokens, stats, active):
+def _fused_tree_step(backend, tree: StepTree, tokens):
     """One backend call verifies `tokens`, accepts greedily and drafts the next tree's tokens."""
     pos = backend.lengths[:, None] + tree.position_offsets[None]
     mask = tree.mask[None].expand(len(tokens), -1, -1)
-    best, accepted, next_tokens = backend.fused_step(tokens, pos, mask, tree.retrieve, tree.index)
-    emitted, _ = _commit_path(backend, tree, tokens, best, accepted, stats, active)
-    return emitted, next_tokens
+    best, accepted, next_tokens = backend.fused_step(tokens, pos, mask, tree.retrieve, tree.candidate_index)
+    emitted, _ = _commit_path(backend, tree, tokens, best, accepted)
+    return emitted, accepted, next_tokens
 
 
-def _commit_path(backend, tree: _Tree, tokens, best, accepted, stats, active):
-    """Commits each sequence's accepted path and counts it; returns the emitted tokens and the
-    slot whose logits continue."""
+def _commit_path(backend, tree: StepTree, tokens, best, accepted):
+    """Commits each sequence's accepted path; returns the emitted tokens and the slot whose logits
+    continue."""
     slots = tree.retrieve[best].clamp(min=0)  # [B, D+1] root first
     counts = accepted + 1
     backend.commit(slots, counts)
     emitted = [tokens[i, slots[i, :c]].tolist() for i, c in enumerate(counts.tolist())]
+    return emitted, slots.gather(1, accepted[:, None]).squeeze(1)
+
+
+def _count_accepted(stats: list[SequenceStats], active: torch.Tensor, tree: StepTree, accepted: torch.Tensor) -> None:
     for idx, a in zip(active.tolist(), accepted.tolist(), strict=True):
         st = stats[idx]
         st.accepted_draft_tokens += a
         st.draft_tokens += tree.num_slots - 1
         for d in range(a):
             st.accepted_per_depth[d] += 1
-    return emitted, slots.gather(1, accepted[:, None]).squeeze(1)

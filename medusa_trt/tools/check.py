@@ -1,9 +1,10 @@
 """medusa-check: does an engine compute what the PyTorch reference computes?
 
-Both run through the runtime's Backend interface on identical inputs: a prefill of every prompt,
-several tree-verify steps with the default Medusa tree (candidates and acceptance taken from the
-reference, so both sides always see the same tokens and commit the same cache entries), and whole
-greedy decodes. Logits are compared with polygraphy's comparator on the max absolute difference;
+Both run through the runtime's Backend interface on identical inputs: the decoding loop's own
+prefill of every prompt and greedy tree-verify steps with the default Medusa tree cut to the engine
+(runtime/decoding.py `prefill` and `tree_step`, driving both backends at once; candidates and
+acceptance come from the reference, so both sides always see the same tokens and commit the same
+cache entries), and whole greedy decodes. Logits are compared with polygraphy's comparator on the max absolute difference;
 decoded tokens must be equal. Works for any engine the runtime can open, not only ONNX Runtime.
 
 Tolerances (max |engine - reference| of base and Medusa logits; the reference always runs in
@@ -201,74 +202,78 @@ def _read_engine(engine_dir: Path) -> dict:
         raise CheckInputError(str(e)) from None
 
 
-def default_tree(num_heads: int, max_draft_len: int):
-    """The default tree cut to what the engine supports: depth <= heads, nodes <= max_draft_len
-    ((depth, path) order is prefix-closed, so a cut keeps every node's ancestors)."""
-    from medusa_trt.tree import DEFAULT_TREE, build_tree, parse_medusa_choices, validate_and_expand
+class _Observed:
+    """The Backend the decoding loop's own steps run on in medusa-check: every call goes to the
+    engine and to the reference with the same inputs, and the loop carries on with the reference's
+    outputs, so both sides see the same tokens and commit the same cache entries. Each forward asks
+    both for every position with the heads (then hands the loop the rows it asked for), so the
+    logits and Medusa logits of every position are compared, not only the rows the loop reads."""
 
-    nodes = validate_and_expand([p for p in parse_medusa_choices(DEFAULT_TREE) if len(p) <= num_heads], num_heads)
-    return build_tree(nodes[:max_draft_len], num_heads, max_draft_len)
+    def __init__(self, subject, reference):
+        self.sides = (subject, reference)
+        self.info = reference.info
+        self.outputs: list[tuple[OrderedDict, OrderedDict]] = []  # per forward: engine's, reference's
+        self._medusa: torch.Tensor | None = None  # [H, B, K, V] the reference's, at the rows asked for
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.sides[1].lengths
+
+    def start(self, batch: int, capacity: int) -> None:
+        for b in self.sides:
+            b.start(batch, capacity)
+
+    def forward(self, input_ids, position_ids, new_mask, logit_positions=None, with_heads=True):
+        outs = []
+        for b in self.sides:
+            logits, medusa = b.forward(input_ids, position_ids, new_mask)
+            outs.append(OrderedDict(logits=logits.float().numpy().copy(), medusa_logits=medusa.float().numpy().copy()))
+        self.outputs.append((outs[0], outs[1]))
+        logits, medusa = torch.from_numpy(outs[1]["logits"]), torch.from_numpy(outs[1]["medusa_logits"])
+        if logit_positions is not None:
+            rows = torch.arange(len(input_ids))[:, None]
+            logits, medusa = logits[rows, logit_positions], medusa[:, rows, logit_positions]
+        self._medusa = medusa
+        return logits, medusa if with_heads else None
+
+    def heads(self, rows: torch.Tensor) -> torch.Tensor:
+        return self._medusa[:, torch.arange(len(rows)), rows]
+
+    def commit(self, slots: torch.Tensor, counts: torch.Tensor) -> None:
+        for b in self.sides:
+            b.commit(slots, counts)
+
+    def keep(self, rows: torch.Tensor) -> None:
+        for b in self.sides:
+            b.keep(rows)
 
 
 def _compare_steps(report: CheckReport, subject, reference, prompts: list[list[int]], tree_steps: int,
                    tol: float, label: str, fp8: bool = False, scale_tol: bool = True) -> None:
-    """Prefill and tree-verify steps, both backends fed the same tokens; one polygraphy comparison."""
+    """The decoding loop's prefill and greedy tree steps (runtime/decoding.py), run on both backends
+    at once (see _Observed) with the default tree cut to the engine; one polygraphy comparison."""
     from polygraphy.comparator import Comparator, IterationResult, RunResults
     from polygraphy.logger import G_LOGGER
 
-    from medusa_trt.acceptance import candidate_index, greedy_accept, tree_candidates
+    from medusa_trt.runtime.decoding import GenerationConfig, StepTree, prefill, tree_step
+    from medusa_trt.tree import tree_for_engine
 
     info = reference.info
-    tree = default_tree(info.num_medusa_heads, info.max_draft_len) if info.num_medusa_heads else None
+    tree = tree_for_engine(info.num_medusa_heads, info.max_draft_len) if info.num_medusa_heads else None
     steps = tree_steps if tree is not None else 0
-    n = len(prompts)
-    lens = torch.tensor([len(p) for p in prompts])
-    s = int(lens.max())
     width = tree.num_slots if tree is not None else 1
-    capacity = s + steps * width + 1
-    for b in (subject, reference):
-        b.start(n, capacity)
-
-    stages, ours, refs = [], [], []
-
-    def run(stage, ids, pos, mask):
-        outs = []
-        for b in (subject, reference):
-            logits, medusa = b.forward(ids, pos, mask)
-            outs.append(OrderedDict(logits=logits.float().numpy().copy(), medusa_logits=medusa.float().numpy().copy()))
-        stages.append(stage)
-        ours.append(IterationResult(outs[0], runner_name="engine"))
-        refs.append(IterationResult(outs[1], runner_name="reference"))
-        return torch.from_numpy(outs[1]["logits"]), torch.from_numpy(outs[1]["medusa_logits"])
-
-    # Prefill, logits at every position (padding rows included: both sides mask them the same way).
-    ids = torch.zeros(n, s, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, : len(p)] = torch.tensor(p)
-    pos = torch.arange(s)[None].expand(n, s)
-    valid = torch.arange(s)[None, :] < lens[:, None]
-    mask = torch.ones(s, s, dtype=torch.bool).tril()[None] & valid[:, None, :]
-    logits, medusa = run("prefill" + label, ids, pos, mask)
-    for b in (subject, reference):
-        b.commit(pos.contiguous(), lens)
-    rows = torch.arange(n)
-    logits, medusa = logits[rows, lens - 1], medusa[:, rows, lens - 1]  # [B, V], [H, B, V]
-
+    both = _Observed(subject, reference)
+    both.start(len(prompts), max(len(p) for p in prompts) + steps * width + 1)
+    stages = ["prefill" + label]
+    logits, medusa = prefill(both, prompts)  # [B, V], [H, B, V]
     if tree is not None:
-        topk = int(tree.topk_per_depth.max())
-        index = torch.tensor(candidate_index(tree.head[1:], tree.rank[1:], topk))
-        offsets, tmask = torch.tensor(tree.position_offsets), torch.tensor(tree.attention_mask)
-        retrieve = torch.tensor(tree.retrieve_indices)
+        step_tree, greedy = StepTree.of(tree, info.vocab_size), GenerationConfig()
+        root = logits.argmax(-1)
         for step in range(steps):
-            tokens = tree_candidates(logits.argmax(-1), medusa, index, topk)  # [B, T]
-            pos = subject.lengths[:, None] + offsets[None]
-            all_logits, all_medusa = run(f"tree step {step + 1}" + label, tokens, pos, tmask[None].expand(n, -1, -1))
-            best, accepted = greedy_accept(retrieve, tokens, all_logits.argmax(-1))
-            slots = retrieve[best].clamp(min=0)
-            for b in (subject, reference):
-                b.commit(slots, accepted + 1)
-            last = slots.gather(1, accepted[:, None]).squeeze(1)
-            logits, medusa = all_logits[rows, last], all_medusa[:, rows, last]
+            stages.append(f"tree step {step + 1}" + label)
+            _, _, root, medusa = tree_step(both, step_tree, root, medusa, greedy)
+    ours = [IterationResult(engine, runner_name="engine") for engine, _ in both.outputs]
+    refs = [IterationResult(ref, runner_name="reference") for _, ref in both.outputs]
 
     if scale_tol:  # rounding error is relative: large logits get a proportionally larger tolerance
         peak = max(float(abs(r["logits"]).max()) for r in refs)
@@ -318,7 +323,9 @@ def _compare_decodes(report: CheckReport, subject, reference, prompts: list[list
     expected = decode(reference, prompts, plain).tokens
     runs = [("plain", plain)]
     if info.num_medusa_heads:
-        tree = default_tree(info.num_medusa_heads, info.max_draft_len)
+        from medusa_trt.tree import tree_for_engine
+
+        tree = tree_for_engine(info.num_medusa_heads, info.max_draft_len)
         runs.append(("medusa", GenerationConfig(max_new_tokens=max_new_tokens, medusa_choices=[list(p) for p in tree.nodes])))
     for mode, cfg in runs:
         got = decode(subject, prompts, cfg).tokens

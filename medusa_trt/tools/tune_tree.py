@@ -39,9 +39,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from medusa_trt.tools.train_heads import rank_hits
+from medusa_trt.tree import CANDIDATE_TOPK, DEFAULT_TREE
 
-REFERENCE_TREE = "mc_sim_7b_63"
-DEFAULT_TOPK = 10  # ranks measured per head: the reference trees use ranks 0..9
+# Ranks measured per head default to CANDIDATE_TOPK, so a tuned tree keeps the runtime's shared top-k
+# (and the fused step graph); DEFAULT_TREE is what the tuned tree is compared with.
 BLOCK = 4  # steps timed back to back per tree size and repetition
 
 
@@ -63,7 +64,7 @@ class HeadAccuracy:
 
 
 def measure_head_accuracy(backend, prompts: list[list[int]], max_new_tokens: int = 128,
-                          stop_token_ids: tuple[int, ...] = (), topk: int = DEFAULT_TOPK,
+                          stop_token_ids: tuple[int, ...] = (), topk: int = CANDIDATE_TOPK,
                           progress: bool = True) -> tuple[HeadAccuracy, list[list[int]]]:
     """Head accuracies on the base's greedy continuations of `prompts` (see the module docstring).
     Also returns each prompt + continuation."""
@@ -436,7 +437,7 @@ def fit_line(points: dict[int, float]) -> tuple[float, float]:
 
 
 def tune(backend, calib: list[list[int]], *, max_nodes: int = 64, max_new_tokens: int = 128,
-         stop_token_ids: tuple[int, ...] = (), topk: int = DEFAULT_TOPK, reps: int = 5,
+         stop_token_ids: tuple[int, ...] = (), topk: int = CANDIDATE_TOPK, reps: int = 5,
          progress: bool = True) -> dict:
     """Measures accuracy and step times, chooses the tree; returns the tree.json content."""
     # Engines compute on their own threads; the few torch ops here would only contend with them
@@ -451,14 +452,14 @@ def tune(backend, calib: list[list[int]], *, max_nodes: int = 64, max_new_tokens
 
 
 def _tune(backend, calib, max_nodes, max_new_tokens, stop_token_ids, topk, reps, progress) -> dict:
-    from medusa_trt.tree import PRESETS, TreeError, validate_and_expand
+    from medusa_trt.tree import TreeError, parse_medusa_choices, validate_and_expand
 
     info = backend.info
     max_nodes = min(max_nodes, info.max_draft_len)
     acc, seqs = measure_head_accuracy(backend, calib, max_new_tokens, stop_token_ids, topk, progress)
     reference = None
     try:
-        reference = validate_and_expand(PRESETS[REFERENCE_TREE], info.num_medusa_heads, info.max_draft_len)
+        reference = validate_and_expand(parse_medusa_choices(DEFAULT_TREE), info.num_medusa_heads, info.max_draft_len)
     except TreeError:
         pass  # fewer heads or a smaller max_draft_len than the reference tree needs: no comparison
     largest = max(max_nodes, len(reference) if reference else 0) + 1
@@ -482,9 +483,9 @@ def _tune(backend, calib, max_nodes, max_new_tokens, stop_token_ids, topk, reps,
                                expected_tokens_per_step(acc.accuracy, choice.medusa_choices), 4)},
                  "plain": {"tokens_per_step": 1.0, "step_ms": round(steps.plain_ms(), 4), "speedup_vs_plain": 1.0}}
     if reference is not None:
-        predicted[REFERENCE_TREE] = predict(acc.accuracy, steps, reference, acc.rank_paths)
-        predicted["tuned_vs_" + REFERENCE_TREE] = round(
-            choice.speedup_vs_plain / predicted[REFERENCE_TREE]["speedup_vs_plain"], 4)
+        predicted[DEFAULT_TREE] = predict(acc.accuracy, steps, reference, acc.rank_paths)
+        predicted["tuned_vs_" + DEFAULT_TREE] = round(
+            choice.speedup_vs_plain / predicted[DEFAULT_TREE]["speedup_vs_plain"], 4)
     return {
         "medusa_choices": choice.medusa_choices,
         "recommendation": choice.recommendation,
@@ -517,18 +518,18 @@ def format_report(result: dict) -> str:
         f"tuned tree: {t['nodes']} nodes, predicted {t['tokens_per_step']:.2f} tokens/step, {t['step_ms']:.3f} ms/step, "
         f"{t['speedup_vs_plain']:.2f}x vs plain",
     ]
-    if REFERENCE_TREE in p:
-        r = p[REFERENCE_TREE]
-        lines.append(f"{REFERENCE_TREE}: predicted {r['tokens_per_step']:.2f} tokens/step, {r['step_ms']:.3f} ms/step, "
-                     f"{r['speedup_vs_plain']:.2f}x vs plain; tuned / {REFERENCE_TREE} = {p['tuned_vs_' + REFERENCE_TREE]:.2f}x")
+    if DEFAULT_TREE in p:
+        r = p[DEFAULT_TREE]
+        lines.append(f"{DEFAULT_TREE}: predicted {r['tokens_per_step']:.2f} tokens/step, {r['step_ms']:.3f} ms/step, "
+                     f"{r['speedup_vs_plain']:.2f}x vs plain; tuned / {DEFAULT_TREE} = {p['tuned_vs_' + DEFAULT_TREE]:.2f}x")
     m = result.get("measured")
     if m:
         line = (f"measured on {m['num_prompts']} prompts ({m['data']}): tuned {m['tuned']['tokens_per_step']:.2f} "
                 f"tokens/step, {m['tuned']['speedup']:.2f}x vs plain")
-        if REFERENCE_TREE in m:
-            r = m[REFERENCE_TREE]
-            line += (f"; {REFERENCE_TREE} {r['tokens_per_step']:.2f} tokens/step, {r['speedup']:.2f}x vs plain; "
-                     f"tuned / {REFERENCE_TREE} = {m['tuned_vs_' + REFERENCE_TREE]:.2f}x")
+        if DEFAULT_TREE in m:
+            r = m[DEFAULT_TREE]
+            line += (f"; {DEFAULT_TREE} {r['tokens_per_step']:.2f} tokens/step, {r['speedup']:.2f}x vs plain; "
+                     f"tuned / {DEFAULT_TREE} = {m['tuned_vs_' + DEFAULT_TREE]:.2f}x")
         lines.append(line)
     if result["recommendation"] == "plain":
         lines.append(f"warning: no tree is predicted to beat plain decoding on this engine and machine (best "
