@@ -426,9 +426,11 @@ class _ExportModule(nn.Module):
         heads, layers, (n, d) = cfg.num_medusa_heads, cfg.num_medusa_layers, x0.shape
         if not heads:  # a model without heads still has the output, with zero heads
             return x0.new_zeros(n, 0, cfg.vocab_size, dtype=torch.float32)
-        if self.first_w is not None:  # x0 [N, d] -> [N, H, d]: the layer's linear reads x0 itself, not [N, 1, d]
-            x = resblocks(x0[:, None], lambda _x, _layer: F.linear(x0, self.first_w, self.first_b).reshape(n, heads, d),
-                          range(1))
+        if self.first_w is not None:
+            def first(_x: torch.Tensor, _layer: int) -> torch.Tensor:  # all heads' first layer, from x0 [N, d]
+                return F.linear(x0, self.first_w, self.first_b).reshape(n, heads, d)
+
+            x = resblocks(x0[:, None], first, range(1))  # [N, H, d]
         else:
             x = torch.stack([resblocks(x0, self._head_linear(k), range(1)) for k in range(heads)], dim=1)
         if layers > 1 or not self.shared_lm_head or not logits:
