@@ -273,9 +273,14 @@ VOCAB_EMBEDDING = "transformer.vocab_embedding.weight"
 LN_F = "transformer.ln_f.weight"
 LM_HEAD = "lm_head.weight"
 
+# The model dtypes by name: a checkpoint's config dtype, and what every other dtype name in the
+# package (engine dtypes, medusa-convert/-build --dtype) maps to torch with.
 CONFIG_DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
 }
+
+# config.json `max_draft_len` (the largest Medusa tree an engine verifies) when nobody chose one.
+DEFAULT_MAX_DRAFT_LEN = 63
 
 REQUIRED_CONFIG_KEYS = (
     "architecture", "dtype", "logits_dtype", "model_type", "num_hidden_layers", "num_attention_heads",

@@ -18,6 +18,7 @@ QuantizeLinear/DequantizeLinear graphs, which makes engine-vs-reference parity t
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,10 +26,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from medusa_trt.checkpoint import dequantize_fp8, is_fp8_module, quantize_fp8
-
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
+from medusa_trt.checkpoint import (
+    CONFIG_DTYPES,
+    LM_HEAD,
+    LN_F,
+    VOCAB_EMBEDDING,
+    dequantize_fp8,
+    is_fp8_module,
+    layer_prefix,
+    medusa_linear_prefix,
+    medusa_lm_head,
+    quantize_fp8,
+)
 
 # Head logit of a token outside the draft vocabulary: far below any real logit (they stay within
 # +-100), and small enough that statistics over whole logit tensors (medusa-check's comparator
@@ -152,7 +161,7 @@ def fake_quant_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return dequantize_fp8(quantize_fp8(x, scale), scale, x.dtype)
 
 
-class _KeepsFP8(nn.Module):
+class FP8Module(nn.Module):
     """Base of the modules holding float8 weights and float32 scales as buffers (named in `kept`).
 
     nn.Module.to(dtype) casts every floating-point tensor, float8 included, so `model.to(float16)`
@@ -177,7 +186,7 @@ class _KeepsFP8(nn.Module):
             self._buffers.update({n: t.to(device) for n, t in saved.items()})
 
 
-class FP8Linear(_KeepsFP8):
+class FP8Linear(FP8Module):
     """A TensorRT-LLM FP8 Linear emulated in the model dtype: y = dq(q(x)) @ dq(W)^T + b, per-tensor
     scales, weight stored as float8_e4m3fn. Loads the checkpoint's names (`weight`,
     `weights_scaling_factor`, `activation_scaling_factor`, `bias`)."""
@@ -198,7 +207,7 @@ class FP8Linear(_KeepsFP8):
         return F.linear(x, w, self.bias)
 
 
-class FP8KVCache(_KeepsFP8):
+class FP8KVCache(FP8Module):
     """The round trip of keys/values through an FP8 KV cache with one per-layer scale."""
 
     kept = ("scale",)
@@ -211,7 +220,7 @@ class FP8KVCache(_KeepsFP8):
         return self.fake_quant(x, self.scale)
 
 
-class FP8HeadLinears(_KeepsFP8):
+class FP8HeadLinears(FP8Module):
     """Every Medusa ResBlock linear of an FP8 checkpoint, stacked like MedusaModel.medusa_w: weight
     [H, L, d, d] float8_e4m3fn and per-tensor scales [H, L] (each head and layer has its own)."""
 
@@ -229,6 +238,39 @@ class FP8HeadLinears(_KeepsFP8):
         xq = self.fake_quant(x, self.activation_scaling_factor[:, layer].reshape(shape))
         w = self.dequant(self.weight[:, layer], self.weights_scaling_factor[:, layer].reshape(-1, 1, 1), x.dtype)
         return xq, w
+
+
+# -- Medusa heads ------------------------------------------------------------------------------
+# A head is L ResBlocks (x <- x + silu(W x + b)) and an lm_head; head k reads the final normed hidden
+# state at t and predicts token t+2+k. The ResBlock math is here once: the reference model, the ONNX
+# export, head training and FP8 calibration all run `resblocks`, each with the linear form it needs
+# (all heads stacked in one batched matmul here and in training, 2-D matrices per head in the
+# export, whose constant 2-D weights ONNX Runtime prepacks).
+
+HeadLinear = Callable[[torch.Tensor, int], torch.Tensor]  # (x, layer) -> W_layer x + b_layer
+
+
+def resblocks(x: torch.Tensor, linear: HeadLinear, layers: Iterable[int]) -> torch.Tensor:
+    """x after the Medusa ResBlocks `layers` (in order): x <- x + silu(linear(x, layer)).
+
+    `linear(x, layer)` is the layer's W x + b in whatever layout the caller holds x in: every head
+    at once (`stacked_linear`, x [H, ..., d]) or one head's 2-D weights (x [..., d])."""
+    for layer in layers:
+        x = x + F.silu(linear(x, layer))
+    return x
+
+
+def stacked_linear(w: torch.Tensor | None, b: torch.Tensor, fp8: FP8HeadLinears | None = None) -> HeadLinear:
+    """The ResBlock linear of every head as one batched matmul: x [H, ..., d] -> W_h x_h + b_h, from
+    weights w [H, L, d, d] (out, in) and biases b [H, L, d], or from FP8 weights (`fp8`, w None),
+    whose inputs are quantized-dequantized first as an FP8 GEMM's are."""
+
+    def linear(x: torch.Tensor, layer: int) -> torch.Tensor:
+        xin, wl = (x, w[:, layer]) if fp8 is None else fp8.layer(x, layer)  # wl [H, d, d]
+        bias = b[:, layer].reshape(b.shape[0], *(1,) * (x.dim() - 2), b.shape[-1])  # [H, 1.., d]
+        return torch.einsum("h...i,hoi->h...o", xin, wl) + bias
+
+    return linear
 
 
 # -- int4 weight-only quantization (medusa-build --weights int4) ---------------------------------
@@ -366,7 +408,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.cfg = cfg
         qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-        d, inter, p = cfg.hidden_size, cfg.intermediate_size, f"transformer.layers.{index}"
+        d, inter, p = cfg.hidden_size, cfg.intermediate_size, layer_prefix(index)
         self.input_layernorm = RMSNorm(d, cfg.norm_eps)
         self.qkv = _linear(cfg, f"{p}.attention.qkv", d, qkv_out, cfg.qkv_bias)
         self.dense = _linear(cfg, f"{p}.attention.dense", cfg.num_heads * cfg.head_dim, d, False)
@@ -427,13 +469,8 @@ class MedusaModel(nn.Module):
     def medusa_heads(self, h: torch.Tensor) -> torch.Tensor:
         """h [B, S, d] final normed hidden state -> [H, B, S, V] float32 logits (head k predicts t+2+k)."""
         x = h.unsqueeze(0).expand(self.cfg.num_medusa_heads, *h.shape)  # [H, B, S, d]
-        for layer in range(self.cfg.num_medusa_layers):
-            b = self.medusa_b[:, layer]  # [H, d]
-            if self.medusa_fp8 is None:
-                xin, w = x, self.medusa_w[:, layer]  # [H, d, d]
-            else:
-                xin, w = self.medusa_fp8.layer(x, layer)
-            x = x + F.silu(torch.einsum("hbsi,hoi->hbso", xin, w) + b[:, None, None, :])
+        linear = stacked_linear(self.medusa_w, self.medusa_b, self.medusa_fp8)
+        x = resblocks(x, linear, range(self.cfg.num_medusa_layers))
         if self.cfg.draft_vocab:
             return self.draft_logits(torch.einsum("hbsi,hvi->hbsv", x, self.draft_lm_head).float())
         if self.heads_use_lm_head:
@@ -504,7 +541,7 @@ class MedusaModel(nn.Module):
     def from_weights(cls, config: dict, weights: dict[str, torch.Tensor], dtype: str | None = None) -> MedusaModel:
         """Builds the model from a merged checkpoint's config and full (unsharded) weights."""
         cfg = ModelConfig.from_checkpoint_config(config)
-        torch_dtype = _DTYPES[dtype or cfg.dtype]
+        torch_dtype = CONFIG_DTYPES[dtype or cfg.dtype]
         with torch.device("meta"):
             model = cls(cfg)
         model.load_state_dict(_to_module_names(cfg, weights), assign=True, strict=True)
@@ -526,8 +563,7 @@ class MedusaModel(nn.Module):
 
 def _fp8_heads(cfg: ModelConfig) -> bool:
     """Whether the Medusa linears are FP8: all of them or none (one stacked tensor holds them)."""
-    names = [f"medusa_heads.{h}.medusa_layers.{j}.linear" for h in range(cfg.num_medusa_heads)
-             for j in range(cfg.num_medusa_layers)]
+    names = [medusa_linear_prefix(h, j) for h in range(cfg.num_medusa_heads) for j in range(cfg.num_medusa_layers)]
     flags = {cfg.is_fp8(n) for n in names}
     if len(flags) > 1:
         raise ValueError(f"quantization.exclude_modules {(cfg.quantization or {}).get('exclude_modules')} "
@@ -542,12 +578,12 @@ def _to_module_names(cfg: ModelConfig, w: dict[str, torch.Tensor]) -> dict[str, 
     """TensorRT-LLM checkpoint names -> this module's parameter names (lm_heads unpadded)."""
     v = cfg.vocab_size
     out = {
-        "vocab_embedding.weight": w["transformer.vocab_embedding.weight"],
-        "ln_f.weight": w["transformer.ln_f.weight"],
-        "lm_head.weight": w["lm_head.weight"][:v],
+        "vocab_embedding.weight": w[VOCAB_EMBEDDING],
+        "ln_f.weight": w[LN_F],
+        "lm_head.weight": w[LM_HEAD][:v],
     }
     for i in range(cfg.num_layers):
-        src, dst = f"transformer.layers.{i}.", f"layers.{i}."
+        src, dst = f"{layer_prefix(i)}.", f"layers.{i}."
         names = {"input_layernorm.weight": "input_layernorm.weight", "post_layernorm.weight": "post_layernorm.weight"}
         linears = {"attention.qkv": "qkv", "attention.dense": "dense", "mlp.fc": "fc", "mlp.gate": "gate",
                    "mlp.proj": "proj"}
@@ -562,10 +598,9 @@ def _to_module_names(cfg: ModelConfig, w: dict[str, torch.Tensor]) -> dict[str, 
         out.update({dst + b: w[src + a] for a, b in names.items()})
     H, L = cfg.num_medusa_heads, cfg.num_medusa_layers
     if H:
-        head = "medusa_heads.{}.medusa_layers.{}.linear.{}"
-
         def stacked(param: str) -> torch.Tensor:  # [H, L, ...]
-            return torch.stack([torch.stack([w[head.format(h, j, param)] for j in range(L)]) for h in range(H)])
+            return torch.stack([torch.stack([w[f"{medusa_linear_prefix(h, j)}.{param}"] for j in range(L)])
+                                for h in range(H)])
 
         if _fp8_heads(cfg):
             out["medusa_fp8.weight"] = stacked("weight")
@@ -573,9 +608,9 @@ def _to_module_names(cfg: ModelConfig, w: dict[str, torch.Tensor]) -> dict[str, 
                 out[f"medusa_fp8.{scale}"] = stacked(scale).reshape(H, L)
         else:
             out["medusa_w"] = stacked("weight")
-        out["medusa_b"] = torch.stack([torch.stack([w[head.format(h, j, "bias")] for j in range(L)]) for h in range(H)])
+        out["medusa_b"] = stacked("bias")
         out["medusa_lm_head"] = torch.stack(
-            [w.get(f"medusa_heads.{h}.lm_head.weight", w["lm_head.weight"])[:v] for h in range(H)]
+            [w.get(medusa_lm_head(h), w[LM_HEAD])[:v] for h in range(H)]
         )
     else:
         d = cfg.hidden_size

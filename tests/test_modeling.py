@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from medusa_trt.modeling import MedusaModel
+from medusa_trt.checkpoint import dequantize_fp8, fp8_scale, quantize_fp8
+from medusa_trt.modeling import FP8HeadLinears, MedusaModel, resblocks, stacked_linear
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 32}
@@ -81,6 +82,56 @@ def test_medusa_heads_match_source_file(fmt, arch, tiny_base, tiny_heads, tiny_m
         x = h + F.silu(F.linear(h, src[f"{k}.0.linear.weight"], src[f"{k}.0.linear.bias"]))
         lm = src.get(f"{k}.1.weight", hf.lm_head.weight)
         assert (medusa[k] - F.linear(x, lm)).abs().max() <= 1e-4, f"head {k}"
+
+
+def _plain_heads(x: torch.Tensor, weights, biases) -> torch.Tensor:
+    """The Medusa ResBlocks written out: per head, per layer, x <- x + silu(x W^T + b)."""
+    out = []
+    for h in range(len(weights)):
+        z = x[h]
+        for w, b in zip(weights[h], biases[h], strict=True):
+            z = z + (z @ w.T + b) * torch.sigmoid(z @ w.T + b)
+        out.append(z)
+    return torch.stack(out)
+
+
+def test_resblocks_forms_match_a_plain_loop():
+    """The one head implementation in each form its callers use (stacked for the model and training,
+    2-D per head for the export and the per-head tools, layers split in two as the export does, FP8)
+    against the math written out."""
+    g = torch.Generator().manual_seed(0)
+    heads, layers, d = 3, 2, 8
+    x = torch.randn(heads, 2, 5, d, generator=g, dtype=torch.float64)
+    w = torch.randn(heads, layers, d, d, generator=g, dtype=torch.float64) / d**0.5
+    b = torch.randn(heads, layers, d, generator=g, dtype=torch.float64)
+    expected = _plain_heads(x, w, b)
+    stacked = stacked_linear(w, b)
+    torch.testing.assert_close(resblocks(x, stacked, range(layers)), expected, rtol=0, atol=1e-12)
+    torch.testing.assert_close(resblocks(resblocks(x, stacked, range(1)), stacked, range(1, layers)), expected,
+                               rtol=0, atol=1e-12)
+    for h in range(heads):
+        per_head = resblocks(x[h], lambda z, layer, h=h: F.linear(z, w[h, layer], b[h, layer]), range(layers))
+        torch.testing.assert_close(per_head, expected[h], rtol=0, atol=1e-12)
+
+    # FP8: inputs quantized-dequantized with the activation scale, weights dequantized, per head and layer.
+    fp8 = FP8HeadLinears(heads, layers, d)
+    w32, x32, b32 = w.float(), x.float(), b.float()
+    for h in range(heads):
+        for layer in range(layers):
+            fp8.weights_scaling_factor[h, layer] = fp8_scale(w32[h, layer].abs().max())[0]
+            fp8.activation_scaling_factor[h, layer] = 0.01 * (1 + h + layer)
+            fp8.weight[h, layer] = quantize_fp8(w32[h, layer], fp8.weights_scaling_factor[h, layer])
+    out = []
+    for h in range(heads):
+        z = x32[h]
+        for layer in range(layers):
+            zq = dequantize_fp8(quantize_fp8(z, fp8.activation_scaling_factor[h, layer]),
+                                fp8.activation_scaling_factor[h, layer])
+            y = zq @ dequantize_fp8(fp8.weight[h, layer], fp8.weights_scaling_factor[h, layer]).T + b32[h, layer]
+            z = z + F.silu(y)
+        out.append(z)
+    torch.testing.assert_close(resblocks(x32, stacked_linear(None, b32, fp8), range(layers)), torch.stack(out),
+                               rtol=1e-6, atol=1e-5)
 
 
 def _read_heads(path) -> dict[str, torch.Tensor]:

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from medusa_trt.checkpoint import layer_prefix, medusa_linear_prefix
 from medusa_trt.errors import MedusaTrtError
 
 log = logging.getLogger("medusa_trt.calibration")
@@ -127,7 +128,7 @@ def calibrate(model, data: CalibrationData, *, heads: bool = False, kv_cache: bo
 
     hooks = []
     for i, layer in enumerate(model.layers):
-        p = f"transformer.layers.{i}"
+        p = layer_prefix(i)
         for attr, name in (("qkv", "attention.qkv"), ("dense", "attention.dense"), ("fc", "mlp.fc"),
                            ("gate", "mlp.gate"), ("proj", "mlp.proj")):
             hooks.append(getattr(layer, attr).register_forward_pre_hook(
@@ -163,9 +164,12 @@ def _record_heads(model, h: torch.Tensor, record) -> None:
     hidden state h, layer l the output of layer l-1 (the heads' math, MedusaModel.medusa_heads)."""
     import torch.nn.functional as F
 
+    from medusa_trt.modeling import resblocks
+
     cfg = model.cfg
     for head in range(cfg.num_medusa_heads):
-        x = h
-        for layer in range(cfg.num_medusa_layers):
-            record(f"medusa_heads.{head}.medusa_layers.{layer}.linear", x)
-            x = x + F.silu(F.linear(x, model.medusa_w[head, layer], model.medusa_b[head, layer]))
+        def linear(x: torch.Tensor, layer: int, head: int = head) -> torch.Tensor:
+            record(medusa_linear_prefix(head, layer), x)
+            return F.linear(x, model.medusa_w[head, layer], model.medusa_b[head, layer])
+
+        resblocks(h, linear, range(cfg.num_medusa_layers))

@@ -12,7 +12,14 @@ from pathlib import Path
 from tqdm import tqdm
 
 from medusa_trt import __version__
-from medusa_trt.checkpoint import CONFIG_DTYPES, CheckpointError, CheckpointWriter, check_tp, expected_tensors
+from medusa_trt.checkpoint import (  # DEFAULT_MAX_DRAFT_LEN: re-exported for medusa-convert's CLI
+    CONFIG_DTYPES,
+    DEFAULT_MAX_DRAFT_LEN,
+    CheckpointError,
+    CheckpointWriter,
+    check_tp,
+    expected_tensors,
+)
 from medusa_trt.converter.gguf import find_gguf, read_gguf_base
 from medusa_trt.converter.heads import MedusaHeads, draft_vocab, find_heads, head_keys_in, head_pieces
 from medusa_trt.converter.hf_base import (
@@ -34,7 +41,6 @@ log = logging.getLogger("medusa_trt.converter")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                    "added_tokens.json", "vocab.json", "merges.txt", "vocab.txt", "chat_template.jinja",
                    "chat_template.json", "generation_config.json")
-DEFAULT_MAX_DRAFT_LEN = 63
 
 
 @dataclass

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from medusa_trt.checkpoint import fp8_scale, is_fp8_module, layer_prefix, quantize_fp8
+from medusa_trt.checkpoint import fp8_scale, is_fp8_module, layer_prefix, medusa_linear_prefix, quantize_fp8
 from medusa_trt.converter.hf_base import ConvertError
 
 log = logging.getLogger("medusa_trt.converter")
@@ -112,7 +112,7 @@ def fp8_tensors(config: dict, weights: dict[str, torch.Tensor], amax: dict[str, 
             scales[f"{p}.attention.kv_cache_scaling_factor"] = fp8_scale(_range(amax, f"{p}.attention.kv_cache"))
     for h in range(int(config.get("num_medusa_heads", 0))):
         for layer in range(int(config.get("num_medusa_layers", 0))):
-            _add_linear_scales(scales, config, weights, amax, f"medusa_heads.{h}.medusa_layers.{layer}.linear")
+            _add_linear_scales(scales, config, weights, amax, medusa_linear_prefix(h, layer))
 
     def tensor(name: str) -> torch.Tensor:
         if name in scales:

@@ -3,7 +3,8 @@
 What every backend shares lives here: checkpoint validation, the atomic directory write (a temp
 dir beside --out, renamed at the end), the tokenizer copy, checksums and `engine.json`. A backend
 is one function in BUILDERS that writes its artifacts into the temp dir and returns its part of
-engine.json (onnxruntime here; tensorrt and tensorrt-llm in their own modules).
+engine.json (onnxruntime here; tensorrt and tensorrt-llm in their own modules, which import the
+options, BuildError, the limits and the progress bar from engines/options.py, not from here).
 """
 
 from __future__ import annotations
@@ -13,10 +14,9 @@ import json
 import logging
 import platform
 import shutil
-import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from medusa_trt.checkpoint import CheckpointError, read_config, validate_checkpoint
@@ -30,33 +30,17 @@ from medusa_trt.engine_dir import (  # noqa: F401 (re-exported: the engine forma
     validate_engine,
     verify_artifacts,
 )
-from medusa_trt.errors import MedusaTrtError
+from medusa_trt.engines.options import (  # BuildError, BuildOptions: also imported from here by their users
+    BuildError,
+    BuildOptions,
+    limits_for,
+    progress_bar,
+)
 from medusa_trt.outputs import atomic_output_dir, check_output_dir
 
 log = logging.getLogger(__name__)
 
 _CHECKPOINT_ONLY = ("config.json",)  # checkpoint files that are not copied into the engine
-
-
-class BuildError(MedusaTrtError):
-    """Bad input to medusa-build (a checkpoint, an option, a missing tool); the CLI exits 2."""
-
-
-@dataclass
-class BuildOptions:
-    checkpoint: Path
-    out: Path
-    backend: str = "onnxruntime"
-    dtype: str | None = None  # None: float32 on the CPU (see resolve_dtype), the checkpoint's on CUDA
-    max_batch_size: int = 8
-    max_seq_len: int | None = None  # None: the checkpoint's max_position_embeddings
-    max_draft_len: int | None = None  # None: the checkpoint's max_draft_len
-    opset: int | None = None  # None: the backend's default
-    device: str = "cpu"
-    attention: str | None = None  # None: the backend's default attention form
-    force: bool = False
-    progress: bool = True
-    extra: dict = field(default_factory=dict)  # backend-specific options
 
 
 @dataclass(frozen=True)
@@ -137,7 +121,7 @@ def _build_onnxruntime(opts: BuildOptions, config: dict, workdir: Path) -> dict:
     attention = opts.attention or (DEFAULT_ATTENTION if opset >= 23 else "split")
     dtype = resolve_dtype(opts, config)
     steps = ["load checkpoint", "export ONNX"]
-    bar = _progress(len(steps), opts.progress, "medusa-build")
+    bar = progress_bar(len(steps), opts.progress, "medusa-build")
     try:
         bar.set_postfix_str(steps[0])
         model = MedusaModel.from_checkpoint(opts.checkpoint, dtype=dtype)
@@ -182,7 +166,7 @@ def _build_onnxruntime(opts: BuildOptions, config: dict, workdir: Path) -> dict:
 
 
 def _build_tensorrt(opts: BuildOptions, config: dict, workdir: Path) -> dict:
-    from medusa_trt.engines.tensorrt import build_tensorrt  # imported on use: it imports this module
+    from medusa_trt.engines.tensorrt import build_tensorrt  # imported on use: TensorRT is an optional extra
 
     return build_tensorrt(opts, config, workdir)
 
@@ -271,7 +255,7 @@ def build_engine(opts: BuildOptions) -> BuildResult:
 
 def engine_json(opts: BuildOptions, config: dict, backend_part: dict, workdir: Path, seconds: float) -> dict:
     heads = int(config["num_attention_heads"])
-    max_draft_len = opts.max_draft_len or int(config.get("max_draft_len") or 63)
+    limits = limits_for(opts, config)
     engine = {
         "format_version": ENGINE_FORMAT_VERSION,
         "backend": opts.backend,
@@ -291,13 +275,9 @@ def engine_json(opts: BuildOptions, config: dict, backend_part: dict, workdir: P
         "medusa": {
             "num_heads": int(config.get("num_medusa_heads") or 0),
             "num_layers": int(config.get("num_medusa_layers") or 0),
-            "max_draft_len": max_draft_len,
+            "max_draft_len": limits.max_draft_len,
         },
-        "limits": {
-            "max_batch_size": opts.max_batch_size,
-            "max_seq_len": opts.max_seq_len or int(config["max_position_embeddings"]),
-            "max_draft_len": max_draft_len,
-        },
+        "limits": asdict(limits),
         **backend_part,
         "eos_token_id": config.get("eos_token_id"),
         # The HF model_type the tokenizer belongs to: transformers picks the tokenizer class from it
@@ -332,8 +312,3 @@ def _copy_tokenizer(checkpoint: Path, workdir: Path) -> None:
         if path.is_file() and path.name not in _CHECKPOINT_ONLY and not path.name.endswith(".safetensors"):
             shutil.copy2(path, workdir / path.name)
 
-
-def _progress(total: int, enabled: bool, desc: str):
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, disable=not enabled, file=sys.stderr, leave=False)

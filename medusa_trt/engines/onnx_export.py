@@ -78,12 +78,14 @@ from medusa_trt.engine_dir import (  # noqa: F401 (re-exported for the TensorRT 
 )
 from medusa_trt.modeling import (
     FP8Linear,
+    FP8Module,
+    HeadLinear,
     Int4Linear,
     MedusaModel,
-    _KeepsFP8,
     attention_with_past,
     fake_quant_fp8,
     int4_matmul,
+    resblocks,
 )
 from medusa_trt.tree import candidate_topk
 
@@ -317,7 +319,7 @@ def has_int4(model: MedusaModel) -> bool:
 
 
 def has_fp8(model: MedusaModel) -> bool:
-    return any(isinstance(m, _KeepsFP8) for m in model.modules())
+    return any(isinstance(m, FP8Module) for m in model.modules())
 
 
 @dataclass(frozen=True)
@@ -426,24 +428,33 @@ class _ExportModule(nn.Module):
         if not heads:  # a model without heads still has the output, with zero heads
             return x0.new_zeros(n, 0, cfg.vocab_size, dtype=torch.float32)
         if self.first_w is not None:
-            x = x0[:, None] + F.silu(F.linear(x0, self.first_w, self.first_b).reshape(n, heads, d))  # [N, H, d]
+            def first(_x: torch.Tensor, _layer: int) -> torch.Tensor:  # all heads' first layer, from x0 [N, d]
+                return F.linear(x0, self.first_w, self.first_b).reshape(n, heads, d)
+
+            x = resblocks(x0[:, None], first, range(1))  # [N, H, d]
         else:
-            x = torch.stack([x0 + F.silu(self.head_fp8[k * layers](x0) + self.head_b[k * layers])
-                             for k in range(heads)], dim=1)
+            x = torch.stack([resblocks(x0, self._head_linear(k), range(1)) for k in range(heads)], dim=1)
         if layers > 1 or not self.shared_lm_head or not logits:
             xs = []
             for head in range(heads):
-                z = x[:, head]
-                for layer in range(1, layers):
-                    j = head * layers + layer
-                    y = self.head_fp8[j](z) + self.head_b[j] if self.head_fp8 is not None else F.linear(
-                        z, self.head_w[j], self.head_b[j])
-                    z = z + F.silu(y)
+                z = resblocks(x[:, head], self._head_linear(head), range(1, layers))
                 xs.append(z if self.shared_lm_head or not logits else F.linear(z, self.head_lm[head]).float())
             x = torch.stack(xs, dim=1)
             if not logits or not self.shared_lm_head:
                 return x
         return self.model.lm_head(x.reshape(n * heads, d)).float().reshape(n, heads, -1)
+
+    def _head_linear(self, head: int) -> HeadLinear:
+        """One head's ResBlock linear with its own 2-D weights (FP8: an FP8Linear per layer)."""
+        layers = self.model.cfg.num_medusa_layers
+
+        def linear(z: torch.Tensor, layer: int) -> torch.Tensor:
+            j = head * layers + layer
+            if self.head_fp8 is not None:
+                return self.head_fp8[j](z) + self.head_b[j]
+            return F.linear(z, self.head_w[j], self.head_b[j])
+
+        return linear
 
     def forward(self, input_ids, position_ids, past_lengths, new_mask, logit_positions, past):
         b, s = input_ids.shape
@@ -532,7 +543,7 @@ def _export_mode(model: MedusaModel, form: AttentionForm, heads: Callable, wrapp
     for layer in model.layers:
         layer.attend = form.function
     model.medusa_heads = heads  # instance attribute shadows the method
-    fp8 = [m for m in wrapper.modules() if isinstance(m, _KeepsFP8)]
+    fp8 = [m for m in wrapper.modules() if isinstance(m, FP8Module)]
     for m in fp8:
         m.fake_quant, m.dequant = _export_fake_quant, _export_dequant
     int4 = [m for m in wrapper.modules() if isinstance(m, Int4Linear)]

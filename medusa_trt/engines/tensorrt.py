@@ -40,7 +40,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from medusa_trt.engines.build import BuildError, BuildOptions, _progress
+from medusa_trt.engine_dir import DTYPES
+from medusa_trt.engines.options import BuildError, BuildOptions, Limits, limits_for, progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -50,33 +51,10 @@ ONNX_DIR = "onnx"
 ATTENTION_MODES = ("plugin", "native")
 DEFAULT_ATTENTION_MODE = "plugin"
 EXTRA_HINT = "pip install 'medusa-trt[tensorrt]'"
-TRT_DTYPES = ("float32", "float16", "bfloat16")
-
-
-@dataclass(frozen=True)
-class Limits:
-    max_batch_size: int
-    max_seq_len: int
-    max_draft_len: int
-
-    @property
-    def tree(self) -> int:
-        """Tokens of one verify step: the tree nodes plus the root."""
-        return self.max_draft_len + 1
-
-    @property
-    def max_past(self) -> int:
-        return self.max_seq_len + self.tree
 
 
 Shape = tuple[int, ...]
 Profile = dict[str, tuple[Shape, Shape, Shape]]  # input name -> (min, opt, max)
-
-
-def limits_for(opts: BuildOptions, config: dict) -> Limits:
-    max_seq_len = opts.max_seq_len or int(config["max_position_embeddings"])
-    max_draft_len = opts.max_draft_len or int(config.get("max_draft_len") or 63)
-    return Limits(opts.max_batch_size, max_seq_len, max_draft_len)
 
 
 def decoder_profile(limits: Limits, num_layers: int, num_kv_heads: int, head_dim: int) -> Profile:
@@ -193,8 +171,8 @@ def check_attention_options(opts: BuildOptions) -> str:
 
 def resolve_trt_dtype(opts: BuildOptions, config: dict) -> str:
     dtype = opts.dtype or config["dtype"]
-    if dtype not in TRT_DTYPES:
-        raise BuildError(f"--dtype {dtype!r}: expected one of {', '.join(TRT_DTYPES)}")
+    if dtype not in DTYPES:
+        raise BuildError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     return dtype
 
 
@@ -257,7 +235,7 @@ def build_tensorrt(opts: BuildOptions, config: dict, workdir: Path) -> dict:
 
     opts.device = "cuda"  # engine.json's device: TensorRT engines run on the GPU only
     steps = ["export ONNX", "register plugin", "build decoder", "build heads"]
-    bar = _progress(len(steps), opts.progress, "medusa-build")
+    bar = progress_bar(len(steps), opts.progress, "medusa-build")
     onnx_dir = workdir / ONNX_DIR
     keep_onnx = bool(opts.extra.get("keep_onnx"))
     try:

@@ -39,7 +39,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from medusa_trt.engines.build import BuildError, BuildOptions
+from medusa_trt.checkpoint import CONFIG_DTYPES
+from medusa_trt.engines.options import BuildError, BuildOptions
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ TRTLLM_BUILD = "trtllm-build"
 EXTRA_HINT = "pip install 'medusa-trt[tensorrt-llm]'"
 DEFAULT_MAX_NUM_TOKENS = 8192  # trtllm-build's default --max_num_tokens
 FP8_GEMM_PLUGIN_MAX_BATCH = 4  # the tuning guide's "small batch" for --gemm_plugin fp8
-CHECKPOINT_DTYPES = ("float16", "bfloat16", "float32")
+CHECKPOINT_DTYPES = tuple(CONFIG_DTYPES)
 
 
 def trtllm_build_command(checkpoint_dir: str | Path, out_dir: str | Path, config: dict, opts: BuildOptions,

@@ -14,6 +14,7 @@ from typing import Protocol
 
 import torch
 
+from medusa_trt.checkpoint import DEFAULT_MAX_DRAFT_LEN
 from medusa_trt.modeling import MedusaModel
 
 
@@ -117,7 +118,7 @@ def commit_indices(lengths: torch.Tensor, past: int, slots: torch.Tensor, counts
 class TorchBackend:
     """The PyTorch reference model behind the backend interface, cache preallocated once per batch."""
 
-    def __init__(self, model: MedusaModel, max_draft_len: int = 63):
+    def __init__(self, model: MedusaModel, max_draft_len: int = DEFAULT_MAX_DRAFT_LEN):
         self.model = model
         cfg = model.cfg
         self.info = ModelInfo(cfg.vocab_size, cfg.num_medusa_heads, cfg.max_position_embeddings, max_draft_len)

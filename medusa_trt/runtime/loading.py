@@ -45,10 +45,11 @@ def load_backend(directory: str | Path, dtype: str | None = None, device: str | 
             f"{directory / 'config.json'}: architecture {config.get('architecture')!r} is not a merged checkpoint "
             "(expected 'MedusaForCausalLM'; run medusa-convert first)"
         )
+    from medusa_trt.checkpoint import DEFAULT_MAX_DRAFT_LEN
     from medusa_trt.modeling import MedusaModel
 
     model = MedusaModel.from_checkpoint(directory, dtype=dtype)
-    return TorchBackend(model, max_draft_len=config.get("max_draft_len", 63))
+    return TorchBackend(model, max_draft_len=config.get("max_draft_len", DEFAULT_MAX_DRAFT_LEN))
 
 
 def tokenizer_model_type(directory: str | Path) -> str | None:

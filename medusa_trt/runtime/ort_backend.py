@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from medusa_trt.checkpoint import CONFIG_DTYPES
 from medusa_trt.engine_dir import (  # noqa: F401 (EngineError, read_engine_json: re-exported)
     HEADS_INPUT,
     HEADS_OUTPUT,
@@ -37,7 +38,6 @@ from medusa_trt.engine_dir import (  # noqa: F401 (EngineError, read_engine_json
 )
 from medusa_trt.runtime.backend import ModelInfo, check_forward, scatter_pending, zero_cache
 
-_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 
 
@@ -176,7 +176,7 @@ class OrtBackend:
         self.num_layers, self.num_kv_heads = model["num_layers"], model["num_kv_heads"]
         self.head_dim, self.num_medusa_heads = model["head_dim"], engine["medusa"]["num_heads"]
         self.vocab_size, self.hidden_size = model["vocab_size"], model["hidden_size"]
-        self.dtype = _TORCH_DTYPES[engine["dtype"]]
+        self.dtype = CONFIG_DTYPES[engine["dtype"]]
         self.max_batch_size = limits["max_batch_size"]
         self.use_binding = self.device != "cpu"  # IOBinding: required on CUDA, measurable on the CPU
         self.info = ModelInfo(self.vocab_size, self.num_medusa_heads, limits["max_seq_len"], limits["max_draft_len"])

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from medusa_trt.modeling import resblocks, stacked_linear
+
 LOSS_DECAY = 0.8  # Medusa-1's per-head loss weight: head k counts 0.8^k
 
 
@@ -101,10 +103,11 @@ def apply_heads(state: dict[str, torch.Tensor], x: torch.Tensor, num_heads: int,
     (no `{h}.{L}.weight`) use `lm_head`, the base's output matrix [V, d]."""
     out = []
     for h in range(num_heads):
-        z = x
-        for layer in range(num_layers):
+        def linear(z: torch.Tensor, layer: int, h: int = h) -> torch.Tensor:
             w, b = state[f"{h}.{layer}.linear.weight"].float(), state[f"{h}.{layer}.linear.bias"].float()
-            z = z + F.silu(z @ w.T + b)
+            return z @ w.T + b
+
+        z = resblocks(x, linear, range(num_layers))
         own = state.get(f"{h}.{num_layers}.weight")
         if own is None and lm_head is None:
             raise ValueError(f"head {h} has no lm_head ({h}.{num_layers}.weight): pass the base's lm_head")
@@ -193,9 +196,7 @@ def train_heads(
         xb = x[idx].float()
         autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
         with autocast:
-            z = xb[None].expand(num_heads, -1, -1)  # [H, n, d]
-            for layer in range(num_layers):
-                z = z + F.silu(torch.einsum("hni,hoi->hno", z, w[:, layer]) + b[:, layer, None, :])
+            z = resblocks(xb[None].expand(num_heads, -1, -1), stacked_linear(w, b), range(num_layers))  # [H, n, d]
             logits = z @ base_lm.T if shared_lm_head else torch.einsum("hni,hvi->hnv", z, lm)  # [H, n, V]
         losses = torch.stack([F.cross_entropy(logits[k].float(), y[idx, k]) for k in range(num_heads)])
         loss = (weights * losses).sum()
