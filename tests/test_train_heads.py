@@ -13,7 +13,7 @@ import torch
 
 from medusa_trt.cli import train_heads as train_cli
 from medusa_trt.converter import convert
-from medusa_trt.data import DataError, read_samples
+from medusa_trt.data import read_samples
 from medusa_trt.modeling import MedusaModel
 from medusa_trt.runtime.backend import TorchBackend
 from medusa_trt.runtime.decoding import GenerationConfig, decode
@@ -176,18 +176,6 @@ def test_bad_input_exits_2(case, tiny_base, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "medusa-train-heads: error:" in err and expected in err, err
     assert not (out / "medusa_lm_head.pt").exists()
-
-
-def test_read_samples_forms(tmp_path):
-    txt = tmp_path / "a.txt"
-    txt.write_text("first line\n\nsecond line\n")
-    assert read_samples(txt) == ["first line", "second line"]
-    jsonl = tmp_path / "a.jsonl"
-    jsonl.write_text('{"text": "def f():\\n    return 1\\n"}\n\n{"text": "x", "other": 1}\n')
-    assert read_samples(jsonl) == ["def f():\n    return 1\n", "x"]
-    (tmp_path / "b.jsonl").write_text("[1, 2]\n")
-    with pytest.raises(DataError, match="b.jsonl:1: expected an object"):
-        read_samples(tmp_path / "b.jsonl")
 
 
 def test_batched_greedy_continuations_equal_one_at_a_time(tiny_base):
