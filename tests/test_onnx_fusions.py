@@ -29,11 +29,13 @@ def test_fused_graphs(ort_engine, tiny_merged, weights):
     info = json.loads((engine / "engine.json").read_text())["onnx"]
     # Query and key rotated per layer; each layer's two norms and the final one follow a residual Add
     # (the first input norm reads the embedding).
-    assert info["fusions"] == {"rotary": 2 * layers, "skip_norm": 2 * layers}
+    assert info["fusions"] == {"rotary": 2 * layers, "skip_norm": 2 * layers, "gate_up": layers}
     for name in (info["file"], info["step_file"]):
         ops = _ops(engine / name)
         assert ops["RotaryEmbedding"] == 2 * layers and ops["SkipSimplifiedLayerNormalization"] == 2 * layers
         assert ops["Neg"] == 0 and ops["Sin"] == 0 and ops["RMSNormalization"] == 1, (name, ops)
+        matmuls = ops["MatMulNBits"] if weights == "int4" else ops["MatMul"]
+        assert matmuls >= 4 * layers and ops["Split"] >= 2 * layers  # qkv, o, gate+up, down per layer
 
 
 @pytest.mark.parametrize("weights", ["float", "int4"])
@@ -61,4 +63,4 @@ def test_unknown_fusion_is_refused(tiny_merged, tmp_path):
         build_engine(BuildOptions(checkpoint=tiny_merged("llama"), out=tmp_path / "e", progress=False,
                                   extra={"fusions": ["rotary", "gelu"]}))
     assert not (tmp_path / "e").exists()
-    assert set(FUSIONS) == {"rotary", "skip_norm"}
+    assert set(FUSIONS) == {"rotary", "skip_norm", "gate_up"}

@@ -129,7 +129,7 @@ def _quantize_int4(opts: BuildOptions, config: dict, model) -> dict:
 
 
 # engines/onnx_fusions.py; each measured alone on SmolLM2-135M (BENCHMARKS.md, issue 13).
-ORT_DEFAULT_FUSIONS = ("rotary", "skip_norm")
+ORT_DEFAULT_FUSIONS = ("rotary", "skip_norm", "gate_up")
 
 
 def _ort_fusions(opts: BuildOptions, config: dict, model, graphs: list) -> dict[str, int]:

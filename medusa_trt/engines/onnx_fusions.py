@@ -13,6 +13,10 @@ Runtime's com.microsoft ops with the same arithmetic:
   reference computes them; tree nodes keep their own positions (position_ids is per token).
 - "skip_norm": RMSNormalization(a + b) -> SkipSimplifiedLayerNormalization(a, b), whose fourth
   output is the sum (the residual stream the next layer reads).
+- "gate_up": MatMuls (float, or MatMulNBits) with constant weights reading the same input (the MLP's
+  gate and up projections) -> one MatMul over the weights concatenated along N, then a Split: one
+  kernel call (and one fork/join of the intra-op threads) instead of two. Each output column is the
+  same dot product as before.
 
 Only ONNX Runtime has these ops: medusa-build applies the pass to ONNX Runtime engines, never to
 the graphs the TensorRT builders read. Each fusion is optional so each can be measured alone
@@ -27,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-FUSIONS = ("rotary", "skip_norm")
+FUSIONS = ("rotary", "skip_norm", "gate_up")
 MS_DOMAIN = "com.microsoft"
 
 
@@ -41,7 +45,8 @@ class _Graph:
         for n in graph.node:
             for i in n.input:
                 self.consumers.setdefault(i, []).append(n)
-        self.initializers = {t.name for t in graph.initializer}
+        self.init = {t.name: t for t in graph.initializer}
+        self.initializers = set(self.init)
         self.outputs = {o.name for o in graph.output}
 
     def op(self, name: str, *ops: str):
@@ -165,6 +170,76 @@ def _fuse_skip_norm(model) -> int:
     return len(replace)
 
 
+def _constant(g: _Graph, name: str):
+    """The initializer behind `name`, directly or through a Reshape to [-1] (MatMulNBits' scales),
+    as (TensorProto, flattened); None otherwise."""
+    if name in g.initializers:
+        return g.init[name], False
+    n = g.op(name, "Reshape")
+    if n is not None and n.input[0] in g.initializers and n.input[1] in g.initializers:
+        from onnx import numpy_helper
+
+        if numpy_helper.to_array(g.init[n.input[1]]).tolist() == [-1]:
+            return g.init[n.input[0]], True
+    return None
+
+
+def _fuse_gate_up(model) -> int:
+    """Groups MatMul / MatMulNBits nodes reading one input with constant weights into one node."""
+    import numpy as np
+    from onnx import helper, numpy_helper
+
+    graph = model.graph
+    g = _Graph(graph)
+    groups: dict[tuple, list] = {}
+    for n in graph.node:
+        if n.op_type == "MatMul" and n.input[1] in g.initializers and len(g.init[n.input[1]].dims) == 2:
+            key = ("MatMul", n.input[0], g.init[n.input[1]].dims[0], g.init[n.input[1]].data_type)
+        elif n.op_type == "MatMulNBits" and n.domain == MS_DOMAIN and len(n.input) == 4 and \
+                n.input[1] in g.initializers and n.input[3] in g.initializers and _constant(g, n.input[2]):
+            attrs = tuple(_attr(n, a) for a in ("K", "bits", "block_size", "accuracy_level"))
+            key = ("MatMulNBits", n.input[0], attrs)
+        else:
+            continue
+        groups.setdefault(key, []).append(n)
+    remove, replace, new_init = set(), {}, []
+    for key, nodes in groups.items():
+        if len(nodes) < 2:
+            continue
+        first = nodes[0]
+        stem = f"{first.name or first.output[0]}_fused"
+        if key[0] == "MatMul":
+            ws = [numpy_helper.to_array(g.init[n.input[1]]) for n in nodes]
+            new_init.append(numpy_helper.from_array(np.concatenate(ws, axis=1), f"{stem}.weight"))
+            sizes = [w.shape[1] for w in ws]
+            fused = helper.make_node("MatMul", [first.input[0], f"{stem}.weight"], [f"{stem}.out"], name=stem)
+        else:
+            packed = [numpy_helper.to_array(g.init[n.input[1]]) for n in nodes]
+            scales = [numpy_helper.to_array(_constant(g, n.input[2])[0]).reshape(-1) for n in nodes]
+            zeros = [numpy_helper.to_array(g.init[n.input[3]]) for n in nodes]
+            sizes = [int(_attr(n, "N")) for n in nodes]
+            for suffix, parts in (("packed", packed), ("scales", scales), ("zero_points", zeros)):
+                new_init.append(numpy_helper.from_array(np.concatenate(parts, axis=0), f"{stem}.{suffix}"))
+            attrs = dict(zip(("K", "bits", "block_size", "accuracy_level"), key[2], strict=True))
+            fused = helper.make_node("MatMulNBits", [first.input[0], f"{stem}.packed", f"{stem}.scales",
+                                                     f"{stem}.zero_points"], [f"{stem}.out"], name=stem,
+                                     domain=MS_DOMAIN, N=sum(sizes), **attrs)
+        new_init.append(numpy_helper.from_array(np.array(sizes, dtype=np.int64), f"{stem}.sizes"))
+        split = helper.make_node("Split", [f"{stem}.out", f"{stem}.sizes"], [n.output[0] for n in nodes],
+                                 name=f"{stem}_split", axis=-1)
+        replace[id(first)] = [fused, split]
+        remove.update(id(n) for n in nodes[1:])
+    if not replace:
+        return 0
+    # The fused node sits where the group's first node was: every input is computed by then, and
+    # every consumer of any member comes after it.
+    kept = [m for n in graph.node if id(n) not in remove for m in replace.get(id(n), [n])]
+    del graph.node[:]
+    graph.node.extend(kept)
+    graph.initializer.extend(new_init)
+    return len(replace)
+
+
 def _prune(model) -> None:
     """Drops nodes whose outputs nothing reads (the cos/sin computation after "rotary") and the
     initializers no node reads any more."""
@@ -206,8 +281,11 @@ def fuse_onnx_file(path: Path, fusions: Iterable[str], cos_cache: np.ndarray | N
     unknown = sorted(set(fusions) - set(FUSIONS))
     if unknown:
         raise ValueError(f"unknown ONNX Runtime fusion(s) {unknown}; expected some of {list(FUSIONS)}")
-    # The rewrite never reads weights: tensors stored outside the graph stay where they are.
+    # Only "gate_up" reads weights; otherwise tensors stored outside the graph stay where they are.
     model = onnx.load(str(path), load_external_data=False)
+    locations = {e.value for t in model.graph.initializer for e in t.external_data if e.key == "location"}
+    if "gate_up" in fusions and locations:
+        onnx.external_data_helper.load_external_data_for_model(model, str(path.parent))
     counts = {}
     if "rotary" in fusions:
         if cos_cache is None or sin_cache is None:
@@ -215,9 +293,15 @@ def fuse_onnx_file(path: Path, fusions: Iterable[str], cos_cache: np.ndarray | N
         counts["rotary"] = _fuse_rotary(model, cos_cache, sin_cache, "position_ids")
     if "skip_norm" in fusions:
         counts["skip_norm"] = _fuse_skip_norm(model)
+    if "gate_up" in fusions:
+        counts["gate_up"] = _fuse_gate_up(model)
     if any(counts.values()):
         if not any(o.domain == MS_DOMAIN for o in model.opset_import):
             model.opset_import.append(onnx.helper.make_opsetid(MS_DOMAIN, 1))
         _prune(model)
-        onnx.save_model(model, str(path))
+        if "gate_up" in fusions and locations:  # loaded above: written back to the graph's one data file
+            onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                            location=sorted(locations)[0])
+        else:
+            onnx.save_model(model, str(path))
     return counts
