@@ -112,6 +112,31 @@ def _quantize_int4(opts: BuildOptions, config: dict, model) -> dict:
             "heads_use_lm_head": bool(model.heads_use_lm_head), "float_linears": skipped}
 
 
+# engines/onnx_fusions.py; each measured alone on SmolLM2-135M (BENCHMARKS.md, issue 13).
+ORT_DEFAULT_FUSIONS = ("rotary", "skip_norm", "gate_up")
+
+
+def _ort_fusions(opts: BuildOptions, config: dict, model, graphs: list) -> dict[str, int]:
+    """Rewrites the decoder and step graphs with ONNX Runtime's fused ops (opts.extra["fusions"],
+    default ORT_DEFAULT_FUSIONS); returns how many patterns each fusion replaced per graph."""
+    from medusa_trt.engines.onnx_fusions import FUSIONS, fuse_onnx_file, rotary_caches
+
+    fusions = list(opts.extra.get("fusions", ORT_DEFAULT_FUSIONS))
+    unknown = sorted(set(fusions) - set(FUSIONS))
+    if unknown:
+        raise BuildError(f"fusions {unknown}: expected some of {', '.join(FUSIONS)}")
+    if not fusions:
+        return {}
+    positions = opts.max_seq_len or int(config["max_position_embeddings"])  # the runtime keeps positions below
+    cos, sin = rotary_caches(model.inv_freq, positions, model.dtype)
+    counts: dict[str, int] = {}
+    for path in graphs:
+        if path is not None:
+            for name, n in fuse_onnx_file(path, fusions, cos, sin).items():
+                counts[name] = max(counts.get(name, 0), n)
+    return counts
+
+
 def _build_onnxruntime(opts: BuildOptions, config: dict, workdir: Path) -> dict:
     from medusa_trt.engines.onnx_export import DEFAULT_ATTENTION, DEFAULT_OPSET, export_onnx
     from medusa_trt.engines.onnx_weights import share_weights
@@ -135,6 +160,7 @@ def _build_onnxruntime(opts: BuildOptions, config: dict, workdir: Path) -> dict:
                                  fused_step=opts.extra.get("fused_step", True))
         except ValueError as e:  # an option the exporter refuses (opset, attention form)
             raise BuildError(str(e)) from None
+        fusions = _ort_fusions(opts, config, model, [result.path, result.step_path])
         # One copy of the weights for all graphs (engines/onnx_weights.py): the step graph and the
         # heads graph would otherwise repeat the decoder's (1.4 GB for a 538 MB model).
         shared = share_weights([p for p in (result.path, result.heads_path, result.step_path) if p is not None])
@@ -157,7 +183,9 @@ def _build_onnxruntime(opts: BuildOptions, config: dict, workdir: Path) -> dict:
                  # The fused greedy step graph (engines/onnx_export.py), used for greedy decoding of
                  # trees whose ranks are all below step_topk.
                  "step_file": result.step_path.name if result.step_path else None,
-                 "step_topk": result.step_topk},
+                 "step_topk": result.step_topk,
+                 # ONNX Runtime contrib ops written in place of plain ones (engines/onnx_fusions.py).
+                 "fusions": fusions},
     }
     quant = _quantization_part(config)
     if quant:

@@ -5,11 +5,12 @@ and the reference share one implementation. What differs from eager was chosen b
 a 2-core CPU with 10M and 100M-parameter models (benchmarks/bench_onnx.py):
 
 - one past input per layer and per K/V: a stacked [L, ...] input costs ONNX Runtime a Gather copy
-  of every layer's cache per step (10-18% slower steps at 100M parameters, 1024 cached tokens);
+  of every layer's cache per step (BENCHMARKS.md, issue 4);
 - the past may be the runtime's whole cache buffer (capacity T >= every committed length): the
-  graph slices it to max(past_lengths) and builds the prefix mask from `past_lengths`, so the
-  runtime never slices or copies it and a step costs the committed length, not the capacity
-  (issue 13: 3-9x slower steps at capacity 8192 than 512 before the slice, 1.0x after);
+  graph slices it to max(past_lengths) and builds the prefix mask from `past_lengths`, so a step
+  costs the committed length, not the capacity (BENCHMARKS.md, issue 13). The runtime passes the
+  buffer as it is; in the graph, that Slice and the default attention form's Concat of past and new
+  K/V each copy the committed prefix once per layer and step;
 - attention as the opset-23 `Attention` op by default (ATTENTION_FORMS lists the alternatives);
 - Medusa heads as one 2-D MatMul per head: ONNX Runtime prepacks 2-D constant weights, and the
   reference's batched einsum runs 3-8x slower there.

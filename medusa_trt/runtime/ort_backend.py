@@ -1,17 +1,18 @@
 """The ONNX Runtime engine behind the runtime's Backend interface.
 
 The KV cache is one preallocated torch tensor per K and V, [L, B, Hkv, capacity, D], on the
-engine's device, allocated once per `start`. Each layer's slice of it is a graph input as it is:
-the graph masks entries past each sequence's committed length, so the runtime never slices,
-copies or transfers the cache (engines/onnx_export.py). The graph returns only the new tokens'
-K/V; `commit` scatters the kept ones after each committed prefix, which is the compaction step.
+engine's device, allocated once per `start`. The runtime hands each layer's buffer to the graph as
+it is (no slice, copy or transfer on the host side); inside the graph, the default attention form
+slices it to the longest committed length and concatenates the new K/V after that prefix, so every
+layer copies the committed prefix once per step and a step costs the committed length, not the
+capacity (engines/onnx_export.py). The graph returns only the new tokens' K/V; `commit` scatters
+the kept ones after each committed prefix, which is the compaction step.
 
 On the CPU the cache goes to `session.run` as numpy views, which ONNX Runtime reads in place; on
-a 2-core CPU that measured as fast as IOBinding or faster (decode step of a 10M model 2.23 vs
-2.43 ms, equal within noise at 100M): run() hands its own output buffers to numpy without a
-copy, and binding costs a dozen calls per step. On CUDA the cache and the new K/V stay in device
-memory, bound by pointer (IOBinding), and logits come back to host tensors: the decoding loop is
-host code. Returned tensors are new every step, so a caller may keep them.
+a 2-core CPU that measured as fast as IOBinding or faster (BENCHMARKS.md, issue 4): run() hands its
+own output buffers to numpy without a copy, and binding costs a dozen calls per step. On CUDA the
+cache and the new K/V stay in device memory, bound by pointer (IOBinding), and logits come back to
+host tensors: the decoding loop is host code. Returned tensors are new every step, so a caller may keep them.
 """
 
 from __future__ import annotations

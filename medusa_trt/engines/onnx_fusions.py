@@ -1,0 +1,307 @@
+"""ONNX Runtime's fused contrib ops in place of the exported decoder's plain ones (issue 13).
+
+The exporter writes each decoder layer as the reference computes it, in plain ops: RoPE as Split,
+Neg, Concat, two Muls and an Add per query and per key, the residual Add before each RMSNorm.
+At one new token a layer's MatMuls are small, so op count sets much of a step's cost, and every
+op is a separate dispatch (and with several intra-op threads, a separate fork/join). This pass
+rewrites, in an exported graph, patterns the exporter produces from modeling.py into ONNX
+Runtime's com.microsoft ops with the same arithmetic:
+
+- "rotary": x * cos + rotate_half(x) * sin -> RotaryEmbedding(x, position_ids, cos_cache, sin_cache)
+  (not interleaved; 4-D [B, H, S, D] input). The caches are the reference's cos/sin of
+  position * inv_freq for every position below max_position_embeddings, computed by torch as the
+  reference computes them; tree nodes keep their own positions (position_ids is per token).
+- "skip_norm": RMSNormalization(a + b) -> SkipSimplifiedLayerNormalization(a, b), whose fourth
+  output is the sum (the residual stream the next layer reads).
+- "gate_up": MatMuls (float, or MatMulNBits) with constant weights reading the same input (the MLP's
+  gate and up projections) -> one MatMul over the weights concatenated along N, then a Split: one
+  kernel call (and one fork/join of the intra-op threads) instead of two. Each output column is the
+  same dot product as before.
+
+Only ONNX Runtime has these ops: medusa-build applies the pass to ONNX Runtime engines, never to
+the graphs the TensorRT builders read. Each fusion is optional so each can be measured alone
+(BENCHMARKS.md). Outputs equal the plain graph's to float32 rounding (RoPE within 1 ulp: the
+kernel's multiply-add order); medusa-check verifies built engines against the reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+
+FUSIONS = ("rotary", "skip_norm", "gate_up")
+MS_DOMAIN = "com.microsoft"
+
+
+class _Graph:
+    """Producer/consumer indexes over a GraphProto's nodes (rebuilt after each rewrite)."""
+
+    def __init__(self, graph):
+        self.graph = graph
+        self.producer = {o: n for n in graph.node for o in n.output if o}
+        self.consumers: dict[str, list] = {}
+        for n in graph.node:
+            for i in n.input:
+                self.consumers.setdefault(i, []).append(n)
+        self.init = {t.name: t for t in graph.initializer}
+        self.initializers = set(self.init)
+        self.outputs = {o.name for o in graph.output}
+
+    def op(self, name: str, *ops: str):
+        """The node producing `name` when its op type is one of `ops`."""
+        n = self.producer.get(name)
+        return n if n is not None and n.op_type in ops else None
+
+    def only_used_by(self, name: str, node) -> bool:
+        return name not in self.outputs and all(c is node for c in self.consumers.get(name, []))
+
+
+def _attr(node, name: str, default=None):
+    from onnx import helper
+
+    for a in node.attribute:
+        if a.name == name:
+            return helper.get_attribute_value(a)
+    return default
+
+
+def _traces_to(g: _Graph, name: str, op_type: str) -> bool:
+    """Whether `name` is produced by `op_type`, possibly through Cast/Unsqueeze/Reshape."""
+    while (n := g.producer.get(name)) is not None:
+        if n.op_type == op_type:
+            return True
+        if n.op_type not in ("Cast", "Unsqueeze", "Reshape", "Expand"):
+            return False
+        name = n.input[0]
+    return False
+
+
+def _rotary_match(g: _Graph, add):
+    """(x, nodes to remove, cos name) when `add` is x * cos + cat(-x2, x1) * sin, x split in halves
+    along its last axis, cos/sin from Cos/Sin nodes; else None."""
+    if len(add.input) != 2:
+        return None
+    muls = [g.op(i, "Mul") for i in add.input]
+    if None in muls:
+        return None
+    for m_cos, m_sin in (muls, muls[::-1]):
+        for cat_in, sin in (m_sin.input, m_sin.input[::-1]):
+            cat = g.op(cat_in, "Concat")
+            if cat is None or len(cat.input) != 2 or _attr(cat, "axis") not in (-1, 3):
+                continue
+            neg = g.op(cat.input[0], "Neg")
+            split = g.producer.get(cat.input[1])
+            if neg is None or split is None or split.op_type != "Split" or g.producer.get(neg.input[0]) is not split:
+                continue
+            if list(split.output) != [cat.input[1], neg.input[0]]:  # cat(-x2, x1) of split(x) = (x1, x2)
+                continue
+            if _attr(split, "axis") not in (-1, 3) or (len(split.input) > 1 and split.input[1]) or \
+                    _attr(split, "num_outputs") != 2:
+                continue
+            x = split.input[0]
+            others = [i for i in m_cos.input if i != x]
+            if len(others) != 1 or x not in m_cos.input or not _traces_to(g, others[0], "Cos") \
+                    or not _traces_to(g, sin, "Sin"):
+                continue
+            nodes = [split, neg, cat, m_sin, m_cos]
+            inner = [(split.output[0], (cat, neg)), (split.output[1], (neg,)), (neg.output[0], (cat,)),
+                     (cat.output[0], (m_sin,)), (m_sin.output[0], (add,)), (m_cos.output[0], (add,))]
+            if all(o not in g.outputs and {id(c) for c in g.consumers.get(o, [])} <= {id(u) for u in users}
+                   for o, users in inner):
+                return x, nodes
+    return None
+
+
+def _fuse_rotary(model, cos_cache: np.ndarray, sin_cache: np.ndarray, position_ids: str) -> int:
+    from onnx import helper, numpy_helper
+
+    graph = model.graph
+    g = _Graph(graph)
+    remove, replace = set(), {}
+    for node in graph.node:
+        if node.op_type != "Add":
+            continue
+        match = _rotary_match(g, node)
+        if match is None:
+            continue
+        x, nodes = match
+        remove.update(id(n) for n in nodes)
+        replace[id(node)] = helper.make_node(
+            "RotaryEmbedding", [x, position_ids, "rotary_cos_cache", "rotary_sin_cache"], list(node.output),
+            name=f"{node.name or node.output[0]}_rotary", domain=MS_DOMAIN, interleaved=0)
+    if not replace:
+        return 0
+    kept = [replace.get(id(n), n) for n in graph.node if id(n) not in remove]
+    del graph.node[:]
+    graph.node.extend(kept)
+    graph.initializer.extend([numpy_helper.from_array(cos_cache, "rotary_cos_cache"),
+                              numpy_helper.from_array(sin_cache, "rotary_sin_cache")])
+    return len(replace)
+
+
+def _fuse_skip_norm(model) -> int:
+    from onnx import helper
+
+    graph = model.graph
+    g = _Graph(graph)
+    remove, replace = set(), {}
+    for norm in graph.node:
+        if norm.op_type != "RMSNormalization" or _attr(norm, "axis", -1) != -1 or _attr(norm, "stash_type", 1) != 1:
+            continue
+        add = g.op(norm.input[0], "Add")
+        if add is None or id(add) in replace or len(norm.input) < 2 or norm.input[1] not in g.initializers:
+            continue
+        # Both addends are activations of the residual stream (same shape), not a broadcast constant.
+        if any(i in g.initializers or g.op(i, "Constant") is not None for i in add.input):
+            continue
+        total = add.output[0]
+        outputs = [norm.output[0]] if g.only_used_by(total, norm) else [norm.output[0], "", "", total]
+        replace[id(add)] = helper.make_node(
+            "SkipSimplifiedLayerNormalization", [add.input[0], add.input[1], norm.input[1]], outputs,
+            name=f"{norm.name or norm.output[0]}_skip", domain=MS_DOMAIN, epsilon=float(_attr(norm, "epsilon", 1e-5)))
+        remove.add(id(norm))
+    if not replace:
+        return 0
+    kept = [replace.get(id(n), n) for n in graph.node if id(n) not in remove]
+    del graph.node[:]
+    graph.node.extend(kept)
+    return len(replace)
+
+
+def _constant(g: _Graph, name: str):
+    """The initializer behind `name`, directly or through a Reshape to [-1] (MatMulNBits' scales),
+    as (TensorProto, flattened); None otherwise."""
+    if name in g.initializers:
+        return g.init[name], False
+    n = g.op(name, "Reshape")
+    if n is not None and n.input[0] in g.initializers and n.input[1] in g.initializers:
+        from onnx import numpy_helper
+
+        if numpy_helper.to_array(g.init[n.input[1]]).tolist() == [-1]:
+            return g.init[n.input[0]], True
+    return None
+
+
+def _fuse_gate_up(model) -> int:
+    """Groups MatMul / MatMulNBits nodes reading one input with constant weights into one node."""
+    import numpy as np
+    from onnx import helper, numpy_helper
+
+    graph = model.graph
+    g = _Graph(graph)
+    groups: dict[tuple, list] = {}
+    for n in graph.node:
+        if n.op_type == "MatMul" and n.input[1] in g.initializers and len(g.init[n.input[1]].dims) == 2:
+            key = ("MatMul", n.input[0], g.init[n.input[1]].dims[0], g.init[n.input[1]].data_type)
+        elif n.op_type == "MatMulNBits" and n.domain == MS_DOMAIN and len(n.input) == 4 and \
+                n.input[1] in g.initializers and n.input[3] in g.initializers and _constant(g, n.input[2]):
+            attrs = tuple(_attr(n, a) for a in ("K", "bits", "block_size", "accuracy_level"))
+            key = ("MatMulNBits", n.input[0], attrs)
+        else:
+            continue
+        groups.setdefault(key, []).append(n)
+    remove, replace, new_init = set(), {}, []
+    for key, nodes in groups.items():
+        if len(nodes) < 2:
+            continue
+        first = nodes[0]
+        stem = f"{first.name or first.output[0]}_fused"
+        if key[0] == "MatMul":
+            ws = [numpy_helper.to_array(g.init[n.input[1]]) for n in nodes]
+            new_init.append(numpy_helper.from_array(np.concatenate(ws, axis=1), f"{stem}.weight"))
+            sizes = [w.shape[1] for w in ws]
+            fused = helper.make_node("MatMul", [first.input[0], f"{stem}.weight"], [f"{stem}.out"], name=stem)
+        else:
+            packed = [numpy_helper.to_array(g.init[n.input[1]]) for n in nodes]
+            scales = [numpy_helper.to_array(_constant(g, n.input[2])[0]).reshape(-1) for n in nodes]
+            zeros = [numpy_helper.to_array(g.init[n.input[3]]) for n in nodes]
+            sizes = [int(_attr(n, "N")) for n in nodes]
+            for suffix, parts in (("packed", packed), ("scales", scales), ("zero_points", zeros)):
+                new_init.append(numpy_helper.from_array(np.concatenate(parts, axis=0), f"{stem}.{suffix}"))
+            attrs = dict(zip(("K", "bits", "block_size", "accuracy_level"), key[2], strict=True))
+            fused = helper.make_node("MatMulNBits", [first.input[0], f"{stem}.packed", f"{stem}.scales",
+                                                     f"{stem}.zero_points"], [f"{stem}.out"], name=stem,
+                                     domain=MS_DOMAIN, N=sum(sizes), **attrs)
+        new_init.append(numpy_helper.from_array(np.array(sizes, dtype=np.int64), f"{stem}.sizes"))
+        split = helper.make_node("Split", [f"{stem}.out", f"{stem}.sizes"], [n.output[0] for n in nodes],
+                                 name=f"{stem}_split", axis=-1)
+        replace[id(first)] = [fused, split]
+        remove.update(id(n) for n in nodes[1:])
+    if not replace:
+        return 0
+    # The fused node sits where the group's first node was: every input is computed by then, and
+    # every consumer of any member comes after it.
+    kept = [m for n in graph.node if id(n) not in remove for m in replace.get(id(n), [n])]
+    del graph.node[:]
+    graph.node.extend(kept)
+    graph.initializer.extend(new_init)
+    return len(replace)
+
+
+def _prune(model) -> None:
+    """Drops nodes whose outputs nothing reads (the cos/sin computation after "rotary") and the
+    initializers no node reads any more."""
+    graph = model.graph
+    outputs = {o.name for o in graph.output}
+    while True:
+        used = {i for n in graph.node for i in n.input} | outputs
+        kept = [n for n in graph.node if any(o in used for o in n.output if o)]
+        if len(kept) == len(graph.node):
+            break
+        del graph.node[:]
+        graph.node.extend(kept)
+    used = {i for n in graph.node for i in n.input} | outputs
+    for n in graph.node:  # subgraphs (If/Loop bodies) read outer-scope names too
+        for a in n.attribute:
+            if a.g is not None:
+                used |= {i for sub in a.g.node for i in sub.input}
+    kept_init = [t for t in graph.initializer if t.name in used]
+    del graph.initializer[:]
+    graph.initializer.extend(kept_init)
+
+
+def rotary_caches(inv_freq, max_positions: int, dtype) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin [max_positions, head_dim / 2] of position * inv_freq, as the reference computes them
+    (modeling.MedusaModel.forward_hidden: float32 products, then cos/sin, then the model dtype)."""
+    import torch
+
+    freqs = torch.arange(max_positions, dtype=torch.long)[:, None].float() * inv_freq.float()[None, :]
+    return freqs.cos().to(dtype).numpy(), freqs.sin().to(dtype).numpy()
+
+
+def fuse_onnx_file(path: Path, fusions: Iterable[str], cos_cache: np.ndarray | None = None,
+                   sin_cache: np.ndarray | None = None) -> dict[str, int]:
+    """Applies `fusions` (names from FUSIONS) to the graph at `path` in place; returns how many
+    patterns each replaced. "rotary" needs the caches (rotary_caches)."""
+    import onnx
+
+    fusions = list(fusions)
+    unknown = sorted(set(fusions) - set(FUSIONS))
+    if unknown:
+        raise ValueError(f"unknown ONNX Runtime fusion(s) {unknown}; expected some of {list(FUSIONS)}")
+    # Only "gate_up" reads weights; otherwise tensors stored outside the graph stay where they are.
+    model = onnx.load(str(path), load_external_data=False)
+    locations = {e.value for t in model.graph.initializer for e in t.external_data if e.key == "location"}
+    if "gate_up" in fusions and locations:
+        onnx.external_data_helper.load_external_data_for_model(model, str(path.parent))
+    counts = {}
+    if "rotary" in fusions:
+        if cos_cache is None or sin_cache is None:
+            raise ValueError("the rotary fusion needs the cos/sin caches")
+        counts["rotary"] = _fuse_rotary(model, cos_cache, sin_cache, "position_ids")
+    if "skip_norm" in fusions:
+        counts["skip_norm"] = _fuse_skip_norm(model)
+    if "gate_up" in fusions:
+        counts["gate_up"] = _fuse_gate_up(model)
+    if any(counts.values()):
+        if not any(o.domain == MS_DOMAIN for o in model.opset_import):
+            model.opset_import.append(onnx.helper.make_opsetid(MS_DOMAIN, 1))
+        _prune(model)
+        if "gate_up" in fusions and locations:  # loaded above: written back to the graph's one data file
+            onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                            location=sorted(locations)[0])
+        else:
+            onnx.save_model(model, str(path))
+    return counts

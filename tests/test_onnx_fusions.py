@@ -1,0 +1,66 @@
+"""ONNX Runtime contrib-op fusions of medusa-build's graphs (engines/onnx_fusions.py, issue 13): every
+pattern of every layer is rewritten, and a fused engine decodes as the plain one does (greedy tokens
+equal; logits within float32 rounding)."""
+
+from __future__ import annotations
+
+import collections
+import json
+
+import onnx
+import pytest
+import torch
+
+from medusa_trt.engines.build import BuildError, BuildOptions, build_engine
+from medusa_trt.engines.onnx_fusions import FUSIONS
+from medusa_trt.modeling import MedusaModel
+from medusa_trt.runtime.decoding import GenerationConfig, decode
+from medusa_trt.runtime.ort_backend import OrtBackend
+
+
+def _ops(path) -> collections.Counter:
+    return collections.Counter(n.op_type for n in onnx.load(str(path), load_external_data=False).graph.node)
+
+
+@pytest.mark.parametrize("weights", ["float", "int4"])
+def test_fused_graphs(ort_engine, tiny_merged, weights):
+    engine = ort_engine(extra={"weights": weights})
+    layers = MedusaModel.from_checkpoint(tiny_merged("llama")).cfg.num_layers
+    info = json.loads((engine / "engine.json").read_text())["onnx"]
+    # Query and key rotated per layer; each layer's two norms and the final one follow a residual Add
+    # (the first input norm reads the embedding).
+    assert info["fusions"] == {"rotary": 2 * layers, "skip_norm": 2 * layers, "gate_up": layers}
+    for name in (info["file"], info["step_file"]):
+        ops = _ops(engine / name)
+        assert ops["RotaryEmbedding"] == 2 * layers and ops["SkipSimplifiedLayerNormalization"] == 2 * layers
+        assert ops["Neg"] == 0 and ops["Sin"] == 0 and ops["RMSNormalization"] == 1, (name, ops)
+        matmuls = ops["MatMulNBits"] if weights == "int4" else ops["MatMul"]
+        assert matmuls >= 4 * layers and ops["Split"] >= 2 * layers  # qkv, o, gate+up, down per layer
+
+
+@pytest.mark.parametrize("weights", ["float", "int4"])
+def test_fused_engine_decodes_as_plain_graph(ort_engine, weights):
+    fused, plain = ort_engine(extra={"weights": weights}), ort_engine(extra={"weights": weights, "fusions": []})
+    assert json.loads((plain / "engine.json").read_text())["onnx"]["fusions"] == {}
+    a, b = OrtBackend(fused, threads=1), OrtBackend(plain, threads=1)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, a.vocab_size, (2, 9), generator=g)
+    pos, mask = torch.arange(9).expand(2, 9), torch.ones(2, 9, 9, dtype=torch.bool).tril()
+    for backend in (a, b):
+        backend.start(2, 32)
+    (la, ma), (lb, mb) = a.forward(ids, pos, mask), b.forward(ids, pos, mask)
+    tol = 1e-4 if weights == "float" else 5e-2  # int4: activations are rounded to int8 per block
+    torch.testing.assert_close(la, lb, rtol=0, atol=tol * lb.abs().max().item())
+    torch.testing.assert_close(ma, mb, rtol=0, atol=tol * mb.abs().max().item())
+    if weights == "float":
+        cfg = GenerationConfig(max_new_tokens=12, medusa_choices=[[0], [0, 0], [1]])
+        prompts = [ids[0, :5].tolist(), ids[1].tolist()]
+        assert decode(a, prompts, cfg).tokens == decode(b, prompts, cfg).tokens
+
+
+def test_unknown_fusion_is_refused(tiny_merged, tmp_path):
+    with pytest.raises(BuildError, match="fusions"):
+        build_engine(BuildOptions(checkpoint=tiny_merged("llama"), out=tmp_path / "e", progress=False,
+                                  extra={"fusions": ["rotary", "gelu"]}))
+    assert not (tmp_path / "e").exists()
+    assert set(FUSIONS) == {"rotary", "skip_norm", "gate_up"}
