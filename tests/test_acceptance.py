@@ -17,8 +17,6 @@ import pytest
 import torch
 
 from medusa_trt.acceptance import (
-    CANDIDATE_TOPK,
-    candidate_index,
     candidates_from_topk,
     greedy_accept,
     sample_accept,
@@ -27,6 +25,7 @@ from medusa_trt.acceptance import (
     tree_candidates,
     typical_accept,
 )
+from medusa_trt.tree import CANDIDATE_TOPK, build_tree, candidate_index
 
 # --- trees, built from their definition: a prefix-closed set of rank paths, the root () = slot 0
 
@@ -258,13 +257,13 @@ def test_typical_accept_towards_temperature_zero_accepts_what_greedy_does(seed):
 
 
 def test_candidate_index_is_the_flat_position_in_heads_top_k():
-    for k in (CANDIDATE_TOPK, 3, 17):
-        flat = [(h, r) for h in range(4) for r in range(k)]  # [H * k], head-major
-        head = torch.tensor([h for h in range(4) for _ in range(3)])
-        rank = torch.tensor([0, 1, k - 1] * 4)
-        want = [flat.index((h, r)) for h, r in zip(head.tolist(), rank.tolist(), strict=True)]
-        assert candidate_index(head, rank, k).tolist() == want
-    assert candidate_index(torch.tensor([2]), torch.tensor([3])).tolist() == [2 * CANDIDATE_TOPK + 3]
+    """tree.candidate_index, the index the loop and the fused graph gather with: each non-root slot's
+    (head, rank) found in the head-major [H * k] layout by search."""
+    tree = build_tree([[0], [1], [0, 0], [2, 1], [0, 0, 3], [1, 0, 0, 1]], num_heads=4)
+    for k in (CANDIDATE_TOPK, 4, 17):
+        flat = [(h, r) for h in range(4) for r in range(k)]
+        want = [flat.index((int(h), int(r))) for h, r in zip(tree.head[1:], tree.rank[1:], strict=True)]
+        assert candidate_index(tree, k).tolist() == want
 
 
 @pytest.mark.parametrize("k", [CANDIDATE_TOPK, 4, 12])
@@ -277,7 +276,7 @@ def test_tree_candidates_equal_ranked_tokens_by_hand(k):
     rng = random.Random(k)
     head = [rng.randrange(heads) for _ in range(15)]
     rank = [rng.randrange(k) for _ in range(15)]
-    index = candidate_index(torch.tensor(head), torch.tensor(rank), k)
+    index = torch.tensor([h * k + r for h, r in zip(head, rank, strict=True)])  # head-major flat top-k
     got = tree_candidates(root, medusa, index, k)
     for b in range(batch):
         ranked = [[v for _, v in sorted((-float(medusa[h, b, v]), v) for v in range(vocab))] for h in range(heads)]

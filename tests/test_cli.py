@@ -7,9 +7,6 @@ from __future__ import annotations
 import ast
 import importlib
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -176,14 +173,3 @@ def _imports_cli_outside_main(path: Path) -> list[str]:
 def test_library_modules_hold_no_command_line():
     library = [p for p in (ROOT / "medusa_trt").rglob("*.py") if "cli" not in p.relative_to(ROOT).parts]
     assert [hit for p in library for hit in _imports_cli_outside_main(p)] == []
-
-
-@pytest.mark.parametrize("module", ["medusa_trt.serving.server", "medusa_trt.tools.demo"])
-def test_old_module_invocations_still_work(module):
-    """`python -m medusa_trt.serving.server` and `python -m medusa_trt.tools.demo` (the old `make serve`
-    and `make demo`) run the commands that moved to medusa_trt.cli."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    done = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, cwd=ROOT,
-                          env=env, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert "--repo" in done.stdout if module.endswith("server") else "--max-new-tokens" in done.stdout

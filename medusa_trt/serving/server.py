@@ -248,8 +248,3 @@ def running_server(repos: Path | Sequence[Path], *, http_port: int = 0, grpc_por
         if own:
             shutil.rmtree(work, ignore_errors=True)
 
-
-if __name__ == "__main__":  # `python -m medusa_trt.serving.server`, the old spelling of medusa-serve
-    from medusa_trt.cli.serve import main
-
-    sys.exit(main())

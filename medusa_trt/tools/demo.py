@@ -12,7 +12,6 @@ ways, in alternating order). Medusa greedy output must equal plain greedy output
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -104,8 +103,3 @@ def _user_message(chat_text: str) -> str:
     body = chat_text[start + len("<|im_start|>user\n"):]
     return body.split("<|im_end|>")[0]
 
-
-if __name__ == "__main__":  # `python -m medusa_trt.tools.demo`, the old spelling of `make demo`
-    from medusa_trt.cli.demo import main
-
-    sys.exit(main())
