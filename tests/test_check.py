@@ -152,7 +152,7 @@ def _torch_backend(tiny_merged, perturb_heads: bool = False):
 
 
 def _report():
-    from medusa_trt.tools.check import CheckReport
+    from medusa_trt.tools.parity import CheckReport
 
     return CheckReport("engine", "checkpoint", "torch", "float32", 1e-4)
 
@@ -162,7 +162,7 @@ def test_steps_feed_the_backends_what_the_decoding_loop_feeds(tiny_merged):
     (greedy): the same token ids, positions and masks, forward by forward, drafts accepted on the way
     (so the next tree comes from the accepted slot's heads, not the root's)."""
     from medusa_trt.runtime.decoding import GenerationConfig, decode
-    from medusa_trt.tools.check import _compare_steps
+    from medusa_trt.tools.parity import _compare_steps
     from medusa_trt.tree import tree_for_engine
 
     reference = _Recorder(_torch_backend(tiny_merged))
@@ -185,7 +185,7 @@ def test_steps_feed_the_backends_what_the_decoding_loop_feeds(tiny_merged):
 
 
 def test_step_comparison_is_exact_on_equal_backends_and_catches_a_head_fault(tiny_merged):
-    from medusa_trt.tools.check import _compare_steps
+    from medusa_trt.tools.parity import _compare_steps
 
     same = _report()
     _compare_steps(same, _torch_backend(tiny_merged), _torch_backend(tiny_merged), PROMPTS, 2, 1e-4, " [x]")

@@ -448,7 +448,7 @@ def test_medusa_check_on_fp8_engine(fp8_engine, tiny_merged, tmp_path):
     a float16 FP8 engine without --atol."""
     import shutil
 
-    from medusa_trt.tools.check import CheckInputError, run_check
+    from medusa_trt.tools.parity import CheckInputError, run_check
 
     ckpt, engine_dir = fp8_engine
     report = run_check(engine_dir, max_new_tokens=8, tree_steps=2)

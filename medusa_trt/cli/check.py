@@ -1,4 +1,4 @@
-"""medusa-check: compare an engine with the PyTorch reference (medusa_trt.tools.check)."""
+"""medusa-check: compare an engine with the PyTorch reference (medusa_trt.tools.parity)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from medusa_trt.cli.common import (
     read_prompts,
     run_cli,
 )
-from medusa_trt.tools.check import CheckInputError, run_check
+from medusa_trt.tools.parity import CheckInputError, run_check
 
 PROG = "medusa-check"
 
