@@ -230,7 +230,7 @@ def test_draft_vocabulary_heads(distilled, tmp_path):
 
     from medusa_trt.engines.build import BuildOptions, build_engine
     from medusa_trt.runtime.ort_backend import OrtBackend
-    from medusa_trt.tools.parity import main as check_main
+    from medusa_trt.cli.check import main as check_main
 
     m = distilled("llama")
     heads = tmp_path / "heads"

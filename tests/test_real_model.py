@@ -88,7 +88,7 @@ def test_medusa_greedy_equals_transformers(smollm2, oracle):
 
 
 def test_medusa_check_passes(smollm2):
-    from medusa_trt.tools.parity import main as check_main
+    from medusa_trt.cli.check import main as check_main
 
     assert check_main(["--engine", str(smollm2[2]), "--checkpoint", str(smollm2[1]), "--max-new-tokens", "12",
                        "--tree-steps", "2"]) == 0
