@@ -19,7 +19,7 @@ held-out text (never used for calibration or head training):
 Variants: FP8 linears; FP8 linears + FP8 KV cache. The model: --assets DIR (a trained base/ and
 heads/ with prompts_calib.jsonl and prompts_heldout.jsonl, as scripts/train_demo_model.py writes)
 when given, else a random Llama (transformers) with Medusa heads self-distilled on its own greedy
-continuations (medusa_trt.tools.train_heads), as tests/test_decoding.py's `distilled` fixture makes them.
+continuations (medusa_trt.tools.train_heads), as tests/runtime/test_decoding.py's `distilled` fixture makes them.
 A random base has flat, near-tied logits, so its agreement figures are a floor for trained models.
 
     .venv/bin/python benchmarks/bench_fp8.py [--assets assets/demo_model] [--workdir build/bench_fp8]

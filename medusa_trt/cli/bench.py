@@ -20,6 +20,7 @@ from medusa_trt.cli.common import (
     add_quiet_arg,
     add_sampling_args,
     add_source_args,
+    add_spin_arg,
     add_threads_arg,
     add_tree_arg,
     new_parser,
@@ -51,6 +52,7 @@ def parser() -> argparse.ArgumentParser:
                    "(default: the base recorded in the engine's checkpoint)")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers generate baseline")
     add_threads_arg(p, help="engine intra-op threads (default: one per core); small models often decode fastest on one")
+    add_spin_arg(p)
     add_sampling_args(p, typical=False, seed=0, seed_help="sample: generator seed of every run",
                       acceptance_help="Medusa acceptance; typical and sample are compared with plain sampling")
     add_json_report_arg(p, help="write all figures to this file")
@@ -85,7 +87,7 @@ def _main(argv: list[str] | None = None) -> int:
             except BenchError as e:  # the engine still benchmarks; only the baseline is missing
                 hf_note = str(e)
                 print(f"{PROG}: warning: skipping the transformers baseline: {e}", file=sys.stderr)
-        backend = load_backend(args.engine, threads=args.threads)
+        backend = load_backend(args.engine, threads=args.threads, spin=args.spin)
         tok = load_tokenizer(args.engine)
         _, prompts = load_prompts(args.prompts, tok, args.limit)
         stops = stop_tokens(args.engine, tok)

@@ -191,6 +191,13 @@ def add_threads_arg(p: argparse.ArgumentParser, *, default: int | None = None,
     _add(p, "--threads", old, type=int, default=default, help=help)
 
 
+def add_spin_arg(p: argparse.ArgumentParser) -> None:
+    """For commands that decode on an ONNX Runtime engine (load_backend's `spin`)."""
+    p.add_argument("--spin", action="store_true", help="ONNX Runtime worker threads spin between ops instead of "
+                   "sleeping: faster with 2+ threads on cores the engine has to itself, much slower on a "
+                   "shared machine (default: off)")
+
+
 PROMPTS_HELP = ".txt (one prompt a line) or .jsonl with 'text'"
 
 

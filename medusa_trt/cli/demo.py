@@ -9,6 +9,7 @@ from pathlib import Path
 from medusa_trt.cli.common import (
     add_max_new_tokens_arg,
     add_prompts_arg,
+    add_spin_arg,
     add_threads_arg,
     add_tree_arg,
     new_parser,
@@ -27,6 +28,7 @@ def parser() -> argparse.ArgumentParser:
     add_max_new_tokens_arg(p, default=128)
     add_tree_arg(p, help="tree (default: the tuned tree beside the heads)")
     add_threads_arg(p, help="ONNX Runtime intra-op threads")
+    add_spin_arg(p)
     return p
 
 

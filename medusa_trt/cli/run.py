@@ -11,6 +11,7 @@ from medusa_trt.cli.common import (
     add_prompts_arg,
     add_sampling_args,
     add_source_args,
+    add_spin_arg,
     add_threads_arg,
     add_tree_arg,
     new_parser,
@@ -36,6 +37,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="checkpoint dtype override")
     p.add_argument("--device", default=None, help="engine device (cpu, cuda)")
     add_threads_arg(p)
+    add_spin_arg(p)
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of text")
     return p
 
@@ -57,7 +59,7 @@ def _main(argv: list[str] | None = None) -> int:
         check_number(args.max_new_tokens, "--max-new-tokens", positive=True)
         check_number(args.threads, "--threads", positive=True)
         directory = args.engine or args.checkpoint
-        backend = load_backend(directory, dtype=args.dtype, device=args.device, threads=args.threads)
+        backend = load_backend(directory, dtype=args.dtype, device=args.device, threads=args.threads, spin=args.spin)
         tok = load_tokenizer(directory)
         extra = {"medusa_choices": args.medusa_choices} if args.medusa_choices is not None else {}
         cfg = GenerationConfig(

@@ -14,6 +14,7 @@ from medusa_trt.cli.common import (
     add_prompts_arg,
     add_quiet_arg,
     add_source_args,
+    add_spin_arg,
     add_threads_arg,
     new_parser,
     run_cli,
@@ -44,6 +45,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-measure", action="store_true", help="predict only; skip the measured comparison")
     add_threads_arg(p, help="engine intra-op threads (default: one per core); tune with the setting you will "
                     "decode with")
+    add_spin_arg(p)
     add_quiet_arg(p)
     return p
 
@@ -59,7 +61,7 @@ def _main(argv: list[str] | None = None) -> int:
                 raise BenchError(f"--{name.replace('_', '-')} {getattr(args, name)}: expected >= 1")
         if not args.engine.is_dir():
             raise BenchError(f"{args.engine}: --engine directory not found")
-        backend = load_backend(args.engine, threads=args.threads)
+        backend = load_backend(args.engine, threads=args.threads, spin=args.spin)
         tok = load_tokenizer(args.engine)
         _, calib = load_prompts(args.prompts, tok, args.limit)
         stops = stop_tokens(args.engine, tok)

@@ -16,9 +16,11 @@ def _merged_config(directory: Path) -> dict:
 
 
 def load_backend(directory: str | Path, dtype: str | None = None, device: str | None = None,
-                 threads: int | None = None) -> Backend:
+                 threads: int | None = None, spin: bool = False) -> Backend:
     """An engine dir (engine.json) opens its engine; a merged checkpoint opens the PyTorch reference.
-    `threads`: ONNX Runtime intra-op threads (default: one per core this process may use)."""
+    `threads`: ONNX Runtime intra-op threads (default: one per core this process may use); `spin`:
+    its worker threads spin between ops (for cores the engine has to itself; see
+    ort_backend.session_options)."""
     directory = Path(directory)
     if threads is not None and threads < 1:
         raise EngineError(f"threads {threads}: expected a positive number (or none: one per core)")
@@ -29,7 +31,7 @@ def load_backend(directory: str | Path, dtype: str | None = None, device: str | 
         if kind == "onnxruntime":
             from medusa_trt.runtime.ort_backend import OrtBackend
 
-            return OrtBackend(directory, device=device, threads=threads)
+            return OrtBackend(directory, device=device, threads=threads, spinning=spin)
         if kind == "tensorrt":
             from medusa_trt.runtime.trt_backend import TensorRTBackend
 

@@ -46,8 +46,11 @@ def session_options(threads: int | None = None, *, spinning: bool = False, level
                     prepack: bool = True):
     """Options measured on a 2-core CPU for decoding (benchmarks/bench_onnx.py --sweep-options): all
     graph optimizations (they fuse RMSNorm, SiLU and MatMul+Transpose), one intra-op thread per core
-    this process may use, sequential execution (the graph is a chain), and no spinning: a spinning
-    worker only burns a core that the next op or another process needs.
+    this process may use, sequential execution (the graph is a chain), and no spinning by default: a
+    spinning worker burns a core that another process may need, and on a shared machine steps get
+    much slower. On cores the engine has to itself, `spinning=True` (ONNX Runtime's own default) saves
+    a thread wake-up per op, which is what a second thread gains in a short int4 step
+    (BENCHMARKS.md, issue 13).
 
     QDQ fusions are off: at the extended level ONNX Runtime 1.31 rewrites DequantizeLinear -> MatMul
     into MatMulIntegerToFloat, which rejects the float8 inputs of FP8 engines (engine.json's
@@ -107,7 +110,7 @@ class SharedWeights:
 
 
 def make_session(onnx_path: str | Path, device: str = "cpu", threads: int | None = None, prepack: bool = True,
-                 weights: SharedWeights | None = None):
+                 weights: SharedWeights | None = None, spinning: bool = False):
     """An InferenceSession on exactly `device`: a missing provider is an error, never a CPU fall back.
     `weights`: the engine's shared weights file, mapped once for all its sessions."""
     import onnxruntime as ort
@@ -121,7 +124,7 @@ def make_session(onnx_path: str | Path, device: str = "cpu", threads: int | None
         raise EngineError(f"device {device!r} needs ONNX Runtime's {provider}, which this onnxruntime "
                           f"{ort.__version__} lacks{hint}; available: {', '.join(available)}")
     providers = [provider] if device == "cpu" else [provider, "CPUExecutionProvider"]  # CPU only for shape ops
-    so = session_options(threads, prepack=prepack)
+    so = session_options(threads, prepack=prepack, spinning=spinning)
     if weights is not None:
         for name, value in weights.initializers(Path(onnx_path)).items():
             so.add_initializer(name, value)
@@ -140,7 +143,8 @@ class OrtBackend:
 
     host_threads = 1  # torch threads for the decoding loop's own small ops (see decoding.generate)
 
-    def __init__(self, engine_dir: str | Path, device: str | None = None, threads: int | None = None):
+    def __init__(self, engine_dir: str | Path, device: str | None = None, threads: int | None = None,
+                 spinning: bool = False):
         self.engine_dir = Path(engine_dir)
         if threads is not None and threads < 1:
             raise EngineError(f"threads {threads}: expected >= 1 (or None: one per core)")
@@ -163,15 +167,15 @@ class OrtBackend:
         # release the file's pages, which a shared initializer would pin (measured: 2.0 vs 1.5 GB).
         shared = weights_file and not prepack and self.device == "cpu"
         self._weights = SharedWeights(self.engine_dir / weights_file) if shared else None
-        self.session = make_session(onnx_path, self.device, threads, prepack, self._weights)
+        self.session = make_session(onnx_path, self.device, threads, prepack, self._weights, spinning)
         heads_file = onnx_info.get("heads_file")
         self.heads_session = make_session(self.engine_dir / heads_file, self.device, threads, prepack,
-                                          self._weights) if heads_file else None
+                                          self._weights, spinning) if heads_file else None
         # The fused greedy step (one call per step) on the CPU; on CUDA greedy steps take the
         # forward + heads path, whose outputs stay bound in device memory.
         step_file = onnx_info.get("step_file") if self.device == "cpu" else None
         self.step_session = make_session(self.engine_dir / step_file, self.device, threads, prepack,
-                                         self._weights) if step_file else None
+                                         self._weights, spinning) if step_file else None
         self.fused_step_topk = onnx_info.get("step_topk") if step_file else None
         self._check_graphs(engine)
         self.num_layers, self.num_kv_heads = model["num_layers"], model["num_kv_heads"]

@@ -42,7 +42,7 @@ def run_demo(args) -> int:
         print(f"1-2/3 reusing {engine_dir} (delete {work} to rebuild)")
     print(f"    setup took {time.perf_counter() - t0:.0f} s")
 
-    backend = load_backend(engine_dir, threads=args.threads)
+    backend = load_backend(engine_dir, threads=args.threads, spin=args.spin)
     tok = load_tokenizer(engine_dir)
     stops = stop_tokens(engine_dir, tok)
     tree = args.medusa_choices or (str(args.heads.parent / "tree.json")

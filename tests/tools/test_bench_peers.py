@@ -11,7 +11,7 @@ import pytest
 from medusa_trt.tools.bench import ModeSummary
 
 _spec = importlib.util.spec_from_file_location(
-    "bench_peers", Path(__file__).resolve().parents[1] / "benchmarks" / "bench_peers.py")
+    "bench_peers", Path(__file__).resolve().parents[2] / "benchmarks" / "bench_peers.py")
 bench_peers = importlib.util.module_from_spec(_spec)
 sys.modules["bench_peers"] = bench_peers  # dataclasses look their module up there
 _spec.loader.exec_module(bench_peers)

@@ -56,6 +56,19 @@ def test_engine_dir_opens_its_engine(ort_engine, tiny_merged):
     assert greedy(backend) == greedy(load_backend(tiny_merged("llama")))
 
 
+def test_spin_reaches_every_session(ort_engine):
+    """`spin` (medusa-run --spin) sets ONNX Runtime's intra-op spinning on all of an engine's sessions;
+    the default stays off (a shared machine), and the tokens do not depend on it."""
+    engine = ort_engine("llama")
+    key = "session.intra_op.allow_spinning"
+    quiet, spinning = load_backend(engine, threads=2), load_backend(engine, threads=2, spin=True)
+    for backend, want in ((quiet, "0"), (spinning, "1")):
+        sessions = [backend.session, backend.heads_session, backend.step_session]
+        assert all(s is not None for s in sessions)
+        assert [s.get_session_options().get_session_config_entry(key) for s in sessions] == [want] * 3
+    assert greedy(spinning) == greedy(quiet)
+
+
 def test_bad_directories(tmp_path, tiny_base, ort_engine):
     with pytest.raises(EngineError, match=r"threads 0: expected a positive number"):
         load_backend(tmp_path, threads=0)

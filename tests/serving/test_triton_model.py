@@ -1,4 +1,4 @@
-"""The Python-backend model's logic in-process (tests/test_triton_server.py runs it inside a real
+"""The Python-backend model's logic in-process (tests/serving/test_triton_server.py runs it inside a real
 tritonserver): multi-row requests, grouping, a client that goes away, the checks on each input."""
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from medusa_trt.cli import triton as triton_cli
 from medusa_trt.cli import tune_tree as tune_cli
 from medusa_trt.cli.serve import main as serve_main
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass

@@ -17,7 +17,7 @@ from medusa_trt.cli import train_heads as train_cli
 from medusa_trt.cli import triton as triton_cli
 from medusa_trt.cli import tune_tree as tune_cli
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def console_scripts() -> dict[str, str]:

@@ -20,7 +20,7 @@ from medusa_trt.runtime.decoding import GenerationConfig, decode
 from medusa_trt.tools.train_heads import greedy_continuations
 
 WORDS = "def return class import self value items print range list dict open with for in if else".split()
-DEMO = Path(__file__).resolve().parent.parent / "assets" / "demo_model"
+DEMO = Path(__file__).resolve().parents[2] / "assets" / "demo_model"
 
 
 def write_data(path: Path, n: int = 40, seed: int = 0) -> Path:

@@ -20,7 +20,7 @@ from medusa_trt.engines.onnx_export import past_names
 from medusa_trt.modeling import MedusaModel, dequantize_int4, quantize_int4, quantize_model_int4
 from medusa_trt.runtime.decoding import GenerationConfig, decode
 from medusa_trt.runtime.ort_backend import EngineError, OrtBackend, make_session
-from tests.test_onnx_export import ATOL, make_inputs
+from tests.engines.test_onnx_export import ATOL, make_inputs
 
 INT4 = {"weights": "int4", "int4_block_size": 32}
 

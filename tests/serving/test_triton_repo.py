@@ -1,6 +1,6 @@
 """medusa-triton: repository layout, every config.pbtxt parsed with Triton's own schema, the
 ensemble wiring, brace-form trees, atomic writes and clear errors. No server here
-(tests/test_triton_server.py runs one)."""
+(tests/serving/test_triton_server.py runs one)."""
 
 from __future__ import annotations
 
