@@ -84,8 +84,8 @@ def _quantization_part(config: dict) -> dict | None:
 
 # -- int4 weights (medusa-build --weights int4; engine.json "weights" section) ----------------------
 # Chosen on a 2-core AVX-512 VNNI CPU with ONNX Runtime 1.31 (BENCHMARKS.md, issue 13): accuracy
-# level 4 (int8 activations per block) runs SmolLM2-135M-sized MatMuls 2-6x faster than level 0,
-# which is slower than float32 below the lm_head's size; block 32 was fastest at one row.
+# level 4 (int8 activations per block) runs SmolLM2-135M-sized MatMuls several times faster than
+# level 0, which is slower than float32 below the lm_head's size; block 32 was fastest at one row.
 INT4_DEFAULT_BLOCK_SIZE = 32
 INT4_DEFAULT_ACCURACY_LEVEL = 4
 
@@ -162,7 +162,7 @@ def _build_onnxruntime(opts: BuildOptions, config: dict, workdir: Path) -> dict:
             raise BuildError(str(e)) from None
         fusions = _ort_fusions(opts, config, model, [result.path, result.step_path])
         # One copy of the weights for all graphs (engines/onnx_weights.py): the step graph and the
-        # heads graph would otherwise repeat the decoder's (1.4 GB for a 538 MB model).
+        # heads graph would otherwise repeat the decoder's (the directory was 2.6x its weights).
         shared = share_weights([p for p in (result.path, result.heads_path, result.step_path) if p is not None])
         log.info("%s: %.0f MB of graph weights stored as %.0f MB (%d tensors)", shared.path,
                  shared.graph_bytes / 1e6, shared.file_bytes / 1e6, shared.tensors)

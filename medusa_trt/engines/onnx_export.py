@@ -13,7 +13,7 @@ a 2-core CPU with 10M and 100M-parameter models (benchmarks/bench_onnx.py):
   K/V each copy the committed prefix once per layer and step;
 - attention as the opset-23 `Attention` op by default (ATTENTION_FORMS lists the alternatives);
 - Medusa heads as one 2-D MatMul per head: ONNX Runtime prepacks 2-D constant weights, and the
-  reference's batched einsum runs 3-8x slower there.
+  reference's batched einsum runs several times slower there.
 
 FP8 checkpoints export as explicit quantization (opset >= 19), the form TensorRT builds FP8 engines
 from: each quantized Linear's weight is a float8e4m3fn initializer behind DequantizeLinear with its

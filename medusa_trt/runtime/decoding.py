@@ -150,7 +150,7 @@ def generate(backend: Backend, prompts: list[list[int]], cfg: GenerationConfig,
     """Decodes all prompts together, yielding each step's new tokens. `stats` (one per prompt) is
     filled in place when given. `seeds` (one per prompt, `sample` only) replaces cfg.seed + i."""
     # An engine computes on its own threads; the loop's torch ops are tiny, and more torch threads
-    # only contend with the engine for the same cores (measured 4x slower steps on 2 cores).
+    # only contend with the engine for the same cores, which slows its steps several times.
     threads = getattr(backend, "host_threads", None)
     saved = torch.get_num_threads()
     if threads:

@@ -164,7 +164,7 @@ class OrtBackend:
         weights_file = onnx_info.get("weights_file")
         # The sessions keep references to the mapped tensors; self keeps the mapping alive as long.
         # Only without prepacking: a prepacking session keeps its packed copy and lets ONNX Runtime
-        # release the file's pages, which a shared initializer would pin (measured: 2.0 vs 1.5 GB).
+        # release the file's pages, which a shared initializer would pin (BENCHMARKS.md, issue 13 memory).
         shared = weights_file and not prepack and self.device == "cpu"
         self._weights = SharedWeights(self.engine_dir / weights_file) if shared else None
         self.session = make_session(onnx_path, self.device, threads, prepack, self._weights, spinning)

@@ -161,8 +161,8 @@ def train_heads(
 
     Heads start as the identity ResBlock (zero weights) with the base's lm_head, the way upstream
     initializes them, so step 0 already predicts "the next token" and training only has to learn
-    the shift. AdamW with a cosine schedule; `bf16` runs the matmuls under CPU bf16 autocast (2-5x
-    faster on CPUs with AVX512-BF16 / AMX, master weights stay float32). `history` receives the
+    the shift. AdamW with a cosine schedule; `bf16` runs the matmuls under CPU bf16 autocast (faster
+    on CPUs with AVX512-BF16 / AMX, master weights stay float32). `history` receives the
     loss of every step; `pairs` (from head_pairs) skips recomputing the hidden states, and with
     `lm_head` (the base's output matrix [V, d]) `model` is not needed at all. `vocab` (token ids,
     shared lm_head only) restricts the softmax to those tokens: a large vocabulary's lm_head
