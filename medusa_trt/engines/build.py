@@ -162,7 +162,7 @@ def _build_onnxruntime(opts: BuildOptions, config: dict, workdir: Path) -> dict:
             raise BuildError(str(e)) from None
         fusions = _ort_fusions(opts, config, model, [result.path, result.step_path])
         # One copy of the weights for all graphs (engines/onnx_weights.py): the step graph and the
-        # heads graph would otherwise repeat the decoder's (the directory was 2.6x its weights).
+        # heads graph would otherwise each repeat the decoder's weights.
         shared = share_weights([p for p in (result.path, result.heads_path, result.step_path) if p is not None])
         log.info("%s: %.0f MB of graph weights stored as %.0f MB (%d tensors)", shared.path,
                  shared.graph_bytes / 1e6, shared.file_bytes / 1e6, shared.tensors)
