@@ -1,0 +1,88 @@
+"""Does an engine compute a position the same in a one-row step and inside a many-row forward?
+And where Medusa greedy departs from plain greedy, how close was the base's top-2 there? (issue 13)
+
+Float32 engines differ only by rounding (~1e-5), so Medusa greedy equals plain greedy. int4 engines
+(MatMulNBits) may compute a row differently depending on the MatMul's row count; a tree step then
+sees other base logits than a plain step, and a near-tie flips.
+
+    python benchmarks/bench_row_invariance.py build/real/engine build/real/engine_int4 [--prompts 8]
+        [--diverge 32 --medusa-choices-int4 medusa_trt/assets/smollm2/tree_int4.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+from bench_peers import read_prompts  # the held-out prompts as the peers benchmark renders them
+from tqdm import tqdm
+
+from medusa_trt.runtime.decoding import GenerationConfig, decode, prefill
+from medusa_trt.runtime.loading import load_backend, load_tokenizer, stop_tokens
+
+ASSETS = Path(__file__).resolve().parents[1] / "medusa_trt" / "assets" / "smollm2"
+
+
+def row_difference(backend, prompts) -> dict:
+    """Last-position logits from one forward over the whole prompt vs prefill of all but the last
+    token plus one one-row step."""
+    diffs, flips = [], 0
+    for q in prompts:
+        ids = q.ids
+        backend.start(1, len(ids) + 4)
+        many, _ = prefill(backend, [ids])
+        backend.start(1, len(ids) + 4)
+        prefill(backend, [ids[:-1]])
+        one, _ = backend.forward(torch.tensor([[ids[-1]]]), backend.lengths[:, None],
+                                 torch.ones(1, 1, 1, dtype=torch.bool), with_heads=False)
+        diffs.append(float((many[0] - one[0, 0]).abs().max()))
+        flips += int(many[0].argmax() != one[0, 0].argmax())
+    return {"max_abs_logit_diff_median": statistics.median(diffs), "max": max(diffs), "argmax_flips": flips}
+
+
+def divergence(backend, prompts, tree, stops) -> dict:
+    """Medusa vs plain greedy per prompt; at the first differing token, the base's top-2 margin."""
+    plain = GenerationConfig(max_new_tokens=128, use_medusa=False, stop_token_ids=stops)
+    medusa = GenerationConfig(max_new_tokens=128, medusa_choices=tree, stop_token_ids=stops)
+    margins = []
+    for q in tqdm(prompts, desc="divergence", file=sys.stderr):
+        p, m = decode(backend, [q.ids], plain).tokens[0], decode(backend, [q.ids], medusa).tokens[0]
+        if p == m:
+            continue
+        i = next((k for k in range(min(len(p), len(m))) if p[k] != m[k]), min(len(p), len(m)))
+        backend.start(1, len(q.ids) + len(p) + 4)
+        logits, _ = prefill(backend, [q.ids + p[:i]])
+        top = logits[0].topk(2).values
+        margins.append(float(top[0] - top[1]))
+    return {"prompts": len(prompts), "equal_to_plain": len(prompts) - len(margins),
+            "top2_margin_at_divergence_median": statistics.median(margins) if margins else None}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench_row_invariance", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("engines", nargs="+", type=Path)
+    p.add_argument("--prompts", type=int, default=8, help="held-out prompts for the row comparison")
+    p.add_argument("--diverge", type=int, default=0, help="held-out prompts for the divergence analysis (0: skip)")
+    p.add_argument("--medusa-choices", default=str(ASSETS / "tree.json"))
+    p.add_argument("--medusa-choices-int4", default=str(ASSETS / "tree_int4.json"))
+    args = p.parse_args(argv)
+    report = {}
+    for engine in args.engines:
+        backend, tok = load_backend(engine, threads=1), load_tokenizer(engine)
+        prompts = read_prompts(ASSETS / "prompts_heldout.jsonl", tok, max(args.prompts, args.diverge))
+        report[str(engine)] = row_difference(backend, prompts[: args.prompts])
+        if args.diverge:
+            int4 = json.loads((engine / "engine.json").read_text()).get("weights", {}).get("format") == "int4"
+            tree = args.medusa_choices_int4 if int4 else args.medusa_choices
+            report[str(engine)].update(divergence(backend, prompts[: args.diverge], tree, stop_tokens(engine, tok)))
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
