@@ -36,17 +36,13 @@ def parser() -> argparse.ArgumentParser:
 
 def _main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    try:
-        prompts = None
-        if args.prompts is not None:
-            prompts = read_prompts(args.prompts)
-        if args.max_new_tokens < 1 or args.tree_steps < 0:
-            raise CheckInputError("--max-new-tokens must be >= 1 and --tree-steps >= 0")
-        report = run_check(args.engine, args.checkpoint, prompts, max_new_tokens=args.max_new_tokens,
-                           tree_steps=args.tree_steps, device=args.device, atol=args.atol)
-    except CheckInputError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
+    prompts = None
+    if args.prompts is not None:
+        prompts = read_prompts(args.prompts)
+    if args.max_new_tokens < 1 or args.tree_steps < 0:
+        raise CheckInputError("--max-new-tokens must be >= 1 and --tree-steps >= 0")
+    report = run_check(args.engine, args.checkpoint, prompts, max_new_tokens=args.max_new_tokens,
+                       tree_steps=args.tree_steps, device=args.device, atol=args.atol)
     print(f"{PROG}: {report.engine} ({report.backend}, {report.dtype}) vs {report.checkpoint} (PyTorch float32)")
     for w in report.warnings:
         print(f"{PROG}: warning: {w}")

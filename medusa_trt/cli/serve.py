@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from medusa_trt.cli.common import new_parser, run_cli
-from medusa_trt.serving.server import ServerError, running_server
+from medusa_trt.serving.server import running_server
 
 PROG = "medusa-serve"
 
@@ -52,9 +52,6 @@ def _main(argv: Sequence[str] | None = None) -> int:
             print(f"{PROG}: error: tritonserver exited with status {server.process.returncode}; "
                   f"{server.log_summary()}", file=sys.stderr)
             return 1
-    except ServerError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print(f"{PROG}: stopped")
         return 0

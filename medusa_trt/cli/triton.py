@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from medusa_trt.cli.common import add_source_args, add_threads_arg, add_tree_arg, new_parser, run_cli
-from medusa_trt.serving.triton_repo import RepoError, write_triton_repo
+from medusa_trt.serving.triton_repo import write_triton_repo
 from medusa_trt.tree import DEFAULT_TREE
 
 PROG = "medusa-triton"
@@ -38,17 +38,13 @@ def parser() -> argparse.ArgumentParser:
 
 def _main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    try:
-        out = write_triton_repo(
-            args.engine, args.out, model_name=args.model_name, max_batch_size=args.max_batch_size,
-            medusa_choices=args.medusa_choices, decoupled=args.decoupled, acceptance=args.acceptance,
-            max_input_len=args.max_input_len, max_output_len=args.max_output_len,
-            max_queue_delay_us=args.max_queue_delay_us, device=args.device,
-            intra_op_threads=args.threads, tokenizer_dir=args.tokenizer_dir, force=args.force,
-        )
-    except RepoError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
+    out = write_triton_repo(
+        args.engine, args.out, model_name=args.model_name, max_batch_size=args.max_batch_size,
+        medusa_choices=args.medusa_choices, decoupled=args.decoupled, acceptance=args.acceptance,
+        max_input_len=args.max_input_len, max_output_len=args.max_output_len,
+        max_queue_delay_us=args.max_queue_delay_us, device=args.device,
+        intra_op_threads=args.threads, tokenizer_dir=args.tokenizer_dir, force=args.force,
+    )
     models = sorted(p.parent.name for p in out.glob("*/config.pbtxt"))
     print(f"{PROG}: wrote {out} (models: {', '.join(models)}); serve it with: medusa-serve --repo {out}")
     return 0

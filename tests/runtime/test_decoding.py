@@ -228,9 +228,9 @@ def test_draft_vocabulary_heads(distilled, tmp_path):
     engine's fused step drafts from the subset; greedy output still equals transformers'."""
     import shutil
 
+    from medusa_trt.cli.check import main as check_main
     from medusa_trt.engines.build import BuildOptions, build_engine
     from medusa_trt.runtime.ort_backend import OrtBackend
-    from medusa_trt.cli.check import main as check_main
 
     m = distilled("llama")
     heads = tmp_path / "heads"
