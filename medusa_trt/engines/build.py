@@ -90,6 +90,18 @@ INT4_DEFAULT_BLOCK_SIZE = 32
 INT4_DEFAULT_ACCURACY_LEVEL = 4
 
 
+def default_attention(opset: int, weights: dict) -> str:
+    """The fastest exact attention form: int4 weights with int8 activations (accuracy level 4) turn
+    float32 rounding noise into different logits, so their tree rows and one-row steps agree only
+    with float64 attention ("row_exact", engines/onnx_export.py; it costs ~15% of an int4 step,
+    BENCHMARKS.md); float engines keep the fused Attention op ("split" below opset 23)."""
+    from medusa_trt.engines.onnx_export import DEFAULT_ATTENTION
+
+    if weights.get("format") == "int4" and weights.get("accuracy_level") == 4:
+        return "row_exact"
+    return DEFAULT_ATTENTION if opset >= 23 else "split"
+
+
 def _quantize_int4(opts: BuildOptions, config: dict, model) -> dict:
     """Quantizes `model` in place for --weights int4; returns engine.json's "weights" section."""
     from medusa_trt.modeling import INT4_ACCURACY_LEVELS, INT4_BLOCK_SIZES, quantize_model_int4
@@ -138,12 +150,11 @@ def _ort_fusions(opts: BuildOptions, config: dict, model, graphs: list) -> dict[
 
 
 def _build_onnxruntime(opts: BuildOptions, config: dict, workdir: Path) -> dict:
-    from medusa_trt.engines.onnx_export import DEFAULT_ATTENTION, DEFAULT_OPSET, export_onnx
+    from medusa_trt.engines.onnx_export import DEFAULT_OPSET, export_onnx
     from medusa_trt.engines.onnx_weights import share_weights
     from medusa_trt.modeling import MedusaModel
 
     opset = opts.opset or DEFAULT_OPSET
-    attention = opts.attention or (DEFAULT_ATTENTION if opset >= 23 else "split")
     dtype = resolve_dtype(opts, config)
     steps = ["load checkpoint", "export ONNX"]
     bar = progress_bar(len(steps), opts.progress, "medusa-build")
@@ -153,6 +164,7 @@ def _build_onnxruntime(opts: BuildOptions, config: dict, workdir: Path) -> dict:
         weights = {"format": "float"}
         if opts.extra.get("weights", "float") == "int4":
             weights = _quantize_int4(opts, config, model)
+        attention = opts.attention or default_attention(opset, weights)
         bar.update()
         bar.set_postfix_str(steps[1])
         try:

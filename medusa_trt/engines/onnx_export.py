@@ -122,6 +122,29 @@ def split_attention(q, k, v, past_k, past_v, mask):
     return out.reshape(b, hq, s, d)
 
 
+def row_exact_attention(q, k, v, past_k, past_v, mask):
+    """Scores, softmax and the weighted sum in float64, rounded back to the model dtype once.
+
+    A row's float32 attention depends on how many rows the step has and where its visible keys sit
+    (kernels pick other blockings and reduction orders), so a one-row plain step and a tree row see
+    the same position's output differ in the last bits. Float32 engines absorb that (Medusa greedy
+    still equals plain greedy), but MatMulNBits at accuracy level 4 rounds its input to int8 per
+    block: one bit of noise at a rounding boundary moves a whole quantum, and over 30 layers the
+    logits of the two paths differ by ~0.6 and greedy tokens part at near-ties. In float64 the
+    differences stay ~1e-16 relative, far below float32's rounding step, so the rounded output is
+    the same bits whatever the row count or tree (BENCHMARKS.md, issue 13: int4 row invariance)."""
+    b, hq, s, d = q.shape
+    keys = torch.cat([past_k, k], dim=2).double()  # the past is copied once either way (see "concat")
+    values = torch.cat([past_v, v], dim=2).double()
+    hkv = keys.shape[1]
+    # GQA by query grouping, as in split_attention: query head h reads KV head h // (hq // hkv).
+    qg = (q.double() * (1.0 / math.sqrt(d))).reshape(b, hkv, (hq // hkv) * s, d)
+    scores = torch.matmul(qg, keys.transpose(-1, -2)).reshape(b, hkv, hq // hkv, s, -1)
+    scores = scores.masked_fill(~mask[:, None, None], torch.finfo(torch.float64).min)
+    probs = torch.softmax(scores, dim=-1).reshape(b, hkv, (hq // hkv) * s, -1)
+    return torch.matmul(probs, values).reshape(b, hq, s, d).to(q.dtype)
+
+
 @functools.cache
 def _fused_attention_op() -> Callable:
     """A custom op standing for one layer's attention, so the exporter can translate it to a fused
@@ -339,6 +362,8 @@ ATTENTION_FORMS: dict[str, AttentionForm] = {
                                  "standard ONNX Attention (opset 23) with past_key/past_value inputs"),
     "mha": AttentionForm(fused_attention, _mha_translation, MIN_OPSET,
                          "ONNX Runtime com.microsoft MultiHeadAttention, KV heads repeated"),
+    "row_exact": AttentionForm(row_exact_attention, None, MIN_OPSET,
+                               "plain ops in float64: a row's output does not depend on the step's other rows"),
 }
 # Measured fastest on a 2-core CPU for decode and tree steps at 10M and 100M parameters
 # (benchmarks/bench_onnx.py --sweep-attention); "split" is the fallback below opset 23.

@@ -18,7 +18,7 @@ import torch
 from medusa_trt.cli.check import main as check_main
 from medusa_trt.engines.onnx_export import past_names
 from medusa_trt.modeling import MedusaModel, dequantize_int4, quantize_int4, quantize_model_int4
-from medusa_trt.runtime.decoding import GenerationConfig, decode
+from medusa_trt.runtime.decoding import GenerationConfig, decode, prefill
 from medusa_trt.runtime.ort_backend import EngineError, OrtBackend, make_session
 from tests.engines.test_onnx_export import ATOL, make_inputs
 
@@ -90,6 +90,63 @@ def test_int4_medusa_greedy_equals_plain(ort_engine):
     backend.step_session = None
     backend.fused_step_topk = None
     assert decode(backend, prompts, GenerationConfig(max_new_tokens=32, use_medusa=True)).tokens == plain
+
+
+def _one_row_logits(backend, ids: list[int], start: int) -> torch.Tensor:
+    """Logits of ids[start:], each from its own one-row step after the prefix (plain decoding)."""
+    backend.start(1, len(ids) + 8)
+    prefill(backend, [ids[:start]])
+    rows = []
+    for t in ids[start:]:
+        logits, _ = backend.forward(torch.tensor([[t]]), backend.lengths[:, None], torch.ones(1, 1, 1, dtype=torch.bool),
+                                    with_heads=False)
+        backend.commit(torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long))
+        rows.append(logits[0, 0])
+    return torch.stack(rows)
+
+
+def _tree_logits(backend, ids: list[int], start: int) -> torch.Tensor:
+    """Logits of ids[start:] as one path of a tree step, each path node followed by a decoy sibling
+    (so the path's keys sit at other offsets than in plain decoding), as Medusa verifies them."""
+    backend.start(1, len(ids) + 8)
+    prefill(backend, [ids[:start]])
+    path = ids[start:]
+    tokens, parents, on_path = [], [], []  # slot layout: p0, d0, p1, d1, ... (d_i is p_i's sibling)
+    for i, t in enumerate(path):
+        parent = 2 * (i - 1) if i else -1
+        tokens += [t, (t + 1) % 64]
+        parents += [parent, parent]
+        on_path.append(2 * i)
+    n = len(tokens)
+    mask = torch.eye(n, dtype=torch.bool)
+    depth = torch.zeros(n, dtype=torch.long)
+    for j in range(n):
+        a = parents[j]
+        while a >= 0:
+            mask[j, a] = True
+            depth[j] += 1
+            a = parents[a]
+    logits, _ = backend.forward(torch.tensor([tokens]), (backend.lengths[0] + depth)[None], mask[None],
+                                torch.tensor([on_path]), with_heads=False)
+    return logits[0]
+
+
+def test_int4_rows_are_bitwise_row_invariant(ort_engine):
+    """The default attention of a level-4 int4 engine ("row_exact") makes a position's logits the same
+    bits in a one-row step, a many-row prefill and a tree step: MatMulNBits' int8 activations would
+    otherwise turn float32 rounding noise into different logits (the cause of Medusa != plain greedy
+    on the real model; benchmarks/bench_row_invariance.py)."""
+    engine = int4_engine(ort_engine, 4)
+    assert json.loads((engine / "engine.json").read_text())["onnx"]["attention"] == "row_exact"
+    backend = OrtBackend(engine)
+    ids = [7, 3, 19, 40, 2, 11, 5, 60, 33, 21, 9, 14]
+    one = _one_row_logits(backend, ids, 6)
+    many = []  # position k's logits from a prefill of ids[:k + 1] (one many-row forward)
+    for k in range(6, len(ids)):
+        backend.start(1, len(ids) + 8)
+        many.append(prefill(backend, [ids[:k + 1]])[0][0])
+    torch.testing.assert_close(torch.stack(many), one, rtol=0, atol=0)
+    torch.testing.assert_close(_tree_logits(backend, ids, 6), one, rtol=0, atol=0)
 
 
 def test_medusa_check_int4(ort_engine, tmp_path):
