@@ -33,6 +33,19 @@ In float16/bfloat16 that rounding noise is the engine dtype's: ~1% of the FP8 ro
 the engine is as far from the float32 FP8 reference (measured p90 6e-2, max 0.4) as FP8 is from no
 quantization (p90 1e-1), so no tolerance tells a right graph from a wrong one: FP8 parity is
 checked on float32 builds (medusa-build --dtype float32), and a float16 FP8 engine needs --atol.
+
+int4 engines (engine.json weights.format "int4") are compared with the int4 reference (the same
+dequantized weights; at accuracy level 4 the activations rounded to int8 per block). Every int8
+rounding of an activation is such a boundary, and the flips compound with depth: on SmolLM2-135M
+(30 layers, logit peak ~38 on the default prompts) a right engine is p90 0.39 / max 2.3 from its
+reference, against p90 >= 3.9 / max >= 14 for one quantized with another block size and >= 5.5 /
+15 for float32 weights (BENCHMARKS.md, issue 13). So an int4 output passes when its p90 is within
+INT4_NOISE_PER_LAYER x layers (scaled with the peak like the tolerances: 1.7 there, 0.03 on a
+2-layer test model) and its maximum within INT4_MAX_FACTOR times that. Errors below that noise (one layer's weights 2% off: p90 0.41) pass.
+Greedy tokens may then part from the reference's at a near-tie: a plain decode passes when the
+reference's top-2 margin at the first differing token is within that p90 bound (the row says so).
+What int4 must keep exactly is the engine's own consistency: its Medusa greedy decode must equal its
+own plain greedy decode token for token (engines/onnx_export.py, row_exact attention).
 """
 
 from __future__ import annotations
@@ -50,6 +63,7 @@ from medusa_trt.errors import MedusaTrtError
 TOLERANCES = {"float32": 1e-4, "float16": 5e-2, "bfloat16": 2.5e-1}
 LOGIT_SCALE = 10.0  # the logit magnitude TOLERANCES are stated for (see the module docstring)
 FP8_QUANTILE, FP8_FLIP_BOUND = 0.9, 0.25  # FP8 engines: see the module docstring
+INT4_NOISE_PER_LAYER, INT4_MAX_FACTOR = 0.015, 5.0  # int4 engines: see the module docstring
 DEFAULT_PROMPTS = (
     "The quick brown fox jumps over the lazy dog.",
     "Medusa heads draft a tree; the base model verifies it.",
@@ -168,9 +182,9 @@ def run_check(engine_dir: str | Path, checkpoint: str | Path | None = None, prom
         for start in range(0, len(ids), max_batch):
             chunk = ids[start:start + max_batch]
             label = f" [{start}:{start + len(chunk)}]" if len(ids) > max_batch else ""
-            _compare_steps(report, subject, reference, chunk, tree_steps, tol, label, fp8=fp8 or int4,
-                           scale_tol=atol is None)
-            _compare_decodes(report, subject, reference, chunk, max_new_tokens, start)
+            noise = _compare_steps(report, subject, reference, chunk, tree_steps, tol, label, fp8=fp8,
+                                   scale_tol=atol is None, int4_layers=int(engine["model"]["num_layers"]) if int4 else 0)
+            _compare_decodes(report, subject, reference, chunk, max_new_tokens, start, tie=noise if int4 else None)
     except ValueError as e:  # the backends' limits: batch, sequence length, tree size
         raise CheckInputError(f"the prompts do not fit the engine: {e}") from None
     return report
@@ -249,9 +263,11 @@ class _Observed:
 
 
 def _compare_steps(report: CheckReport, subject, reference, prompts: list[list[int]], tree_steps: int,
-                   tol: float, label: str, fp8: bool = False, scale_tol: bool = True) -> None:
+                   tol: float, label: str, fp8: bool = False, scale_tol: bool = True, int4_layers: int = 0) -> float:
     """The decoding loop's prefill and greedy tree steps (runtime/decoding.py), run on both backends
-    at once (see _Observed) with the default tree cut to the engine; one polygraphy comparison."""
+    at once (see _Observed) with the default tree cut to the engine; one polygraphy comparison.
+    `int4_layers`: the decoder depth of an int4 engine (0 otherwise). Returns the p90 bound applied
+    (tol without a quantized criterion)."""
     from polygraphy.comparator import Comparator, IterationResult, RunResults
     from polygraphy.logger import G_LOGGER
 
@@ -275,24 +291,30 @@ def _compare_steps(report: CheckReport, subject, reference, prompts: list[list[i
     ours = [IterationResult(engine, runner_name="engine") for engine, _ in both.outputs]
     refs = [IterationResult(ref, runner_name="reference") for _, ref in both.outputs]
 
-    if scale_tol:  # rounding error is relative: large logits get a proportionally larger tolerance
-        peak = max(float(abs(r["logits"]).max()) for r in refs)
-        tol *= max(1.0, peak / LOGIT_SCALE)
+    peak = max(float(abs(r["logits"]).max()) for r in refs)
+    scale = max(1.0, peak / LOGIT_SCALE) if scale_tol else 1.0  # rounding error is relative to the logits
+    tol *= scale
+    max_bound = FP8_FLIP_BOUND
+    if int4_layers:  # the tolerance, if given (--atol), stays the floor
+        tol = max(tol, INT4_NOISE_PER_LAYER * int4_layers * scale)
+        max_bound = INT4_MAX_FACTOR * tol
+    quantized = fp8 or int4_layers > 0
     results = RunResults([("engine", ours), ("reference", refs)])
     with G_LOGGER.verbosity(G_LOGGER.CRITICAL):  # our own table replaces polygraphy's log
-        accuracy = Comparator.compare_accuracy(results, compare_func=_max_abs_compare(tol, FP8_QUANTILE if fp8 else None))
+        accuracy = Comparator.compare_accuracy(results, compare_func=_max_abs_compare(tol, FP8_QUANTILE if quantized else None))
     if not hasattr(accuracy, "items"):  # polygraphy >= 0.50 returns one AccuracyResult per compare func
         accuracy = accuracy[0]
     per_iteration = next(iter(accuracy.values()))
     for stage, outputs in zip(stages, per_iteration, strict=True):
         for name in COMPARED_OUTPUTS:
             result = outputs[name]
-            if fp8:  # the percentile is within tol (checked by polygraphy), the max within the flip bound
-                passed = bool(result) and float(result.max_absdiff) <= FP8_FLIP_BOUND
-                detail = f"p{round(FP8_QUANTILE * 100)} {float(result.quantile_absdiff):.1e}, max <= {FP8_FLIP_BOUND}"
+            if quantized:  # the percentile is within tol (checked by polygraphy), the max within the flip bound
+                passed = bool(result) and float(result.max_absdiff) <= max_bound
+                detail = f"p{round(FP8_QUANTILE * 100)} {float(result.quantile_absdiff):.1e}, max <= {max_bound:.2g}"
                 report.rows.append(CheckRow(stage, name, passed, result.max_absdiff, tol, detail))
             else:
                 report.rows.append(CheckRow(stage, name, bool(result), result.max_absdiff, tol))
+    return tol
 
 
 def _max_abs_compare(tol: float, quantile: float | None = None):
@@ -314,8 +336,10 @@ def _max_abs_compare(tol: float, quantile: float | None = None):
 
 
 def _compare_decodes(report: CheckReport, subject, reference, prompts: list[list[int]], max_new_tokens: int,
-                     offset: int) -> None:
-    """Whole greedy decodes: the engine (Medusa and plain) must emit the reference's plain tokens."""
+                     offset: int, tie: float | None = None) -> None:
+    """Whole greedy decodes: the engine (Medusa and plain) must emit the reference's plain tokens.
+    With `tie` (int4 engines), the engine's plain decode may part from the reference's where the
+    reference's top-2 margin is within `tie`, and its Medusa decode must equal its own plain decode."""
     from medusa_trt.runtime.decoding import GenerationConfig, decode
 
     info = reference.info
@@ -327,12 +351,33 @@ def _compare_decodes(report: CheckReport, subject, reference, prompts: list[list
 
         tree = tree_for_engine(info.num_medusa_heads, info.max_draft_len)
         runs.append(("medusa", GenerationConfig(max_new_tokens=max_new_tokens, medusa_choices=[list(p) for p in tree.nodes])))
+    own_plain = None
     for mode, cfg in runs:
         got = decode(subject, prompts, cfg).tokens
-        for i, (a, b) in enumerate(zip(got, expected, strict=True)):
-            mismatch = next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
-            if mismatch is None and len(a) != len(b):
-                mismatch = min(len(a), len(b))
-            detail = f"{len(b)} tokens equal" if mismatch is None else (
-                f"first mismatch at token {mismatch}: engine {a[mismatch:mismatch + 1]} vs reference {b[mismatch:mismatch + 1]}")
-            report.rows.append(CheckRow(f"decode {offset + i} ({mode})", "tokens", mismatch is None, detail=detail))
+        against, name = (own_plain, "engine plain") if tie is not None and mode == "medusa" else (expected, "reference")
+        for i, (a, b) in enumerate(zip(got, against, strict=True)):
+            mismatch = _first_mismatch(a, b)
+            passed = mismatch is None
+            detail = f"{len(b)} tokens equal" + (f" to the {name}'s" if name != "reference" else "") if passed else (
+                f"first mismatch at token {mismatch}: engine {a[mismatch:mismatch + 1]} vs {name} {b[mismatch:mismatch + 1]}")
+            if not passed and tie is not None and mode == "plain" and mismatch < min(len(a), len(b)):
+                margin = _top2_margin(reference, prompts[i] + b[:mismatch])
+                passed = margin <= tie
+                detail += f" (reference top-2 margin {margin:.2g}{' <=' if passed else ' >'} {tie:.2g}: " + \
+                          ("a near-tie)" if passed else "not a near-tie)")
+            report.rows.append(CheckRow(f"decode {offset + i} ({mode})", "tokens", passed, detail=detail))
+        own_plain = got
+
+
+def _first_mismatch(a: list[int], b: list[int]) -> int | None:
+    mismatch = next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+    return min(len(a), len(b)) if mismatch is None and len(a) != len(b) else mismatch
+
+
+def _top2_margin(reference, ids: list[int]) -> float:
+    """The reference's top-2 logit margin for the token after `ids`."""
+    from medusa_trt.runtime.decoding import prefill
+
+    reference.start(1, len(ids) + 1)
+    top = prefill(reference, [ids])[0][0].topk(2).values
+    return float(top[0] - top[1])

@@ -156,6 +156,35 @@ def test_medusa_check_int4(ort_engine, tmp_path):
     assert json.loads(report.read_text())["passed"]
 
 
+def test_medusa_check_int4_catches_wrong_weights(ort_engine, tmp_path):
+    """int4 parity is held to a noise bound, not the float32 tolerance (tools/parity.py): packed
+    weights of one matrix off by a few quantization steps must still fail it."""
+    import shutil
+
+    import onnx
+
+    from medusa_trt.engine_dir import artifact_checksums
+
+    engine = tmp_path / "engine"
+    shutil.copytree(int4_engine(ort_engine, 4), engine)
+    model = onnx.load(engine / "model.onnx", load_external_data=False)
+    packed = [t for t in model.graph.initializer if t.data_type == onnx.TensorProto.UINT8]
+    target = max(packed, key=lambda t: np.prod(t.dims))  # the lm_head's packed int4 weights
+    info = {e.key: int(e.value) for e in target.external_data if e.key in ("offset", "length")}
+    data = np.fromfile(engine / "weights.bin", dtype=np.uint8)
+    region = data[info["offset"]:info["offset"] + info["length"]]
+    region[: region.size // 2] ^= 0x33  # flips two bits of every nibble in half the matrix
+    data.tofile(engine / "weights.bin")
+    meta = json.loads((engine / "engine.json").read_text())
+    meta["artifacts"] = artifact_checksums(engine)  # a deliberate edit: parity itself must catch it
+    (engine / "engine.json").write_text(json.dumps(meta))
+    report = tmp_path / "r.json"
+    assert check_main(["--engine", str(engine), "--json", str(report), "--max-new-tokens", "12",
+                       "--tree-steps", "2"]) == 1
+    rows = json.loads(report.read_text())["rows"]
+    assert any(not r["passed"] and r["output"] == "logits" for r in rows)
+
+
 def test_unknown_weight_format_is_refused(ort_engine, tmp_path):
     import shutil
 
