@@ -1,9 +1,11 @@
 """Does an engine compute a position the same in a one-row step and inside a many-row forward?
 And where Medusa greedy departs from plain greedy, how close was the base's top-2 there? (issue 13)
 
-Float32 engines differ only by rounding (~1e-5), so Medusa greedy equals plain greedy. int4 engines
-(MatMulNBits) may compute a row differently depending on the MatMul's row count; a tree step then
-sees other base logits than a plain step, and a near-tie flips.
+Float32 engines differ only by rounding (~1e-5), so Medusa greedy equals plain greedy. In int4
+engines (MatMulNBits at accuracy level 4) that float32 rounding noise, which comes from attention
+(its kernels reduce in another order for another row count), reaches an int8 rounding of the
+activations and moves whole quanta: with the fused Attention op the two paths' logits differed by
+~0.6 and a near-tie flipped. The int4 default, float64 attention (`row_exact`), makes them equal.
 
     python benchmarks/bench_row_invariance.py build/real/engine build/real/engine_int4 [--prompts 8]
         [--diverge 32 --medusa-choices-int4 medusa_trt/assets/smollm2/tree_int4.json]

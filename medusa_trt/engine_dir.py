@@ -191,9 +191,27 @@ def check_graph(engine: dict, graph: str | Path, inputs: dict[str, list], output
         what = ", ".join([f"lacks {missing[:4]}"] * bool(missing) + [f"has unexpected inputs {extra[:4]}"] * bool(extra))
         raise EngineError(f"{graph}: {what}; engine.json records {engine['model']['num_layers']} layers "
                           "(engine.json and the graph disagree: rebuild the engine)")
+    heads = engine["medusa"]["num_heads"]
+    first = (outputs.get(HEADS_OUTPUT) or [None])[0]
+    if isinstance(first, int) and first != heads:
+        raise EngineError(f"{graph}: output {HEADS_OUTPUT!r} has {first} heads, engine.json records "
+                          f"medusa.num_heads {heads} (engine.json and the graph disagree: rebuild the engine)")
     vocab = engine["model"]["vocab_size"]
     for name in vocab_outputs:
         last = (outputs.get(name) or [None])[-1]
         if isinstance(last, int) and last != vocab:
             raise EngineError(f"{graph}: output {name!r} has vocabulary dim {last}, engine.json records "
                               f"model.vocab_size {vocab} (engine.json and the graph disagree: rebuild the engine)")
+
+
+def check_weight_format(engine: dict, graph: str | Path) -> None:
+    """engine.json's weights.format against the decoder graph's ops: an int4 graph has MatMulNBits
+    nodes and a float one none (a mislabelled engine would be verified against the wrong reference)."""
+    import onnx
+
+    ops = {n.op_type for n in onnx.load(str(graph), load_external_data=False).graph.node}
+    fmt = (engine.get("weights") or {}).get("format", "float")
+    if (fmt == "int4") != ("MatMulNBits" in ops):
+        has = "has" if "MatMulNBits" in ops else "has no"
+        raise EngineError(f"{graph}: the graph {has} MatMulNBits nodes, engine.json records weights.format "
+                          f"{fmt!r} (engine.json and the graph disagree: rebuild the engine)")

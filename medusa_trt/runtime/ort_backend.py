@@ -34,6 +34,7 @@ from medusa_trt.engine_dir import (  # noqa: F401 (EngineError, read_engine_json
     EngineError,
     check_artifacts,
     check_graph,
+    check_weight_format,
     past_names,
     read_engine_json,
 )
@@ -203,6 +204,7 @@ class OrtBackend:
         onnx_info = engine["onnx"]
         check_graph(engine, self.engine_dir / onnx_info["file"], *io(self.session), [*INPUT_NAMES, *past],
                     list(OUTPUT_NAMES), ("logits",))
+        check_weight_format(engine, self.engine_dir / onnx_info["file"])
         if self.heads_session is not None:
             check_graph(engine, self.engine_dir / onnx_info["heads_file"], *io(self.heads_session), [HEADS_INPUT],
                         [HEADS_OUTPUT], (HEADS_OUTPUT,))

@@ -197,6 +197,31 @@ def test_unknown_weight_format_is_refused(ort_engine, tmp_path):
         OrtBackend(engine)
 
 
+@pytest.mark.parametrize("int4, edit, field", [
+    (True, {"weights": {"format": "float"}}, "weights.format 'float'"),
+    (False, {"weights": {"format": "int4", "block_size": 32, "accuracy_level": 4}}, "weights.format 'int4'"),
+    (True, {"medusa": {"num_heads": 2}}, "medusa.num_heads 2"),
+    (True, {"model": {"vocab_size": 99}}, "model.vocab_size 99"),
+    (True, {"model": {"num_layers": 3}}, "3 layers"),
+])
+def test_engine_json_disagreeing_with_graphs_exits_2(ort_engine, tmp_path, capsys, int4, edit, field):
+    """engine.json and the graphs disagree (issue 13's bad input): one line naming the field, exit 2."""
+    import shutil
+
+    from medusa_trt.cli.run import main as run_main
+
+    engine = tmp_path / "engine"
+    shutil.copytree(int4_engine(ort_engine, 4) if int4 else ort_engine("llama"), engine)
+    data = json.loads((engine / "engine.json").read_text())
+    for section, values in edit.items():
+        data[section].update(values)
+    (engine / "engine.json").write_text(json.dumps(data))
+    capsys.readouterr()
+    assert run_main(["--engine", str(engine), "--prompt", "hi", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and field in err[0] and "rebuild" in err[0], err
+
+
 def test_step_is_capacity_independent(ort_engine, tiny_merged):
     """Attention reads only the committed prefix: the same step with the cache in a buffer 5x larger
     (tail filled with garbage) gives bit-identical outputs."""
