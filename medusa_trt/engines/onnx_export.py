@@ -434,21 +434,27 @@ class _ExportModule(nn.Module):
             return self.model.draft_logits(self.draft_rows(x0))
         return self._rows(x0)
 
-    def draft_rows(self, x0: torch.Tensor) -> torch.Tensor:
-        """Head logits over the draft vocabulary only, [N, H, V']."""
-        z = self._rows(x0, logits=False)  # [N, H, d]
-        n, heads, d = z.shape
+    def draft_rows(self, x0: torch.Tensor, used: int | None = None) -> torch.Tensor:
+        """Head logits over the draft vocabulary only, [N, H, V'] (H = `used` when given)."""
         if self.draft_lm.shape[0] == 1:
+            z = self._rows(x0, logits=False, used=used)  # [N, H, d]
+            n, heads, d = z.shape
             return F.linear(z.reshape(n * heads, d), self.draft_lm[0]).float().reshape(n, heads, -1)
-        return torch.stack([F.linear(z[:, h], self.draft_lm[h]) for h in range(heads)], dim=1).float()
+        # A matrix per head: every head computed (a Python loop has a fixed count), then cut.
+        z = self._rows(x0, logits=False)
+        out = torch.stack([F.linear(z[:, h], self.draft_lm[h]) for h in range(z.shape[1])], dim=1).float()
+        return out if used is None else out.narrow(1, 0, used)
 
-    def draft_topk(self, x0: torch.Tensor, k: int) -> torch.Tensor:
-        """Token ids [N, H, k] of each head's k most likely drafts at hidden rows x0 [N, d]."""
+    def draft_topk(self, x0: torch.Tensor, k: int, used: int | None = None) -> torch.Tensor:
+        """Token ids [N, H, k] of each head's k most likely drafts at hidden rows x0 [N, d], of the
+        first `used` heads only when given (H = used)."""
         if self.draft_lm is None:
-            return self._rows(x0).topk(k, dim=-1).indices
-        return self.model.draft_ids[self.draft_rows(x0).topk(k, dim=-1).indices]
+            return self._rows(x0, used=used).topk(k, dim=-1).indices
+        return self.model.draft_ids[self.draft_rows(x0, used).topk(k, dim=-1).indices]
 
-    def _rows(self, x0: torch.Tensor, logits: bool = True) -> torch.Tensor:
+    def _rows(self, x0: torch.Tensor, logits: bool = True, used: int | None = None) -> torch.Tensor:
+        """Heads' logits [N, H, V] (hidden [N, H, d] when not `logits`). `used` keeps the first heads
+        only, cut before the lm_head: that MatMul is the heads' cost, one vocabulary row per head."""
         cfg = self.model.cfg
         heads, layers, (n, d) = cfg.num_medusa_heads, cfg.num_medusa_layers, x0.shape
         if not heads:  # a model without heads still has the output, with zero heads
@@ -467,7 +473,9 @@ class _ExportModule(nn.Module):
                 xs.append(z if self.shared_lm_head or not logits else F.linear(z, self.head_lm[head]).float())
             x = torch.stack(xs, dim=1)
             if not logits or not self.shared_lm_head:
-                return x
+                return x if used is None else x.narrow(1, 0, used)
+        if used is not None:
+            x, heads = x.narrow(1, 0, used), used
         return self.model.lm_head(x.reshape(n * heads, d)).float().reshape(n, heads, -1)
 
     def _head_linear(self, head: int) -> HeadLinear:
@@ -526,19 +534,25 @@ class _FusedStepModule(nn.Module):
         last = retrieve[best].gather(1, accepted[:, None])  # [B, 1] slot whose outputs continue
         root = argmax.gather(1, last).squeeze(1)
         h = hidden.gather(1, last[:, :, None].expand(-1, -1, hidden.shape[-1]))[:, 0]  # [B, d]
-        top = self.decoder.draft_topk(h, self.k)  # [B, H, k]
+        # A tree of depth D drafts with heads 0..D-1 only: the others' lm_head rows are not computed
+        # (on an int4 engine with tree [[0]], 1 of 4 rows; BENCHMARKS.md, issue 13).
+        depth = retrieve.shape[1] - 1
+        torch._check(depth >= 1)
+        torch._check(depth <= self.decoder.model.cfg.num_medusa_heads)
+        top = self.decoder.draft_topk(h, self.k, depth)  # [B, D, k]
         return best, accepted, candidates_from_topk(root, top, candidate_index), new_k, new_v
 
 
 def step_example_inputs(model: MedusaModel) -> dict:
-    """Fused step graph inputs: a 6-slot tree ([0], [1], [2], [0, 0], [0, 0, 0]) and 7 candidates,
-    sizes distinct from every other dimension."""
+    """Fused step graph inputs: a 6-slot tree ([0], [1], [2], [0, 0], [0, 0, 0], cut to the model's
+    heads when it has fewer than 3) and 7 candidates, sizes distinct from every other dimension."""
     inputs = example_inputs(model, batch=2, new=6, past=5)
     del inputs["logit_positions"]
     past = inputs.pop("past")
-    heads = max(model.cfg.num_medusa_heads, 1)
-    return {**inputs, "retrieve": torch.tensor([[0, 1, 4, 5], [0, 2, -1, -1], [0, 3, -1, -1]]),
-            "candidate_index": torch.arange(7) % (heads * step_topk(model)), "past": past}
+    depth = min(model.cfg.num_medusa_heads, 3)  # the graph drafts with as many heads as the tree is deep
+    retrieve = torch.tensor([[0, 1, 4, 5], [0, 2, -1, -1], [0, 3, -1, -1]])[:, :depth + 1]
+    return {**inputs, "retrieve": retrieve, "candidate_index": torch.arange(7) % (depth * step_topk(model)),
+            "past": past}
 
 
 def step_topk(model: MedusaModel) -> int:

@@ -194,7 +194,8 @@ def test_medusa_run_cli(distilled, capsys):
 def test_fused_greedy_step_equals_the_unfused_loop(distilled, tmp_path):
     """The ONNX Runtime engine's fused step (verify + accept + heads + next tree in one call) takes
     the same path as the loop's own acceptance: same tokens and statistics, batch 4, ragged prompts,
-    one sequence ending early on a stop id; a tree with a rank beyond the graph's top-k falls back."""
+    one sequence ending early on a stop id; a tree shallower than the heads (the graph drafts with as
+    many heads as the tree is deep); a tree with a rank beyond the graph's top-k falls back."""
     from medusa_trt.engines.build import BuildOptions, build_engine
     from medusa_trt.runtime.ort_backend import OrtBackend
 
@@ -209,7 +210,7 @@ def test_fused_greedy_step_equals_the_unfused_loop(distilled, tmp_path):
     for ref in full:
         cut = next((i for i, t in enumerate(ref) if t == stop), None)
         expected.append(ref[: cut + 1] if cut is not None else ref)
-    for tree in ("mc_sim_7b_63", [[0], [0, 0], [1], [0, 0, 0]], [[0], [10]]):
+    for tree in ("mc_sim_7b_63", [[0], [0, 0], [1], [0, 0, 0]], [[0], [1]], [[0], [10]]):
         cfg = greedy(tree, stop_token_ids=(EOS, stop))
         fused = decode(backend, ps, cfg)
         backend.fused_step_topk = None  # the loop's own acceptance and top-k, two engine calls a step
@@ -254,7 +255,7 @@ def test_draft_vocabulary_heads(distilled, tmp_path):
 
     build_engine(BuildOptions(checkpoint=tmp_path / "ckpt", out=tmp_path / "engine", progress=False))
     backend = OrtBackend(tmp_path / "engine")
-    for tree in ("mc_sim_7b_63", [[0], [0, 0], [1], [0, 0, 0]]):
+    for tree in ("mc_sim_7b_63", [[0], [0, 0], [1], [0, 0, 0]], [[0], [1]]):
         cfg = greedy(tree)
         fused = decode(backend, ps, cfg)
         backend.fused_step_topk = None
