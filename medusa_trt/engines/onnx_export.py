@@ -43,7 +43,8 @@ the decoder over a tree's tokens, greedy acceptance, the heads at the last accep
 next tree's tokens (medusa_trt/acceptance.py, the functions the decoding loop runs eagerly):
 
   inputs   input_ids, position_ids, past_lengths, new_mask, past_*   as above (new = tree slots)
-           retrieve         [paths, depth + 1] int64  root..leaf slots of each path, -1 padded
+           retrieve         [paths, depth + 1] int64  root..leaf slots of each path, -1 padded;
+                            heads 0..depth-1 draft the next tree, the others are not computed
            candidate_index  [slots - 1] int64  next tree's slots in the heads' flat top-k
   outputs  best_path, accepted  [batch] int64
            next_tokens      [batch, slots] int64  the next step's input_ids
