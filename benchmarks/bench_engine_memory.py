@@ -7,8 +7,12 @@ engine (OrtBackend: decoder, heads and fused step sessions) and decoding 16 toke
 (the fused step) and 16 plainly (the decoder session). Each engine is measured in a fresh process;
 `bare` is that process's RSS before loading (python, torch, onnxruntime imported).
 
+`--step-only` loads the fused step graph alone and runs it three times on a 2-slot tree: the
+resident memory an engine would have if one session served every greedy call (one packed copy of
+the decoder's weights instead of one per session), measured before building it.
+
     python benchmarks/bench_engine_memory.py --engine float32=build/e1 --engine int4=build/e2 \\
-        [--checkpoint build/ckpt] [--threads 1] [--json FILE]
+        [--checkpoint build/ckpt] [--threads 1] [--step-only] [--json FILE]
 """
 
 from __future__ import annotations
@@ -65,16 +69,39 @@ def measure_loaded(engine_dir: Path, threads: int) -> dict:
     return {"bare": bare, "loaded": loaded, "decoded": rss_bytes()}
 
 
+def measure_step_only(engine_dir: Path, threads: int) -> dict:
+    """Runs in the child process: RSS before and after loading and running the step graph alone."""
+    import numpy as np
+
+    from medusa_trt.runtime.ort_backend import make_session
+
+    bare = rss_bytes()
+    engine = json.loads((engine_dir / "engine.json").read_text())
+    session = make_session(engine_dir / engine["onnx"]["step_file"], "cpu", threads)
+    loaded = rss_bytes()
+    m = engine["model"]
+    feeds = {"input_ids": np.array([[5, 6]]), "position_ids": np.array([[8, 9]]), "past_lengths": np.array([8]),
+             "new_mask": np.array([[[True, False], [True, True]]]), "retrieve": np.array([[0, 1]]),
+             "candidate_index": np.array([0])}
+    past = np.zeros((1, m["num_kv_heads"], 64, m["head_dim"]), np.float32)
+    feeds.update({f"past_{kind}_{i}": past for i in range(m["num_layers"]) for kind in ("key", "value")})
+    for _ in range(3):
+        session.run(None, feeds)
+    return {"bare": bare, "loaded": loaded, "decoded": rss_bytes()}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--engine", action="append", default=[], help="NAME=DIR (repeatable)")
     p.add_argument("--checkpoint", type=Path, help="the merged checkpoint the engines were built from")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--step-only", action="store_true", help="load and run the fused step graph alone")
     p.add_argument("--json", type=Path)
     p.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        print(json.dumps(measure_loaded(args.child, args.threads)))
+        measure = measure_step_only if args.step_only else measure_loaded
+        print(json.dumps(measure(args.child, args.threads)))
         return 0
     ckpt = sum(f.stat().st_size for f in args.checkpoint.glob("rank*.safetensors")) if args.checkpoint else None
     results = {}
@@ -82,8 +109,9 @@ def main(argv: list[str] | None = None) -> int:
         d = Path(d)
         disk = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
         weights = distinct_weight_bytes(d)
-        out = subprocess.run([sys.executable, __file__, "--child", str(d), "--threads", str(args.threads)],
-                             check=True, capture_output=True, text=True).stdout
+        child = [sys.executable, __file__, "--child", str(d), "--threads", str(args.threads)]
+        out = subprocess.run(child + ["--step-only"] * args.step_only, check=True, capture_output=True,
+                             text=True).stdout
         mem = json.loads(out.strip().splitlines()[-1])
         r = {"dir_bytes": disk, "weight_bytes": weights, "checkpoint_bytes": ckpt, **mem}
         results[name] = r
