@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     cfgs = {"plain": GenerationConfig(max_new_tokens=args.max_new_tokens, use_medusa=False, stop_token_ids=stops),
             "medusa": GenerationConfig(max_new_tokens=args.max_new_tokens, medusa_choices=args.medusa_choices,
                                        stop_token_ids=stops)}
-    decode(backend, batches[0], cfgs["medusa"])  # first calls pay for allocation
+    for cfg in cfgs.values():  # first calls pay for allocation and open the mode's session
+        decode(backend, batches[0], cfg)
     totals = {m: {"tokens": 0, "wall_s": 0.0, "steps": 0} for m in cfgs}
     equal = 0
     for g, batch in enumerate(tqdm(batches, desc="bench_batch", file=sys.stderr)):

@@ -3,16 +3,13 @@
 For each engine: the engine directory's size, the distinct weight bytes its graphs hold (initializers
 of every graph, one copy per distinct content: the weights an engine cannot do without), the
 checkpoint's rank*.safetensors size, and the process's resident memory (VmRSS) after loading the
-engine (OrtBackend: decoder, heads and fused step sessions) and decoding 16 tokens with Medusa greedy
-(the fused step) and 16 plainly (the decoder session). Each engine is measured in a fresh process;
-`bare` is that process's RSS before loading (python, torch, onnxruntime imported).
-
-`--step-only` loads the fused step graph alone and runs it three times on a 2-slot tree: the
-resident memory an engine would have if one session served every greedy call (one packed copy of
-the decoder's weights instead of one per session), measured before building it.
+engine (OrtBackend) and decoding 16 tokens, per mode, each in a fresh process: `medusa` (greedy
+Medusa: the fused step session alone), `plain` (the decoder session alone), `both` (one of each, in
+one process: two sessions, two packed copies of the decoder's weights). `bare` is the process's RSS
+before loading (python, torch, onnxruntime imported).
 
     python benchmarks/bench_engine_memory.py --engine float32=build/e1 --engine int4=build/e2 \\
-        [--checkpoint build/ckpt] [--threads 1] [--step-only] [--json FILE]
+        [--checkpoint build/ckpt] [--threads 1] [--modes medusa,plain,both] [--json FILE]
 """
 
 from __future__ import annotations
@@ -52,8 +49,8 @@ def distinct_weight_bytes(engine_dir: Path) -> int:
     return total
 
 
-def measure_loaded(engine_dir: Path, threads: int) -> dict:
-    """Runs in the child process: RSS before and after loading + decoding."""
+def measure_loaded(engine_dir: Path, threads: int, mode: str) -> dict:
+    """Runs in the child process: RSS before and after loading + decoding in `mode`."""
     import torch
 
     from medusa_trt.runtime.decoding import GenerationConfig, decode
@@ -64,30 +61,12 @@ def measure_loaded(engine_dir: Path, threads: int) -> dict:
     backend = OrtBackend(engine_dir, threads=threads)
     loaded = rss_bytes()
     prompt = [[1, 2, 3, 4, 5, 6, 7, 8]]
-    decode(backend, prompt, GenerationConfig(max_new_tokens=16, use_medusa=True))
-    decode(backend, prompt, GenerationConfig(max_new_tokens=16, use_medusa=False))
-    return {"bare": bare, "loaded": loaded, "decoded": rss_bytes()}
-
-
-def measure_step_only(engine_dir: Path, threads: int) -> dict:
-    """Runs in the child process: RSS before and after loading and running the step graph alone."""
-    import numpy as np
-
-    from medusa_trt.runtime.ort_backend import make_session
-
-    bare = rss_bytes()
-    engine = json.loads((engine_dir / "engine.json").read_text())
-    session = make_session(engine_dir / engine["onnx"]["step_file"], "cpu", threads)
-    loaded = rss_bytes()
-    m = engine["model"]
-    feeds = {"input_ids": np.array([[5, 6]]), "position_ids": np.array([[8, 9]]), "past_lengths": np.array([8]),
-             "new_mask": np.array([[[True, False], [True, True]]]), "retrieve": np.array([[0, 1]]),
-             "candidate_index": np.array([0])}
-    past = np.zeros((1, m["num_kv_heads"], 64, m["head_dim"]), np.float32)
-    feeds.update({f"past_{kind}_{i}": past for i in range(m["num_layers"]) for kind in ("key", "value")})
-    for _ in range(3):
-        session.run(None, feeds)
-    return {"bare": bare, "loaded": loaded, "decoded": rss_bytes()}
+    if mode in ("medusa", "both"):
+        decode(backend, prompt, GenerationConfig(max_new_tokens=16, use_medusa=True))
+    if mode in ("plain", "both"):
+        decode(backend, prompt, GenerationConfig(max_new_tokens=16, use_medusa=False))
+    sessions = [name for name in ("session", "heads_session", "step_session") if name in backend._sessions]
+    return {"bare": bare, "loaded": loaded, "decoded": rss_bytes(), "sessions": sessions}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,13 +74,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine", action="append", default=[], help="NAME=DIR (repeatable)")
     p.add_argument("--checkpoint", type=Path, help="the merged checkpoint the engines were built from")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--step-only", action="store_true", help="load and run the fused step graph alone")
+    p.add_argument("--modes", default="medusa,plain,both", help="comma-separated: medusa, plain, both")
     p.add_argument("--json", type=Path)
     p.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    modes = args.modes.split(",")
     if args.child:
-        measure = measure_step_only if args.step_only else measure_loaded
-        print(json.dumps(measure(args.child, args.threads)))
+        print(json.dumps(measure_loaded(args.child, args.threads, modes[0])))
         return 0
     ckpt = sum(f.stat().st_size for f in args.checkpoint.glob("rank*.safetensors")) if args.checkpoint else None
     results = {}
@@ -109,20 +88,19 @@ def main(argv: list[str] | None = None) -> int:
         d = Path(d)
         disk = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
         weights = distinct_weight_bytes(d)
-        child = [sys.executable, __file__, "--child", str(d), "--threads", str(args.threads)]
-        out = subprocess.run(child + ["--step-only"] * args.step_only, check=True, capture_output=True,
-                             text=True).stdout
-        mem = json.loads(out.strip().splitlines()[-1])
-        r = {"dir_bytes": disk, "weight_bytes": weights, "checkpoint_bytes": ckpt, **mem}
-        results[name] = r
-        line = (f"{name}: dir {disk / MIB:.0f} MiB, distinct weights {weights / MIB:.0f} MiB "
-                f"(dir/weights {disk / weights:.2f}x); RSS bare {mem['bare'] / MIB:.0f} MiB, loaded "
-                f"{mem['loaded'] / MIB:.0f} MiB, after decoding {mem['decoded'] / MIB:.0f} MiB "
-                f"(RSS/weights {mem['decoded'] / weights:.2f}x, (RSS-bare)/weights "
-                f"{(mem['decoded'] - mem['bare']) / weights:.2f}x)")
+        line = f"{name}: dir {disk / MIB:.0f} MiB, distinct weights {weights / MIB:.0f} MiB (dir/weights {disk / weights:.2f}x)"
         if ckpt:
             line += f"; checkpoint {ckpt / MIB:.0f} MiB (dir/checkpoint {disk / ckpt:.2f}x)"
         print(line, flush=True)
+        results[name] = {"dir_bytes": disk, "weight_bytes": weights, "checkpoint_bytes": ckpt, "modes": {}}
+        for mode in modes:
+            out = subprocess.run([sys.executable, __file__, "--child", str(d), "--threads", str(args.threads),
+                                  "--modes", mode], check=True, capture_output=True, text=True).stdout
+            mem = json.loads(out.strip().splitlines()[-1])
+            results[name]["modes"][mode] = mem
+            print(f"  {mode}: sessions {'+'.join(mem['sessions'])}; RSS bare {mem['bare'] / MIB:.0f} MiB, after "
+                  f"decoding {mem['decoded'] / MIB:.0f} MiB (RSS/weights {mem['decoded'] / weights:.2f}x, "
+                  f"(RSS-bare)/weights {(mem['decoded'] - mem['bare']) / weights:.2f}x)", flush=True)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2) + "\n")

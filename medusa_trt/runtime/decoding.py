@@ -187,13 +187,16 @@ def _generate(backend: Backend, prompts: list[list[int]], cfg: GenerationConfig,
     backend.start(n, longest + cfg.max_new_tokens + width + 1)
 
     t0 = time.perf_counter()
-    logits, medusa = prefill(backend, prompts)  # [B, V], [H, B, V]
+    root = medusa = tokens = None
+    if fused:
+        tokens = _fused_prefill(backend, prompts, tree)  # [B, T] the first tree, its root the next token
+    else:
+        logits, medusa = prefill(backend, prompts, heads=tree is not None)  # [B, V], [H, B, V]
+        root = sampler.draw(logits) if sampler else logits.argmax(-1)  # [B] the next token, emitted by the step
     for s in stats:
         s.prefill_s = time.perf_counter() - t0
         s.accepted_per_depth = [0] * depth
 
-    root = sampler.draw(logits) if sampler else logits.argmax(-1)  # [B] the next token, emitted by the step
-    tokens = tree_candidates(root, medusa, tree.candidate_index, tree.topk) if fused else None  # [B, T]
     active = torch.arange(n)  # prompt index of each row still in the backend
     produced = [0] * n
     stop = set(cfg.stop_token_ids)
@@ -229,7 +232,8 @@ def _generate(backend: Backend, prompts: list[list[int]], cfg: GenerationConfig,
         if len(still) < len(active):
             rows = torch.tensor(still, dtype=torch.long)
             backend.keep(rows)
-            active, root = active[rows], root[rows]
+            active = active[rows]
+            root = root[rows] if root is not None else None
             if sampler:
                 sampler.keep(rows)
             medusa = medusa[:, rows] if medusa is not None else None
@@ -246,9 +250,10 @@ def decode(backend: Backend, prompts: list[list[int]], cfg: GenerationConfig) ->
     return GenerationResult(tokens, stats)
 
 
-def prefill(backend: Backend, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+def prefill(backend: Backend, prompts: list[list[int]], heads: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """All prompts in one right-padded forward, committed to the cache; returns the logits [B, V]
-    and Medusa logits [H, B, V] at each prompt's last token. medusa-check drives it too."""
+    and Medusa logits [H, B, V] (None without `heads`) at each prompt's last token. medusa-check
+    drives it too."""
     lens = torch.tensor([len(p) for p in prompts])
     s = int(lens.max())
     ids = torch.zeros(len(prompts), s, dtype=torch.long)
@@ -258,9 +263,33 @@ def prefill(backend: Backend, prompts: list[list[int]]) -> tuple[torch.Tensor, t
     valid = torch.arange(s)[None, :] < lens[:, None]  # [B, S] padding keys are never seen
     mask = torch.ones(s, s, dtype=torch.bool).tril()[None] & valid[:, None, :]
     logits, _ = backend.forward(ids, pos, mask, (lens - 1)[:, None], with_heads=False)
-    medusa = backend.heads(torch.zeros(len(prompts), dtype=torch.long))
+    medusa = backend.heads(torch.zeros(len(prompts), dtype=torch.long)) if heads else None
     backend.commit(pos.contiguous(), lens)
     return logits[:, 0], medusa
+
+
+def _fused_prefill(backend, prompts: list[list[int]], tree: StepTree) -> torch.Tensor:
+    """The prompts through the fused step graph, so a greedy Medusa decode never opens the decoder
+    and heads graphs (one packed copy of the weights per process; BENCHMARKS.md, issue 13 memory).
+    The graph takes one `retrieve` for the batch, so prompts are left-padded: every last token sits
+    in slot S-1, the root of a path without drafts, and the graph's argmax there and its heads' top-k
+    there are the first tree's tokens [B, T]. Padding slots see only themselves (a row without keys
+    would be NaN) and are never committed. The step graph computes logits at every slot: the prompt's
+    whole lm_head (+18% on an 80-token SmolLM2-135M prefill), against a second session's memory."""
+    lens = torch.tensor([len(p) for p in prompts])
+    s = int(lens.max())
+    pad = s - lens
+    ids = torch.zeros(len(prompts), s, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, int(pad[i]):] = torch.tensor(p)
+    pos = (torch.arange(s)[None] - pad[:, None]).clamp(min=0)
+    valid = torch.arange(s)[None, :] >= pad[:, None]  # [B, S]
+    mask = (torch.ones(s, s, dtype=torch.bool).tril()[None] & valid[:, None, :]) | torch.eye(s, dtype=torch.bool)[None]
+    retrieve = torch.full((1, tree.retrieve.shape[1]), -1, dtype=torch.long)
+    retrieve[0, 0] = s - 1
+    _, _, tokens = backend.fused_step(ids, pos, mask, retrieve, tree.candidate_index)
+    backend.commit((pad[:, None] + torch.arange(s)[None]).clamp(max=s - 1), lens)
+    return tokens
 
 
 def _plain_step(backend: Backend, root: torch.Tensor, sampler: _Sampler | None):

@@ -13,6 +13,13 @@ a 2-core CPU that measured as fast as IOBinding or faster (BENCHMARKS.md, issue 
 own output buffers to numpy without a copy, and binding costs a dozen calls per step. On CUDA the
 cache and the new K/V stay in device memory, bound by pointer (IOBinding), and logits come back to
 host tensors: the decoding loop is host code. Returned tensors are new every step, so a caller may keep them.
+
+Sessions open on first use. ONNX Runtime packs every constant MatMul weight into a buffer of its own
+per session, so each open session holds a copy of the decoder's weights: a greedy Medusa decode on
+the CPU runs on the fused step graph alone (its prefill too, runtime/decoding.py), plain decoding on
+the decoder graph alone, and only a process doing both, or sampling, holds two copies (BENCHMARKS.md,
+issue 13 memory). The graphs' inputs and outputs are checked against engine.json at load, from the
+files.
 """
 
 from __future__ import annotations
@@ -41,6 +48,27 @@ from medusa_trt.engine_dir import (  # noqa: F401 (EngineError, read_engine_json
 from medusa_trt.runtime.backend import ModelInfo, check_forward, scatter_pending, zero_cache
 
 _PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+
+
+class _Session:
+    """An OrtBackend attribute holding one of its graphs' sessions, opened on first read (None when
+    the engine has no such graph); assigning replaces it (tests and benchmarks wrap sessions)."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, backend, owner=None):
+        if backend is None:
+            return self
+        if self.name not in backend._sessions:
+            graph = backend._graphs[self.name]
+            backend._sessions[self.name] = None if graph is None else make_session(
+                backend.engine_dir / graph, backend.device, backend._threads, backend._prepack, backend._weights,
+                backend._spinning)
+        return backend._sessions[self.name]
+
+    def __set__(self, backend, session) -> None:
+        backend._sessions[self.name] = session
 
 
 def session_options(threads: int | None = None, *, spinning: bool = False, level: str = "all",
@@ -143,6 +171,7 @@ class OrtBackend:
     """An ONNX Runtime engine directory behind the Backend interface (see module docstring)."""
 
     host_threads = 1  # torch threads for the decoding loop's own small ops (see decoding.generate)
+    session, heads_session, step_session = _Session(), _Session(), _Session()  # decoder, heads, fused step
 
     def __init__(self, engine_dir: str | Path, device: str | None = None, threads: int | None = None,
                  spinning: bool = False):
@@ -168,15 +197,13 @@ class OrtBackend:
         # release the file's pages, which a shared initializer would pin (BENCHMARKS.md, issue 13 memory).
         shared = weights_file and not prepack and self.device == "cpu"
         self._weights = SharedWeights(self.engine_dir / weights_file) if shared else None
-        self.session = make_session(onnx_path, self.device, threads, prepack, self._weights, spinning)
-        heads_file = onnx_info.get("heads_file")
-        self.heads_session = make_session(self.engine_dir / heads_file, self.device, threads, prepack,
-                                          self._weights, spinning) if heads_file else None
+        self._threads, self._prepack, self._spinning = threads, prepack, spinning
         # The fused greedy step (one call per step) on the CPU; on CUDA greedy steps take the
         # forward + heads path, whose outputs stay bound in device memory.
         step_file = onnx_info.get("step_file") if self.device == "cpu" else None
-        self.step_session = make_session(self.engine_dir / step_file, self.device, threads, prepack,
-                                         self._weights, spinning) if step_file else None
+        self._graphs = {"session": onnx_info["file"], "heads_session": onnx_info.get("heads_file"),
+                        "step_session": step_file}
+        self._sessions: dict = {}
         self.fused_step_topk = onnx_info.get("step_topk") if step_file else None
         self._check_graphs(engine)
         self.num_layers, self.num_kv_heads = model["num_layers"], model["num_kv_heads"]
@@ -193,23 +220,38 @@ class OrtBackend:
                               "from Python; rebuild with --dtype float32 or float16")
         self.start(1, 1)
 
+    def open_sessions(self) -> None:
+        """Opens every graph's session now: a server decodes in every mode, and its first requests
+        should not pay for opening one (each holds its own packed copy of the weights)."""
+        for name in self._graphs:
+            getattr(self, name)
+
     # -- Backend interface ---------------------------------------------------------------------
 
     def _check_graphs(self, engine: dict) -> None:
-        """The sessions' inputs and outputs against engine.json (layer count, vocabulary)."""
-        def io(session):
-            return ({i.name: i.shape for i in session.get_inputs()}, {o.name: o.shape for o in session.get_outputs()})
+        """The graphs' inputs and outputs against engine.json (layer count, vocabulary), read from the
+        files (the sessions open later, on first use)."""
+        import onnx
+
+        def io(name: str):
+            graph = onnx.load(str(self.engine_dir / name), load_external_data=False).graph
+            initializers = {t.name for t in graph.initializer}
+
+            def shapes(values) -> dict:
+                return {v.name: [d.dim_value if d.HasField("dim_value") else d.dim_param
+                                 for d in v.type.tensor_type.shape.dim] for v in values if v.name not in initializers}
+            return shapes(graph.input), shapes(graph.output)
 
         past = past_names(engine["model"]["num_layers"])
-        onnx_info = engine["onnx"]
-        check_graph(engine, self.engine_dir / onnx_info["file"], *io(self.session), [*INPUT_NAMES, *past],
+        graphs = self._graphs
+        check_graph(engine, self.engine_dir / graphs["session"], *io(graphs["session"]), [*INPUT_NAMES, *past],
                     list(OUTPUT_NAMES), ("logits",))
-        check_weight_format(engine, self.engine_dir / onnx_info["file"])
-        if self.heads_session is not None:
-            check_graph(engine, self.engine_dir / onnx_info["heads_file"], *io(self.heads_session), [HEADS_INPUT],
-                        [HEADS_OUTPUT], (HEADS_OUTPUT,))
-        if self.step_session is not None:
-            check_graph(engine, self.engine_dir / onnx_info["step_file"], *io(self.step_session),
+        check_weight_format(engine, self.engine_dir / graphs["session"])
+        if graphs["heads_session"]:
+            check_graph(engine, self.engine_dir / graphs["heads_session"], *io(graphs["heads_session"]),
+                        [HEADS_INPUT], [HEADS_OUTPUT], (HEADS_OUTPUT,))
+        if graphs["step_session"]:
+            check_graph(engine, self.engine_dir / graphs["step_session"], *io(graphs["step_session"]),
                         [*STEP_INPUT_NAMES, *past], list(STEP_OUTPUT_NAMES))
 
     def start(self, batch: int, capacity: int) -> None:

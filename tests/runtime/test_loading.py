@@ -56,6 +56,21 @@ def test_engine_dir_opens_its_engine(ort_engine, tiny_merged):
     assert greedy(backend) == greedy(load_backend(tiny_merged("llama")))
 
 
+def test_each_mode_opens_only_its_session(ort_engine):
+    """Sessions open on first use: greedy Medusa runs on the fused step graph alone (its left-padded
+    prefill of ragged prompts too) and plain decoding on the decoder graph alone, so a process doing
+    one holds one packed copy of the weights (issue 13). Both give plain greedy's tokens."""
+    engine = ort_engine("llama")
+    medusa, plain = load_backend(engine, threads=1), load_backend(engine, threads=1)
+    assert medusa._sessions == {} and plain._sessions == {}
+    tokens = decode(medusa, PROMPTS, GenerationConfig(max_new_tokens=12, medusa_choices=[[0], [0, 0], [1]])).tokens
+    assert set(medusa._sessions) == {"step_session"}
+    assert decode(plain, PROMPTS, GenerationConfig(max_new_tokens=12, use_medusa=False)).tokens == tokens
+    assert set(plain._sessions) == {"session"}
+    plain.open_sessions()
+    assert set(plain._sessions) == {"session", "heads_session", "step_session"}
+
+
 def test_spin_reaches_every_session(ort_engine):
     """`spin` (medusa-run --spin) sets ONNX Runtime's intra-op spinning on all of an engine's sessions;
     the default stays off (a shared machine), and the tokens do not depend on it."""
