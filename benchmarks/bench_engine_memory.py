@@ -9,7 +9,7 @@ one process: two sessions, two packed copies of the decoder's weights). `bare` i
 before loading (python, torch, onnxruntime imported).
 
     python benchmarks/bench_engine_memory.py --engine float32=build/e1 --engine int4=build/e2 \\
-        [--checkpoint build/ckpt] [--threads 1] [--modes medusa,plain,both] [--json FILE]
+        [--checkpoint build/ckpt] [--threads 1] [--modes medusa,plain,both] [--medusa-choices TREE] [--json FILE]
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def distinct_weight_bytes(engine_dir: Path) -> int:
     return total
 
 
-def measure_loaded(engine_dir: Path, threads: int, mode: str) -> dict:
+def measure_loaded(engine_dir: Path, threads: int, mode: str, tree: str | None) -> dict:
     """Runs in the child process: RSS before and after loading + decoding in `mode`."""
     import torch
 
@@ -62,7 +62,8 @@ def measure_loaded(engine_dir: Path, threads: int, mode: str) -> dict:
     loaded = rss_bytes()
     prompt = [[1, 2, 3, 4, 5, 6, 7, 8]]
     if mode in ("medusa", "both"):
-        decode(backend, prompt, GenerationConfig(max_new_tokens=16, use_medusa=True))
+        choices = {"medusa_choices": tree} if tree else {}  # the default: mc_sim_7b_63, 64 slots
+        decode(backend, prompt, GenerationConfig(max_new_tokens=16, use_medusa=True, **choices))
     if mode in ("plain", "both"):
         decode(backend, prompt, GenerationConfig(max_new_tokens=16, use_medusa=False))
     sessions = [name for name in ("session", "heads_session", "step_session") if name in backend._sessions]
@@ -75,12 +76,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint", type=Path, help="the merged checkpoint the engines were built from")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--modes", default="medusa,plain,both", help="comma-separated: medusa, plain, both")
+    p.add_argument("--medusa-choices", help="the Medusa mode's tree: a preset name or a JSON file")
     p.add_argument("--json", type=Path)
     p.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     modes = args.modes.split(",")
     if args.child:
-        print(json.dumps(measure_loaded(args.child, args.threads, modes[0])))
+        print(json.dumps(measure_loaded(args.child, args.threads, modes[0], args.medusa_choices)))
         return 0
     ckpt = sum(f.stat().st_size for f in args.checkpoint.glob("rank*.safetensors")) if args.checkpoint else None
     results = {}
@@ -94,8 +96,9 @@ def main(argv: list[str] | None = None) -> int:
         print(line, flush=True)
         results[name] = {"dir_bytes": disk, "weight_bytes": weights, "checkpoint_bytes": ckpt, "modes": {}}
         for mode in modes:
+            tree = ["--medusa-choices", args.medusa_choices] if args.medusa_choices else []
             out = subprocess.run([sys.executable, __file__, "--child", str(d), "--threads", str(args.threads),
-                                  "--modes", mode], check=True, capture_output=True, text=True).stdout
+                                  "--modes", mode, *tree], check=True, capture_output=True, text=True).stdout
             mem = json.loads(out.strip().splitlines()[-1])
             results[name]["modes"][mode] = mem
             print(f"  {mode}: sessions {'+'.join(mem['sessions'])}; RSS bare {mem['bare'] / MIB:.0f} MiB, after "
