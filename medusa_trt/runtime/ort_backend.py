@@ -138,10 +138,8 @@ class SharedWeights:
         return out
 
 
-def make_session(onnx_path: str | Path, device: str = "cpu", threads: int | None = None, prepack: bool = True,
-                 weights: SharedWeights | None = None, spinning: bool = False):
-    """An InferenceSession on exactly `device`: a missing provider is an error, never a CPU fall back.
-    `weights`: the engine's shared weights file, mapped once for all its sessions."""
+def execution_provider(device: str) -> str:
+    """ONNX Runtime's provider for `device`, checked to be in this onnxruntime (no CPU fall back)."""
     import onnxruntime as ort
 
     if device not in _PROVIDERS:
@@ -152,6 +150,16 @@ def make_session(onnx_path: str | Path, device: str = "cpu", threads: int | None
         hint = " (install the 'gpu' extra: pip install 'medusa-trt[gpu]')" if device == "cuda" else ""
         raise EngineError(f"device {device!r} needs ONNX Runtime's {provider}, which this onnxruntime "
                           f"{ort.__version__} lacks{hint}; available: {', '.join(available)}")
+    return provider
+
+
+def make_session(onnx_path: str | Path, device: str = "cpu", threads: int | None = None, prepack: bool = True,
+                 weights: SharedWeights | None = None, spinning: bool = False):
+    """An InferenceSession on exactly `device`: a missing provider is an error, never a CPU fall back.
+    `weights`: the engine's shared weights file, mapped once for all its sessions."""
+    import onnxruntime as ort
+
+    provider = execution_provider(device)
     providers = [provider] if device == "cpu" else [provider, "CPUExecutionProvider"]  # CPU only for shape ops
     so = session_options(threads, prepack=prepack, spinning=spinning)
     if weights is not None:
@@ -188,6 +196,7 @@ class OrtBackend:
         if self.device == "cuda" and not torch.cuda.is_available():
             raise EngineError("device 'cuda' keeps the KV cache in torch CUDA tensors, but this torch "
                               f"{torch.__version__} has no CUDA device")
+        execution_provider(self.device)  # at load, though sessions open on first use
         # Sessions over one shared weights file (engines/onnx_weights.py) map it rather than copy it,
         # unless they prepack: then each session holds its own packed copy (engine.json says which).
         prepack = onnx_info.get("prepack_weights", True)
