@@ -529,12 +529,18 @@ class _FusedStepModule(nn.Module):
         self.decoder, self.k = decoder, k
 
     def forward(self, input_ids, position_ids, past_lengths, new_mask, retrieve, candidate_index, past):
-        logits, hidden, new_k, new_v = self.decoder(input_ids, position_ids, past_lengths, new_mask, None, past)
-        argmax = logits.argmax(-1)  # [B, T]
+        # Logits only at the last W = 1 + len(candidate_index) slots: all of a tree's slots, and at a
+        # prefill through this graph (runtime/decoding.py: _fused_prefill, the prompt's last token in
+        # the last slot) a tree's width instead of the whole prompt's lm_head.
+        b, s = input_ids.shape
+        start = torch.sym_max(s - (candidate_index.shape[0] + 1), 0)
+        rows = torch.arange(start, s, device=input_ids.device)[None].expand(b, -1)
+        logits, hidden, new_k, new_v = self.decoder(input_ids, position_ids, past_lengths, new_mask, rows, past)
+        argmax = torch.cat([logits.argmax(-1).new_zeros(b, start), logits.argmax(-1)], dim=1)  # [B, S] by slot
         best, accepted = greedy_accept(retrieve, input_ids, argmax)
         last = retrieve[best].gather(1, accepted[:, None])  # [B, 1] slot whose outputs continue
         root = argmax.gather(1, last).squeeze(1)
-        h = hidden.gather(1, last[:, :, None].expand(-1, -1, hidden.shape[-1]))[:, 0]  # [B, d]
+        h = hidden.gather(1, (last - start)[:, :, None].expand(-1, -1, hidden.shape[-1]))[:, 0]  # [B, d]
         # A tree of depth D drafts with heads 0..D-1 only: the others' lm_head rows are not computed
         # (on an int4 engine with tree [[0]], 1 of 4 rows; BENCHMARKS.md, issue 13).
         depth = retrieve.shape[1] - 1
