@@ -204,12 +204,10 @@ def check_graph(engine: dict, graph: str | Path, inputs: dict[str, list], output
                               f"model.vocab_size {vocab} (engine.json and the graph disagree: rebuild the engine)")
 
 
-def check_weight_format(engine: dict, graph: str | Path) -> None:
-    """engine.json's weights.format against the decoder graph's ops: an int4 graph has MatMulNBits
-    nodes and a float one none (a mislabelled engine would be verified against the wrong reference)."""
-    import onnx
-
-    ops = {n.op_type for n in onnx.load(str(graph), load_external_data=False).graph.node}
+def check_weight_format(engine: dict, graph: str | Path, ops: set[str]) -> None:
+    """engine.json's weights.format against the decoder graph's op types `ops`: an int4 graph has
+    MatMulNBits nodes and a float one none (a mislabelled engine would be verified against the wrong
+    reference)."""
     fmt = (engine.get("weights") or {}).get("format", "float")
     if (fmt == "int4") != ("MatMulNBits" in ops):
         has = "has" if "MatMulNBits" in ops else "has no"

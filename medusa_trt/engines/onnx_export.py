@@ -536,7 +536,8 @@ class _FusedStepModule(nn.Module):
         start = torch.sym_max(s - (candidate_index.shape[0] + 1), 0)
         rows = torch.arange(start, s, device=input_ids.device)[None].expand(b, -1)
         logits, hidden, new_k, new_v = self.decoder(input_ids, position_ids, past_lengths, new_mask, rows, past)
-        argmax = torch.cat([logits.argmax(-1).new_zeros(b, start), logits.argmax(-1)], dim=1)  # [B, S] by slot
+        argmax = logits.argmax(-1)
+        argmax = torch.cat([argmax.new_zeros(b, start), argmax], dim=1)  # [B, S] by slot; < start never read
         best, accepted = greedy_accept(retrieve, input_ids, argmax)
         last = retrieve[best].gather(1, accepted[:, None])  # [B, 1] slot whose outputs continue
         root = argmax.gather(1, last).squeeze(1)

@@ -250,21 +250,31 @@ def decode(backend: Backend, prompts: list[list[int]], cfg: GenerationConfig) ->
     return GenerationResult(tokens, stats)
 
 
+def _pad_prompts(prompts: list[list[int]], left: bool) -> tuple[torch.Tensor, ...]:
+    """Prompts in one [B, S] batch, right- or left-padded: ids, positions, mask [B, S, S] (causal
+    over the prompt's own tokens; a padding slot also sees itself, since a row without keys would be
+    NaN), the slots to commit [B, S] (the first `lens` of each row are the prompt's) and lens [B]."""
+    lens = torch.tensor([len(p) for p in prompts])
+    s = int(lens.max())
+    first = s - lens if left else torch.zeros_like(lens)  # [B] slot of each prompt's first token
+    ids = torch.zeros(len(prompts), s, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, int(first[i]):int(first[i]) + len(p)] = torch.tensor(p)
+    slot = torch.arange(s)[None]
+    pos = (slot - first[:, None]).clamp(min=0)
+    valid = (slot >= first[:, None]) & (slot < (first + lens)[:, None])  # [B, S] padding keys are never seen
+    mask = (torch.ones(s, s, dtype=torch.bool).tril()[None] & valid[:, None, :]) | torch.eye(s, dtype=torch.bool)[None]
+    return ids, pos, mask, (first[:, None] + slot).clamp(max=s - 1), lens
+
+
 def prefill(backend: Backend, prompts: list[list[int]], heads: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """All prompts in one right-padded forward, committed to the cache; returns the logits [B, V]
     and Medusa logits [H, B, V] (None without `heads`) at each prompt's last token. medusa-check
     drives it too."""
-    lens = torch.tensor([len(p) for p in prompts])
-    s = int(lens.max())
-    ids = torch.zeros(len(prompts), s, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, : len(p)] = torch.tensor(p)
-    pos = torch.arange(s)[None].expand(len(prompts), s)
-    valid = torch.arange(s)[None, :] < lens[:, None]  # [B, S] padding keys are never seen
-    mask = torch.ones(s, s, dtype=torch.bool).tril()[None] & valid[:, None, :]
+    ids, pos, mask, slots, lens = _pad_prompts(prompts, left=False)
     logits, _ = backend.forward(ids, pos, mask, (lens - 1)[:, None], with_heads=False)
     medusa = backend.heads(torch.zeros(len(prompts), dtype=torch.long)) if heads else None
-    backend.commit(pos.contiguous(), lens)
+    backend.commit(slots, lens)
     return logits[:, 0], medusa
 
 
@@ -273,22 +283,13 @@ def _fused_prefill(backend, prompts: list[list[int]], tree: StepTree) -> torch.T
     and heads graphs (one packed copy of the weights per process; BENCHMARKS.md, issue 13 memory).
     The graph takes one `retrieve` for the batch, so prompts are left-padded: every last token sits
     in slot S-1, the root of a path without drafts, and the graph's argmax there and its heads' top-k
-    there are the first tree's tokens [B, T]. Padding slots see only themselves (a row without keys
-    would be NaN) and are never committed. The graph computes logits at its last 1 + len(candidate_index)
-    slots only (a tree's width), not over the whole prompt."""
-    lens = torch.tensor([len(p) for p in prompts])
-    s = int(lens.max())
-    pad = s - lens
-    ids = torch.zeros(len(prompts), s, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, int(pad[i]):] = torch.tensor(p)
-    pos = (torch.arange(s)[None] - pad[:, None]).clamp(min=0)
-    valid = torch.arange(s)[None, :] >= pad[:, None]  # [B, S]
-    mask = (torch.ones(s, s, dtype=torch.bool).tril()[None] & valid[:, None, :]) | torch.eye(s, dtype=torch.bool)[None]
+    there are the first tree's tokens [B, T]. The graph computes logits at its last
+    1 + len(candidate_index) slots only (a tree's width), not over the whole prompt."""
+    ids, pos, mask, slots, lens = _pad_prompts(prompts, left=True)
     retrieve = torch.full((1, tree.retrieve.shape[1]), -1, dtype=torch.long)
-    retrieve[0, 0] = s - 1
+    retrieve[0, 0] = ids.shape[1] - 1
     _, _, tokens = backend.fused_step(ids, pos, mask, retrieve, tree.candidate_index)
-    backend.commit((pad[:, None] + torch.arange(s)[None]).clamp(max=s - 1), lens)
+    backend.commit(slots, lens)
     return tokens
 
 

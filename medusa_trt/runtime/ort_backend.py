@@ -242,8 +242,7 @@ class OrtBackend:
         files (the sessions open later, on first use)."""
         import onnx
 
-        def io(name: str):
-            graph = onnx.load(str(self.engine_dir / name), load_external_data=False).graph
+        def io(graph) -> tuple[dict, dict]:
             initializers = {t.name for t in graph.initializer}
 
             def shapes(values) -> dict:
@@ -252,16 +251,17 @@ class OrtBackend:
             return shapes(graph.input), shapes(graph.output)
 
         past = past_names(engine["model"]["num_layers"])
-        graphs = self._graphs
-        check_graph(engine, self.engine_dir / graphs["session"], *io(graphs["session"]), [*INPUT_NAMES, *past],
-                    list(OUTPUT_NAMES), ("logits",))
-        check_weight_format(engine, self.engine_dir / graphs["session"])
-        if graphs["heads_session"]:
-            check_graph(engine, self.engine_dir / graphs["heads_session"], *io(graphs["heads_session"]),
-                        [HEADS_INPUT], [HEADS_OUTPUT], (HEADS_OUTPUT,))
-        if graphs["step_session"]:
-            check_graph(engine, self.engine_dir / graphs["step_session"], *io(graphs["step_session"]),
-                        [*STEP_INPUT_NAMES, *past], list(STEP_OUTPUT_NAMES))
+        expected = {"session": ([*INPUT_NAMES, *past], list(OUTPUT_NAMES), ("logits",)),
+                    "heads_session": ([HEADS_INPUT], [HEADS_OUTPUT], (HEADS_OUTPUT,)),
+                    "step_session": ([*STEP_INPUT_NAMES, *past], list(STEP_OUTPUT_NAMES), ())}
+        for name, file in self._graphs.items():
+            if file is None:
+                continue
+            path = self.engine_dir / file
+            graph = onnx.load(str(path), load_external_data=False).graph
+            check_graph(engine, path, *io(graph), *expected[name])
+            if name == "session":
+                check_weight_format(engine, path, {n.op_type for n in graph.node})
 
     def start(self, batch: int, capacity: int) -> None:
         if batch > self.max_batch_size:
