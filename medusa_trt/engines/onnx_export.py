@@ -124,25 +124,36 @@ def split_attention(q, k, v, past_k, past_v, mask):
 
 
 def row_exact_attention(q, k, v, past_k, past_v, mask):
-    """Scores, softmax and the weighted sum in float64, rounded back to the model dtype once.
+    """Attention whose output for a row does not depend on the step's other rows or on where its
+    visible keys sit: the softmax and the weighted sum in float64, rounded back to the model dtype
+    once.
 
-    A row's float32 attention depends on how many rows the step has and where its visible keys sit
-    (kernels pick other blockings and reduction orders), so a one-row plain step and a tree row see
-    the same position's output differ in the last bits. Float32 engines absorb that (Medusa greedy
+    A row's float32 softmax and weighted sum depend on how many rows the step has and on the key
+    positions (kernels pick other blockings and reduction orders), so a one-row plain step and the
+    tree row of the same position differ in the last bits. Float32 engines absorb that (Medusa greedy
     still equals plain greedy), but MatMulNBits at accuracy level 4 rounds its input to int8 per
     block: one bit of noise at a rounding boundary moves a whole quantum, and over 30 layers the
     logits of the two paths differ by ~0.6 and greedy tokens part at near-ties. In float64 the
     differences stay ~1e-16 relative, far below float32's rounding step, so the rounded output is
-    the same bits whatever the row count or tree (BENCHMARKS.md, issue 13: int4 row invariance)."""
+    the same bits whatever the row count or tree (BENCHMARKS.md, issue 13: int4 row invariance).
+
+    The scores stay in the model dtype: each is one dot product over head_dim, which ONNX Runtime's
+    MatMul accumulates in the same order whatever the row and key counts (checked bitwise over
+    random shapes; tests/engines/test_int4.py checks the whole engine). That spares casting the
+    keys, the larger half of the cache, to float64 in every layer."""
     b, hq, s, d = q.shape
-    keys = torch.cat([past_k, k], dim=2).double()  # the past is copied once either way (see "concat")
+    keys = torch.cat([past_k, k], dim=2)  # the past is copied once either way (see "concat")
     values = torch.cat([past_v, v], dim=2).double()
     hkv = keys.shape[1]
-    # GQA by query grouping, as in split_attention: query head h reads KV head h // (hq // hkv).
-    qg = (q.double() * (1.0 / math.sqrt(d))).reshape(b, hkv, (hq // hkv) * s, d)
-    scores = torch.matmul(qg, keys.transpose(-1, -2)).reshape(b, hkv, hq // hkv, s, -1)
-    scores = scores.masked_fill(~mask[:, None, None], torch.finfo(torch.float64).min)
-    probs = torch.softmax(scores, dim=-1).reshape(b, hkv, (hq // hkv) * s, -1)
+    g = hq // hkv
+    # GQA by query grouping, as in split_attention: query head h reads KV head h // g. The mask is
+    # tiled to the grouped rows [B, 1, G*S, T+S] (once per step: every layer reads the same one), so
+    # scores and probabilities stay 4-D, without a reshape each way per layer.
+    # The scale right before the MatMul, where ONNX Runtime folds it into the kernel's alpha.
+    qg = q.reshape(b, hkv, g * s, d) * (1.0 / math.sqrt(d))
+    scores = torch.matmul(qg, keys.transpose(-1, -2)).double()
+    scores = scores.masked_fill(~mask[:, None].repeat(1, 1, g, 1), torch.finfo(torch.float64).min)
+    probs = torch.softmax(scores, dim=-1)
     return torch.matmul(probs, values).reshape(b, hq, s, d).to(q.dtype)
 
 
