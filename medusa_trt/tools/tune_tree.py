@@ -276,8 +276,9 @@ def measure_forward_ms(backend, context: list[int], max_tokens: int, reps: int =
         ids = torch.tensor([(context * (t // n + 1))[:t]])
         mask = torch.ones(t, t, dtype=torch.bool).tril()[None]
         fused = tree and fused_k and t > 1  # the fused graph takes trees of at least one node
-        if fused:  # a chain of t slots; the candidates' values do not change the cost
-            retrieve, index = torch.arange(t)[None], torch.arange(t - 1) % (backend.info.num_medusa_heads * fused_k)
+        if fused:  # t slots, one path as deep as the heads allow; the candidates' values do not change the cost
+            depth = min(t - 1, backend.info.num_medusa_heads)
+            retrieve, index = torch.arange(depth + 1)[None], torch.arange(t - 1) % (depth * fused_k)
         t0 = time.perf_counter()
         if fused:
             backend.fused_step(ids, n + torch.arange(t)[None], mask, retrieve, index)

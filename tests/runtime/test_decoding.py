@@ -266,3 +266,18 @@ def test_draft_vocabulary_heads(distilled, tmp_path):
         assert sum(s.accepted_draft_tokens for s in fused.stats) > 0
     assert check_main(["--engine", str(tmp_path / "engine"), "--checkpoint", str(tmp_path / "ckpt"),
                        "--max-new-tokens", "12", "--tree-steps", "2"]) == 0
+
+    # Heads sharing one lm_head share one draft matrix: the step graph drafts with as many heads as
+    # the tree is deep, and medusa-tune-tree times steps of more slots than that through it.
+    from medusa_trt.tools.tune_tree import measure_forward_ms
+
+    state = torch.load(heads / "medusa_lm_head.pt")
+    for h in range(1, config["medusa_num_heads"]):
+        state[f"{h}.{config['medusa_num_layers']}.weight"] = state[f"0.{config['medusa_num_layers']}.weight"]
+    torch.save(state, heads / "medusa_lm_head.pt")
+    convert(m.hf.name_or_path, heads, tmp_path / "shared", progress=False)
+    build_engine(BuildOptions(checkpoint=tmp_path / "shared", out=tmp_path / "engine_shared", progress=False))
+    shared = OrtBackend(tmp_path / "engine_shared")
+    forward, _ = measure_forward_ms(shared, full[0][:8], max_tokens=config["medusa_num_heads"] + 3, reps=1,
+                                    progress=False)
+    assert len(forward) == config["medusa_num_heads"] + 3
