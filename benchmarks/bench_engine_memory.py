@@ -66,7 +66,7 @@ def measure_loaded(engine_dir: Path, threads: int, mode: str, tree: str | None) 
         decode(backend, prompt, GenerationConfig(max_new_tokens=16, use_medusa=True, **choices))
     if mode in ("plain", "both"):
         decode(backend, prompt, GenerationConfig(max_new_tokens=16, use_medusa=False))
-    sessions = [name for name in ("session", "heads_session", "step_session") if name in backend._sessions]
+    sessions = [name for name in ("session", "heads_session", "step_session") if name in backend.open_session_names]
     return {"bare": bare, "loaded": loaded, "decoded": rss_bytes(), "sessions": sessions}
 
 

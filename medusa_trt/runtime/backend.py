@@ -56,6 +56,8 @@ class Backend(Protocol):
     # per-head top-k its candidates come from; None or absent: no fused step) and
     # fused_step(input_ids, position_ids, new_mask, retrieve, candidate_index) -> (best path [B],
     # accepted [B], next tree tokens [B, 1 + C]), the math of medusa_trt/acceptance.py.
+    # Optional, for backends that open their graphs on first use (OrtBackend): open_sessions() opens
+    # them all now, as a server does at load so that no request pays for it.
 
 
 def full_attention_mask(lengths: torch.Tensor, past: int, new_mask: torch.Tensor) -> torch.Tensor:

@@ -235,6 +235,12 @@ class OrtBackend:
         for name in self._graphs:
             getattr(self, name)
 
+    @property
+    def open_session_names(self) -> frozenset[str]:
+        """The graphs whose sessions are open ("session", "heads_session", "step_session"): each
+        open one holds its own packed copy of the weights."""
+        return frozenset(self._sessions)
+
     # -- Backend interface ---------------------------------------------------------------------
 
     def _check_graphs(self, engine: dict) -> None:

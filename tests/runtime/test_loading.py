@@ -62,13 +62,13 @@ def test_each_mode_opens_only_its_session(ort_engine):
     one holds one packed copy of the weights (issue 13). Both give plain greedy's tokens."""
     engine = ort_engine("llama")
     medusa, plain = load_backend(engine, threads=1), load_backend(engine, threads=1)
-    assert medusa._sessions == {} and plain._sessions == {}
+    assert medusa.open_session_names == plain.open_session_names == frozenset()
     tokens = decode(medusa, PROMPTS, GenerationConfig(max_new_tokens=12, medusa_choices=[[0], [0, 0], [1]])).tokens
-    assert set(medusa._sessions) == {"step_session"}
+    assert medusa.open_session_names == {"step_session"}
     assert decode(plain, PROMPTS, GenerationConfig(max_new_tokens=12, use_medusa=False)).tokens == tokens
-    assert set(plain._sessions) == {"session"}
+    assert plain.open_session_names == {"session"}
     plain.open_sessions()
-    assert set(plain._sessions) == {"session", "heads_session", "step_session"}
+    assert plain.open_session_names == {"session", "heads_session", "step_session"}
 
 
 def test_spin_reaches_every_session(ort_engine):
