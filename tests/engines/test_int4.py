@@ -149,6 +149,43 @@ def test_int4_rows_are_bitwise_row_invariant(ort_engine):
     torch.testing.assert_close(_tree_logits(backend, ids, 6), one, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_float32_scores_are_row_invariant_in_onnx_runtime(threads):
+    """row_exact keeps its scores in float32 on the premise that ONNX Runtime's MatMul gives a query
+    row's dot products the same bits whatever the step's row count, key count and batch (the GQA
+    grouped layout of a plain step vs a tree step). If a future kernel breaks that, this fails first."""
+    from onnx import TensorProto, helper
+
+    a = helper.make_tensor_value_info("q", TensorProto.FLOAT, ["B", "H", "M", 64])
+    b = helper.make_tensor_value_info("k", TensorProto.FLOAT, ["B", "H", "N", 64])
+    graph = helper.make_graph([helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
+                               helper.make_node("Mul", ["q", "scale"], ["qs"]),
+                               helper.make_node("MatMul", ["qs", "kt"], ["s"])], "scores", [a, b],
+                              [helper.make_tensor_value_info("s", TensorProto.FLOAT, None)],
+                              [helper.make_tensor("scale", TensorProto.FLOAT, [], [0.125])])
+    model = helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 21)])
+    session = _session_from_bytes(model.SerializeToString(), threads)
+    rng = np.random.default_rng(0)
+    for _ in range(60):
+        batch, past, n = int(rng.integers(1, 5)), int(rng.integers(5, 700)), int(rng.integers(2, 30))
+        q = rng.standard_normal((batch, 3, 3 * n, 64), dtype=np.float32)
+        k = rng.standard_normal((batch, 3, past + n, 64), dtype=np.float32)
+        tree = session.run(None, {"q": q, "k": k})[0]
+        i = int(rng.integers(0, n))
+        rows = [g * n + i for g in range(3)]  # query heads of one KV head, node i
+        keys = past + int(rng.integers(1, n + 1))
+        one = session.run(None, {"q": q[:, :, rows], "k": k[:, :, :keys]})[0]
+        np.testing.assert_array_equal(one, tree[:, :, rows, :keys])
+
+
+def _session_from_bytes(model: bytes, threads: int):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+
+
 def test_medusa_check_int4(ort_engine, tmp_path):
     report = tmp_path / "r.json"
     assert check_main(["--engine", str(int4_engine(ort_engine, 4)), "--json", str(report),
