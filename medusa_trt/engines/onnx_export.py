@@ -138,9 +138,11 @@ def row_exact_attention(q, k, v, past_k, past_v, mask):
     the same bits whatever the row count or tree (BENCHMARKS.md, issue 13: int4 row invariance).
 
     The scores stay in the model dtype: each is one dot product over head_dim, which ONNX Runtime's
-    MatMul accumulates in the same order whatever the row and key counts (checked bitwise over
-    random shapes; tests/engines/test_int4.py checks the whole engine). That spares casting the
-    keys, the larger half of the cache, to float64 in every layer."""
+    MatMul accumulates in the same order whatever the row and key counts (test_int4.py:
+    test_float32_scores_are_row_invariant_in_onnx_runtime; test_int4_rows_are_bitwise_row_invariant
+    checks a whole engine). That spares casting the keys, half of the cache prefix, to float64 in
+    every layer. The weighted sum over keys is not invariant in float32 (its reduction blocks move
+    with the key count), so it stays in float64."""
     b, hq, s, d = q.shape
     keys = torch.cat([past_k, k], dim=2)  # the past is copied once either way (see "concat")
     values = torch.cat([past_v, v], dim=2).double()
