@@ -355,12 +355,14 @@ class Int4Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def quantize_model_int4(model: MedusaModel, block_size: int, accuracy_level: int, lm_head: bool = True) -> list[str]:
+def quantize_model_int4(model: MedusaModel, block_size: int, accuracy_level: int, lm_head: bool = True,
+                        draft: bool = False) -> list[str]:
     """Replaces the decoder's Linears (and the lm_head with `lm_head`) by Int4Linear in place: what
     medusa-build --weights int4 exports and what medusa-check runs as the reference. Deterministic,
     so both get the same bytes. Medusa heads that use the base lm_head (v2) then use the int4 one.
-    Returns the names of the Linears left in the model dtype because their input size is not a
-    multiple of block_size (the caller warns)."""
+    `draft`: the heads' draft-vocabulary matrices too (`draft_int4`, one Int4Linear per head), when
+    the heads have a draft vocabulary. Returns the names of the Linears left in the model dtype
+    because their input size is not a multiple of block_size (the caller warns)."""
     if block_size not in INT4_BLOCK_SIZES:
         raise ValueError(f"int4 block size {block_size}: expected one of {INT4_BLOCK_SIZES}")
     if accuracy_level not in INT4_ACCURACY_LEVELS:
@@ -382,6 +384,17 @@ def quantize_model_int4(model: MedusaModel, block_size: int, accuracy_level: int
             skipped.append(name)
             continue
         setattr(owner, attr, Int4Linear(linear, block_size, accuracy_level))
+    if draft and model.cfg.draft_vocab and model.cfg.num_medusa_heads:
+        # The draft matrix is the heads' largest float32 read per step ([V', d] a head; issue 13).
+        if model.cfg.hidden_size % block_size:
+            skipped.append("draft_lm_head")
+        else:
+            heads = []
+            for w in model.draft_lm_head:  # [H, V', d]
+                linear = nn.Linear(w.shape[1], w.shape[0], bias=False)
+                linear.weight.data = w.float()
+                heads.append(Int4Linear(linear, block_size, accuracy_level))
+            model.draft_int4 = nn.ModuleList(heads)
     return skipped
 
 
@@ -457,6 +470,7 @@ class MedusaModel(nn.Module):
         self.medusa_b = nn.Parameter(torch.zeros(n_heads, n_layers, d))
         self.medusa_lm_head = nn.Parameter(torch.zeros(n_heads, cfg.vocab_size, d))
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.draft_int4: nn.ModuleList | None = None  # int4 draft-vocabulary matrices (quantize_model_int4)
 
     heads_use_lm_head = False  # v2 heads through an int4 lm_head (quantize_model_int4)
 
@@ -469,6 +483,8 @@ class MedusaModel(nn.Module):
         x = h.unsqueeze(0).expand(self.cfg.num_medusa_heads, *h.shape)  # [H, B, S, d]
         linear = stacked_linear(self.medusa_w, self.medusa_b, self.medusa_fp8)
         x = resblocks(x, linear, range(self.cfg.num_medusa_layers))
+        if self.draft_int4 is not None:
+            return self.draft_logits(torch.stack([m(x[h]) for h, m in enumerate(self.draft_int4)]).float())
         if self.cfg.draft_vocab:
             return self.draft_logits(torch.einsum("hbsi,hvi->hbsv", x, self.draft_lm_head).float())
         if self.heads_use_lm_head:

@@ -115,13 +115,14 @@ def _quantize_int4(opts: BuildOptions, config: dict, model) -> dict:
     if (config.get("quantization") or {}).get("quant_algo"):
         raise BuildError(f"{opts.checkpoint / 'config.json'}: an FP8 checkpoint cannot be built with --weights "
                          "int4; convert the base without --quantize fp8")
-    skipped = quantize_model_int4(model, block, level)
+    skipped = quantize_model_int4(model, block, level, draft=True)
     for name in skipped:
         log.warning("--weights int4: %s stays %s: its input size is not a multiple of --int4-block-size %d",
                     name, model.dtype, block)
     return {"format": "int4", "op": "com.microsoft.MatMulNBits", "bits": 4, "block_size": block,
             "accuracy_level": level, "symmetric": False, "lm_head": "lm_head" not in skipped,
-            "heads_use_lm_head": bool(model.heads_use_lm_head), "float_linears": skipped}
+            "heads_use_lm_head": bool(model.heads_use_lm_head), "draft_int4": model.draft_int4 is not None,
+            "float_linears": skipped}
 
 
 # engines/onnx_fusions.py; each measured alone on SmolLM2-135M (BENCHMARKS.md, issue 13).

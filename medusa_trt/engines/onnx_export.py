@@ -429,11 +429,15 @@ class _ExportModule(nn.Module):
         ) if not self.shared_lm_head else None
         # A draft vocabulary (docs/formats.md section 1): the heads' logits are computed over its V'
         # rows only, one [V', d] matrix when the heads share the lm_head.
-        self.draft_lm = None
+        # int4 engines hold it as MatMulNBits (modeling.quantize_model_int4 with draft=True).
+        self.draft_lm, self.draft_int4 = None, None
         if cfg.draft_vocab and cfg.num_medusa_heads:
             lm = model.draft_lm_head
             shared = all(torch.equal(lm[h], lm[0]) for h in range(cfg.num_medusa_heads))
-            self.draft_lm = nn.Parameter(lm[:1] if shared else lm, requires_grad=False)  # [1 or H, V', d]
+            if model.draft_int4 is not None:
+                self.draft_int4 = model.draft_int4[:1] if shared else model.draft_int4
+            else:
+                self.draft_lm = nn.Parameter(lm[:1] if shared else lm, requires_grad=False)  # [1 or H, V', d]
 
     def medusa_heads(self, h: torch.Tensor) -> torch.Tensor:
         """Same math as MedusaModel.medusa_heads: h [B, S, d] -> [H, B, S, V]."""
@@ -444,25 +448,31 @@ class _ExportModule(nn.Module):
         """Medusa logits [N, H, V] (row-major: the fused step takes its top-k without a transpose) of
         hidden rows x0 [N, d], with 2-D MatMuls (ONNX Runtime prepacks those): the first ResBlock of
         all heads as one, later ones per head, logits per head or through the shared lm_head."""
-        if self.draft_lm is not None:
+        if self.draft_lm is not None or self.draft_int4 is not None:
             return self.model.draft_logits(self.draft_rows(x0))
         return self._rows(x0)
 
+    def _draft_matmul(self, z: torch.Tensor, head: int) -> torch.Tensor:
+        """z [..., d] -> head `head`'s draft logits [..., V'] (head 0 when the heads share one matrix)."""
+        if self.draft_int4 is not None:
+            return self.draft_int4[head](z)
+        return F.linear(z, self.draft_lm[head])
+
     def draft_rows(self, x0: torch.Tensor, used: int | None = None) -> torch.Tensor:
         """Head logits over the draft vocabulary only, [N, H, V'] (H = `used` when given)."""
-        if self.draft_lm.shape[0] == 1:
+        if len(self.draft_int4 if self.draft_int4 is not None else self.draft_lm) == 1:
             z = self._rows(x0, logits=False, used=used)  # [N, H, d]
             n, heads, d = z.shape
-            return F.linear(z.reshape(n * heads, d), self.draft_lm[0]).float().reshape(n, heads, -1)
+            return self._draft_matmul(z.reshape(n * heads, d), 0).float().reshape(n, heads, -1)
         # A matrix per head: every head computed (a Python loop has a fixed count), then cut.
         z = self._rows(x0, logits=False)
-        out = torch.stack([F.linear(z[:, h], self.draft_lm[h]) for h in range(z.shape[1])], dim=1).float()
+        out = torch.stack([self._draft_matmul(z[:, h], h) for h in range(z.shape[1])], dim=1).float()
         return out if used is None else out.narrow(1, 0, used)
 
     def draft_topk(self, x0: torch.Tensor, k: int, used: int | None = None) -> torch.Tensor:
         """Token ids [N, H, k] of each head's k most likely drafts at hidden rows x0 [N, d], of the
         first `used` heads only when given (H = used)."""
-        if self.draft_lm is None:
+        if self.draft_lm is None and self.draft_int4 is None:
             return self._rows(x0, used=used).topk(k, dim=-1).indices
         return self.model.draft_ids[self.draft_rows(x0, used).topk(k, dim=-1).indices]
 

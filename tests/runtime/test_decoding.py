@@ -267,6 +267,17 @@ def test_draft_vocabulary_heads(distilled, tmp_path):
     assert check_main(["--engine", str(tmp_path / "engine"), "--checkpoint", str(tmp_path / "ckpt"),
                        "--max-new-tokens", "12", "--tree-steps", "2"]) == 0
 
+    # int4 engines hold the draft matrix as MatMulNBits too; the reference mirrors it (medusa-check).
+    build_engine(BuildOptions(checkpoint=tmp_path / "ckpt", out=tmp_path / "engine_int4", progress=False,
+                              extra={"weights": "int4", "int4_block_size": 32}))
+    info = json.loads((tmp_path / "engine_int4" / "engine.json").read_text())
+    assert info["weights"]["draft_int4"]
+    int4 = OrtBackend(tmp_path / "engine_int4")
+    plain = decode(int4, ps, GenerationConfig(max_new_tokens=NEW, use_medusa=False, stop_token_ids=(EOS,)))
+    assert decode(int4, ps, greedy([[0], [0, 0], [1]])).tokens == plain.tokens
+    assert check_main(["--engine", str(tmp_path / "engine_int4"), "--checkpoint", str(tmp_path / "ckpt"),
+                       "--max-new-tokens", "12", "--tree-steps", "2"]) == 0
+
     # Heads sharing one lm_head share one draft matrix: the step graph drafts with as many heads as
     # the tree is deep, and medusa-tune-tree times steps of more slots than that through it.
     from medusa_trt.tools.tune_tree import measure_forward_ms
