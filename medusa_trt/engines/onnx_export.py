@@ -431,9 +431,11 @@ class _ExportModule(nn.Module):
         # rows only, one [V', d] matrix when the heads share the lm_head.
         # int4 engines hold it as MatMulNBits (modeling.quantize_model_int4 with draft=True).
         self.draft_lm, self.draft_int4 = None, None
+        self.draft_matrices = 0  # distinct draft matrices: 1 when the heads share one, else H; 0: none
         if cfg.draft_vocab and cfg.num_medusa_heads:
             lm = model.draft_lm_head
             shared = all(torch.equal(lm[h], lm[0]) for h in range(cfg.num_medusa_heads))
+            self.draft_matrices = 1 if shared else cfg.num_medusa_heads
             if model.draft_int4 is not None:
                 self.draft_int4 = model.draft_int4[:1] if shared else model.draft_int4
             else:
@@ -448,7 +450,7 @@ class _ExportModule(nn.Module):
         """Medusa logits [N, H, V] (row-major: the fused step takes its top-k without a transpose) of
         hidden rows x0 [N, d], with 2-D MatMuls (ONNX Runtime prepacks those): the first ResBlock of
         all heads as one, later ones per head, logits per head or through the shared lm_head."""
-        if self.draft_lm is not None or self.draft_int4 is not None:
+        if self.draft_matrices:
             return self.model.draft_logits(self.draft_rows(x0))
         return self._rows(x0)
 
@@ -460,7 +462,7 @@ class _ExportModule(nn.Module):
 
     def draft_rows(self, x0: torch.Tensor, used: int | None = None) -> torch.Tensor:
         """Head logits over the draft vocabulary only, [N, H, V'] (H = `used` when given)."""
-        if len(self.draft_int4 if self.draft_int4 is not None else self.draft_lm) == 1:
+        if self.draft_matrices == 1:
             z = self._rows(x0, logits=False, used=used)  # [N, H, d]
             n, heads, d = z.shape
             return self._draft_matmul(z.reshape(n * heads, d), 0).float().reshape(n, heads, -1)
@@ -472,7 +474,7 @@ class _ExportModule(nn.Module):
     def draft_topk(self, x0: torch.Tensor, k: int, used: int | None = None) -> torch.Tensor:
         """Token ids [N, H, k] of each head's k most likely drafts at hidden rows x0 [N, d], of the
         first `used` heads only when given (H = used)."""
-        if self.draft_lm is None and self.draft_int4 is None:
+        if not self.draft_matrices:
             return self._rows(x0, used=used).topk(k, dim=-1).indices
         return self.model.draft_ids[self.draft_rows(x0, used).topk(k, dim=-1).indices]
 

@@ -6,6 +6,7 @@ import json
 import random
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from synthetic import EOS
@@ -13,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from medusa_trt.cli.run import main as run_main
 from medusa_trt.converter import convert
-from medusa_trt.modeling import OUTSIDE_DRAFT_LOGIT, MedusaModel
+from medusa_trt.modeling import OUTSIDE_DRAFT_LOGIT, MedusaModel, quantize_model_int4
 from medusa_trt.runtime.backend import TorchBackend
 from medusa_trt.runtime.decoding import GenerationConfig, decode, generate
 from medusa_trt.tools.train_heads import greedy_continuations, save_heads, train_heads
@@ -273,6 +274,15 @@ def test_draft_vocabulary_heads(distilled, tmp_path):
     info = json.loads((tmp_path / "engine_int4" / "engine.json").read_text())
     assert info["weights"]["draft_int4"]
     int4 = OrtBackend(tmp_path / "engine_int4")
+    h = torch.randn(5, sub.cfg.hidden_size)
+    for mirrored in (True, False):  # the engine's heads against the reference with and without it
+        ref = MedusaModel.from_checkpoint(tmp_path / "ckpt")
+        quantize_model_int4(ref, 32, 4, draft=mirrored)
+        with torch.no_grad():
+            want = ref.medusa_heads(h[None])[:, 0]
+        diff = (int4.heads_session.run(None, {"hidden": h.numpy()})[0] - want.numpy())[..., vocab]
+        # level 4's criterion (tests/engines/test_int4.py): p90 within 1e-4; unmirrored it is ~0.05
+        assert (np.quantile(np.abs(diff), 0.9) <= 1e-4) == mirrored
     plain = decode(int4, ps, GenerationConfig(max_new_tokens=NEW, use_medusa=False, stop_token_ids=(EOS,)))
     assert decode(int4, ps, greedy([[0], [0, 0], [1]])).tokens == plain.tokens
     assert check_main(["--engine", str(tmp_path / "engine_int4"), "--checkpoint", str(tmp_path / "ckpt"),
