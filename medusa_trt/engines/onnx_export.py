@@ -387,6 +387,20 @@ DEFAULT_ATTENTION = "attention23"
 # -- export ------------------------------------------------------------------------------------
 
 
+def _head_branch(x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+    """One head's rows inside the fused step's If (_ExportModule._head_rows): ResBlocks from (W, b)
+    pairs, then, when the count is odd, float32 logits through the last [W, d] matrix. Its tensors
+    are operands, not closure cells: torch.cond traces pure functions."""
+    layers = len(params) // 2
+    z = resblocks(x, lambda h, layer: F.linear(h, params[2 * layer], params[2 * layer + 1]), range(layers))
+    return F.linear(z, params[-1]).float() if len(params) % 2 else z
+
+
+def _skipped_head(x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+    """The If's other branch: zeros of _head_branch's shape (rows past the tree's depth, never read)."""
+    return x.new_zeros(x.shape[0], params[-1].shape[0], dtype=torch.float32) if len(params) % 2 else torch.zeros_like(x)
+
+
 class _ExportModule(nn.Module):
     """The graph's interface around MedusaModel.forward (see the module docstring)."""
 
@@ -407,18 +421,12 @@ class _ExportModule(nn.Module):
                 lin.weights_scaling_factor = fp8.weights_scaling_factor[h, i].reshape(1)
                 lin.activation_scaling_factor = fp8.activation_scaling_factor[h, i].reshape(1)
         self.head_w = nn.ParameterList(
-            nn.Parameter(model.medusa_w[h, i], requires_grad=False) for h, i in pairs
+            nn.Parameter(model.medusa_w[h, i].clone(), requires_grad=False) for h, i in pairs
         ) if self.head_fp8 is None else None
         self.head_b = nn.ParameterList(
-            nn.Parameter(model.medusa_b[h, i], requires_grad=False)
+            nn.Parameter(model.medusa_b[h, i].clone(), requires_grad=False)
             for h in range(cfg.num_medusa_heads) for i in range(cfg.num_medusa_layers)
         )
-        # Every head's first ResBlock reads the same hidden state: one [H*d, d] MatMul for all of
-        # them (a step runs the heads on one row, where op count, not FLOPs, sets the cost).
-        self.first_w = self.first_b = None
-        if self.head_fp8 is None and cfg.num_medusa_heads:
-            self.first_w = nn.Parameter(model.medusa_w[:, 0].reshape(-1, cfg.hidden_size).clone(), requires_grad=False)
-            self.first_b = nn.Parameter(model.medusa_b[:, 0].reshape(-1).clone(), requires_grad=False)
         # Heads that use the base lm_head (FasterDecoding v2 heads; the merged checkpoint holds a copy
         # per head) share one MatMul: [heads * rows, d] against one matrix instead of one per head.
         base_lm = getattr(model.lm_head, "weight", None)  # None: an int4 lm_head
@@ -448,8 +456,8 @@ class _ExportModule(nn.Module):
 
     def medusa_rows(self, x0: torch.Tensor) -> torch.Tensor:
         """Medusa logits [N, H, V] (row-major: the fused step takes its top-k without a transpose) of
-        hidden rows x0 [N, d], with 2-D MatMuls (ONNX Runtime prepacks those): the first ResBlock of
-        all heads as one, later ones per head, logits per head or through the shared lm_head."""
+        hidden rows x0 [N, d], with 2-D MatMuls (ONNX Runtime prepacks those): ResBlocks per head,
+        logits per head or through the shared lm_head."""
         if self.draft_matrices:
             return self.model.draft_logits(self.draft_rows(x0))
         return self._rows(x0)
@@ -466,8 +474,10 @@ class _ExportModule(nn.Module):
             z = self._rows(x0, logits=False, used=used)  # [N, H, d]
             n, heads, d = z.shape
             return self._draft_matmul(z.reshape(n * heads, d), 0).float().reshape(n, heads, -1)
-        # A matrix per head: every head computed (a Python loop has a fixed count), then cut.
-        z = self._rows(x0, logits=False)
+        if self.draft_int4 is None:  # a float matrix per head, computed with its head
+            return self._head_rows(x0, list(self.draft_lm), used)
+        # An int4 matrix per head: every head computed, then cut.
+        z = self._head_rows(x0)
         out = torch.stack([self._draft_matmul(z[:, h], h) for h in range(z.shape[1])], dim=1).float()
         return out if used is None else out.narrow(1, 0, used)
 
@@ -479,30 +489,40 @@ class _ExportModule(nn.Module):
         return self.model.draft_ids[self.draft_rows(x0, used).topk(k, dim=-1).indices]
 
     def _rows(self, x0: torch.Tensor, logits: bool = True, used: int | None = None) -> torch.Tensor:
-        """Heads' logits [N, H, V] (hidden [N, H, d] when not `logits`). `used` keeps the first heads
-        only, cut before the lm_head: that MatMul is the heads' cost, one vocabulary row per head."""
+        """Heads' logits [N, H, V] (hidden [N, H, d] when not `logits`); H = `used` when given."""
         cfg = self.model.cfg
-        heads, layers, (n, d) = cfg.num_medusa_heads, cfg.num_medusa_layers, x0.shape
-        if not heads:  # a model without heads still has the output, with zero heads
+        n, d = x0.shape
+        if not cfg.num_medusa_heads:  # a model without heads still has the output, with zero heads
             return x0.new_zeros(n, 0, cfg.vocab_size, dtype=torch.float32)
-        if self.first_w is not None:
-            def first(_x: torch.Tensor, _layer: int) -> torch.Tensor:  # all heads' first layer, from x0 [N, d]
-                return F.linear(x0, self.first_w, self.first_b).reshape(n, heads, d)
+        if logits and not self.shared_lm_head:  # each head's own [V, d] lm_head, computed with its head
+            return self._head_rows(x0, list(self.head_lm), used)
+        x = self._head_rows(x0, used=used)
+        return self.model.lm_head(x.reshape(-1, d)).float().reshape(n, x.shape[1], -1) if logits else x
 
-            x = resblocks(x0[:, None], first, range(1))  # [N, H, d]
-        else:
-            x = torch.stack([resblocks(x0, self._head_linear(k), range(1)) for k in range(heads)], dim=1)
-        if layers > 1 or not self.shared_lm_head or not logits:
-            xs = []
-            for head in range(heads):
-                z = resblocks(x[:, head], self._head_linear(head), range(1, layers))
-                xs.append(z if self.shared_lm_head or not logits else F.linear(z, self.head_lm[head]).float())
-            x = torch.stack(xs, dim=1)
-            if not logits or not self.shared_lm_head:
-                return x if used is None else x.narrow(1, 0, used)
-        if used is not None:
-            x, heads = x.narrow(1, 0, used), used
-        return self.model.lm_head(x.reshape(n * heads, d)).float().reshape(n, heads, -1)
+    def _head_rows(self, x0: torch.Tensor, tails: list[torch.Tensor] | None = None,
+                   used: int | None = None) -> torch.Tensor:
+        """Each head's ResBlock output [N, H, d] for hidden rows x0 [N, d], or with `tails` (a [W, d]
+        matrix per head) its float32 logits [N, H, W]; 2-D MatMuls, which ONNX Runtime prepacks.
+        `used` (the fused step's tree depth) keeps the first heads only, and head h > 0 then runs
+        behind an If on `used > h`: a head the tree does not draft with reads none of its weights (on
+        the int4 engine with tree [[0]], 3 of 4 heads: ~0.2 ms of a ~9 ms step; BENCHMARKS.md,
+        issue 13)."""
+        cfg = self.model.cfg
+
+        def rows(head: int, x: torch.Tensor) -> torch.Tensor:
+            z = resblocks(x, self._head_linear(head), range(cfg.num_medusa_layers))
+            return z if tails is None else F.linear(z, tails[head]).float()
+
+        if used is None or self.head_fp8 is not None:  # FP8 heads: every head computed, then cut
+            x = torch.stack([rows(head, x0) for head in range(cfg.num_medusa_heads)], dim=1)
+            return x if used is None else x.narrow(1, 0, used)
+        out = [rows(0, x0)]  # a tree drafts with head 0 at least
+        for head in range(1, cfg.num_medusa_heads):
+            j = head * cfg.num_medusa_layers
+            params = [t for i in range(j, j + cfg.num_medusa_layers) for t in (self.head_w[i], self.head_b[i])]
+            operands = (x0, *params, *([] if tails is None else [tails[head]]))
+            out.append(torch.cond(used > head, _head_branch, _skipped_head, operands))
+        return torch.stack(out, dim=1).narrow(1, 0, used)
 
     def _head_linear(self, head: int) -> HeadLinear:
         """One head's ResBlock linear with its own 2-D weights (FP8: an FP8Linear per layer)."""

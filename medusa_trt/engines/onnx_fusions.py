@@ -35,6 +35,16 @@ FUSIONS = ("rotary", "skip_norm", "gate_up")
 MS_DOMAIN = "com.microsoft"
 
 
+def _reads(node) -> list[str]:
+    """The names a node reads: its inputs, and the outer-scope names its subgraphs (If branches)
+    read."""
+    names = list(node.input)
+    for a in node.attribute:
+        if a.g is not None:
+            names += [i for sub in a.g.node for i in _reads(sub)]
+    return names
+
+
 class _Graph:
     """Producer/consumer indexes over a GraphProto's nodes (rebuilt after each rewrite)."""
 
@@ -43,7 +53,7 @@ class _Graph:
         self.producer = {o: n for n in graph.node for o in n.output if o}
         self.consumers: dict[str, list] = {}
         for n in graph.node:
-            for i in n.input:
+            for i in _reads(n):
                 self.consumers.setdefault(i, []).append(n)
         self.init = {t.name: t for t in graph.initializer}
         self.initializers = set(self.init)
@@ -246,17 +256,12 @@ def _prune(model) -> None:
     graph = model.graph
     outputs = {o.name for o in graph.output}
     while True:
-        used = {i for n in graph.node for i in n.input} | outputs
+        used = {i for n in graph.node for i in _reads(n)} | outputs
         kept = [n for n in graph.node if any(o in used for o in n.output if o)]
         if len(kept) == len(graph.node):
             break
         del graph.node[:]
         graph.node.extend(kept)
-    used = {i for n in graph.node for i in n.input} | outputs
-    for n in graph.node:  # subgraphs (If/Loop bodies) read outer-scope names too
-        for a in n.attribute:
-            if a.g is not None:
-                used |= {i for sub in a.g.node for i in sub.input}
     kept_init = [t for t in graph.initializer if t.name in used]
     del graph.initializer[:]
     graph.initializer.extend(kept_init)

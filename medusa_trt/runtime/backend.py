@@ -98,6 +98,15 @@ def scatter_pending(keys: torch.Tensor, values: torch.Tensor, pending: tuple | N
     new_k, new_v = pending
     if len(counts) == 1:  # batch 1, the latency case: two slice copies, a third of the indexed path's time
         c, start = int(counts[0]), int(lengths[0])
+        if keys.is_cpu and keys.dtype != torch.bfloat16:
+            # Through numpy views, with as few calls as possible: a commit follows every step, when the
+            # engine's run has evicted the host code's caches and each small call costs 10-30 us
+            # (BENCHMARKS.md, issue 13 host overhead).
+            src = slots[0, :c].tolist()
+            run = slice(src[0], src[0] + c) if src == list(range(src[0], src[0] + c)) else src  # a chain: no gather
+            keys.numpy()[:, 0, :, start : start + c] = new_k.numpy()[:, 0][:, :, run]
+            values.numpy()[:, 0, :, start : start + c] = new_v.numpy()[:, 0][:, :, run]
+            return lengths + counts
         src = slots[0, :c].to(keys.device)
         keys[:, 0, :, start : start + c] = new_k[:, 0].index_select(2, src)
         values[:, 0, :, start : start + c] = new_v[:, 0].index_select(2, src)

@@ -7,6 +7,7 @@ import random
 from types import SimpleNamespace
 
 import numpy as np
+import onnx
 import pytest
 import torch
 from synthetic import EOS
@@ -221,6 +222,9 @@ def test_fused_greedy_step_equals_the_unfused_loop(distilled, tmp_path):
         assert [s.as_dict() | {"prefill_s": 0, "decode_s": 0} for s in fused.stats] == \
             [s.as_dict() | {"prefill_s": 0, "decode_s": 0} for s in unfused.stats], tree
         assert sum(s.accepted_draft_tokens for s in fused.stats) > 0
+    # Heads past a tree's depth are skipped at run time: head h > 0 sits behind an If on depth > h.
+    step = onnx.load(str(tmp_path / "engine" / "model_step.onnx"), load_external_data=False)
+    assert sum(n.op_type == "If" for n in step.graph.node) == backend.num_medusa_heads - 1 >= 2
 
 
 def test_draft_vocabulary_heads(distilled, tmp_path):
