@@ -8,7 +8,7 @@ nodes accepted more often than that share pay. This times one decoder layer's fo
 accuracy levels ONNX Runtime's CPU kernel has, with random int4 weights quantized the way
 `medusa-build --weights int4` quantizes them (modeling.quantize_int4).
 
-    python benchmarks/bench_int4_rows.py [--checkpoint build/real/ckpt] [--threads 1,2] [--block-size 32]
+    python benchmarks/bench_int4_rows.py [--checkpoint build/real/ckpt] [--threads 1,2] [--spin] [--block-size 32]
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def layer_shapes(checkpoint: Path | None) -> dict[str, tuple[int, int]]:
             "gate_up": (d, 2 * c["intermediate"]), "down": (c["intermediate"], d)}
 
 
-def matmul_session(k: int, n: int, block_size: int, level: int, threads: int):
+def matmul_session(k: int, n: int, block_size: int, level: int, threads: int, spinning: bool):
     """One MatMulNBits node over random int4 weights [N, K], in a session with the engine's options."""
     import onnx
     import onnxruntime as ort
@@ -60,7 +60,7 @@ def matmul_session(k: int, n: int, block_size: int, level: int, threads: int):
                               [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", n])], inits)
     model = helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 21),
                                                                    helper.make_opsetid("com.microsoft", 1)])
-    return ort.InferenceSession(model.SerializeToString(), session_options(threads),
+    return ort.InferenceSession(model.SerializeToString(), session_options(threads, spinning=spinning),
                                 providers=["CPUExecutionProvider"])
 
 
@@ -84,6 +84,7 @@ def main() -> None:
                    "(default: SmolLM2-135M's)")
     p.add_argument("--threads", default="1,2", help="comma-separated intra-op thread counts")
     p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--spin", action="store_true", help="spinning worker threads (bench_peers.py --spin)")
     p.add_argument("--json", type=Path, help="also write the figures here")
     args = p.parse_args()
     shapes = layer_shapes(args.checkpoint)
@@ -92,7 +93,7 @@ def main() -> None:
     us: dict = {}
     for t, level, name in tqdm(runs, desc="MatMulNBits", unit="matrix"):
         k, n = shapes[name]
-        session = matmul_session(k, n, args.block_size, level, t)
+        session = matmul_session(k, n, args.block_size, level, t, args.spin)
         for rows in ROWS:
             us[(t, level, name, rows)] = best_us(session, rows, k)
     print(f"\none decoder layer's MatMulNBits (block {args.block_size}; shapes K x N: "
