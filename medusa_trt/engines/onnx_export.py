@@ -410,8 +410,9 @@ class _ExportModule(nn.Module):
         self.committed_prefix = committed_prefix
         cfg = model.cfg
         pairs = [(h, i) for h in range(cfg.num_medusa_heads) for i in range(cfg.num_medusa_layers)]
-        # Per-head 2-D weights, aliases of the stacked parameters (no copy); FP8 heads as one
-        # FP8Linear per head and layer, aliasing the stacked float8 weights and their scales.
+        # Per-head 2-D weights, copies of the stacked parameters: torch.cond (the fused step's If per
+        # head) rejects operands that share storage. FP8 heads as one FP8Linear per head and layer,
+        # aliasing the stacked float8 weights and their scales (their step computes every head).
         self.head_fp8 = None
         if model.medusa_fp8 is not None:
             fp8 = model.medusa_fp8
