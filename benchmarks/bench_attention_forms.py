@@ -40,7 +40,7 @@ G = HQ // HKV
 CAPACITY = 2048
 
 
-def _attend(q, k, v, keys, values, mask, *, f64_softmax=True, f64_sum=True):
+def _attend(q, keys, values, mask, *, f64_softmax=True, f64_sum=True):
     b, _, s, d = q.shape
     qg = q.reshape(b, HKV, G * s, d) * (1.0 / math.sqrt(d))
     scores = torch.matmul(qg, keys.transpose(-1, -2))
@@ -57,7 +57,7 @@ def head_major(slice_prefix: bool, concat: bool, **precision):
             past_k, past_v = past_k.narrow(2, 0, used), past_v.narrow(2, 0, used)
         keys = torch.cat([past_k, k], dim=2) if concat else past_k
         values = torch.cat([past_v, v], dim=2) if concat else past_v
-        return _attend(q, k, v, keys, values, mask if concat else mask[..., :keys.shape[2]], **precision)
+        return _attend(q, keys, values, mask if concat else mask[..., :keys.shape[2]], **precision)
     return form
 
 

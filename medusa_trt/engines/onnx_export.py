@@ -81,7 +81,6 @@ from medusa_trt.engine_dir import (  # noqa: F401 (re-exported for the TensorRT 
 from medusa_trt.modeling import (
     FP8Linear,
     FP8Module,
-    HeadLinear,
     Int4Linear,
     MedusaModel,
     attention_with_past,
@@ -509,33 +508,25 @@ class _ExportModule(nn.Module):
         the int4 engine with tree [[0]], 3 of 4 heads: ~0.2 ms of a ~9 ms step; BENCHMARKS.md,
         issue 13)."""
         cfg = self.model.cfg
-
-        def rows(head: int, x: torch.Tensor) -> torch.Tensor:
-            z = resblocks(x, self._head_linear(head), range(cfg.num_medusa_layers))
-            return z if tails is None else F.linear(z, tails[head]).float()
-
-        if used is None or self.head_fp8 is not None:  # FP8 heads: every head computed, then cut
-            x = torch.stack([rows(head, x0) for head in range(cfg.num_medusa_heads)], dim=1)
+        heads, layers = cfg.num_medusa_heads, cfg.num_medusa_layers
+        if self.head_fp8 is not None:  # FP8Linear modules cannot be If operands: every head computed, then cut
+            x = torch.stack([self._fp8_head_rows(head, x0, tails) for head in range(heads)], dim=1)
             return x if used is None else x.narrow(1, 0, used)
-        out = [rows(0, x0)]  # a tree drafts with head 0 at least
-        for head in range(1, cfg.num_medusa_heads):
-            j = head * cfg.num_medusa_layers
-            params = [t for i in range(j, j + cfg.num_medusa_layers) for t in (self.head_w[i], self.head_b[i])]
+        out = []
+        for head in range(heads):
+            params = [t for i in range(head * layers, (head + 1) * layers) for t in (self.head_w[i], self.head_b[i])]
             operands = (x0, *params, *([] if tails is None else [tails[head]]))
-            out.append(torch.cond(used > head, _head_branch, _skipped_head, operands))
-        return torch.stack(out, dim=1).narrow(1, 0, used)
+            gated = used is not None and head > 0  # a tree drafts with head 0 at least
+            out.append(torch.cond(used > head, _head_branch, _skipped_head, operands) if gated else _head_branch(*operands))
+        x = torch.stack(out, dim=1)
+        return x if used is None else x.narrow(1, 0, used)
 
-    def _head_linear(self, head: int) -> HeadLinear:
-        """One head's ResBlock linear with its own 2-D weights (FP8: an FP8Linear per layer)."""
+    def _fp8_head_rows(self, head: int, x: torch.Tensor, tails: list[torch.Tensor] | None) -> torch.Tensor:
+        """_head_branch for FP8 heads: an FP8Linear per head and layer."""
         layers = self.model.cfg.num_medusa_layers
-
-        def linear(z: torch.Tensor, layer: int) -> torch.Tensor:
-            j = head * layers + layer
-            if self.head_fp8 is not None:
-                return self.head_fp8[j](z) + self.head_b[j]
-            return F.linear(z, self.head_w[j], self.head_b[j])
-
-        return linear
+        z = resblocks(x, lambda h, layer: self.head_fp8[head * layers + layer](h) + self.head_b[head * layers + layer],
+                      range(layers))
+        return z if tails is None else F.linear(z, tails[head]).float()
 
     def forward(self, input_ids, position_ids, past_lengths, new_mask, logit_positions, past):
         b, s = input_ids.shape
