@@ -5,7 +5,8 @@ Float32 engines differ only by rounding (~1e-5), so Medusa greedy equals plain g
 engines (MatMulNBits at accuracy level 4) that float32 rounding noise, which comes from attention
 (its kernels reduce in another order for another row count), reaches an int8 rounding of the
 activations and moves whole quanta: with the fused Attention op the two paths' logits differed by
-~0.6 and a near-tie flipped. The int4 default, float64 attention (`row_exact`), makes them equal.
+~0.6 and a near-tie flipped. The int4 attention forms `row_exact_f32` (the default) and `row_exact`
+(float64) make them equal.
 
     python benchmarks/bench_row_invariance.py build/real/engine build/real/engine_int4 [--prompts 8]
         [--diverge 32 --medusa-choices-int4 medusa_trt/assets/smollm2/tree_int4.json]

@@ -24,7 +24,8 @@ from medusa_trt.errors import MedusaTrtError, read_json_object, require, require
 
 # 2: the decoder graph outputs `hidden` and the Medusa heads are a graph of their own.
 # 3: a `weights` section (int4 engines: MatMulNBits weights an older runtime would misread).
-ENGINE_FORMAT_VERSION = 3
+# 4: onnx.key_block (row_exact_f32 attention: an older runtime would not keep tree steps inside a block).
+ENGINE_FORMAT_VERSION = 4
 ENGINE_JSON = "engine.json"
 BACKENDS = ("onnxruntime", "tensorrt", "tensorrt-llm")
 SECTIONS = {"onnxruntime": "onnx", "tensorrt": "tensorrt", "tensorrt-llm": "tensorrt_llm"}
@@ -109,6 +110,7 @@ def validate_engine(engine: Any, path: Path, backend: str | None = None) -> dict
         _relative_file(section, "step_file", path, p, optional=True)
         _relative_file(section, "weights_file", path, p, optional=True)  # shared by the graphs (absent: inline)
         req(section, "prepack_weights", bool, p, default=True)
+        req(section, "key_block", int, p, positive=True, default=None)
         if section.get("step_file"):
             req(section, "step_topk", int, p, positive=True)
         weights = require_section(engine, "weights", file=path, error=EngineError)

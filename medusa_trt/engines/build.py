@@ -92,13 +92,14 @@ INT4_DEFAULT_ACCURACY_LEVEL = 4
 
 def default_attention(opset: int, weights: dict) -> str:
     """The fastest exact attention form: int4 weights with int8 activations (accuracy level 4) turn
-    float32 rounding noise into different logits, so their tree rows and one-row steps agree only
-    with float64 attention ("row_exact", engines/onnx_export.py; it costs ~15% of an int4 step,
+    float32 rounding noise into different logits, so their tree rows and one-row steps must agree
+    bit for bit: "row_exact_f32" (engines/onnx_export.py) does at float32 cost for batch-1 decoding
+    ("row_exact", all in float64, for ragged batches too, costs ~10% more of an int4 step;
     BENCHMARKS.md); float engines keep the fused Attention op ("split" below opset 23)."""
     from medusa_trt.engines.onnx_export import DEFAULT_ATTENTION
 
     if weights.get("format") == "int4" and weights.get("accuracy_level") == 4:
-        return "row_exact"
+        return "row_exact_f32"
     return DEFAULT_ATTENTION if opset >= 23 else "split"
 
 
@@ -151,7 +152,7 @@ def _ort_fusions(opts: BuildOptions, config: dict, model, graphs: list) -> dict[
 
 
 def _build_onnxruntime(opts: BuildOptions, config: dict, workdir: Path) -> dict:
-    from medusa_trt.engines.onnx_export import DEFAULT_OPSET, export_onnx
+    from medusa_trt.engines.onnx_export import ATTENTION_FORMS, DEFAULT_OPSET, export_onnx
     from medusa_trt.engines.onnx_weights import share_weights
     from medusa_trt.modeling import MedusaModel
 
@@ -186,6 +187,8 @@ def _build_onnxruntime(opts: BuildOptions, config: dict, workdir: Path) -> dict:
         "dtype": dtype,
         "weights": weights,
         "onnx": {"file": result.path.name, "opset": result.opset, "attention": result.attention,
+                 # Tree steps stay inside one block of this many keys (engines/onnx_export.py: KEY_BLOCK).
+                 **({"key_block": block} if (block := ATTENTION_FORMS[result.attention].key_block) else {}),
                  "external_data": True, "weights_file": shared.path.name,
                  # Off (--no-prepack): the sessions share one mapping of weights_file (runtime/ort_backend.py).
                  "prepack_weights": bool(opts.extra.get("prepack_weights", True)),

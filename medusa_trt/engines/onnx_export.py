@@ -158,6 +158,38 @@ def row_exact_attention(q, k, v, past_k, past_v, mask):
     return torch.matmul(probs, values).reshape(b, hq, s, d).to(q.dtype)
 
 
+
+def row_exact_f32_attention(q, k, v, past_k, past_v, mask):
+    """row_exact's guarantee at float32 cost, where ONNX Runtime's kernels allow it: a row's output
+    is the same bits whatever the step's other rows and the gaps between its visible keys, as long as
+    those keys sit in the same KEY_BLOCK-aligned blocks of the key axis.
+
+    - Scores: float32, invariant (see row_exact_attention).
+    - Softmax without ONNX Runtime's Softmax, whose sum runs in vector lanes by key index (a key moved
+      by a gap lands in another lane): the row max is exact, exp is elementwise, and the sum runs in
+      float64 over the [rows, keys] exponentials (small: no cast of the cache), rounded once.
+    - The weighted sum: a float32 MatMul of the unnormalized exponentials and the values. ONNX
+      Runtime's MatMul sums each KEY_BLOCK of keys in key order and adds the blocks' sums; zeros in
+      between (masked keys) change nothing, so a row agrees with the one-row step of the same
+      position unless its keys and that step's keys fall in different blocks. A plain step, a
+      many-row prefill and a chain tree put every key at its own position; a branching tree puts a
+      deep node's ancestors at slot offsets instead, so the runtime cuts a tree at the block edge
+      (runtime/decoding.py: StepTree.within_block) and batch-1 decoding stays exact
+      (tests/engines/test_int4.py checks the kernels' premise and whole engines).
+    - Ragged batches place new keys after the longest row, not at each row's own position, so a
+      batch row can differ from the same sequence decoded alone; row_exact has no such limit."""
+    b, hq, s, d = q.shape
+    keys = torch.cat([past_k, k], dim=2)
+    values = torch.cat([past_v, v], dim=2)
+    hkv = keys.shape[1]
+    g = hq // hkv
+    qg = q.reshape(b, hkv, g * s, d) * (1.0 / math.sqrt(d))
+    scores = torch.matmul(qg, keys.transpose(-1, -2))
+    scores = scores.masked_fill(~mask[:, None].repeat(1, 1, g, 1), torch.finfo(scores.dtype).min)
+    e = torch.exp(scores - scores.amax(-1, keepdim=True))  # masked keys: exp(min - max) == 0
+    total = e.double().sum(-1, keepdim=True).to(e.dtype)
+    return (torch.matmul(e, values.to(e.dtype)) / total).reshape(b, hq, s, d).to(q.dtype)
+
 @functools.cache
 def _fused_attention_op() -> Callable:
     """A custom op standing for one layer's attention, so the exporter can translate it to a fused
@@ -365,7 +397,14 @@ class AttentionForm:
     translation: Callable | None  # onnxscript function for the custom op, when the form uses one
     min_opset: int
     description: str
+    # Tree steps must keep their slots inside one key_block-aligned block of the cache (engine.json
+    # onnx.key_block; runtime/decoding.py: StepTree.within_block): None when any tree is exact.
+    key_block: int | None = None
 
+
+# ONNX Runtime's float32 MatMul (MLAS SGEMM) sums the reduced axis in blocks of 128, widened for
+# narrow outputs (256 at head_dim 64, 512 at 32; measured with 1 and 2 threads). 128 divides them all.
+KEY_BLOCK = 128
 
 ATTENTION_FORMS: dict[str, AttentionForm] = {
     "split": AttentionForm(split_attention, None, MIN_OPSET, "plain ops, past never copied, GQA by query grouping"),
@@ -377,6 +416,9 @@ ATTENTION_FORMS: dict[str, AttentionForm] = {
                          "ONNX Runtime com.microsoft MultiHeadAttention, KV heads repeated"),
     "row_exact": AttentionForm(row_exact_attention, None, MIN_OPSET,
                                "plain ops in float64: a row's output does not depend on the step's other rows"),
+    "row_exact_f32": AttentionForm(row_exact_f32_attention, None, MIN_OPSET,
+                                   "float32 with a float64 softmax sum: row_exact's guarantee within key blocks",
+                                   KEY_BLOCK),
 }
 # Measured fastest on a 2-core CPU for decode and tree steps at 10M and 100M parameters
 # (benchmarks/bench_onnx.py --sweep-attention); "split" is the fallback below opset 23.

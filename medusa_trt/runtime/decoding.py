@@ -200,16 +200,18 @@ def _generate(backend: Backend, prompts: list[list[int]], cfg: GenerationConfig,
     active = torch.arange(n)  # prompt index of each row still in the backend
     produced = [0] * n
     stop = set(cfg.stop_token_ids)
+    cuts: dict[int, StepTree] = {}
     while len(active):
         t_step = time.perf_counter()
+        step = tree.within_block(backend.lengths, info.key_block, cuts) if tree is not None else None
         if fused:
-            emitted, accepted, tokens = _fused_tree_step(backend, tree, tokens)
+            emitted, accepted, tokens = _fused_tree_step(backend, step, tokens)
         elif tree is None:
             emitted, root = _plain_step(backend, root, sampler)
         else:
-            emitted, accepted, root, medusa = tree_step(backend, tree, root, medusa, cfg, sampler)
+            emitted, accepted, root, medusa = tree_step(backend, step, root, medusa, cfg, sampler)
         if tree is not None:
-            _count_accepted(stats, active, tree, accepted)
+            _count_accepted(stats, active, step, accepted)
         elapsed = time.perf_counter() - t_step
         out = [[] for _ in range(n)]
         finished = [False] * n
@@ -328,6 +330,40 @@ class StepTree:
         return cls(t.num_slots, t.max_depth, k, torch.tensor(candidate_index(t, k)), torch.tensor(t.position_offsets),
                    torch.tensor(t.attention_mask), torch.tensor(t.retrieve_indices))
 
+    @property
+    def is_chain(self) -> bool:
+        """Every slot at the offset of its depth: its ancestors are the slots before it."""
+        return bool((self.position_offsets == torch.arange(self.num_slots)).all())
+
+    def cut(self, slots: int) -> StepTree:
+        """The tree of the first `slots` slots (parents come before children, so it is a tree). The
+        paths keep the full depth (-1 padded): the fused step drafts the next full tree with as many
+        heads as retrieve is deep, from the full candidate_index."""
+        paths = [tuple(i for i in row if 0 <= i < slots) for row in self.retrieve.tolist()]
+        leaves = [p for p in dict.fromkeys(paths) if not any(q != p and q[: len(p)] == p for q in paths)]
+        retrieve = torch.full((len(leaves), self.retrieve.shape[1]), -1, dtype=self.retrieve.dtype)
+        for row, path in zip(retrieve, leaves, strict=True):
+            row[: len(path)] = torch.tensor(path)
+        return StepTree(slots, int(self.position_offsets[:slots].max()), self.topk, self.candidate_index,
+                        self.position_offsets[:slots], self.mask[:slots, :slots], retrieve)
+
+    def within_block(self, lengths: torch.Tensor, block: int | None, cuts: dict[int, StepTree]) -> StepTree:
+        """This step's tree on an engine whose attention is exact only while a tree's slots share
+        one `block`-aligned block of the cache with the committed prefix (row_exact_f32,
+        engines/onnx_export.py): a branching tree that would cross a block edge is cut to the slots
+        before it (the root at least). The graph puts new tokens after the longest sequence's
+        prefix, so that is the edge that counts (a shorter sequence in an earlier block is not
+        exact with this attention whatever the tree). Chains never need a cut: each slot sits at
+        its own position, as in plain decoding. About one step in `block / tree width` is cut."""
+        if block is None or self.num_slots == 1 or self.is_chain:
+            return self
+        room = block - int(lengths.max()) % block
+        if room >= self.num_slots:
+            return self
+        if room not in cuts:
+            cuts[room] = self.cut(room)
+        return cuts[room]
+
 
 def tree_step(backend: Backend, tree: StepTree, root: torch.Tensor, medusa: torch.Tensor, cfg: GenerationConfig,
               sampler: _Sampler | None = None):
@@ -336,7 +372,7 @@ def tree_step(backend: Backend, tree: StepTree, root: torch.Tensor, medusa: torc
     emitted tokens per sequence, the accepted draft tokens [B], and the next root [B] and medusa
     logits [H, B, V]. medusa-check drives it too."""
     b = len(root)
-    tokens = tree_candidates(root, medusa, tree.candidate_index, tree.topk)  # [B, T]
+    tokens = tree_candidates(root, medusa, tree.candidate_index, tree.topk)[:, : tree.num_slots]  # [B, T]
     pos = backend.lengths[:, None] + tree.position_offsets[None]
     logits, _ = backend.forward(tokens, pos, tree.mask[None].expand(b, -1, -1), with_heads=False)  # [B, T, V]
     if sampler:
@@ -353,7 +389,9 @@ def tree_step(backend: Backend, tree: StepTree, root: torch.Tensor, medusa: torc
 
 
 def _fused_tree_step(backend, tree: StepTree, tokens):
-    """One backend call verifies `tokens`, accepts greedily and drafts the next tree's tokens."""
+    """One backend call verifies `tokens` (the first tree.num_slots: a cut tree verifies fewer),
+    accepts greedily and drafts the next tree's tokens."""
+    tokens = tokens[:, : tree.num_slots]
     pos = backend.lengths[:, None] + tree.position_offsets[None]
     mask = tree.mask[None].expand(len(tokens), -1, -1)
     best, accepted, next_tokens = backend.fused_step(tokens, pos, mask, tree.retrieve, tree.candidate_index)

@@ -18,6 +18,19 @@ from pathlib import Path
 ASSETS = Path(__file__).resolve().parents[1] / "assets" / "smollm2"
 
 
+def _reusable(engine_dir: Path) -> bool:
+    """An engine a previous demo built, in the format this runtime reads (else it is rebuilt)."""
+    from medusa_trt.engine_dir import EngineError, read_engine
+
+    try:
+        read_engine(engine_dir)
+    except EngineError as e:
+        if (engine_dir / "engine.json").is_file():
+            print(f"rebuilding: {e}")
+        return False
+    return True
+
+
 def run_demo(args) -> int:
     """The demo with the options of medusa_trt.cli.demo's parser; 0 when Medusa output equals plain."""
     from medusa_trt.converter import convert
@@ -32,7 +45,7 @@ def run_demo(args) -> int:
     gguf = args.gguf or fetch_smollm2(Path("build/smollm2"))
     print(f"base: {gguf} ({gguf.stat().st_size / 1e6:.0f} MB GGUF)")
     ckpt, engine_dir = work / "ckpt", work / "engine"
-    if not (engine_dir / "engine.json").is_file():
+    if not _reusable(engine_dir):
         print("1/3 medusa-convert: GGUF base + Medusa heads -> merged checkpoint (dequantized to float32)")
         print("    " + str(convert(gguf, args.heads, ckpt, dtype="float32", force=True)).replace("\n", "\n    "))
         print("2/3 medusa-build --backend onnxruntime")

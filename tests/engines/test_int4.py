@@ -131,13 +131,17 @@ def _tree_logits(backend, ids: list[int], start: int) -> torch.Tensor:
     return logits[0]
 
 
-def test_int4_rows_are_bitwise_row_invariant(ort_engine):
-    """The default attention of a level-4 int4 engine ("row_exact") makes a position's logits the same
-    bits in a one-row step, a many-row prefill and a tree step: MatMulNBits' int8 activations would
-    otherwise turn float32 rounding noise into different logits (the cause of Medusa != plain greedy
-    on the real model; benchmarks/bench_row_invariance.py)."""
-    engine = int4_engine(ort_engine, 4)
-    assert json.loads((engine / "engine.json").read_text())["onnx"]["attention"] == "row_exact"
+@pytest.mark.parametrize("attention", [None, "row_exact"])
+def test_int4_rows_are_bitwise_row_invariant(ort_engine, attention):
+    """The attention forms of level-4 int4 engines (the default "row_exact_f32", and "row_exact") make
+    a position's logits the same bits in a one-row step, a many-row prefill and a tree step whose
+    path keys sit at other offsets: MatMulNBits' int8 activations would otherwise turn float32
+    rounding noise into different logits (the cause of Medusa != plain greedy on the real model;
+    benchmarks/bench_row_invariance.py)."""
+    engine = ort_engine("llama", extra={**INT4, "int4_accuracy_level": 4}, **({"attention": attention} if attention else {}))
+    onnx_info = json.loads((engine / "engine.json").read_text())["onnx"]
+    assert onnx_info["attention"] == (attention or "row_exact_f32")
+    assert onnx_info.get("key_block") == (None if attention else 128)
     backend = OrtBackend(engine)
     ids = [7, 3, 19, 40, 2, 11, 5, 60, 33, 21, 9, 14]
     one = _one_row_logits(backend, ids, 6)
@@ -176,6 +180,68 @@ def test_float32_scores_are_row_invariant_in_onnx_runtime(threads):
         keys = past + int(rng.integers(1, n + 1))
         one = session.run(None, {"q": q[:, :, rows], "k": k[:, :, :keys]})[0]
         np.testing.assert_array_equal(one, tree[:, :, rows, :keys])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_float32_weighted_sum_is_row_invariant_within_a_key_block(threads):
+    """row_exact_f32's premise: ONNX Runtime's float32 MatMul sums a row over the keys in key order
+    within each KEY_BLOCK-aligned block, so masked keys (exact zeros) between the visible ones and the
+    step's row count change no bit, as long as each visible key stays in its block. Here a tree
+    step's node (its ancestors at slot offsets, decoys between them) against the one-row step of
+    the same position (its keys contiguous), the tree inside the past's block. If a future kernel
+    breaks that, this fails first."""
+    from onnx import TensorProto, helper
+
+    from medusa_trt.engines.onnx_export import KEY_BLOCK
+
+    graph = helper.make_graph([helper.make_node("MatMul", ["p", "v"], ["y"])], "weighted_sum",
+                              [helper.make_tensor_value_info("p", TensorProto.FLOAT, ["B", "H", "M", "K"]),
+                               helper.make_tensor_value_info("v", TensorProto.FLOAT, ["B", "H", "K", 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 21)])
+    session = _session_from_bytes(model.SerializeToString(), threads)
+    rng = np.random.default_rng(0)
+    for _ in range(60):
+        past, n = int(rng.integers(5, 1500)), int(rng.integers(2, 30))
+        n = max(2, min(n, KEY_BLOCK - past % KEY_BLOCK))  # the tree's slots in the past's block
+        node = int(rng.integers(1, n))
+        ancestors = sorted(rng.choice(node, size=int(rng.integers(0, node + 1)), replace=False).tolist())
+        visible = np.zeros(past + n, bool)
+        visible[:past] = True
+        visible[[past + a for a in ancestors] + [past + node]] = True
+        p = np.exp(rng.standard_normal((1, 3, 3 * n, past + n), dtype=np.float32))
+        v = rng.standard_normal((1, 3, past + n, 64), dtype=np.float32)
+        rows = [g * n + node for g in range(3)]  # query heads of one KV head, this node
+        p[:, :, rows] *= visible
+        tree = session.run(None, {"p": p, "v": v})[0][:, :, rows]
+        keys = np.flatnonzero(visible)
+        one = session.run(None, {"p": np.ascontiguousarray(p[:, :, rows][..., keys]),
+                                 "v": np.ascontiguousarray(v[:, :, keys])})[0]
+        np.testing.assert_array_equal(one, tree)
+
+
+def test_tree_cut_at_the_key_block_keeps_medusa_equal_to_plain(ort_engine):
+    """A branching tree on a row_exact_f32 engine is cut where its slots would cross a key block
+    (runtime/decoding.py: StepTree.within_block). With a block of 8 the cut runs every few steps: the
+    cut trees verify and draft right on both greedy paths (fused step, two-call) at batch 1."""
+    from dataclasses import replace
+
+    backend = OrtBackend(int4_engine(ort_engine, 4))
+    backend.info = replace(backend.info, key_block=8)
+    tree = [[0], [1], [0, 0], [1, 0], [0, 1], [0, 0, 0]]
+    for prompt in ([5, 9, 17, 33], list(range(20, 39))):
+        plain = decode(backend, [prompt], GenerationConfig(max_new_tokens=40, use_medusa=False))
+        medusa = decode(backend, [prompt], GenerationConfig(max_new_tokens=40, use_medusa=True, medusa_choices=tree))
+        assert medusa.tokens == plain.tokens
+        steps = medusa.stats[0].steps
+        assert medusa.stats[0].draft_tokens < steps * len(tree)  # some steps verified a cut tree
+        saved = backend.step_session, backend.fused_step_topk
+        backend.step_session, backend.fused_step_topk = None, None
+        try:
+            two_call = decode(backend, [prompt], GenerationConfig(max_new_tokens=40, use_medusa=True, medusa_choices=tree))
+        finally:
+            backend.step_session, backend.fused_step_topk = saved
+        assert two_call.tokens == plain.tokens
 
 
 def _session_from_bytes(model: bytes, threads: int):

@@ -306,3 +306,26 @@ def test_draft_vocabulary_heads(distilled, tmp_path):
     forward, _ = measure_forward_ms(shared, full[0][:8], max_tokens=config["medusa_num_heads"] + 3, reps=1,
                                     progress=False)
     assert len(forward) == config["medusa_num_heads"] + 3
+
+
+def test_tree_cut_and_key_block():
+    """StepTree.cut keeps the first slots as a tree (paths to its leaves, full depth); within_block
+    cuts a branching tree where its slots would cross a block edge after the longest prefix, and
+    never a chain."""
+    from medusa_trt.runtime.decoding import StepTree
+    from medusa_trt.tree import build_tree
+
+    tree = StepTree.of(build_tree([[0], [1], [0, 0], [1, 0]], 2, 8), 1000)
+    cut = tree.cut(3)  # root, [0], [1]
+    assert cut.num_slots == 3 and cut.max_depth == 1
+    assert cut.retrieve.tolist() == [[0, 1, -1], [0, 2, -1]]
+    assert torch.equal(cut.mask, tree.mask[:3, :3]) and torch.equal(cut.candidate_index, tree.candidate_index)
+    assert tree.cut(1).retrieve.tolist() == [[0, -1, -1]]
+    cuts: dict = {}
+    assert tree.within_block(torch.tensor([3]), 8, cuts) is tree  # slots at 3..7: inside [0, 8)
+    assert tree.within_block(torch.tensor([5]), 8, cuts).num_slots == 3  # slots 5, 6, 7 before 8
+    assert tree.within_block(torch.tensor([2, 7]), 8, cuts).num_slots == 1  # the longest prefix counts
+    assert tree.within_block(torch.tensor([7]), None, cuts) is tree  # engines without a key block
+    chain = StepTree.of(build_tree([[0], [0, 0]], 2, 8), 1000)
+    assert chain.is_chain and not tree.is_chain
+    assert chain.within_block(torch.tensor([7]), 8, cuts) is chain
