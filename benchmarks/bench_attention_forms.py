@@ -65,10 +65,12 @@ def head_major(slice_prefix: bool, concat: bool, **precision):
 
 
 def row_exact_f32(q, k, v, past_k, past_v, mask, used):
-    """The int4 default (engines/onnx_export.py: row_exact_f32_attention), the mask already tiled."""
+    """The int4 default (engines/onnx_export.py: row_exact_f32_attention), the mask already tiled:
+    the new K/V written into the buffer's slots after the prefix (batch 1: at `used`)."""
     b, _, s, d = q.shape
-    keys = torch.cat([past_k.narrow(2, 0, used), k], dim=2)
-    values = torch.cat([past_v.narrow(2, 0, used), v], dim=2)
+    index = (used + torch.arange(s))[None, None, :, None].expand(b, HKV, s, d)
+    keys = past_k.narrow(2, 0, used + s).scatter(2, index, k)
+    values = past_v.narrow(2, 0, used + s).scatter(2, index, v)
     scores = torch.matmul(q.reshape(b, HKV, G * s, d) * (1.0 / math.sqrt(d)), keys.transpose(-1, -2))
     scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     e = torch.exp(scores - scores.amax(-1, keepdim=True))
@@ -106,7 +108,7 @@ class _Layers(torch.nn.Module):
     def forward(self, q, k, v, lengths, mask, past):
         used = lengths.max().item()
         torch._check(used >= 0)
-        torch._check(used <= past[0].shape[0 if self.form is token_major else 2])
+        torch._check(used + q.shape[2] <= past[0].shape[0 if self.form is token_major else 2])
         mask = mask[:, None].repeat(1, 1, G, 1)  # once per step, as the engine tiles it
         for i in range(LAYERS):  # each layer's output feeds the next query, as in the decoder
             q = q + 1e-3 * self.form(q, k, v, past[2 * i], past[2 * i + 1], mask, used)
@@ -123,7 +125,7 @@ def export(name: str, out: Path) -> Path:
     if name == "token_major":
         past, past_dims = tuple(torch.randn(t, 1, HKV, D) for _ in range(2 * LAYERS)), {0: Dim("past")}
     else:  # the whole buffer (sliced in the graph) or the prefix itself
-        cache = t + 2 if name in SLICED else t
+        cache = t + s + 2 if name in SLICED else t
         past, past_dims = tuple(torch.randn(1, HKV, cache, D) for _ in range(2 * LAYERS)), {2: Dim("cache")}
     inputs = {"q": q, "k": k, "v": k.clone(), "lengths": torch.tensor([t]),
               "mask": torch.ones(1, s, t + s if new else t, dtype=torch.bool), "past": past}

@@ -37,8 +37,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--opset", type=int, help="ONNX opset (default 23)")
     p.add_argument("--attention", choices=["attention23", "split", "concat", "mha", "row_exact", "row_exact_f32"],
                    help="ONNX attention form (default: row_exact_f32 for --weights int4, whose Medusa greedy "
-                        "then equals its plain greedy at batch 1; row_exact, float64, for ragged batches too; "
-                        "otherwise attention23, the fastest measured on CPU; split below opset 23)")
+                        "then equals its plain greedy; row_exact does it in float64, ~10%% slower; otherwise "
+                        "attention23, the fastest measured on CPU; split below opset 23)")
     p.add_argument("--trt-attention", choices=["plugin", "native"],
                    help="--backend tensorrt: the tree-attention plugin (default) or TensorRT's own attention "
                    "with a dense mask, for comparison")

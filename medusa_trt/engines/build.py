@@ -93,9 +93,9 @@ INT4_DEFAULT_ACCURACY_LEVEL = 4
 def default_attention(opset: int, weights: dict) -> str:
     """The fastest exact attention form: int4 weights with int8 activations (accuracy level 4) turn
     float32 rounding noise into different logits, so their tree rows and one-row steps must agree
-    bit for bit: "row_exact_f32" (engines/onnx_export.py) does at float32 cost for batch-1 decoding
-    ("row_exact", all in float64, for ragged batches too, costs ~10% more of an int4 step;
-    BENCHMARKS.md); float engines keep the fused Attention op ("split" below opset 23)."""
+    bit for bit: "row_exact_f32" (engines/onnx_export.py) does at float32 cost ("row_exact", in
+    float64, costs ~10% more of an int4 step; BENCHMARKS.md); float engines keep the fused
+    Attention op ("split" below opset 23)."""
     from medusa_trt.engines.onnx_export import DEFAULT_ATTENTION
 
     if weights.get("format") == "int4" and weights.get("accuracy_level") == 4:

@@ -61,6 +61,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -159,10 +160,18 @@ def row_exact_attention(q, k, v, past_k, past_v, mask):
 
 
 
-def row_exact_f32_attention(q, k, v, past_k, past_v, mask):
+class PlacedMask(NamedTuple):
+    """The `mask` argument of a form that writes each new token's K/V at its own sequence's position
+    in the cache buffer (AttentionForm.places_new_keys), built by _ExportModule.forward."""
+
+    mask: torch.Tensor  # [B, S, P] bool over the buffer's first P = max(past_lengths) + S keys
+    slots: torch.Tensor  # [B, 1, S, 1] int64: new token i's key index, past_lengths[b] + i
+
+
+def row_exact_f32_attention(q, k, v, past_k, past_v, mask: PlacedMask):
     """row_exact's guarantee at float32 cost, where ONNX Runtime's kernels allow it: a row's output
     is the same bits whatever the step's other rows and the gaps between its visible keys, as long as
-    those keys sit in the same KEY_BLOCK-aligned blocks of the key axis.
+    each visible key sits in the same KEY_BLOCK-aligned block of the key axis as in a plain step.
 
     - Scores: float32, invariant (see row_exact_attention).
     - Softmax without ONNX Runtime's Softmax, whose sum runs in vector lanes by key index (a key moved
@@ -171,24 +180,27 @@ def row_exact_f32_attention(q, k, v, past_k, past_v, mask):
     - The weighted sum: a float32 MatMul of the unnormalized exponentials and the values. ONNX
       Runtime's MatMul sums each KEY_BLOCK of keys in key order and adds the blocks' sums; zeros in
       between (masked keys) change nothing, so a row agrees with the one-row step of the same
-      position unless its keys and that step's keys fall in different blocks. A plain step, a
-      many-row prefill and a chain tree put every key at its own position; a branching tree puts a
-      deep node's ancestors at slot offsets instead, so the runtime cuts a tree at the block edge
-      (runtime/decoding.py: StepTree.within_block) and batch-1 decoding stays exact
-      (tests/engines/test_int4.py checks the kernels' premise and whole engines).
-    - Ragged batches place new keys after the longest row, not at each row's own position, so a
-      batch row can differ from the same sequence decoded alone; row_exact has no such limit."""
+      position unless a key falls in another block there.
+    - So keys sit where a plain step has them: the past in place, and each new token at its own
+      sequence's length + slot (past_k/past_v span max(past_lengths) + S keys; a shorter sequence's
+      new keys overwrite its masked tail), not after the longest prefix of a ragged batch. A plain
+      step, a prefill and a chain tree then put every key at its position; a branching tree puts a
+      deep node's ancestors at slot offsets instead, within the block as long as the tree does not
+      cross a block edge, so the runtime cuts a tree there (runtime/decoding.py:
+      StepTree.within_block). tests/engines/test_int4.py checks the kernels' premise and whole engines."""
     b, hq, s, d = q.shape
-    keys = torch.cat([past_k, k], dim=2)
-    values = torch.cat([past_v, v], dim=2)
-    hkv = keys.shape[1]
+    mask, slots = mask
+    hkv = past_k.shape[1]
     g = hq // hkv
+    index = slots.expand(-1, hkv, -1, d)
+    keys, values = past_k.scatter(2, index, k), past_v.scatter(2, index, v)
     qg = q.reshape(b, hkv, g * s, d) * (1.0 / math.sqrt(d))
     scores = torch.matmul(qg, keys.transpose(-1, -2))
     scores = scores.masked_fill(~mask[:, None].repeat(1, 1, g, 1), torch.finfo(scores.dtype).min)
     e = torch.exp(scores - scores.amax(-1, keepdim=True))  # masked keys: exp(min - max) == 0
     total = e.double().sum(-1, keepdim=True).to(e.dtype)
     return (torch.matmul(e, values.to(e.dtype)) / total).reshape(b, hq, s, d).to(q.dtype)
+
 
 @functools.cache
 def _fused_attention_op() -> Callable:
@@ -400,6 +412,9 @@ class AttentionForm:
     # Tree steps must keep their slots inside one key_block-aligned block of the cache (engine.json
     # onnx.key_block; runtime/decoding.py: StepTree.within_block): None when any tree is exact.
     key_block: int | None = None
+    # The form takes a PlacedMask and the buffer's first max(past_lengths) + S keys, and writes the
+    # new K/V at each sequence's own position; otherwise a [B, S, P + S] mask, new keys after the past.
+    places_new_keys: bool = False
 
 
 # ONNX Runtime's float32 MatMul (MLAS SGEMM) sums the reduced axis in blocks of 128, widened for
@@ -418,7 +433,7 @@ ATTENTION_FORMS: dict[str, AttentionForm] = {
                                "plain ops in float64: a row's output does not depend on the step's other rows"),
     "row_exact_f32": AttentionForm(row_exact_f32_attention, None, MIN_OPSET,
                                    "float32 with a float64 softmax sum: row_exact's guarantee within key blocks",
-                                   KEY_BLOCK),
+                                   KEY_BLOCK, places_new_keys=True),
 }
 # Measured fastest on a 2-core CPU for decode and tree steps at 10M and 100M parameters
 # (benchmarks/bench_onnx.py --sweep-attention); "split" is the fallback below opset 23.
@@ -445,10 +460,11 @@ def _skipped_head(x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
 class _ExportModule(nn.Module):
     """The graph's interface around MedusaModel.forward (see the module docstring)."""
 
-    def __init__(self, model: MedusaModel, committed_prefix: bool = True):
+    def __init__(self, model: MedusaModel, committed_prefix: bool = True, places_new_keys: bool = False):
         super().__init__()
         self.model = model
         self.committed_prefix = committed_prefix
+        self.places_new_keys = places_new_keys
         cfg = model.cfg
         pairs = [(h, i) for h in range(cfg.num_medusa_heads) for i in range(cfg.num_medusa_layers)]
         # Per-head 2-D weights, copies of the stacked parameters: torch.cond (the fused step's If per
@@ -573,15 +589,25 @@ class _ExportModule(nn.Module):
     def forward(self, input_ids, position_ids, past_lengths, new_mask, logit_positions, past):
         b, s = input_ids.shape
         if self.committed_prefix:
-            # Attention reads only the committed prefix [0, max(past_lengths)) of the cache buffer,
-            # so a step costs what the cache holds, not its capacity (BENCHMARKS.md, issue 13).
+            # Attention reads only the committed prefix [0, max(past_lengths)) of the cache buffer
+            # (and the S keys after it when new keys are placed in it), so a step costs what the
+            # cache holds, not its capacity (BENCHMARKS.md, issue 13).
             used = past_lengths.max().item()
             torch._check(used >= 0)
-            torch._check(used <= past[0].shape[2])
-            past = tuple(p.narrow(2, 0, used) for p in past)
+            end = used + s if self.places_new_keys else used
+            torch._check(end <= past[0].shape[2])
+            past = tuple(p.narrow(2, 0, end) for p in past)
         t = past[0].shape[2]
-        prefix = torch.arange(t, device=input_ids.device)[None, None, :] < past_lengths[:, None, None]
-        mask = torch.cat([prefix.expand(b, s, t), new_mask], dim=-1)  # [B, S, T+S]
+        keys = torch.arange(t, device=input_ids.device)
+        if self.places_new_keys:  # new token j of sequence b at key past_lengths[b] + j
+            after = keys[None, :] - past_lengths[:, None]  # [B, T]: a key's offset after the prefix
+            new = (after >= 0) & (after < s)
+            tree = new_mask.gather(2, after.clamp(0, s - 1)[:, None, :].expand(b, s, t)) & new[:, None, :]
+            slots = (past_lengths[:, None] + torch.arange(s, device=input_ids.device))[:, None, :, None]
+            mask = PlacedMask((after < 0)[:, None, :] | tree, slots)
+        else:
+            prefix = keys[None, None, :] < past_lengths[:, None, None]
+            mask = torch.cat([prefix.expand(b, s, t), new_mask], dim=-1)  # [B, S, T+S]
         return self.model.forward_hidden(input_ids, position_ids, mask, past[0::2], past[1::2], logit_positions)
 
 
@@ -751,7 +777,7 @@ def export_onnx(
 
     path = Path(path)
     cfg = model.cfg
-    wrapper = _ExportModule(model, committed_prefix).eval()
+    wrapper = _ExportModule(model, committed_prefix, form.places_new_keys).eval()
     inputs = example_inputs(model)
     batch, new, past, logits = Dim("batch"), Dim("new_tokens"), Dim("past"), Dim("num_logits")
     dynamic_shapes = {

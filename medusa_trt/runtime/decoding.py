@@ -252,13 +252,16 @@ def decode(backend: Backend, prompts: list[list[int]], cfg: GenerationConfig) ->
     return GenerationResult(tokens, stats)
 
 
-def _pad_prompts(prompts: list[list[int]], left: bool) -> tuple[torch.Tensor, ...]:
-    """Prompts in one [B, S] batch, right- or left-padded: ids, positions, mask [B, S, S] (causal
-    over the prompt's own tokens; a padding slot also sees itself, since a row without keys would be
-    NaN), the slots to commit [B, S] (the first `lens` of each row are the prompt's) and lens [B]."""
+def _pad_prompts(prompts: list[list[int]]) -> tuple[torch.Tensor, ...]:
+    """Prompts in one left-padded [B, S] batch: ids, positions, mask [B, S, S] (causal over the
+    prompt's own tokens; a padding slot also sees itself, since a row without keys would be NaN),
+    the slots to commit [B, S] (the first `lens` of each row are the prompt's) and lens [B]. Every
+    prefill pads the same way: the fused step's needs every last token in slot S-1, and a row's keys
+    then sit at the same offsets whichever graph computes its prompt (an int4 engine's attention is
+    exact only with keys at equal offsets; engines/onnx_export.py: row_exact_f32_attention)."""
     lens = torch.tensor([len(p) for p in prompts])
     s = int(lens.max())
-    first = s - lens if left else torch.zeros_like(lens)  # [B] slot of each prompt's first token
+    first = s - lens  # [B] slot of each prompt's first token
     ids = torch.zeros(len(prompts), s, dtype=torch.long)
     for i, p in enumerate(prompts):
         ids[i, int(first[i]):int(first[i]) + len(p)] = torch.tensor(p)
@@ -270,11 +273,12 @@ def _pad_prompts(prompts: list[list[int]], left: bool) -> tuple[torch.Tensor, ..
 
 
 def prefill(backend: Backend, prompts: list[list[int]], heads: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """All prompts in one right-padded forward, committed to the cache; returns the logits [B, V]
-    and Medusa logits [H, B, V] (None without `heads`) at each prompt's last token. medusa-check
-    drives it too."""
-    ids, pos, mask, slots, lens = _pad_prompts(prompts, left=False)
-    logits, _ = backend.forward(ids, pos, mask, (lens - 1)[:, None], with_heads=False)
+    """All prompts in one left-padded forward, committed to the cache; returns the logits [B, V]
+    and Medusa logits [H, B, V] (None without `heads`) at each prompt's last token (slot S-1).
+    medusa-check drives it too."""
+    ids, pos, mask, slots, lens = _pad_prompts(prompts)
+    last = torch.full((len(prompts), 1), ids.shape[1] - 1, dtype=torch.long)
+    logits, _ = backend.forward(ids, pos, mask, last, with_heads=False)
     medusa = backend.heads(torch.zeros(len(prompts), dtype=torch.long)) if heads else None
     backend.commit(slots, lens)
     return logits[:, 0], medusa
@@ -287,7 +291,7 @@ def _fused_prefill(backend, prompts: list[list[int]], tree: StepTree) -> torch.T
     in slot S-1, the root of a path without drafts, and the graph's argmax there and its heads' top-k
     there are the first tree's tokens [B, T]. The graph computes logits at its last
     1 + len(candidate_index) slots only (a tree's width), not over the whole prompt."""
-    ids, pos, mask, slots, lens = _pad_prompts(prompts, left=True)
+    ids, pos, mask, slots, lens = _pad_prompts(prompts)
     retrieve = torch.full((1, tree.retrieve.shape[1]), -1, dtype=torch.long)
     retrieve[0, 0] = ids.shape[1] - 1
     _, _, tokens = backend.fused_step(ids, pos, mask, retrieve, tree.candidate_index)
@@ -350,14 +354,13 @@ class StepTree:
     def within_block(self, lengths: torch.Tensor, block: int | None, cuts: dict[int, StepTree]) -> StepTree:
         """This step's tree on an engine whose attention is exact only while a tree's slots share
         one `block`-aligned block of the cache with the committed prefix (row_exact_f32,
-        engines/onnx_export.py): a branching tree that would cross a block edge is cut to the slots
-        before it (the root at least). The graph puts new tokens after the longest sequence's
-        prefix, so that is the edge that counts (a shorter sequence in an earlier block is not
-        exact with this attention whatever the tree). Chains never need a cut: each slot sits at
-        its own position, as in plain decoding. About one step in `block / tree width` is cut."""
+        engines/onnx_export.py): a branching tree that would cross a block edge after any
+        sequence's prefix is cut to the slots before it (the root at least). Chains never need a
+        cut: each slot sits at its own position, as in plain decoding. About one step in
+        `block / tree width` is cut per sequence."""
         if block is None or self.num_slots == 1 or self.is_chain:
             return self
-        room = block - int(lengths.max()) % block
+        room = int((block - lengths % block).min())
         if room >= self.num_slots:
             return self
         if room not in cuts:

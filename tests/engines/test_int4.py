@@ -334,8 +334,8 @@ def test_step_is_capacity_independent(ort_engine, tiny_merged):
     small = sess.run(None, feeds)
     for name in past_names(model.cfg.num_layers):
         cache = feeds[name]
-        big = np.full((*cache.shape[:2], 45, cache.shape[3]), 1e4, dtype=cache.dtype)
-        big[:, :, :9] = cache
+        big = np.full((*cache.shape[:2], cache.shape[2] + 45, cache.shape[3]), 1e4, dtype=cache.dtype)
+        big[:, :, :9] = cache[:, :, :9]
         for b, n in enumerate(feeds["past_lengths"]):
             big[b, :, n:9] = 1e4
         feeds[name] = big

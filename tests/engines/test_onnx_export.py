@@ -70,8 +70,11 @@ def make_inputs(model: MedusaModel, batch: int, past: int, mask_kind: str, seed:
     logit_positions = torch.arange(s).repeat(batch, 1)
     feeds = {"input_ids": ids.numpy(), "position_ids": pos.numpy(), "past_lengths": lengths.numpy(),
              "new_mask": new_mask.numpy(), "logit_positions": logit_positions.numpy()}
+    # The runtime's buffers have room for the new tokens after the longest prefix; the row_exact_f32
+    # attention writes them there (engines/onnx_export.py: PlacedMask), the other forms ignore it.
+    room = torch.zeros(batch, cfg.num_kv_heads, s, cfg.head_dim)
     for i, name in enumerate(past_names(cfg.num_layers)):
-        feeds[name] = (keys if i % 2 == 0 else values)[i // 2].numpy()
+        feeds[name] = torch.cat([(keys if i % 2 == 0 else values)[i // 2], room], dim=2).numpy()
     ref_args = (ids, pos, full_attention_mask(lengths, past, new_mask), keys, values, logit_positions)
     return feeds, ref_args
 

@@ -310,8 +310,8 @@ def test_draft_vocabulary_heads(distilled, tmp_path):
 
 def test_tree_cut_and_key_block():
     """StepTree.cut keeps the first slots as a tree (paths to its leaves, full depth); within_block
-    cuts a branching tree where its slots would cross a block edge after the longest prefix, and
-    never a chain."""
+    cuts a branching tree where its slots would cross a block edge after some sequence's prefix,
+    and never a chain."""
     from medusa_trt.runtime.decoding import StepTree
     from medusa_trt.tree import build_tree
 
@@ -324,7 +324,7 @@ def test_tree_cut_and_key_block():
     cuts: dict = {}
     assert tree.within_block(torch.tensor([3]), 8, cuts) is tree  # slots at 3..7: inside [0, 8)
     assert tree.within_block(torch.tensor([5]), 8, cuts).num_slots == 3  # slots 5, 6, 7 before 8
-    assert tree.within_block(torch.tensor([2, 7]), 8, cuts).num_slots == 1  # the longest prefix counts
+    assert tree.within_block(torch.tensor([7, 2]), 8, cuts).num_slots == 1  # every sequence's edge counts
     assert tree.within_block(torch.tensor([7]), None, cuts) is tree  # engines without a key block
     chain = StepTree.of(build_tree([[0], [0, 0]], 2, 8), 1000)
     assert chain.is_chain and not tree.is_chain
