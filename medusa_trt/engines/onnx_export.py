@@ -159,7 +159,6 @@ def row_exact_attention(q, k, v, past_k, past_v, mask):
     return torch.matmul(probs, values).reshape(b, hq, s, d).to(q.dtype)
 
 
-
 class PlacedMask(NamedTuple):
     """The `mask` argument of a form that writes each new token's K/V at its own sequence's position
     in the cache buffer (AttentionForm.places_new_keys), built by _ExportModule.forward."""
