@@ -9,6 +9,7 @@ greedy decoding would; sample acceptance emits tokens distributed exactly as pla
 
 from __future__ import annotations
 
+import functools
 import secrets
 import time
 from collections.abc import Iterator
@@ -200,10 +201,9 @@ def _generate(backend: Backend, prompts: list[list[int]], cfg: GenerationConfig,
     active = torch.arange(n)  # prompt index of each row still in the backend
     produced = [0] * n
     stop = set(cfg.stop_token_ids)
-    cuts: dict[int, StepTree] = {}
     while len(active):
         t_step = time.perf_counter()
-        step = tree.within_block(backend.lengths, info.key_block, cuts) if tree is not None else None
+        step = tree.within_block(backend.lengths, info.key_block) if tree is not None else None
         if fused:
             emitted, accepted, tokens = _fused_tree_step(backend, step, tokens)
         elif tree is None:
@@ -256,7 +256,7 @@ def _pad_prompts(prompts: list[list[int]]) -> tuple[torch.Tensor, ...]:
     """Prompts in one left-padded [B, S] batch: ids, positions, mask [B, S, S] (causal over the
     prompt's own tokens; a padding slot also sees itself, since a row without keys would be NaN),
     the slots to commit [B, S] (the first `lens` of each row are the prompt's) and lens [B]. Every
-    prefill pads the same way: the fused step's needs every last token in slot S-1, and a row's keys
+    prefill pads the same way: the fused step needs every last token in slot S-1, and a row's keys
     then sit at the same offsets whichever graph computes its prompt (an int4 engine's attention is
     exact only with keys at equal offsets; engines/onnx_export.py: row_exact_f32_attention)."""
     lens = torch.tensor([len(p) for p in prompts])
@@ -327,6 +327,8 @@ class StepTree:
     position_offsets: torch.Tensor  # [T]
     mask: torch.Tensor  # [T, T] bool
     retrieve: torch.Tensor  # [N, D+1] -1 padded
+    # within_block's cut trees by slot count, made once per request (at most one per size).
+    _cuts: dict[int, StepTree] = field(default_factory=dict, init=False, compare=False, repr=False)
 
     @classmethod
     def of(cls, t: TreeBuffers, vocab_size: int) -> StepTree:
@@ -334,9 +336,10 @@ class StepTree:
         return cls(t.num_slots, t.max_depth, k, torch.tensor(candidate_index(t, k)), torch.tensor(t.position_offsets),
                    torch.tensor(t.attention_mask), torch.tensor(t.retrieve_indices))
 
-    @property
+    @functools.cached_property
     def is_chain(self) -> bool:
-        """Every slot at the offset of its depth: its ancestors are the slots before it."""
+        """Every slot at the offset of its depth: its ancestors are the slots before it. Computed
+        once: within_block asks every step."""
         return bool((self.position_offsets == torch.arange(self.num_slots)).all())
 
     def cut(self, slots: int) -> StepTree:
@@ -351,7 +354,7 @@ class StepTree:
         return StepTree(slots, int(self.position_offsets[:slots].max()), self.topk, self.candidate_index,
                         self.position_offsets[:slots], self.mask[:slots, :slots], retrieve)
 
-    def within_block(self, lengths: torch.Tensor, block: int | None, cuts: dict[int, StepTree]) -> StepTree:
+    def within_block(self, lengths: torch.Tensor, block: int | None) -> StepTree:
         """This step's tree on an engine whose attention is exact only while a tree's slots share
         one `block`-aligned block of the cache with the committed prefix (row_exact_f32,
         engines/onnx_export.py): a branching tree that would cross a block edge after any
@@ -360,12 +363,12 @@ class StepTree:
         `block / tree width` is cut per sequence."""
         if block is None or self.num_slots == 1 or self.is_chain:
             return self
-        room = int((block - lengths % block).min())
+        room = min(block - n % block for n in lengths.tolist())
         if room >= self.num_slots:
             return self
-        if room not in cuts:
-            cuts[room] = self.cut(room)
-        return cuts[room]
+        if room not in self._cuts:
+            self._cuts[room] = self.cut(room)
+        return self._cuts[room]
 
 
 def tree_step(backend: Backend, tree: StepTree, root: torch.Tensor, medusa: torch.Tensor, cfg: GenerationConfig,

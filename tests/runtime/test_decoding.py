@@ -321,11 +321,11 @@ def test_tree_cut_and_key_block():
     assert cut.retrieve.tolist() == [[0, 1, -1], [0, 2, -1]]
     assert torch.equal(cut.mask, tree.mask[:3, :3]) and torch.equal(cut.candidate_index, tree.candidate_index)
     assert tree.cut(1).retrieve.tolist() == [[0, -1, -1]]
-    cuts: dict = {}
-    assert tree.within_block(torch.tensor([3]), 8, cuts) is tree  # slots at 3..7: inside [0, 8)
-    assert tree.within_block(torch.tensor([5]), 8, cuts).num_slots == 3  # slots 5, 6, 7 before 8
-    assert tree.within_block(torch.tensor([7, 2]), 8, cuts).num_slots == 1  # every sequence's edge counts
-    assert tree.within_block(torch.tensor([7]), None, cuts) is tree  # engines without a key block
+    assert tree.within_block(torch.tensor([3]), 8) is tree  # slots at 3..7: inside [0, 8)
+    assert tree.within_block(torch.tensor([5]), 8).num_slots == 3  # slots 5, 6, 7 before 8
+    assert tree.within_block(torch.tensor([5]), 8) is tree.within_block(torch.tensor([13]), 8)  # cut once
+    assert tree.within_block(torch.tensor([7, 2]), 8).num_slots == 1  # every sequence's edge counts
+    assert tree.within_block(torch.tensor([7]), None) is tree  # engines without a key block
     chain = StepTree.of(build_tree([[0], [0, 0]], 2, 8), 1000)
     assert chain.is_chain and not tree.is_chain
-    assert chain.within_block(torch.tensor([7]), 8, cuts) is chain
+    assert chain.within_block(torch.tensor([7]), 8) is chain
