@@ -25,7 +25,7 @@ from medusa_trt.errors import MedusaTrtError, read_json_object, require, require
 # 2: the decoder graph outputs `hidden` and the Medusa heads are a graph of their own.
 # 3: a `weights` section (int4 engines: MatMulNBits weights an older runtime would misread).
 # 4: onnx.key_block (row_exact_f32 attention: an older runtime would not keep tree steps inside a block).
-ENGINE_FORMAT_VERSION = 4
+ENGINE_FORMAT_VERSION = 5
 ENGINE_JSON = "engine.json"
 BACKENDS = ("onnxruntime", "tensorrt", "tensorrt-llm")
 SECTIONS = {"onnxruntime": "onnx", "tensorrt": "tensorrt", "tensorrt-llm": "tensorrt_llm"}
@@ -51,6 +51,12 @@ class EngineError(MedusaTrtError):
 def past_names(num_layers: int) -> list[str]:
     """Per-layer cache inputs in graph order: past_key_0, past_value_0, past_key_1, ..."""
     return [f"past_{kind}_{i}" for i in range(num_layers) for kind in ("key", "value")]
+
+
+def present_names(num_layers: int) -> list[str]:
+    """An in-place engine's per-layer cache outputs (engine.json onnx.cache_in_place), in past_names'
+    order: each is its past input's buffer with the new tokens' K/V written in."""
+    return [f"present_{kind}_{i}" for i in range(num_layers) for kind in ("key", "value")]
 
 
 def _relative_file(section: dict, key: str, path: Path, prefix: str, optional: bool = False) -> str | None:

@@ -250,6 +250,87 @@ def _fuse_gate_up(model) -> int:
     return len(replace)
 
 
+def _cache_in_place(model, write_indices: str, present: dict[str, str]) -> int:
+    """Slice(past) -> ScatterElements(new K/V at past_lengths[b] + slot) becomes
+    TensorScatter(past, new K/V, past_lengths) -> Slice: the new keys go into the cache buffer itself
+    (a graph output, `present[past]`), and attention reads the same first max(past_lengths) + S
+    keys. Only for attention forms that place new keys at each sequence's own length
+    (onnx_export.AttentionForm.places_new_keys), whose scatter indices are past_lengths[b] + slot."""
+    from onnx import helper
+
+    graph = model.graph
+    g = _Graph(graph)
+    remove, replace = set(), {}
+    for name in present:
+        readers = g.consumers.get(name, [])
+        slices = [n for n in readers if n.op_type == "Slice"]
+        # Besides its Slice, a past may only be read for its shape (the buffer's contents change).
+        if len(slices) != 1 or any(n.op_type not in ("Slice", "Shape") for n in readers):
+            continue
+        sl = slices[0]
+        scatters = g.consumers.get(sl.output[0], [])
+        if len(scatters) != 1 or scatters[0].op_type != "ScatterElements" or scatters[0].input[0] != sl.output[0] \
+                or _attr(scatters[0], "axis") != 2 or _attr(scatters[0], "reduction", b"none") not in (b"none", "none") \
+                or not _indices_from(g, scatters[0].input[1], write_indices):
+            continue
+        scatter = scatters[0]
+        remove.add(id(sl))
+        replace[id(scatter)] = [
+            helper.make_node("TensorScatter", [name, scatter.input[2], write_indices], [present[name]],
+                             name=f"{scatter.name or scatter.output[0]}_in_place", axis=2),
+            helper.make_node("Slice", [present[name], *sl.input[1:]], list(scatter.output), name=sl.name)]
+    if len(replace) != len(present):  # all or nothing: the runtime binds every present output
+        return 0
+    kept = [m for n in graph.node if id(n) not in remove for m in replace.get(id(n), [n])]
+    del graph.node[:]
+    graph.node.extend(kept)
+    past_info = {i.name: i for i in graph.input}
+    for past, out in present.items():
+        info = graph.output.add()
+        info.CopyFrom(past_info[past])
+        info.name = out
+    return len(replace)
+
+
+def _indices_from(g: _Graph, name: str, source: str) -> bool:
+    """Whether scatter indices `name` are computed from graph input `source` by the exporter's
+    Unsqueeze/Expand/Add chain (past_lengths[b] + slot)."""
+    while (n := g.producer.get(name)) is not None:
+        if n.op_type not in ("Expand", "Unsqueeze", "Add", "Reshape", "Cast"):
+            return False
+        if source in n.input:
+            return True
+        name = n.input[0]
+    return False
+
+
+def write_cache_in_place(path: Path, num_layers: int, drop_outputs: tuple[str, ...]) -> int:
+    """Rewrites the graph at `path` to write new K/V into its cache inputs (_cache_in_place): outputs
+    present_key_{i}/present_value_{i} replace `drop_outputs` (the stacked new K/V). ONNX Runtime's
+    TensorScatter (opset 24) writes in place when the runtime binds each present output to its past
+    input's memory (runtime/ort_backend.py), so a step copies no part of the cache it does not read
+    and the runtime scatters nothing after it. Returns the number of caches rewritten (0: the graph
+    has no such pattern and is left as it was)."""
+    import onnx
+
+    from medusa_trt.engine_dir import past_names, present_names
+
+    model = onnx.load(str(path), load_external_data=False)
+    present = dict(zip(past_names(num_layers), present_names(num_layers), strict=True))
+    n = _cache_in_place(model, "past_lengths", present)
+    if not n:
+        return 0
+    kept = [o for o in model.graph.output if o.name not in drop_outputs]
+    del model.graph.output[:]
+    model.graph.output.extend(kept)
+    for op in model.opset_import:
+        if op.domain in ("", "ai.onnx"):
+            op.version = max(op.version, 24)  # TensorScatter
+    _prune(model)
+    onnx.save_model(model, str(path))
+    return n
+
+
 def _prune(model) -> None:
     """Drops nodes whose outputs nothing reads (the cos/sin computation after "rotary") and the
     initializers no node reads any more."""

@@ -120,6 +120,20 @@ def scatter_pending(keys: torch.Tensor, values: torch.Tensor, pending: tuple | N
     return lengths + counts
 
 
+def compact_in_place(keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor,
+                     counts: torch.Tensor) -> torch.Tensor:
+    """Commit for a cache the step wrote into (new token j of sequence b at lengths[b] + j): moves
+    each sequence's kept slots [B, >= counts] to lengths[b] + 0..counts[b]-1 and returns the new
+    lengths. An accepted chain and a prefill without padding move nothing."""
+    for b, (row, c, n) in enumerate(zip(slots.tolist(), counts.tolist(), lengths.tolist(), strict=True)):
+        moved = [(n + s, n + i) for i, s in enumerate(row[:c]) if s != i]
+        if moved:
+            src, dst = (torch.tensor(x, device=keys.device) for x in zip(*moved, strict=True))
+            for cache in (keys, values):
+                cache[:, b, :, dst] = cache[:, b, :, src]  # the gather copies first: sources may be overwritten
+    return lengths + counts
+
+
 def commit_indices(lengths: torch.Tensor, past: int, slots: torch.Tensor, counts: torch.Tensor):
     """Flat (batch, source, destination) cache indices of a commit, shared by the array backends."""
     batch = torch.repeat_interleave(torch.arange(len(counts)), counts)

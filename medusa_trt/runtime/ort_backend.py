@@ -43,9 +43,10 @@ from medusa_trt.engine_dir import (  # noqa: F401 (EngineError, read_engine_json
     check_graph,
     check_weight_format,
     past_names,
+    present_names,
     read_engine_json,
 )
-from medusa_trt.runtime.backend import ModelInfo, check_forward, scatter_pending, zero_cache
+from medusa_trt.runtime.backend import ModelInfo, check_forward, compact_in_place, scatter_pending, zero_cache
 
 _PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 
@@ -69,6 +70,7 @@ class _Session:
 
     def __set__(self, backend, session) -> None:
         backend._sessions[self.name] = session
+        backend._bindings.pop(self.name, None)
 
 
 def session_options(threads: int | None = None, *, spinning: bool = False, level: str = "all",
@@ -213,6 +215,13 @@ class OrtBackend:
         self._graphs = {"session": onnx_info["file"], "heads_session": onnx_info.get("heads_file"),
                         "step_session": step_file}
         self._sessions: dict = {}
+        # In-place engines (engine.json onnx.cache_in_place): the graphs write new K/V into the cache
+        # buffers they are bound to, one IOBinding per session, bound once per cache (_cache_changed).
+        self.in_place = bool(onnx_info.get("cache_in_place", False))
+        if self.in_place and self.device != "cpu":
+            raise EngineError(f"{self.engine_dir / 'engine.json'}: onnx.cache_in_place engines run on the CPU; "
+                              f"device {self.device!r} needs an engine built with --device {self.device}")
+        self._bindings: dict = {}
         self.fused_step_topk = onnx_info.get("step_topk") if step_file else None
         self._check_graphs(engine)
         self.num_layers, self.num_kv_heads = model["num_layers"], model["num_kv_heads"]
@@ -257,15 +266,24 @@ class OrtBackend:
                                  for d in v.type.tensor_type.shape.dim] for v in values if v.name not in initializers}
             return shapes(graph.input), shapes(graph.output)
 
-        past = past_names(engine["model"]["num_layers"])
-        expected = {"session": ([*INPUT_NAMES, *past], list(OUTPUT_NAMES), ("logits",)),
+        layers = engine["model"]["num_layers"]
+        past = past_names(layers)
+
+        def outputs(names: tuple[str, ...]) -> list[str]:  # in-place engines return the caches per layer
+            return [*names[:-2], *present_names(layers)] if self.in_place else list(names)
+        expected = {"session": ([*INPUT_NAMES, *past], outputs(OUTPUT_NAMES), ("logits",)),
                     "heads_session": ([HEADS_INPUT], [HEADS_OUTPUT], (HEADS_OUTPUT,)),
-                    "step_session": ([*STEP_INPUT_NAMES, *past], list(STEP_OUTPUT_NAMES), ())}
+                    "step_session": ([*STEP_INPUT_NAMES, *past], outputs(STEP_OUTPUT_NAMES), ())}
         for name, file in self._graphs.items():
             if file is None:
                 continue
             path = self.engine_dir / file
             graph = onnx.load(str(path), load_external_data=False).graph
+            writes = any(o.name.startswith("present_key_") for o in graph.output)
+            if name != "heads_session" and writes != self.in_place:
+                raise EngineError(f"{path}: the graph {'writes' if writes else 'does not write'} the cache in place "
+                                  f"(present_key_* outputs), engine.json records onnx.cache_in_place {self.in_place} "
+                                  "(engine.json and the graph disagree: rebuild the engine)")
             check_graph(engine, path, *io(graph), *expected[name])
             if name == "session":
                 check_weight_format(engine, path, {n.op_type for n in graph.node})
@@ -278,9 +296,11 @@ class OrtBackend:
                                             self.dtype, self.device)
         self.lengths = torch.zeros(batch, dtype=torch.long)
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._width = 0  # new tokens of the last step (in-place engines: what commit may have to move)
         self._cache_changed()
 
     def _cache_changed(self) -> None:
+        self._bindings = {}
         # Each layer's K and V as a contiguous numpy view, made once per cache rather than per step.
         self._cache_feeds = {} if self.device != "cpu" else {
             name: (self.keys if i % 2 == 0 else self.values)[i // 2].numpy()
@@ -292,7 +312,13 @@ class OrtBackend:
                                         self.info.max_seq_len, self.engine_dir / "engine.json")
         feeds = _host_feeds(input_ids=input_ids, position_ids=position_ids, past_lengths=self.lengths,
                             new_mask=new_mask, logit_positions=logit_positions)
-        if not self.use_binding:
+        if self.in_place:
+            self._width = s
+            b, k = logit_positions.shape
+            logits, hidden = self._run_in_place("session", feeds, {"logits": ((b, k, self.vocab_size), np.float32),
+                                                                   "hidden": ((b, k, self.hidden_size), self._np_dtype)})
+            new_k = new_v = None
+        elif not self.use_binding:
             feeds.update(self._cache_feeds)  # ONNX Runtime reads these views in place (no copy)
             logits, hidden, new_k, new_v = (torch.from_numpy(a) for a in self.session.run(None, feeds))
         else:
@@ -311,10 +337,38 @@ class OrtBackend:
                       self.engine_dir / "engine.json")
         feeds = _host_feeds(input_ids=input_ids, position_ids=position_ids, past_lengths=self.lengths,
                             new_mask=new_mask, retrieve=retrieve, candidate_index=candidate_index)
+        if self.in_place:
+            b, self._width = input_ids.shape
+            return tuple(self._run_in_place("step_session", feeds, {
+                "best_path": ((b,), np.int64), "accepted": ((b,), np.int64),
+                "next_tokens": ((b, 1 + len(candidate_index)), np.int64)}))
         outputs = self.step_session.run(None, {**feeds, **self._cache_feeds})
         best, accepted, next_tokens, new_k, new_v = (torch.from_numpy(a) for a in outputs)
         self._pending = (new_k, new_v)
         return best, accepted, next_tokens
+
+    def _run_in_place(self, name: str, feeds: dict, outputs: dict[str, tuple]) -> list[torch.Tensor]:
+        """Runs an in-place engine's graph: each layer's cache view is bound as its past input and as
+        its present output (same memory: the graph writes the new K/V into it), once per cache. A
+        step binds its few small inputs, and `outputs` (name -> (shape, numpy dtype)) to new host
+        arrays, returned as tensors: ONNX Runtime writes them there, so nothing is copied after, and
+        the 2 x layers cache outputs are never wrapped for Python."""
+        session = getattr(self, name)
+        io = self._bindings.get(name)
+        if io is None:
+            io = self._bindings[name] = session.io_binding()
+            for past, present in zip(self._past_names, present_names(self.num_layers), strict=True):
+                view = self._cache_feeds[past]
+                for bind, n in ((io.bind_input, past), (io.bind_output, present)):
+                    bind(n, "cpu", 0, view.dtype, list(view.shape), view.ctypes.data)
+        for n, array in feeds.items():
+            io.bind_cpu_input(n, array)
+        arrays = []
+        for n, (shape, dtype) in outputs.items():
+            arrays.append(np.empty(shape, dtype=dtype))
+            io.bind_output(n, "cpu", 0, dtype, list(shape), arrays[-1].ctypes.data)
+        session.run_with_iobinding(io)
+        return [torch.from_numpy(a) for a in arrays]
 
     def heads(self, rows: torch.Tensor) -> torch.Tensor:
         return self._run_heads(self._hidden[torch.arange(len(rows)), rows])
@@ -349,6 +403,11 @@ class OrtBackend:
         return logits, hidden, new_k, new_v
 
     def commit(self, slots: torch.Tensor, counts: torch.Tensor) -> None:
+        if self.in_place:  # the step wrote every new token's K/V at its length + slot already
+            # One new token (a plain step) is where it belongs: only wider steps may move slots.
+            self.lengths = self.lengths + counts if self._width == 1 else \
+                compact_in_place(self.keys, self.values, self.lengths, slots, counts)
+            return
         self.lengths = scatter_pending(self.keys, self.values, self._pending, self.lengths, slots, counts)
         self._pending = None
 

@@ -20,7 +20,7 @@ from medusa_trt.engines.onnx_export import past_names
 from medusa_trt.modeling import MedusaModel, dequantize_int4, quantize_int4, quantize_model_int4
 from medusa_trt.runtime.decoding import GenerationConfig, decode, prefill
 from medusa_trt.runtime.ort_backend import EngineError, OrtBackend, make_session
-from tests.engines.test_onnx_export import ATOL, make_inputs
+from tests.engines.test_onnx_export import ATOL, make_inputs, run_decoder
 
 INT4 = {"weights": "int4", "int4_block_size": 32}
 
@@ -65,7 +65,7 @@ def test_int4_engine_parity(ort_engine, tiny_merged, level, batch, past, kind):
     assert info["format"] == "int4" and info["block_size"] == 32 and info["accuracy_level"] == level
     model = int4_reference(tiny_merged, level)
     feeds, ref_args = make_inputs(model, batch, past, kind)
-    got = make_session(engine / "model.onnx").run(None, feeds)
+    got = run_decoder(make_session(engine / "model.onnx"), feeds)
     with torch.no_grad():
         want = model.forward_hidden(*ref_args)
     for name, a, b in zip(("logits", "hidden", "present_keys", "present_values"), got, want, strict=True):
@@ -244,6 +244,70 @@ def test_tree_cut_at_the_key_block_keeps_medusa_equal_to_plain(ort_engine):
         assert two_call.tokens == plain.tokens
 
 
+def test_int4_cache_is_written_in_place(ort_engine):
+    """int4 engines write each step's new K/V into the cache buffers the runtime binds (TensorScatter,
+    engines/onnx_fusions.py: write_cache_in_place), nothing scattered after the step: the same
+    tokens and logit bits as the same engine built without it, on both greedy paths of a branching
+    tree (whose accepted paths the commit moves into place) and a ragged batch."""
+    import onnx
+
+    inplace = int4_engine(ort_engine, 4)
+    copied = ort_engine("llama", extra={**INT4, "int4_accuracy_level": 4, "cache_in_place": False})
+    engine = json.loads((inplace / "engine.json").read_text())
+    assert engine["onnx"]["cache_in_place"] is True and engine["onnx"]["opset"] >= 24
+    assert json.loads((copied / "engine.json").read_text())["onnx"]["cache_in_place"] is False
+    layers = engine["model"]["num_layers"]
+    for name in ("model.onnx", "model_step.onnx"):
+        graph = onnx.load(inplace / name, load_external_data=False).graph
+        ops = [n.op_type for n in graph.node]
+        assert ops.count("TensorScatter") == 2 * layers and "ScatterElements" not in ops
+        assert [o.name for o in graph.output][-2 * layers:] == [
+            f"present_{kind}_{i}" for i in range(layers) for kind in ("key", "value")]
+    a, b = OrtBackend(inplace), OrtBackend(copied)
+    assert a.in_place and not b.in_place
+    ids = [7, 3, 19, 40, 2, 11, 5, 60, 33, 21, 9, 14]
+    torch.testing.assert_close(_one_row_logits(a, ids, 6), _one_row_logits(b, ids, 6), rtol=0, atol=0)
+    prompts = [[5, 9, 17, 33], [3, 4], list(range(20, 40))]
+    tree = [[0], [1], [0, 0], [1, 0], [0, 1]]
+    for use_medusa in (False, True):
+        cfg = GenerationConfig(max_new_tokens=24, use_medusa=use_medusa, medusa_choices=tree)
+        want = decode(b, prompts, cfg)
+        assert decode(a, prompts, cfg).tokens == want.tokens
+    a.step_session, a.fused_step_topk = None, None  # the two-call path: forward, then commit
+    assert decode(a, prompts, cfg).tokens == want.tokens
+    # Random heads are rarely right, so a commit that moves slots is made here: a tree of root, two
+    # children and a grandchild under the second child, its path root -> 2 -> 3 kept, then a step.
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)[None]
+    after = []
+    for backend in (a, b):
+        backend.start(1, 32)
+        prefill(backend, [ids[:6]])
+        backend.forward(torch.tensor([[4, 8, 9, 10]]), backend.lengths[:, None] + torch.tensor([[0, 1, 1, 2]]), mask,
+                        with_heads=False)
+        backend.commit(torch.tensor([[0, 2, 3]]), torch.tensor([3]))
+        after.append(backend.forward(torch.tensor([[12]]), backend.lengths[:, None], torch.ones(1, 1, 1, dtype=torch.bool),
+                                     with_heads=False)[0])
+    assert a.lengths.tolist() == b.lengths.tolist() == [9]
+    torch.testing.assert_close(after[0], after[1], rtol=0, atol=0)
+
+
+def test_compact_in_place_moves_accepted_slots():
+    """The commit of an in-place cache: each sequence's accepted slots move to its length + 0..count-1
+    (sources read before any is overwritten); slots already in place stay untouched."""
+    from medusa_trt.runtime.backend import compact_in_place
+
+    keys = torch.arange(2 * 1 * 8, dtype=torch.float32).reshape(1, 2, 1, 8, 1).repeat(1, 1, 1, 1, 2)
+    values = -keys.clone()
+    before = keys.clone()
+    lengths = torch.tensor([2, 1])
+    slots = torch.tensor([[0, 2, 3], [0, 1, 3]])  # sequence 0 keeps slots 0, 2, 3; sequence 1 slots 0, 1
+    new = compact_in_place(keys, values, lengths, slots, torch.tensor([3, 2]))
+    assert new.tolist() == [5, 3]
+    assert keys[0, 0, 0, :, 0].tolist() == [0, 1, 2, 4, 5, 5, 6, 7]  # positions 3, 4 <- 4, 5
+    assert torch.equal(keys[0, 1], before[0, 1])  # slots 0, 1 were in place
+    assert torch.equal(values, -keys)
+
+
 def _session_from_bytes(model: bytes, threads: int):
     import onnxruntime as ort
 
@@ -306,6 +370,7 @@ def test_unknown_weight_format_is_refused(ort_engine, tmp_path):
     (True, {"medusa": {"num_heads": 2}}, "medusa.num_heads 2"),
     (True, {"model": {"vocab_size": 99}}, "model.vocab_size 99"),
     (True, {"model": {"num_layers": 3}}, "3 layers"),
+    (True, {"onnx": {"cache_in_place": False}}, "onnx.cache_in_place False"),
 ])
 def test_engine_json_disagreeing_with_graphs_exits_2(ort_engine, tmp_path, capsys, int4, edit, field):
     """engine.json and the graphs disagree (issue 13's bad input): one line naming the field, exit 2."""

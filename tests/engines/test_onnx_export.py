@@ -79,10 +79,26 @@ def make_inputs(model: MedusaModel, batch: int, past: int, mask_kind: str, seed:
     return feeds, ref_args
 
 
+def run_decoder(sess, feeds: dict) -> list[np.ndarray]:
+    """A decoder graph's logits, hidden and new K/V [L, B, Hkv, S, D]. An in-place graph (engine.json
+    onnx.cache_in_place) returns each layer's cache buffer with the new K/V written in; they are read
+    back at each sequence's past_lengths[b] + slot."""
+    names = [o.name for o in sess.get_outputs()]
+    out = dict(zip(names, sess.run(None, feeds), strict=True))
+    if "present_keys" in out:
+        return [out[n] for n in ("logits", "hidden", "present_keys", "present_values")]
+    slots = feeds["past_lengths"][:, None] + np.arange(feeds["input_ids"].shape[1])  # [B, S]
+
+    def new(kind: str) -> np.ndarray:
+        layers = sorted((n for n in names if n.startswith(f"present_{kind}_")), key=lambda n: int(n.rsplit("_", 1)[1]))
+        return np.stack([np.stack([out[n][b][:, row] for b, row in enumerate(slots)]) for n in layers])
+    return [out["logits"], out["hidden"], new("key"), new("value")]
+
+
 def assert_parity(sess, model: MedusaModel, feeds, ref_args, heads_sess=None):
     """The decoder graph against forward_hidden; with `heads_sess`, the heads graph on the engine's
     own hidden states against the reference heads."""
-    got = sess.run(None, feeds)
+    got = run_decoder(sess, feeds)
     with torch.no_grad():
         want = model.forward_hidden(*ref_args)
         ref_medusa = model.medusa_heads(want[1])
