@@ -31,15 +31,17 @@ def step_call(backend: OrtBackend, batch: int, slots: int, committed: int, capac
     """One forward with its own cache (swapped in at each call: a few dozen numpy views)."""
     ids, pos, mask = step_inputs(backend, batch, slots, committed)
     key = (batch, capacity, backend.num_layers, backend.num_kv_heads, backend.head_dim, backend.dtype)
-    if key not in _CACHES:  # forwards never write the cache: one per shape, shared by every call
+    if key not in _CACHES:  # one per shape, shared by every call (an in-place engine writes at `committed`, unread)
         _CACHES[key] = zero_cache(backend.num_layers, batch, backend.num_kv_heads, capacity, backend.head_dim,
                                   backend.dtype, "cpu")
     keys, values = _CACHES[key]
+    bindings: dict = {}  # an in-place engine binds each cache once (runtime/ort_backend.py): once per call here
 
     def step():
         backend.keys, backend.values = keys, values
         backend.lengths = torch.full((batch,), committed)
         backend._cache_changed()
+        backend._bindings = bindings
         return backend.forward(ids, pos, mask, with_heads=False)
 
     return step

@@ -18,6 +18,9 @@ Runtime's com.microsoft ops with the same arithmetic:
   kernel call (and one fork/join of the intra-op threads) instead of two. Each output column is the
   same dot product as before.
 
+One more rewrite, not optional because it changes the graph's outputs: `write_cache_in_place`
+(engine.json onnx.cache_in_place) makes the new K/V land in the cache buffers the runtime binds.
+
 Only ONNX Runtime has these ops: medusa-build applies the pass to ONNX Runtime engines, never to
 the graphs the TensorRT builders read. Each fusion is optional so each can be measured alone
 (BENCHMARKS.md). Outputs equal the plain graph's to float32 rounding (RoPE within 1 ulp: the

@@ -8,9 +8,15 @@ layer copies the committed prefix once per step and a step costs the committed l
 capacity (engines/onnx_export.py). The graph returns only the new tokens' K/V; `commit` scatters
 the kept ones after each committed prefix, which is the compaction step.
 
-On the CPU the cache goes to `session.run` as numpy views, which ONNX Runtime reads in place; on
-a 2-core CPU that measured as fast as IOBinding or faster (BENCHMARKS.md, issue 4): run() hands its
-own output buffers to numpy without a copy, and binding costs a dozen calls per step. On CUDA the
+In-place engines (engine.json onnx.cache_in_place: int4 CPU engines) write the new K/V into the
+buffers themselves, at each sequence's length + slot (engines/onnx_fusions.py:
+write_cache_in_place): each layer's buffer is bound as both its past input and its present output,
+once per cache, and a step binds only its small inputs and outputs. `commit` then moves only the
+accepted slots of a branching path (backend.compact_in_place).
+
+Otherwise, on the CPU the cache goes to `session.run` as numpy views, which ONNX Runtime reads in
+place; on a 2-core CPU that measured as fast as IOBinding or faster (BENCHMARKS.md, issue 4): run()
+hands its own output buffers to numpy without a copy, and binding costs a dozen calls per step. On CUDA the
 cache and the new K/V stay in device memory, bound by pointer (IOBinding), and logits come back to
 host tensors: the decoding loop is host code. Returned tensors are new every step, so a caller may keep them.
 
