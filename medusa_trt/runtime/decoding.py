@@ -345,6 +345,11 @@ class StepTree:
                    torch.tensor(t.attention_mask), torch.tensor(t.retrieve_indices))
 
     @functools.cached_property
+    def paths(self) -> list[list[int]]:
+        """retrieve's rows as lists, -1 padding as slot 0 (commit reads only the accepted part)."""
+        return [[max(i, 0) for i in row] for row in self.retrieve.tolist()]
+
+    @functools.cached_property
     def is_chain(self) -> bool:
         """Every slot at the offset of its depth: its ancestors are the slots before it. Computed
         once: within_block asks every step."""
@@ -415,12 +420,14 @@ def _fused_tree_step(backend, tree: StepTree, tokens):
 
 def _commit_path(backend, tree: StepTree, tokens, best, accepted):
     """Commits each sequence's accepted path; returns the emitted tokens and the slot whose logits
-    continue."""
-    slots = tree.retrieve[best].clamp(min=0)  # [B, D+1] root first
-    counts = accepted + 1
-    backend.commit(slots, counts)
-    emitted = [tokens[i, slots[i, :c]].tolist() for i, c in enumerate(counts.tolist())]
-    return emitted, slots.gather(1, accepted[:, None]).squeeze(1)
+    continue. In Python lists: right after an engine step each torch call costs tens of
+    microseconds (cold caches), a list lookup well under one."""
+    rows = [tree.paths[p] for p in best.tolist()]  # [B] root..leaf slots, -1 as 0
+    kept = accepted.tolist()
+    backend.commit(torch.tensor(rows), accepted + 1)
+    toks = tokens.tolist()
+    emitted = [[toks[i][s] for s in row[: a + 1]] for i, (row, a) in enumerate(zip(rows, kept, strict=True))]
+    return emitted, torch.tensor([row[a] for row, a in zip(rows, kept, strict=True)])
 
 
 def _count_accepted(stats: list[SequenceStats], active: torch.Tensor, tree: StepTree, accepted: torch.Tensor) -> None:
