@@ -94,7 +94,7 @@ def main() -> None:
                 buf[:, :, :past] = rng.standard_normal((1, HKV, past, D))
             q, k, v = (rng.standard_normal((1, 3, n * D), dtype=np.float32) for n in (HQ, HKV, HKV))
 
-            def fresh():
+            def fresh(base=base):
                 return [b.copy() for b in base]
             tree = step(session, fresh(), q, k, v, past, np.arange(past, past + 3), np.tril(np.ones((3, 3), bool)))
             cache = fresh()

@@ -291,6 +291,31 @@ def test_int4_cache_is_written_in_place(ort_engine):
     torch.testing.assert_close(after[0], after[1], rtol=0, atol=0)
 
 
+def test_onnx_runtime_writes_the_bound_cache_in_place(ort_engine, capfd, monkeypatch):
+    """The point of the in-place engine: ONNX Runtime's TensorScatter writes into the bound cache
+    rather than copying it, which it reports (a warning) when it cannot. The same graph run through
+    session.run, with fresh output buffers, shows that warning: the check can fail."""
+    import medusa_trt.runtime.ort_backend as ort_backend
+
+    options = ort_backend.session_options
+    monkeypatch.setattr(ort_backend, "session_options", lambda *a, **k: _with_warnings(options(*a, **k)))
+    backend = OrtBackend(int4_engine(ort_engine, 4))
+    capfd.readouterr()
+    decode(backend, [[5, 9, 17, 33]], GenerationConfig(max_new_tokens=6, use_medusa=False))
+    decode(backend, [[5, 9, 17, 33]], GenerationConfig(max_new_tokens=6, use_medusa=True))
+    assert backend.open_session_names == {"session", "step_session"}
+    assert "in-place optimization not activated" not in capfd.readouterr().err
+    feeds = {i.name: np.zeros([d if isinstance(d, int) else 1 for d in i.shape], dtype=np.int64 if "int64" in i.type
+                              else np.bool_ if "bool" in i.type else np.float32) for i in backend.session.get_inputs()}
+    backend.session.run(None, feeds)
+    assert "in-place optimization not activated" in capfd.readouterr().err
+
+
+def _with_warnings(options):
+    options.log_severity_level = 1  # ONNX Runtime reports a TensorScatter that copies at warning level
+    return options
+
+
 def test_compact_in_place_moves_accepted_slots():
     """The commit of an in-place cache: each sequence's accepted slots move to its length + 0..count-1
     (sources read before any is overwritten); slots already in place stay untouched."""
