@@ -52,6 +52,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-fused-step", dest="fused_step", action="store_false",
                    help="onnxruntime: skip the fused greedy step graph (its session's packed copy of the "
                         "weights in memory; greedy decoding then takes two engine calls and host work per step)")
+    p.add_argument("--no-cache-in-place", dest="cache_in_place", action="store_false",
+                   help="onnxruntime int4: the graphs return new K/V for the runtime to scatter instead of "
+                        "writing them into the cache it binds (slower; for comparison, docs/formats.md)")
     p.add_argument("--weights", default="float", choices=["float", "int4"],
                    help="onnxruntime: int4 = 4-bit weight-only MatMulNBits for the decoder linears and the "
                         "lm_head (default: float, the engine dtype)")
@@ -77,7 +80,8 @@ def _main(argv: Sequence[str] | None = None) -> int:
         progress=not args.quiet,
         extra={k: v for k, v in (("trt_attention", args.trt_attention), ("keep_onnx", args.keep_onnx),
                                  ("max_input_len", args.max_input_len)) if v} | {"fused_step": args.fused_step,
-                                                                       "prepack_weights": args.prepack_weights}
+                                                                       "prepack_weights": args.prepack_weights,
+                                                                       "cache_in_place": args.cache_in_place}
         | ({"weights": "int4", "int4_block_size": args.int4_block_size,
             "int4_accuracy_level": args.int4_accuracy_level} if args.weights == "int4" else {}),
     )

@@ -291,6 +291,17 @@ def test_int4_cache_is_written_in_place(ort_engine):
     torch.testing.assert_close(after[0], after[1], rtol=0, atol=0)
 
 
+def test_no_cache_in_place_flag(tiny_merged, tmp_path):
+    """medusa-build --no-cache-in-place: the int4 engine returns new K/V for the runtime to scatter."""
+    from medusa_trt.cli.build import main as build_main
+
+    out = tmp_path / "engine"
+    assert build_main(["--checkpoint", str(tiny_merged("llama")), "--out", str(out), "--weights", "int4",
+                       "--no-cache-in-place", "--quiet"]) == 0
+    assert json.loads((out / "engine.json").read_text())["onnx"]["cache_in_place"] is False
+    assert not OrtBackend(out).in_place
+
+
 def test_onnx_runtime_writes_the_bound_cache_in_place(ort_engine, capfd, monkeypatch):
     """The point of the in-place engine: ONNX Runtime's TensorScatter writes into the bound cache
     rather than copying it, which it reports (a warning) when it cannot. The same graph run through
