@@ -25,6 +25,7 @@ from medusa_trt.errors import MedusaTrtError, read_json_object, require, require
 # 2: the decoder graph outputs `hidden` and the Medusa heads are a graph of their own.
 # 3: a `weights` section (int4 engines: MatMulNBits weights an older runtime would misread).
 # 4: onnx.key_block (row_exact_f32 attention: an older runtime would not keep tree steps inside a block).
+# 5: onnx.cache_in_place (graphs that write the cache they are bound to, per-layer present outputs).
 ENGINE_FORMAT_VERSION = 5
 ENGINE_JSON = "engine.json"
 BACKENDS = ("onnxruntime", "tensorrt", "tensorrt-llm")
@@ -57,6 +58,12 @@ def present_names(num_layers: int) -> list[str]:
     """An in-place engine's per-layer cache outputs (engine.json onnx.cache_in_place), in past_names'
     order: each is its past input's buffer with the new tokens' K/V written in."""
     return [f"present_{kind}_{i}" for i in range(num_layers) for kind in ("key", "value")]
+
+
+def graph_outputs(names: tuple[str, ...], num_layers: int, in_place: bool) -> list[str]:
+    """A decoder or step graph's outputs: `names` (OUTPUT_NAMES, STEP_OUTPUT_NAMES: the stacked new
+    K/V last), or in an in-place engine the per-layer caches in place of the stacked K/V."""
+    return [*names[:-2], *present_names(num_layers)] if in_place else list(names)
 
 
 def _relative_file(section: dict, key: str, path: Path, prefix: str, optional: bool = False) -> str | None:
@@ -117,6 +124,7 @@ def validate_engine(engine: Any, path: Path, backend: str | None = None) -> dict
         _relative_file(section, "weights_file", path, p, optional=True)  # shared by the graphs (absent: inline)
         req(section, "prepack_weights", bool, p, default=True)
         req(section, "key_block", int, p, positive=True, default=None)
+        req(section, "cache_in_place", bool, p, default=False)
         if section.get("step_file"):
             req(section, "step_topk", int, p, positive=True)
         weights = require_section(engine, "weights", file=path, error=EngineError)

@@ -25,8 +25,9 @@ from medusa_trt.engine_dir import (  # noqa: F401 (re-exported: the engine forma
     DTYPES,
     ENGINE_FORMAT_VERSION,
     ENGINE_JSON,
+    OUTPUT_NAMES,
     artifact_checksums,
-    present_names,
+    graph_outputs,
     sha256_file,
     validate_engine,
     verify_artifacts,
@@ -152,23 +153,20 @@ def _ort_fusions(opts: BuildOptions, config: dict, model, graphs: list) -> dict[
     return counts
 
 
-_STACKED_KV = ("present_keys", "present_values")
-
-
 def _cache_in_place(opts: BuildOptions, config: dict, result) -> bool:
     """Rewrites the decoder and step graphs to write new K/V into the cache buffers in place
     (engines/onnx_fusions.py: write_cache_in_place) when the attention form places each new token
     at its own sequence's length, on CPU engines (opts.extra["cache_in_place"], default on). Both
     graphs or neither: the runtime binds one way for the whole engine."""
     from medusa_trt.engines.onnx_export import ATTENTION_FORMS
-    from medusa_trt.engines.onnx_fusions import write_cache_in_place
+    from medusa_trt.engines.onnx_fusions import STACKED_KV, write_cache_in_place
 
     if not (ATTENTION_FORMS[result.attention].places_new_keys and opts.device == "cpu"
             and opts.extra.get("cache_in_place", True)):
         return False
     layers = config["num_hidden_layers"]
     graphs = [p for p in (result.path, result.step_path) if p is not None]
-    done = [write_cache_in_place(p, layers, _STACKED_KV) for p in graphs]
+    done = [write_cache_in_place(p, layers, STACKED_KV) for p in graphs]
     if any(n != 2 * layers for n in done):
         raise BuildError(f"{', '.join(map(str, graphs))}: the cache writes of {done} caches were rewritten in "
                          f"place, expected {2 * layers} per graph (an exporter change the rewrite does not know)")
@@ -177,6 +175,7 @@ def _cache_in_place(opts: BuildOptions, config: dict, result) -> bool:
 
 def _build_onnxruntime(opts: BuildOptions, config: dict, workdir: Path) -> dict:
     from medusa_trt.engines.onnx_export import ATTENTION_FORMS, DEFAULT_OPSET, export_onnx
+    from medusa_trt.engines.onnx_fusions import TENSOR_SCATTER_OPSET
     from medusa_trt.engines.onnx_weights import share_weights
     from medusa_trt.modeling import MedusaModel
 
@@ -211,7 +210,7 @@ def _build_onnxruntime(opts: BuildOptions, config: dict, workdir: Path) -> dict:
     part = {
         "dtype": dtype,
         "weights": weights,
-        "onnx": {"file": result.path.name, "opset": max(result.opset, 24) if in_place else result.opset,  # 24: TensorScatter
+        "onnx": {"file": result.path.name, "opset": max(result.opset, TENSOR_SCATTER_OPSET) if in_place else result.opset,
                  "attention": result.attention,
                  # Tree steps stay inside one block of this many keys (engines/onnx_export.py: KEY_BLOCK).
                  **({"key_block": block} if (block := ATTENTION_FORMS[result.attention].key_block) else {}),
@@ -219,8 +218,7 @@ def _build_onnxruntime(opts: BuildOptions, config: dict, workdir: Path) -> dict:
                  # Off (--no-prepack): the sessions share one mapping of weights_file (runtime/ort_backend.py).
                  "prepack_weights": bool(opts.extra.get("prepack_weights", True)),
                  "inputs": list(result.input_names),
-                 "outputs": [n for n in result.output_names if not in_place or n not in _STACKED_KV]
-                 + (present_names(config["num_hidden_layers"]) if in_place else []),
+                 "outputs": graph_outputs(OUTPUT_NAMES, config["num_hidden_layers"], in_place),
                  # New K/V written into the cache inputs, returned as present_* outputs that the runtime
                  # binds to the same memory (engines/onnx_fusions.py: write_cache_in_place).
                  "cache_in_place": in_place,

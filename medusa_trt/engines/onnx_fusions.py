@@ -35,6 +35,8 @@ from pathlib import Path
 import numpy as np
 
 FUSIONS = ("rotary", "skip_norm", "gate_up")
+TENSOR_SCATTER_OPSET = 24  # write_cache_in_place's op
+STACKED_KV = ("present_keys", "present_values")  # the new K/V outputs an in-place graph drops
 MS_DOMAIN = "com.microsoft"
 
 
@@ -328,7 +330,7 @@ def write_cache_in_place(path: Path, num_layers: int, drop_outputs: tuple[str, .
     model.graph.output.extend(kept)
     for op in model.opset_import:
         if op.domain in ("", "ai.onnx"):
-            op.version = max(op.version, 24)  # TensorScatter
+            op.version = max(op.version, TENSOR_SCATTER_OPSET)
     _prune(model)
     onnx.save_model(model, str(path))
     return n

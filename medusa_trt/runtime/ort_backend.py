@@ -48,6 +48,7 @@ from medusa_trt.engine_dir import (  # noqa: F401 (EngineError, read_engine_json
     check_artifacts,
     check_graph,
     check_weight_format,
+    graph_outputs,
     past_names,
     present_names,
     read_engine_json,
@@ -223,7 +224,7 @@ class OrtBackend:
         self._sessions: dict = {}
         # In-place engines (engine.json onnx.cache_in_place): the graphs write new K/V into the cache
         # buffers they are bound to, one IOBinding per session, bound once per cache (_cache_changed).
-        self.in_place = bool(onnx_info.get("cache_in_place", False))
+        self.in_place = onnx_info.get("cache_in_place", False)
         if self.in_place and self.device != "cpu":
             raise EngineError(f"{self.engine_dir / 'engine.json'}: onnx.cache_in_place engines run on the CPU; "
                               f"device {self.device!r} needs an engine built with --device {self.device}")
@@ -238,7 +239,7 @@ class OrtBackend:
         self.use_binding = self.device != "cpu"  # IOBinding: required on CUDA, measurable on the CPU
         self.info = ModelInfo(self.vocab_size, self.num_medusa_heads, limits["max_seq_len"], limits["max_draft_len"],
                               onnx_info.get("key_block"))
-        self._past_names = [f"past_{kind}_{i}" for i in range(self.num_layers) for kind in ("key", "value")]
+        self._past_names = past_names(self.num_layers)
         self._np_dtype = {torch.float32: np.float32, torch.float16: np.float16}.get(self.dtype)
         if self._np_dtype is None:  # numpy has no bfloat16; ONNX Runtime's CPU kernels mostly lack it too
             raise EngineError(f"{self.engine_dir / 'engine.json'}: dtype {engine['dtype']} cannot be bound "
@@ -274,12 +275,10 @@ class OrtBackend:
 
         layers = engine["model"]["num_layers"]
         past = past_names(layers)
-
-        def outputs(names: tuple[str, ...]) -> list[str]:  # in-place engines return the caches per layer
-            return [*names[:-2], *present_names(layers)] if self.in_place else list(names)
-        expected = {"session": ([*INPUT_NAMES, *past], outputs(OUTPUT_NAMES), ("logits",)),
+        expected = {"session": ([*INPUT_NAMES, *past], graph_outputs(OUTPUT_NAMES, layers, self.in_place), ("logits",)),
                     "heads_session": ([HEADS_INPUT], [HEADS_OUTPUT], (HEADS_OUTPUT,)),
-                    "step_session": ([*STEP_INPUT_NAMES, *past], outputs(STEP_OUTPUT_NAMES), ())}
+                    "step_session": ([*STEP_INPUT_NAMES, *past], graph_outputs(STEP_OUTPUT_NAMES, layers, self.in_place),
+                                     ())}
         for name, file in self._graphs.items():
             if file is None:
                 continue

@@ -302,6 +302,18 @@ def test_no_cache_in_place_flag(tiny_merged, tmp_path):
     assert not OrtBackend(out).in_place
 
 
+def test_cache_in_place_must_be_a_bool(ort_engine, tmp_path):
+    import shutil
+
+    engine = tmp_path / "engine"
+    shutil.copytree(int4_engine(ort_engine, 4), engine)
+    data = json.loads((engine / "engine.json").read_text())
+    data["onnx"]["cache_in_place"] = "false"
+    (engine / "engine.json").write_text(json.dumps(data))
+    with pytest.raises(EngineError, match="onnx.cache_in_place"):
+        OrtBackend(engine)
+
+
 def test_onnx_runtime_writes_the_bound_cache_in_place(ort_engine, capfd, monkeypatch):
     """The point of the in-place engine: ONNX Runtime's TensorScatter writes into the bound cache
     rather than copying it, which it reports (a warning) when it cannot. The same graph run through
