@@ -59,6 +59,9 @@ class Backend(Protocol):
     # per-head top-k its candidates come from; None or absent: no fused step) and
     # fused_step(input_ids, position_ids, new_mask, retrieve, candidate_index) -> (best path [B],
     # accepted [B], next tree tokens [B, 1 + C]), the math of medusa_trt/acceptance.py.
+    # Optional, for plain greedy decoding in one call per step (OrtBackend, in-place engines):
+    # `plain_greedy_step` (None or absent: none), tokens [B] -> next tokens [B], the same as
+    # forward(tokens[:, None], lengths[:, None], ones, zeros) + commit(zeros, ones) + argmax.
     # Optional, for backends that open their graphs on first use (OrtBackend): open_sessions() opens
     # them all now, as a server does at load so that no request pays for it.
 

@@ -318,6 +318,9 @@ def _plain_step_inputs(batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 
 def _plain_step(backend: Backend, root: torch.Tensor, sampler: _Sampler | None):
+    greedy = None if sampler else getattr(backend, "plain_greedy_step", None)
+    if greedy is not None:  # forward, commit and argmax in one call (OrtBackend, in-place engines)
+        return [[t] for t in root.tolist()], greedy(root)
     mask, slots, counts = _plain_step_inputs(len(root))
     logits, _ = backend.forward(root[:, None], backend.lengths[:, None], mask, slots, with_heads=False)
     backend.commit(slots, counts)

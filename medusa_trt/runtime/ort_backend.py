@@ -12,7 +12,8 @@ In-place engines (engine.json onnx.cache_in_place: int4 CPU engines) write the n
 buffers themselves, at each sequence's length + slot (engines/onnx_fusions.py:
 write_cache_in_place): each layer's buffer is bound as both its past input and its present output,
 once per cache, and a step binds only its small inputs and outputs. `commit` then moves only the
-accepted slots of a branching path (backend.compact_in_place).
+accepted slots of a branching path (backend.compact_in_place). A plain greedy step on such an
+engine is one call with everything bound once (`plain_greedy_step`): forward, commit and argmax.
 
 Otherwise, on the CPU the cache goes to `session.run` as numpy views, which ONNX Runtime reads in
 place; on a 2-core CPU that measured as fast as IOBinding or faster (BENCHMARKS.md, issue 4): run()
@@ -31,6 +32,7 @@ files.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -77,7 +79,7 @@ class _Session:
 
     def __set__(self, backend, session) -> None:
         backend._sessions[self.name] = session
-        backend._bindings.pop(self.name, None)
+        backend._bindings.clear()  # bound to the sessions they were made for
 
 
 def session_options(threads: int | None = None, *, spinning: bool = False, level: str = "all",
@@ -229,6 +231,8 @@ class OrtBackend:
             raise EngineError(f"{self.engine_dir / 'engine.json'}: onnx.cache_in_place engines run on the CPU; "
                               f"device {self.device!r} needs an engine built with --device {self.device}")
         self._bindings: dict = {}
+        # The Backend's optional one-call plain greedy step: in-place engines bind it once per cache.
+        self.plain_greedy_step = self._plain_greedy_step if self.in_place else None
         self.fused_step_topk = onnx_info.get("step_topk") if step_file else None
         self._check_graphs(engine)
         self.num_layers, self.num_kv_heads = model["num_layers"], model["num_kv_heads"]
@@ -375,6 +379,25 @@ class OrtBackend:
         session.run_with_iobinding(io)
         return [torch.from_numpy(a) for a in arrays]
 
+    def _plain_greedy_step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """forward(tokens[:, None] at each sequence's length), commit of that one slot and the argmax
+        of its logits, the same graph call as that sequence of calls, with every input and output
+        bound once by pointer (_PlainBinding). A plain step of a 135M int4 engine is ~5 ms, and the
+        Backend calls' torch ops around it cost ~0.2 ms more, each 10-40 us on caches the step has
+        evicted (BENCHMARKS.md, issue 13 (h)). Returns the next tokens [B]."""
+        bound = self._bindings.get("plain")
+        if bound is None or bound.lengths_tensor is not self.lengths or len(tokens) != len(bound.ids):
+            bound = self._bindings["plain"] = _PlainBinding.make(self, len(tokens))
+        if bound.longest >= min(self.keys.shape[3], self.info.max_seq_len):
+            check_forward(self.keys, self.lengths, tokens[:, None], self.lengths[:, None], None, self.info.max_seq_len,
+                          self.engine_dir / "engine.json")  # raises the error that forward would
+        bound.ids[:, 0] = tokens.numpy()
+        self.session.run_with_iobinding(bound.io)
+        bound.lengths += 1  # the commit: self.lengths is this memory
+        bound.longest += 1
+        self._width = 1
+        return torch.from_numpy(bound.logits[:, 0].argmax(-1))
+
     def heads(self, rows: torch.Tensor) -> torch.Tensor:
         return self._run_heads(self._hidden[torch.arange(len(rows)), rows])
 
@@ -422,6 +445,44 @@ class OrtBackend:
         self.lengths = self.lengths[rows]
         self._pending = None
         self._cache_changed()
+
+
+@dataclass
+class _PlainBinding:
+    """A plain step's graph call bound once: the caches (past and present, one memory), the token
+    ids, each sequence's length as both past_lengths and position_ids (one memory: a plain step's
+    new token sits at its sequence's length), the constant mask and logit position, and the outputs.
+    `lengths` is also the backend's `lengths` tensor, so the step's commit is one in-place add."""
+
+    io: object  # onnxruntime IOBinding
+    ids: np.ndarray  # [B, 1] int64
+    lengths: np.ndarray  # [B] int64
+    lengths_tensor: torch.Tensor  # `lengths` as the backend's tensor (a later commit replaces it)
+    longest: int  # max(lengths), kept as a Python int
+    constants: tuple[np.ndarray, ...]  # new_mask, logit_positions: kept alive for their pointers
+    logits: np.ndarray  # [B, 1, V]
+    hidden: np.ndarray  # [B, 1, d]
+
+    @classmethod
+    def make(cls, backend: OrtBackend, batch: int) -> _PlainBinding:
+        io = backend.session.io_binding()
+        for past, present in zip(backend._past_names, present_names(backend.num_layers), strict=True):
+            view = backend._cache_feeds[past]
+            for bind, n in ((io.bind_input, past), (io.bind_output, present)):
+                bind(n, "cpu", 0, view.dtype, list(view.shape), view.ctypes.data)
+        lengths = backend.lengths.numpy().astype(np.int64)  # a copy: the old tensor may be shared
+        ids = np.zeros((batch, 1), np.int64)
+        mask, positions = np.ones((batch, 1, 1), np.bool_), np.zeros((batch, 1), np.int64)
+        logits = np.empty((batch, 1, backend.vocab_size), np.float32)
+        hidden = np.empty((batch, 1, backend.hidden_size), backend._np_dtype)
+        for name, array, shape in (("input_ids", ids, ids.shape), ("position_ids", lengths, (batch, 1)),
+                                   ("past_lengths", lengths, (batch,)), ("new_mask", mask, mask.shape),
+                                   ("logit_positions", positions, positions.shape)):
+            io.bind_input(name, "cpu", 0, array.dtype, list(shape), array.ctypes.data)
+        for name, array in (("logits", logits), ("hidden", hidden)):
+            io.bind_output(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
+        backend.lengths = torch.from_numpy(lengths)
+        return cls(io, ids, lengths, backend.lengths, int(lengths.max()), (mask, positions), logits, hidden)
 
 
 def _host_feeds(**tensors: torch.Tensor) -> dict[str, np.ndarray]:

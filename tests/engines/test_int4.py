@@ -291,6 +291,52 @@ def test_int4_cache_is_written_in_place(ort_engine):
     torch.testing.assert_close(after[0], after[1], rtol=0, atol=0)
 
 
+def test_plain_greedy_step_equals_forward_and_commit(ort_engine):
+    """OrtBackend.plain_greedy_step (in-place engines: one bound call per plain greedy step) leaves
+    the cache, the lengths and the next tokens bit for bit where forward + commit + argmax leave
+    them: on a ragged batch, mixed with those calls (which replace the lengths it writes), across
+    keep (a new cache) and when the capacity runs out (forward's error)."""
+    from medusa_trt.runtime.decoding import argmax
+
+    lean, plain = OrtBackend(int4_engine(ort_engine, 4)), OrtBackend(int4_engine(ort_engine, 4))
+    assert lean.plain_greedy_step is not None
+    assert OrtBackend(ort_engine("llama", extra={**INT4, "int4_accuracy_level": 4, "cache_in_place": False})
+                      ).plain_greedy_step is None
+    plain.plain_greedy_step = None  # an instance attribute hides the property: forward + commit
+
+    def generic(backend, tokens):
+        b = len(tokens)
+        logits, _ = backend.forward(tokens[:, None], backend.lengths[:, None], torch.ones(b, 1, 1, dtype=torch.bool),
+                                    torch.zeros(b, 1, dtype=torch.long), with_heads=False)
+        backend.commit(torch.zeros(b, 1, dtype=torch.long), torch.ones(b, dtype=torch.long))
+        return argmax(logits[:, 0])
+
+    prompts = [[5, 9, 17, 33, 2, 8], [3, 4]]
+    roots = []
+    for backend in (lean, plain):
+        backend.start(2, 20)
+        logits, _ = prefill(backend, prompts, heads=False)
+        roots.append(argmax(logits))
+    steps = ["lean"] * 3 + ["generic"] * 2 + ["lean"] * 2 + ["keep"] + ["lean"] * 3
+    for what in steps:
+        if what == "keep":
+            for i, backend in enumerate((lean, plain)):
+                backend.keep(torch.tensor([1]))
+                roots[i] = roots[i][[1]]
+            continue
+        step = lean.plain_greedy_step if what == "lean" else lambda t: generic(lean, t)
+        roots = [step(roots[0]), generic(plain, roots[1])]
+        assert roots[0].tolist() == roots[1].tolist()
+        assert lean.lengths.tolist() == plain.lengths.tolist()
+        torch.testing.assert_close(lean.keys, plain.keys, rtol=0, atol=0)
+        torch.testing.assert_close(lean.values, plain.values, rtol=0, atol=0)
+    assert lean.lengths.tolist() == [len(prompts[1]) + 10]
+    for _ in range(20 - len(prompts[1]) - 10):
+        roots[0] = lean.plain_greedy_step(roots[0])
+    with pytest.raises(ValueError, match="KV cache overflow"):
+        lean.plain_greedy_step(roots[0])
+
+
 def test_no_cache_in_place_flag(tiny_merged, tmp_path):
     """medusa-build --no-cache-in-place: the int4 engine returns new K/V for the runtime to scatter."""
     from medusa_trt.cli.build import main as build_main
