@@ -10,7 +10,8 @@ Systems, all greedy, batch 1, on the same prompt token ids, with the same thread
 For every thread count (--threads 1,2) the systems take turns per prompt (round robin, the order
 rotated by one each prompt), so drift on a shared machine hits all of them alike. Figures per
 system: tokens/s (new tokens over prefill + decode wall time, as a user waits), the ratio to the
-fastest peer (not ours) of the same weight precision, Medusa's tokens per step and the cost of a
+fastest peer (not ours) of the same weight precision, the prefill apart (each prompt also runs for
+one token: that wall time, and the rest of the full run's per token after the first), Medusa's tokens per step and the cost of a
 tree step in plain steps, and how far each system's greedy tokens agree with the float32 reference
 (transformers at the first thread count): prompts with equal tokens, mean common-prefix share and
 mean per-position agreement. A system whose package is missing or fails to load is skipped with the
@@ -265,10 +266,21 @@ class Tally:
     prefix_share: list[float] = field(default_factory=list)
     agreement: list[float] = field(default_factory=list)
     equal_to_plain: list[bool] = field(default_factory=list)  # Medusa rows: same tokens as plain on its engine
+    # The prefill apart: each prompt also generates one token (prefill + first token), and the rest
+    # of the full run's wall time, over its tokens after the first, is the cost of a decode token.
+    first_token_s: list[float] = field(default_factory=list)
+    decode_s: float = 0.0  # sum over prompts of (full wall - one-token wall)
+    decode_tokens: int = 0  # sum over prompts of (tokens - 1)
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / max(self.wall_s, 1e-12)
+
+    def add_split(self, first_s: float, full_s: float, tokens: int) -> None:
+        self.first_token_s.append(first_s)
+        if tokens > 1:
+            self.decode_s += full_s - first_s
+            self.decode_tokens += tokens - 1
 
 
 def summarize(tallies: dict[str, Tally], ours: dict[str, object] | None = None) -> dict[str, dict]:
@@ -286,6 +298,9 @@ def summarize(tallies: dict[str, Tally], ours: dict[str, object] | None = None) 
         row = {"precision": t.group, "tokens": t.tokens, "wall_s": round(t.wall_s, 4),
                "tokens_per_s": round(t.tokens_per_s, 2),
                "vs_fastest_peer": round(t.tokens_per_s / fastest[t.group], 4) if t.group in fastest else None}
+        if t.first_token_s:
+            row["prefill_ms"] = round(1000 * statistics.fmean(t.first_token_s), 2)
+            row["decode_ms_per_token"] = round(1000 * t.decode_s / t.decode_tokens, 3) if t.decode_tokens else None
         if t.equal:
             row.update(equal_to_reference=f"{sum(t.equal)}/{len(t.equal)}",
                        prefix_share=round(statistics.fmean(t.prefix_share), 4),
@@ -301,8 +316,9 @@ def summarize(tallies: dict[str, Tally], ours: dict[str, object] | None = None) 
 
 def markdown(results: dict[str, dict[str, dict]]) -> str:
     """{threads: {system: row}} as a markdown table."""
-    head = ("| threads | system | weights | tokens/s | vs fastest peer | tokens/step | step cost | "
-            "speedup vs plain | equal to own plain | equal to fp32 ref | prefix share | agreement |")
+    head = ("| threads | system | weights | tokens/s | vs fastest peer | prefill + 1st token ms | ms / decode token | "
+            "tokens/step | step cost | speedup vs plain | equal to own plain | equal to fp32 ref | prefix share | "
+            "agreement |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
 
     def f(v, fmt):
@@ -312,6 +328,7 @@ def markdown(results: dict[str, dict[str, dict]]) -> str:
         for name, r in rows.items():
             lines.append(
                 f"| {threads} | {name} | {r['precision']} | {r['tokens_per_s']:.1f} | {f(r['vs_fastest_peer'], '.2f')} | "
+                f"{f(r.get('prefill_ms'), '.1f')} | {f(r.get('decode_ms_per_token'), '.2f')} | "
                 f"{f(r.get('tokens_per_step'), '.2f')} | {f(r.get('step_overhead'), '.2f')} | "
                 f"{f(r.get('speedup'), '.2f')} | {r.get('equal_to_plain', '')} | {r.get('equal_to_reference', '')} | "
                 f"{f(r.get('prefix_share'), '.3f')} | {f(r.get('position_agreement'), '.3f')} |")
@@ -425,7 +442,10 @@ def run(args, ctx: dict) -> dict:
                 t.wall_s += out.wall_s
                 if name in modes:
                     modes[name].add(out.run)
-                row[name] = {"tokens": len(out.tokens), "wall_s": round(out.wall_s, 5)}
+                first = systems[name].generate(prompt, 1)  # right after: the same state of the machine
+                t.add_split(first.wall_s, out.wall_s, len(out.tokens))
+                row[name] = {"tokens": len(out.tokens), "wall_s": round(out.wall_s, 5),
+                             "first_token_wall_s": round(first.wall_s, 5)}
             per_prompt.append(row)
         for name, same in equal_to_plain(outputs).items():
             tallies[name].equal_to_plain = same

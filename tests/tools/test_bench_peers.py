@@ -69,7 +69,19 @@ def test_summarize_ratios_per_precision_and_medusa():
     lines = table.splitlines()
     assert len(lines) == 2 + len(rows)
     assert all(line.count("|") == lines[0].count("|") for line in lines)
-    assert "| 1 | ours medusa | float32 | 100.0 | 4.00 | 2.50 | 1.25 | 2.00 | 1/2 | 2/2 | 1.000 | 1.000 |" in lines
+    assert "| 1 | ours medusa | float32 | 100.0 | 4.00 |  |  | 2.50 | 1.25 | 2.00 | 1/2 | 2/2 | 1.000 | 1.000 |" in lines
+
+
+def test_prefill_and_decode_apart():
+    """Each prompt's one-token run is its prefill (+ first token); the full run's remaining wall time
+    over its tokens after the first is a decode token's cost."""
+    t = bench_peers.Tally(bench_peers.FOUR_BIT)
+    t.add_split(0.1, 0.7, 61)  # 0.6 s for 60 decode tokens
+    t.add_split(0.3, 0.3, 1)  # a prompt that stopped at its first token: no decode tokens
+    row = bench_peers.summarize({"ort-genai int4": t})["ort-genai int4"]
+    assert (row["prefill_ms"], row["decode_ms_per_token"]) == (200.0, 10.0)
+    line = bench_peers.markdown({"2": {"ort-genai int4": row}}).splitlines()[-1]
+    assert line.startswith("| 2 | ort-genai int4 | 4-bit | 0.0 | ") and "| 200.0 | 10.00 |" in line
 
 
 def test_medusa_equal_to_plain_per_engine():
