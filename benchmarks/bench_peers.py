@@ -11,10 +11,10 @@ For every thread count (--threads 1,2) the systems take turns per prompt (round 
 rotated by one each prompt), so drift on a shared machine hits all of them alike. Figures per
 system: tokens/s (new tokens over prefill + decode wall time, as a user waits), the ratio to the
 fastest peer (not ours) of the same weight precision, the prefill apart (each prompt also runs for
-one token: that wall time, and the rest of the full run's per token after the first), Medusa's tokens per step and the cost of a
-tree step in plain steps, and how far each system's greedy tokens agree with the float32 reference
-(transformers at the first thread count): prompts with equal tokens, mean common-prefix share and
-mean per-position agreement. A system whose package is missing or fails to load is skipped with the
+one token: that wall time, and the rest of the full run's per token after the first), Medusa's
+tokens per step and the cost of a tree step in plain steps, and how far each system's greedy tokens
+agree with the float32 reference (transformers at the first thread count): prompts with equal
+tokens, mean common-prefix share and mean per-position agreement. A system whose package is missing or fails to load is skipped with the
 reason. Peers are optional: `pip install -e '.[bench]'` (llama-cpp-python compiles llama.cpp).
 
     python benchmarks/bench_peers.py --engine build/demo/engine [--engine-int4 DIR]

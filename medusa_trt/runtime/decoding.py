@@ -318,13 +318,14 @@ def _plain_step_inputs(batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 
 def _plain_step(backend: Backend, root: torch.Tensor, sampler: _Sampler | None):
+    emitted = [[t] for t in root.tolist()]
     greedy = None if sampler else getattr(backend, "plain_greedy_step", None)
     if greedy is not None:  # forward, commit and argmax in one call (OrtBackend, in-place engines)
-        return [[t] for t in root.tolist()], greedy(root)
+        return emitted, greedy(root)
     mask, slots, counts = _plain_step_inputs(len(root))
     logits, _ = backend.forward(root[:, None], backend.lengths[:, None], mask, slots, with_heads=False)
     backend.commit(slots, counts)
-    return [[t] for t in root.tolist()], sampler.draw(logits[:, 0]) if sampler else argmax(logits[:, 0])
+    return emitted, sampler.draw(logits[:, 0]) if sampler else argmax(logits[:, 0])
 
 
 @dataclass(frozen=True)

@@ -365,11 +365,7 @@ class OrtBackend:
         session = getattr(self, name)
         io = self._bindings.get(name)
         if io is None:
-            io = self._bindings[name] = session.io_binding()
-            for past, present in zip(self._past_names, present_names(self.num_layers), strict=True):
-                view = self._cache_feeds[past]
-                for bind, n in ((io.bind_input, past), (io.bind_output, present)):
-                    bind(n, "cpu", 0, view.dtype, list(view.shape), view.ctypes.data)
+            io = self._bindings[name] = self._cache_binding(session)
         for n, array in feeds.items():
             io.bind_cpu_input(n, array)
         arrays = []
@@ -378,6 +374,16 @@ class OrtBackend:
             io.bind_output(n, "cpu", 0, dtype, list(shape), arrays[-1].ctypes.data)
         session.run_with_iobinding(io)
         return [torch.from_numpy(a) for a in arrays]
+
+    def _cache_binding(self, session):
+        """A new IOBinding of `session` with each layer's cache view bound as its past input and as
+        its present output (one memory: an in-place graph writes the new K/V into it)."""
+        io = session.io_binding()
+        for past, present in zip(self._past_names, present_names(self.num_layers), strict=True):
+            view = self._cache_feeds[past]
+            for bind, n in ((io.bind_input, past), (io.bind_output, present)):
+                bind(n, "cpu", 0, view.dtype, list(view.shape), view.ctypes.data)
+        return io
 
     def _plain_greedy_step(self, tokens: torch.Tensor) -> torch.Tensor:
         """forward(tokens[:, None] at each sequence's length), commit of that one slot and the argmax
@@ -395,7 +401,6 @@ class OrtBackend:
         self.session.run_with_iobinding(bound.io)
         bound.lengths += 1  # the commit: self.lengths is this memory
         bound.longest += 1
-        self._width = 1
         return torch.from_numpy(bound.logits[:, 0].argmax(-1))
 
     def heads(self, rows: torch.Tensor) -> torch.Tensor:
@@ -465,11 +470,7 @@ class _PlainBinding:
 
     @classmethod
     def make(cls, backend: OrtBackend, batch: int) -> _PlainBinding:
-        io = backend.session.io_binding()
-        for past, present in zip(backend._past_names, present_names(backend.num_layers), strict=True):
-            view = backend._cache_feeds[past]
-            for bind, n in ((io.bind_input, past), (io.bind_output, present)):
-                bind(n, "cpu", 0, view.dtype, list(view.shape), view.ctypes.data)
+        io = backend._cache_binding(backend.session)
         lengths = backend.lengths.numpy().astype(np.int64)  # a copy: the old tensor may be shared
         ids = np.zeros((batch, 1), np.int64)
         mask, positions = np.ones((batch, 1, 1), np.bool_), np.zeros((batch, 1), np.int64)
