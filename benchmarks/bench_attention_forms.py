@@ -15,12 +15,14 @@ KV heads of 64), in several forms, and times whole session runs round-robin:
   token_major    a [T, B, H, D] cache whose prefix the runtime hands in place; past and new keys
                  scored separately (FusedMatMul transBatchB) and the weighted sum split likewise,
                  in float64 (exact, like row_exact)
-  row_exact_f32  the int4 default since the eighth run: float32, the softmax's sum in float64 over
-                 the exponentials, the weighted sum a float32 MatMul of them (row-invariant within
-                 key blocks, engines/onnx_export.py: row_exact_f32_attention)
+  row_exact_f32  the int4 default from the eighth run to 2026-11-24: float32, the softmax's sum in
+                 float64 over the exponentials, the weighted sum a float32 MatMul of them
+                 (row-invariant within key blocks, engines/onnx_export.py: row_exact_f32_attention)
+  chain_f32      the int4 default since: row_exact_f32 with ONNX Runtime's Softmax (row-invariant
+                 for plain steps and chain trees, engines/onnx_export.py: chain_f32_attention)
 
-Only row_exact, token_major and row_exact_f32 are row-invariant (Medusa == plain on int4 engines);
-the others say what each part costs.
+Only row_exact, token_major and row_exact_f32 are row-invariant for any tree, chain_f32 for chains
+(Medusa == plain on int4 engines); the others say what each part costs.
 
     python benchmarks/bench_attention_forms.py [--committed 190,1000] [--slots 1,2] [--out build/attention_forms]
 """
@@ -65,7 +67,7 @@ def head_major(slice_prefix: bool, concat: bool, **precision):
 
 
 def row_exact_f32(q, k, v, past_k, past_v, mask, used):
-    """The int4 default (engines/onnx_export.py: row_exact_f32_attention), the mask already tiled:
+    """engines/onnx_export.py: row_exact_f32_attention, the mask already tiled:
     the new K/V written into the buffer's slots after the prefix (batch 1: at `used`)."""
     b, _, s, d = q.shape
     index = (used + torch.arange(s))[None, None, :, None].expand(b, HKV, s, d)
@@ -75,6 +77,17 @@ def row_exact_f32(q, k, v, past_k, past_v, mask, used):
     scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     e = torch.exp(scores - scores.amax(-1, keepdim=True))
     return (torch.matmul(e, values) / e.double().sum(-1, keepdim=True).float()).reshape(b, HQ, s, d)
+
+
+def chain_f32(q, k, v, past_k, past_v, mask, used):
+    """The int4 default (engines/onnx_export.py: chain_f32_attention): row_exact_f32 with Softmax."""
+    b, _, s, d = q.shape
+    index = (used + torch.arange(s))[None, None, :, None].expand(b, HKV, s, d)
+    keys = past_k.narrow(2, 0, used + s).scatter(2, index, k)
+    values = past_v.narrow(2, 0, used + s).scatter(2, index, v)
+    scores = torch.matmul(q.reshape(b, HKV, G * s, d) * (1.0 / math.sqrt(d)), keys.transpose(-1, -2))
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    return torch.matmul(torch.softmax(scores, dim=-1), values).reshape(b, HQ, s, d)
 
 
 def token_major(q, k, v, past_k, past_v, mask, used):
@@ -96,8 +109,9 @@ FORMS = {
     "f32": head_major(True, True, f64_softmax=False, f64_sum=False),
     "token_major": token_major,
     "row_exact_f32": row_exact_f32,
+    "chain_f32": chain_f32,
 }
-SLICED = {"row_exact", "f32_softmax", "f32", "row_exact_f32"}  # these take the whole cache buffer and slice it
+SLICED = {"row_exact", "f32_softmax", "f32", "row_exact_f32", "chain_f32"}  # these take the whole cache buffer and slice it
 
 
 class _Layers(torch.nn.Module):

@@ -26,7 +26,8 @@ from medusa_trt.errors import MedusaTrtError, read_json_object, require, require
 # 3: a `weights` section (int4 engines: MatMulNBits weights an older runtime would misread).
 # 4: onnx.key_block (row_exact_f32 attention: an older runtime would not keep tree steps inside a block).
 # 5: onnx.cache_in_place (graphs that write the cache they are bound to, per-layer present outputs).
-ENGINE_FORMAT_VERSION = 5
+# 6: onnx.chains_only (chain_f32 attention: an older runtime would verify branching trees inexactly).
+ENGINE_FORMAT_VERSION = 6
 ENGINE_JSON = "engine.json"
 BACKENDS = ("onnxruntime", "tensorrt", "tensorrt-llm")
 SECTIONS = {"onnxruntime": "onnx", "tensorrt": "tensorrt", "tensorrt-llm": "tensorrt_llm"}
@@ -125,6 +126,7 @@ def validate_engine(engine: Any, path: Path, backend: str | None = None) -> dict
         req(section, "prepack_weights", bool, p, default=True)
         req(section, "key_block", int, p, positive=True, default=None)
         req(section, "cache_in_place", bool, p, default=False)
+        req(section, "chains_only", bool, p, default=False)
         if section.get("step_file"):
             req(section, "step_topk", int, p, positive=True)
         weights = require_section(engine, "weights", file=path, error=EngineError)

@@ -310,9 +310,35 @@ def _build(nodes: tuple[tuple[int, ...], ...], max_draft_len: int | None) -> Tre
     return TreeBuffers(nodes=nodes, num_slots=T, max_depth=max_depth, num_leaves=len(leaves), **arrays)
 
 
-def build_tree(spec: Any, num_heads: int, max_draft_len: int | None = None) -> TreeBuffers:
-    """Parse, validate and expand a tree, then build (or fetch from cache) its buffers."""
+def main_chain(nodes: list[list[int]]) -> list[list[int]]:
+    """A tree's main chain: from the root, the lowest-ranked child at each depth ([0], [0, 0], ...
+    in the usual trees). What an engine exact for chains only verifies (engine.json
+    onnx.chains_only); a chain is its own main chain."""
+    have = sorted(tuple(p) for p in nodes)
+    chain: list[list[int]] = []
+    path: tuple[int, ...] = ()
+    while child := next((p for p in have if len(p) == len(path) + 1 and p[: len(path)] == path), None):
+        chain.append(list(child))
+        path = child
+    return chain
+
+
+@functools.cache
+def _warn_chain(nodes: int, chain: tuple[tuple[int, ...], ...]) -> None:
+    """Once per tree and process: a server would otherwise log it for every request."""
+    log.warning("medusa_choices: this engine verifies chain trees only (engine.json onnx.chains_only: its "
+                "attention is exact for them alone); the %d-node tree runs as its main chain %s", nodes,
+                [list(p) for p in chain])
+
+
+def build_tree(spec: Any, num_heads: int, max_draft_len: int | None = None,
+               chains_only: bool = False) -> TreeBuffers:
+    """Parse, validate and expand a tree, then build (or fetch from cache) its buffers.
+    `chains_only`: the tree's main chain, with a warning when that drops nodes."""
     nodes = validate_and_expand(parse_medusa_choices(spec), num_heads, max_draft_len)
+    if chains_only and len(chain := main_chain(nodes)) < len(nodes):
+        _warn_chain(len(nodes), tuple(tuple(p) for p in chain))
+        nodes = chain
     # num_heads only bounds the depth, which validation has checked; the buffers do not depend on it.
     return _build(tuple(tuple(p) for p in nodes), max_draft_len)
 

@@ -398,3 +398,15 @@ def test_tree_for_engine_is_the_default_tree_cut(num_heads, max_draft_len):
     assert list(buf.nodes) == want
     assert all(p[:-1] in set(want) for p in want if len(p) > 1)  # every node's parent kept
     assert buf.packed_mask.shape[1] == math.ceil((max_draft_len + 1) / 32)
+
+
+def test_main_chain():
+    """What an engine exact for chains only verifies (engine.json onnx.chains_only)."""
+    from medusa_trt.tree import main_chain
+
+    assert main_chain([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]) == [[0], [0, 0], [0, 0, 0]]
+    assert main_chain([[1], [2], [2, 0], [1, 3]]) == [[1], [1, 3]]  # the lowest rank at each depth
+    assert main_chain([[0], [0, 0]]) == [[0], [0, 0]]
+    chain = build_tree("mc_sim_7b_63", 4, 63, chains_only=True)
+    assert chain.nodes == ((0,), (0, 0), (0, 0, 0), (0, 0, 0, 0)) and chain.num_slots == 5
+    assert build_tree([[0], [0, 0]], 4, chains_only=True).nodes == ((0,), (0, 0))

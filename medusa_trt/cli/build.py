@@ -35,10 +35,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-draft-len", type=int, help="largest Medusa tree, root excluded (default: the "
                    "checkpoint's max_draft_len)")
     p.add_argument("--opset", type=int, help="ONNX opset (default 23)")
-    p.add_argument("--attention", choices=["attention23", "split", "concat", "mha", "row_exact", "row_exact_f32"],
-                   help="ONNX attention form (default: row_exact_f32 for --weights int4, whose Medusa greedy "
-                        "then equals its plain greedy; row_exact does it in float64, ~10%% slower; otherwise "
-                        "attention23, the fastest measured on CPU; split below opset 23)")
+    p.add_argument("--attention", choices=["attention23", "split", "concat", "mha", "row_exact", "row_exact_f32",
+                                           "chain_f32"],
+                   help="ONNX attention form (default: chain_f32 for --weights int4, whose Medusa greedy then "
+                        "equals its plain greedy for chain trees, the runtime running any other tree as its main "
+                        "chain; row_exact_f32 keeps branching trees exact too, ~3%% slower a step; row_exact does "
+                        "it in float64, ~10%% slower; otherwise attention23, the fastest measured on CPU; split "
+                        "below opset 23)")
     p.add_argument("--trt-attention", choices=["plugin", "native"],
                    help="--backend tensorrt: the tree-attention plugin (default) or TensorRT's own attention "
                    "with a dense mask, for comparison")

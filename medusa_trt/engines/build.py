@@ -95,13 +95,14 @@ INT4_DEFAULT_ACCURACY_LEVEL = 4
 def default_attention(opset: int, weights: dict) -> str:
     """The fastest exact attention form: int4 weights with int8 activations (accuracy level 4) turn
     float32 rounding noise into different logits, so their tree rows and one-row steps must agree
-    bit for bit: "row_exact_f32" (engines/onnx_export.py) does at float32 cost ("row_exact", in
-    float64, costs ~10% more of an int4 step; BENCHMARKS.md); float engines keep the fused
-    Attention op ("split" below opset 23)."""
+    bit for bit. "chain_f32" (engines/onnx_export.py) does for plain steps and chain trees, the
+    trees that pay on a CPU (every tuned int4 tree so far is one), ~3% faster a step than
+    "row_exact_f32", which keeps branching trees exact too; "row_exact", in float64, costs ~10% more
+    (BENCHMARKS.md, issue 13). Float engines keep the fused Attention op ("split" below opset 23)."""
     from medusa_trt.engines.onnx_export import DEFAULT_ATTENTION
 
     if weights.get("format") == "int4" and weights.get("accuracy_level") == 4:
-        return "row_exact_f32"
+        return "chain_f32"
     return DEFAULT_ATTENTION if opset >= 23 else "split"
 
 
@@ -214,6 +215,8 @@ def _build_onnxruntime(opts: BuildOptions, config: dict, workdir: Path) -> dict:
                  "attention": result.attention,
                  # Tree steps stay inside one block of this many keys (engines/onnx_export.py: KEY_BLOCK).
                  **({"key_block": block} if (block := ATTENTION_FORMS[result.attention].key_block) else {}),
+                 # Only chain trees are exact: the runtime verifies a tree's main chain (tree.main_chain).
+                 **({"chains_only": True} if ATTENTION_FORMS[result.attention].chains_only else {}),
                  "external_data": True, "weights_file": shared.path.name,
                  # Off (--no-prepack): the sessions share one mapping of weights_file (runtime/ort_backend.py).
                  "prepack_weights": bool(opts.extra.get("prepack_weights", True)),

@@ -201,6 +201,30 @@ def row_exact_f32_attention(q, k, v, past_k, past_v, mask: PlacedMask):
     return (torch.matmul(e, values.to(e.dtype)) / total).reshape(b, hq, s, d).to(q.dtype)
 
 
+def chain_f32_attention(q, k, v, past_k, past_v, mask: PlacedMask):
+    """row_exact_f32 with ONNX Runtime's own Softmax: one op where row_exact_f32 takes seven (row
+    max, subtract, exp, the float64 sum and its two casts, the division), exact for plain steps and
+    chain trees only (AttentionForm.chains_only).
+
+    Softmax sums a row in vector lanes by key index. In a plain step, a prefill and a chain tree
+    every visible key sits at its own position, so it lands in the same lane whatever the row count
+    or the masked keys after it (exp of a masked score is 0, or too small to move a sum of at least
+    1); a branching tree puts a deep node's ancestors at slot offsets, in other lanes, and its rows
+    differ in the last bits. So the runtime verifies only a tree's main chain on an engine of this
+    form (runtime/decoding.py). The weighted sum is row_exact_f32's MatMul, whose key blocks a chain
+    never leaves. tests/engines/test_int4.py checks the Softmax premise and whole engines."""
+    b, hq, s, d = q.shape
+    mask, slots = mask
+    hkv = past_k.shape[1]
+    g = hq // hkv
+    index = slots.expand(-1, hkv, -1, d)
+    keys, values = past_k.scatter(2, index, k), past_v.scatter(2, index, v)
+    qg = q.reshape(b, hkv, g * s, d) * (1.0 / math.sqrt(d))
+    scores = torch.matmul(qg, keys.transpose(-1, -2))
+    scores = scores.masked_fill(~mask[:, None].repeat(1, 1, g, 1), torch.finfo(scores.dtype).min)
+    return torch.matmul(torch.softmax(scores, dim=-1), values).reshape(b, hq, s, d)
+
+
 @functools.cache
 def _fused_attention_op() -> Callable:
     """A custom op standing for one layer's attention, so the exporter can translate it to a fused
@@ -414,6 +438,9 @@ class AttentionForm:
     # The form takes a PlacedMask and the buffer's first max(past_lengths) + S keys, and writes the
     # new K/V at each sequence's own position; otherwise a [B, S, P + S] mask, new keys after the past.
     places_new_keys: bool = False
+    # Exact (Medusa greedy == plain greedy) for chain trees only: the runtime verifies a tree's main
+    # chain (engine.json onnx.chains_only; tree.main_chain).
+    chains_only: bool = False
 
 
 # ONNX Runtime's float32 MatMul (MLAS SGEMM) sums the reduced axis in blocks of 128, widened for
@@ -433,6 +460,9 @@ ATTENTION_FORMS: dict[str, AttentionForm] = {
     "row_exact_f32": AttentionForm(row_exact_f32_attention, None, MIN_OPSET,
                                    "float32 with a float64 softmax sum: row_exact's guarantee within key blocks",
                                    KEY_BLOCK, places_new_keys=True),
+    "chain_f32": AttentionForm(chain_f32_attention, None, MIN_OPSET,
+                               "row_exact_f32 with ONNX Runtime's Softmax: exact for plain steps and chain trees",
+                               places_new_keys=True, chains_only=True),
 }
 # Measured fastest on a 2-core CPU for decode and tree steps at 10M and 100M parameters
 # (benchmarks/bench_onnx.py --sweep-attention); "split" is the fallback below opset 23.

@@ -27,6 +27,8 @@ class ModelInfo:
     # A tree step's slots must stay inside one key_block-aligned block of the cache (the
     # row_exact_f32 attention, engines/onnx_export.py); None: any tree is exact.
     key_block: int | None = None
+    # Only chain trees are exact (chain_f32 attention): the decoding loop verifies a tree's main chain.
+    chains_only: bool = False
 
 
 class Backend(Protocol):

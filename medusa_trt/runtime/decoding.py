@@ -169,7 +169,7 @@ def _generate(backend: Backend, prompts: list[list[int]], cfg: GenerationConfig,
         raise ValueError("every prompt needs at least one token")
     if cfg.use_medusa and info.num_medusa_heads == 0:
         raise ValueError("this model has no Medusa heads; decode with use_medusa=False")
-    tree = StepTree.of(build_tree(cfg.medusa_choices, info.num_medusa_heads, info.max_draft_len),
+    tree = StepTree.of(build_tree(cfg.medusa_choices, info.num_medusa_heads, info.max_draft_len, info.chains_only),
                        info.vocab_size) if cfg.use_medusa else None
     # A backend with a fused greedy step verifies, accepts and drafts the next tree in one call. Its
     # graph has argmax acceptance built in: `sample` (and typical) take the two-call path.

@@ -242,7 +242,7 @@ class OrtBackend:
         self.max_batch_size = limits["max_batch_size"]
         self.use_binding = self.device != "cpu"  # IOBinding: required on CUDA, measurable on the CPU
         self.info = ModelInfo(self.vocab_size, self.num_medusa_heads, limits["max_seq_len"], limits["max_draft_len"],
-                              onnx_info.get("key_block"))
+                              onnx_info.get("key_block"), onnx_info.get("chains_only", False))
         self._past_names = past_names(self.num_layers)
         self._np_dtype = {torch.float32: np.float32, torch.float16: np.float16}.get(self.dtype)
         if self._np_dtype is None:  # numpy has no bfloat16; ONNX Runtime's CPU kernels mostly lack it too

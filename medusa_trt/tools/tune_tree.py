@@ -332,8 +332,11 @@ def _sizes(order, steps: StepTimes, tokens_per_step) -> list[dict]:
 
 
 def choose_tree(accuracy: Sequence[Sequence[float]], steps: StepTimes, max_nodes: int,
-                rank_paths: list[list[tuple[int, ...]]] | None = None, rounds: int = 3) -> TreeChoice:
+                rank_paths: list[list[tuple[int, ...]]] | None = None, rounds: int = 3,
+                chains_only: bool = False) -> TreeChoice:
     """The tree with the most expected tokens per millisecond among the prefixes of greedy orders.
+    `chains_only` (an engine exact for chains alone, engine.json onnx.chains_only): the orders keep
+    their main-chain nodes, so every candidate is a chain.
 
     Without `rank_paths`: the paper's construction and its estimate (products of per-rank
     accuracies). With them, tokens per step of every candidate come from replaying decoding on the
@@ -342,15 +345,18 @@ def choose_tree(accuracy: Sequence[Sequence[float]], steps: StepTimes, max_nodes
     max_nodes = min(max_nodes, steps.max_tokens - 1)
     if max_nodes < 1:
         raise ValueError(f"step times cover {steps.max_tokens} token(s); a tree needs at least 2")
+    def greedy(order: list[tuple[tuple[int, ...], float]]) -> list[tuple[tuple[int, ...], float]]:
+        # An order is prefix-closed, so its all-zero paths come parent first: a chain at every size.
+        return [(p, v) for p, v in order if not any(p)] if chains_only else order
+
     if rank_paths is None:
         estimator = "product"
-        candidates = {"product": _sizes(greedy_tree(accuracy, max_nodes), steps,
-                                        lambda tree: expected_tokens_per_step(accuracy, tree))}
-        orders = {"product": greedy_tree(accuracy, max_nodes)}
+        orders = {"product": greedy(greedy_tree(accuracy, max_nodes))}
+        candidates = {"product": _sizes(orders["product"], steps, lambda tree: expected_tokens_per_step(accuracy, tree))}
     else:
         estimator = "replay"
         replay = lambda tree: simulate(rank_paths, tree)[0]  # noqa: E731
-        orders = {"product": greedy_tree(accuracy, max_nodes), "joint": joint_tree(rank_paths, max_nodes)}
+        orders = {"product": greedy(greedy_tree(accuracy, max_nodes)), "joint": greedy(joint_tree(rank_paths, max_nodes))}
         candidates = {name: _sizes(order, steps, replay) for name, order in orders.items()}
         for r in range(rounds):
             name, rows = max(candidates.items(), key=lambda kv: max(row["speedup_vs_plain"] for row in kv[1]))
@@ -360,7 +366,7 @@ def choose_tree(accuracy: Sequence[Sequence[float]], steps: StepTimes, max_nodes
             for i, here in enumerate(starts):
                 for t in here:
                     weights[i][t] = 1.0
-            orders[f"joint@starts{r + 1}"] = joint_tree(rank_paths, max_nodes, weights)
+            orders[f"joint@starts{r + 1}"] = greedy(joint_tree(rank_paths, max_nodes, weights))
             candidates[f"joint@starts{r + 1}"] = _sizes(orders[f"joint@starts{r + 1}"], steps, replay)
     name, rows = max(candidates.items(), key=lambda kv: max(row["speedup_vs_plain"] for row in kv[1]))
     best = max(range(len(rows)), key=lambda i: (rows[i]["speedup_vs_plain"], -i))
@@ -453,21 +459,25 @@ def tune(backend, calib: list[list[int]], *, max_nodes: int = 64, max_new_tokens
 
 
 def _tune(backend, calib, max_nodes, max_new_tokens, stop_token_ids, topk, reps, progress) -> dict:
-    from medusa_trt.tree import TreeError, parse_medusa_choices, validate_and_expand
+    from medusa_trt.tree import TreeError, main_chain, parse_medusa_choices, validate_and_expand
 
     info = backend.info
-    max_nodes = min(max_nodes, info.max_draft_len)
+    # An engine exact for chains only runs a tree's main chain: a chain has a node per head at most.
+    max_nodes = min(max_nodes, info.max_draft_len, info.num_medusa_heads if info.chains_only else max_nodes)
     acc, seqs = measure_head_accuracy(backend, calib, max_new_tokens, stop_token_ids, topk, progress)
     reference = None
     try:
         reference = validate_and_expand(parse_medusa_choices(DEFAULT_TREE), info.num_medusa_heads, info.max_draft_len)
+        reference = main_chain(reference) if info.chains_only else reference  # what this engine would run
     except TreeError:
         pass  # fewer heads or a smaller max_draft_len than the reference tree needs: no comparison
     largest = max(max_nodes, len(reference) if reference else 0) + 1
     # Cache length for the timings: the middle of a typical request.
     context = seqs[0][: len(calib[0]) + max_new_tokens // 2]
     raw, plain_ms = measure_forward_ms(backend, context, largest, reps, progress=progress)
-    host_trees = [[list(p) for p, _ in greedy_tree(acc.accuracy, n)] for n in sorted({min(4, max_nodes), max_nodes})]
+    sizes = sorted({min(2 if info.chains_only else 4, max_nodes), max_nodes})
+    host_trees = [[[0] * (d + 1) for d in range(n)] if info.chains_only else
+                  [list(p) for p, _ in greedy_tree(acc.accuracy, n)] for n in sizes]
     real = measure_decode_steps(backend, calib[: min(4, len(calib))], host_trees, min(max_new_tokens, 64),
                                 stop_token_ids)
     curve = non_decreasing(raw)
@@ -477,7 +487,7 @@ def _tune(backend, calib, max_nodes, max_new_tokens, stop_token_ids, topk, reps,
     rest_plain = real[0]["wall"] - plain_ms
     rest_tree = {t: real[t]["wall"] - curve[t - 1] for t in real if t}
     steps = StepTimes(curve, raw, plain_ms, rest_plain, fit_line(rest_tree))
-    choice = choose_tree(acc.accuracy, steps, max_nodes, acc.rank_paths)
+    choice = choose_tree(acc.accuracy, steps, max_nodes, acc.rank_paths, chains_only=info.chains_only)
     predicted = {"tuned": {**{k: v for k, v in asdict(choice).items() if k not in ("medusa_choices", "by_size",
                                                                                   "recommendation")},
                            "tokens_per_step_product_estimate": round(

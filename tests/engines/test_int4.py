@@ -25,8 +25,9 @@ from tests.engines.test_onnx_export import ATOL, make_inputs, run_decoder
 INT4 = {"weights": "int4", "int4_block_size": 32}
 
 
-def int4_engine(ort_engine, level: int):
-    return ort_engine("llama", extra={**INT4, "int4_accuracy_level": level})
+def int4_engine(ort_engine, level: int, attention: str | None = None):
+    """The default attention at level 4 is chain_f32; "row_exact_f32" keeps branching trees exact."""
+    return ort_engine("llama", extra={**INT4, "int4_accuracy_level": level}, **({"attention": attention} if attention else {}))
 
 
 def int4_reference(tiny_merged, level: int) -> MedusaModel:
@@ -81,9 +82,12 @@ def test_int4_engine_parity(ort_engine, tiny_merged, level, batch, past, kind):
     assert "MatMulNBits" in ops
 
 
-def test_int4_medusa_greedy_equals_plain(ort_engine):
-    """Medusa greedy on an int4 engine == plain greedy on the same engine (fused step and two-call path)."""
-    backend = OrtBackend(int4_engine(ort_engine, 4))
+@pytest.mark.parametrize("attention", [None, "row_exact_f32"])
+def test_int4_medusa_greedy_equals_plain(ort_engine, attention):
+    """Medusa greedy on an int4 engine == plain greedy on the same engine (fused step and two-call
+    path), with the default tree: a chain_f32 engine runs its main chain, row_exact_f32 all of it."""
+    backend = OrtBackend(int4_engine(ort_engine, 4, attention))
+    assert backend.info.chains_only == (attention is None)
     prompts = [[5, 9, 17, 33], [3, 4], list(range(20, 40))]
     plain = decode(backend, prompts, GenerationConfig(max_new_tokens=32, use_medusa=False)).tokens
     assert decode(backend, prompts, GenerationConfig(max_new_tokens=32, use_medusa=True)).tokens == plain
@@ -105,18 +109,20 @@ def _one_row_logits(backend, ids: list[int], start: int) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def _tree_logits(backend, ids: list[int], start: int) -> torch.Tensor:
+def _tree_logits(backend, ids: list[int], start: int, decoys: bool = True) -> torch.Tensor:
     """Logits of ids[start:] as one path of a tree step, each path node followed by a decoy sibling
-    (so the path's keys sit at other offsets than in plain decoding), as Medusa verifies them."""
+    (so the path's keys sit at other offsets than in plain decoding), as Medusa verifies them;
+    without decoys the path is a chain tree."""
     backend.start(1, len(ids) + 8)
     prefill(backend, [ids[:start]])
     path = ids[start:]
     tokens, parents, on_path = [], [], []  # slot layout: p0, d0, p1, d1, ... (d_i is p_i's sibling)
+    width = 2 if decoys else 1
     for i, t in enumerate(path):
-        parent = 2 * (i - 1) if i else -1
-        tokens += [t, (t + 1) % 64]
-        parents += [parent, parent]
-        on_path.append(2 * i)
+        parent = width * (i - 1) if i else -1
+        tokens += [t, (t + 1) % 64][:width]
+        parents += [parent] * width
+        on_path.append(width * i)
     n = len(tokens)
     mask = torch.eye(n, dtype=torch.bool)
     depth = torch.zeros(n, dtype=torch.long)
@@ -131,17 +137,18 @@ def _tree_logits(backend, ids: list[int], start: int) -> torch.Tensor:
     return logits[0]
 
 
-@pytest.mark.parametrize("attention", [None, "row_exact"])
+@pytest.mark.parametrize("attention", [None, "row_exact_f32", "row_exact"])
 def test_int4_rows_are_bitwise_row_invariant(ort_engine, attention):
-    """The attention forms of level-4 int4 engines (the default "row_exact_f32", and "row_exact") make
-    a position's logits the same bits in a one-row step, a many-row prefill and a tree step whose
-    path keys sit at other offsets: MatMulNBits' int8 activations would otherwise turn float32
-    rounding noise into different logits (the cause of Medusa != plain greedy on the real model;
-    benchmarks/bench_row_invariance.py)."""
-    engine = ort_engine("llama", extra={**INT4, "int4_accuracy_level": 4}, **({"attention": attention} if attention else {}))
+    """The attention forms of level-4 int4 engines (the default "chain_f32", "row_exact_f32" and
+    "row_exact") make a position's logits the same bits in a one-row step, a many-row prefill and a
+    chain tree step, and (all but chain_f32) a tree step whose path keys sit at other offsets:
+    MatMulNBits' int8 activations would otherwise turn float32 rounding noise into different logits
+    (the cause of Medusa != plain greedy on the real model; benchmarks/bench_row_invariance.py)."""
+    engine = int4_engine(ort_engine, 4, attention)
     onnx_info = json.loads((engine / "engine.json").read_text())["onnx"]
-    assert onnx_info["attention"] == (attention or "row_exact_f32")
-    assert onnx_info.get("key_block") == (None if attention else 128)
+    assert onnx_info["attention"] == (attention or "chain_f32")
+    assert onnx_info.get("key_block") == (128 if attention == "row_exact_f32" else None)
+    assert onnx_info.get("chains_only", False) == (attention is None)
     backend = OrtBackend(engine)
     ids = [7, 3, 19, 40, 2, 11, 5, 60, 33, 21, 9, 14]
     one = _one_row_logits(backend, ids, 6)
@@ -150,7 +157,9 @@ def test_int4_rows_are_bitwise_row_invariant(ort_engine, attention):
         backend.start(1, len(ids) + 8)
         many.append(prefill(backend, [ids[:k + 1]])[0][0])
     torch.testing.assert_close(torch.stack(many), one, rtol=0, atol=0)
-    torch.testing.assert_close(_tree_logits(backend, ids, 6), one, rtol=0, atol=0)
+    torch.testing.assert_close(_tree_logits(backend, ids, 6, decoys=False), one, rtol=0, atol=0)
+    if attention is not None:
+        torch.testing.assert_close(_tree_logits(backend, ids, 6), one, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -220,13 +229,57 @@ def test_float32_weighted_sum_is_row_invariant_within_a_key_block(threads):
         np.testing.assert_array_equal(one, tree)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_float32_softmax_is_row_invariant_for_chains(threads):
+    """chain_f32's premise: ONNX Runtime's Softmax gives a row the same bits whatever the step's row
+    count and the masked keys after its visible ones (a plain step's row against the same position
+    in a chain tree step, or a shorter sequence in a ragged batch). Keys moved by a gap (branching
+    trees) are not covered: the sum runs in vector lanes by key index. If a future kernel breaks
+    the premise, this fails first."""
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("Softmax", ["s"], ["p"], axis=-1)], "softmax",
+                              [helper.make_tensor_value_info("s", TensorProto.FLOAT, ["B", "H", "M", "K"])],
+                              [helper.make_tensor_value_info("p", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 21)])
+    session = _session_from_bytes(model.SerializeToString(), threads)
+    rng = np.random.default_rng(0)
+    masked = np.finfo(np.float32).min  # what the graphs' masked_fill writes
+    for _ in range(100):
+        visible, extra, rows = int(rng.integers(1, 1500)), int(rng.integers(1, 70)), int(rng.integers(2, 30))
+        s = rng.standard_normal((1, 3, rows, visible + extra), dtype=np.float32) * 4
+        row = int(rng.integers(0, rows))
+        s[:, :, row, visible:] = masked
+        many = session.run(None, {"s": s})[0][:, :, row]
+        one = session.run(None, {"s": np.ascontiguousarray(s[:, :, row:row + 1, :visible])})[0][:, :, 0]
+        np.testing.assert_array_equal(many[..., :visible], one)
+        assert not many[..., visible:].any()
+
+
+def test_chain_engine_runs_a_branching_tree_as_its_main_chain(ort_engine, caplog):
+    """A chain_f32 engine (engine.json onnx.chains_only) verifies only a tree's main chain, says so
+    once, and its Medusa greedy equals its plain greedy on both greedy paths."""
+    backend = OrtBackend(int4_engine(ort_engine, 4))
+    tree = [[0], [1], [0, 0], [1, 0], [0, 1], [0, 0, 0]]
+    prompt = list(range(20, 39))
+    plain = decode(backend, [prompt], GenerationConfig(max_new_tokens=40, use_medusa=False))
+    with caplog.at_level("WARNING", logger="medusa_trt.tree"):
+        medusa = decode(backend, [prompt], GenerationConfig(max_new_tokens=40, use_medusa=True, medusa_choices=tree))
+    assert medusa.tokens == plain.tokens
+    assert medusa.stats[0].draft_tokens == 3 * medusa.stats[0].steps  # [0], [0, 0], [0, 0, 0]
+    assert "runs as its main chain [[0], [0, 0], [0, 0, 0]]" in caplog.text
+    backend.step_session, backend.fused_step_topk = None, None
+    two_call = decode(backend, [prompt], GenerationConfig(max_new_tokens=40, use_medusa=True, medusa_choices=tree))
+    assert two_call.tokens == plain.tokens
+
+
 def test_tree_cut_at_the_key_block_keeps_medusa_equal_to_plain(ort_engine):
     """A branching tree on a row_exact_f32 engine is cut where its slots would cross a key block
     (runtime/decoding.py: StepTree.within_block). With a block of 8 the cut runs every few steps: the
     cut trees verify and draft right on both greedy paths (fused step, two-call) at batch 1."""
     from dataclasses import replace
 
-    backend = OrtBackend(int4_engine(ort_engine, 4))
+    backend = OrtBackend(int4_engine(ort_engine, 4, "row_exact_f32"))
     backend.info = replace(backend.info, key_block=8)
     tree = [[0], [1], [0, 0], [1, 0], [0, 1], [0, 0, 0]]
     for prompt in ([5, 9, 17, 33], list(range(20, 39))):
@@ -348,15 +401,16 @@ def test_no_cache_in_place_flag(tiny_merged, tmp_path):
     assert not OrtBackend(out).in_place
 
 
-def test_cache_in_place_must_be_a_bool(ort_engine, tmp_path):
+@pytest.mark.parametrize("field", ["cache_in_place", "chains_only"])
+def test_engine_json_flags_must_be_bools(ort_engine, tmp_path, field):
     import shutil
 
     engine = tmp_path / "engine"
     shutil.copytree(int4_engine(ort_engine, 4), engine)
     data = json.loads((engine / "engine.json").read_text())
-    data["onnx"]["cache_in_place"] = "false"
+    data["onnx"][field] = "false"
     (engine / "engine.json").write_text(json.dumps(data))
-    with pytest.raises(EngineError, match="onnx.cache_in_place"):
+    with pytest.raises(EngineError, match=f"onnx.{field}"):
         OrtBackend(engine)
 
 

@@ -130,6 +130,14 @@ def test_the_size_balances_tokens_per_step_and_step_time():
     assert choice.speedup_vs_plain == pytest.approx(2.28 / 1.4, abs=1e-3)
 
 
+def test_chains_only_chooses_a_chain():
+    """An engine exact for chains only (engine.json onnx.chains_only) gets a chain, with either estimator."""
+    for rows in (None, ROWS):
+        choice = choose_tree(ACC, steps([1.0] * 30), max_nodes=20, rank_paths=rows, chains_only=True)
+        assert choice.medusa_choices == [[0] * d for d in range(1, len(choice.medusa_choices) + 1)]
+        assert [row["nodes"] for row in choice.by_size] == list(range(1, len(ACC) + 1))  # a chain per depth
+
+
 def test_guard_recommends_plain_when_step_time_grows_fast():
     forward = [1.0] + [2.5 + t for t in range(30)]  # any tree step costs 2.5x a plain one or more
     choice = choose_tree(ACC, steps(forward), max_nodes=20)
