@@ -187,6 +187,15 @@ def row_exact_f32_attention(q, k, v, past_k, past_v, mask: PlacedMask):
       deep node's ancestors at slot offsets instead, within the block as long as the tree does not
       cross a block edge, so the runtime cuts a tree there (runtime/decoding.py:
       StepTree.within_block). tests/engines/test_int4.py checks the kernels' premise and whole engines."""
+    scores, values = _placed_scores(q, k, v, past_k, past_v, mask)
+    e = torch.exp(scores - scores.amax(-1, keepdim=True))  # masked keys: exp(min - max) == 0
+    total = e.double().sum(-1, keepdim=True).to(e.dtype)
+    return (torch.matmul(e, values.to(e.dtype)) / total).reshape(q.shape).to(q.dtype)
+
+
+def _placed_scores(q, k, v, past_k, past_v, mask: PlacedMask) -> tuple[torch.Tensor, torch.Tensor]:
+    """The placed forms' float32 masked scores [B, Hkv, G*S, P] and values [B, Hkv, P, D]: each new
+    token's K/V written at its own sequence's length + slot, the query heads grouped per KV head."""
     b, hq, s, d = q.shape
     mask, slots = mask
     hkv = past_k.shape[1]
@@ -195,10 +204,7 @@ def row_exact_f32_attention(q, k, v, past_k, past_v, mask: PlacedMask):
     keys, values = past_k.scatter(2, index, k), past_v.scatter(2, index, v)
     qg = q.reshape(b, hkv, g * s, d) * (1.0 / math.sqrt(d))
     scores = torch.matmul(qg, keys.transpose(-1, -2))
-    scores = scores.masked_fill(~mask[:, None].repeat(1, 1, g, 1), torch.finfo(scores.dtype).min)
-    e = torch.exp(scores - scores.amax(-1, keepdim=True))  # masked keys: exp(min - max) == 0
-    total = e.double().sum(-1, keepdim=True).to(e.dtype)
-    return (torch.matmul(e, values.to(e.dtype)) / total).reshape(b, hq, s, d).to(q.dtype)
+    return scores.masked_fill(~mask[:, None].repeat(1, 1, g, 1), torch.finfo(scores.dtype).min), values
 
 
 def chain_f32_attention(q, k, v, past_k, past_v, mask: PlacedMask):
@@ -213,16 +219,8 @@ def chain_f32_attention(q, k, v, past_k, past_v, mask: PlacedMask):
     differ in the last bits. So the runtime verifies only a tree's main chain on an engine of this
     form (runtime/decoding.py). The weighted sum is row_exact_f32's MatMul, whose key blocks a chain
     never leaves. tests/engines/test_int4.py checks the Softmax premise and whole engines."""
-    b, hq, s, d = q.shape
-    mask, slots = mask
-    hkv = past_k.shape[1]
-    g = hq // hkv
-    index = slots.expand(-1, hkv, -1, d)
-    keys, values = past_k.scatter(2, index, k), past_v.scatter(2, index, v)
-    qg = q.reshape(b, hkv, g * s, d) * (1.0 / math.sqrt(d))
-    scores = torch.matmul(qg, keys.transpose(-1, -2))
-    scores = scores.masked_fill(~mask[:, None].repeat(1, 1, g, 1), torch.finfo(scores.dtype).min)
-    return torch.matmul(torch.softmax(scores, dim=-1), values).reshape(b, hq, s, d)
+    scores, values = _placed_scores(q, k, v, past_k, past_v, mask)
+    return torch.matmul(torch.softmax(scores, dim=-1), values).reshape(q.shape)
 
 
 @functools.cache

@@ -345,18 +345,20 @@ def choose_tree(accuracy: Sequence[Sequence[float]], steps: StepTimes, max_nodes
     max_nodes = min(max_nodes, steps.max_tokens - 1)
     if max_nodes < 1:
         raise ValueError(f"step times cover {steps.max_tokens} token(s); a tree needs at least 2")
-    def greedy(order: list[tuple[tuple[int, ...], float]]) -> list[tuple[tuple[int, ...], float]]:
+
+    def allowed(order: list[tuple[tuple[int, ...], float]]) -> list[tuple[tuple[int, ...], float]]:
         # An order is prefix-closed, so its all-zero paths come parent first: a chain at every size.
         return [(p, v) for p, v in order if not any(p)] if chains_only else order
 
     if rank_paths is None:
         estimator = "product"
-        orders = {"product": greedy(greedy_tree(accuracy, max_nodes))}
+        orders = {"product": allowed(greedy_tree(accuracy, max_nodes))}
         candidates = {"product": _sizes(orders["product"], steps, lambda tree: expected_tokens_per_step(accuracy, tree))}
     else:
         estimator = "replay"
         replay = lambda tree: simulate(rank_paths, tree)[0]  # noqa: E731
-        orders = {"product": greedy(greedy_tree(accuracy, max_nodes)), "joint": greedy(joint_tree(rank_paths, max_nodes))}
+        orders = {"product": allowed(greedy_tree(accuracy, max_nodes)),
+                  "joint": allowed(joint_tree(rank_paths, max_nodes))}
         candidates = {name: _sizes(order, steps, replay) for name, order in orders.items()}
         for r in range(rounds):
             name, rows = max(candidates.items(), key=lambda kv: max(row["speedup_vs_plain"] for row in kv[1]))
@@ -366,7 +368,7 @@ def choose_tree(accuracy: Sequence[Sequence[float]], steps: StepTimes, max_nodes
             for i, here in enumerate(starts):
                 for t in here:
                     weights[i][t] = 1.0
-            orders[f"joint@starts{r + 1}"] = greedy(joint_tree(rank_paths, max_nodes, weights))
+            orders[f"joint@starts{r + 1}"] = allowed(joint_tree(rank_paths, max_nodes, weights))
             candidates[f"joint@starts{r + 1}"] = _sizes(orders[f"joint@starts{r + 1}"], steps, replay)
     name, rows = max(candidates.items(), key=lambda kv: max(row["speedup_vs_plain"] for row in kv[1]))
     best = max(range(len(rows)), key=lambda i: (rows[i]["speedup_vs_plain"], -i))
@@ -462,8 +464,9 @@ def _tune(backend, calib, max_nodes, max_new_tokens, stop_token_ids, topk, reps,
     from medusa_trt.tree import TreeError, main_chain, parse_medusa_choices, validate_and_expand
 
     info = backend.info
-    # An engine exact for chains only runs a tree's main chain: a chain has a node per head at most.
-    max_nodes = min(max_nodes, info.max_draft_len, info.num_medusa_heads if info.chains_only else max_nodes)
+    max_nodes = min(max_nodes, info.max_draft_len)
+    if info.chains_only:  # the engine runs a tree's main chain: one node per head at most
+        max_nodes = min(max_nodes, info.num_medusa_heads)
     acc, seqs = measure_head_accuracy(backend, calib, max_new_tokens, stop_token_ids, topk, progress)
     reference = None
     try:
@@ -475,9 +478,10 @@ def _tune(backend, calib, max_nodes, max_new_tokens, stop_token_ids, topk, reps,
     # Cache length for the timings: the middle of a typical request.
     context = seqs[0][: len(calib[0]) + max_new_tokens // 2]
     raw, plain_ms = measure_forward_ms(backend, context, largest, reps, progress=progress)
-    sizes = sorted({min(2 if info.chains_only else 4, max_nodes), max_nodes})
-    host_trees = [[[0] * (d + 1) for d in range(n)] if info.chains_only else
-                  [list(p) for p, _ in greedy_tree(acc.accuracy, n)] for n in sizes]
+    if info.chains_only:
+        host_trees = [[[0] * (d + 1) for d in range(n)] for n in sorted({min(2, max_nodes), max_nodes})]
+    else:
+        host_trees = [[list(p) for p, _ in greedy_tree(acc.accuracy, n)] for n in sorted({min(4, max_nodes), max_nodes})]
     real = measure_decode_steps(backend, calib[: min(4, len(calib))], host_trees, min(max_new_tokens, 64),
                                 stop_token_ids)
     curve = non_decreasing(raw)
