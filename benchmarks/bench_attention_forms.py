@@ -18,8 +18,9 @@ KV heads of 64), in several forms, and times whole session runs round-robin:
   row_exact_f32  the int4 default from the eighth run to 2026-11-24: float32, the softmax's sum in
                  float64 over the exponentials, the weighted sum a float32 MatMul of them
                  (row-invariant within key blocks, engines/onnx_export.py: row_exact_f32_attention)
-  chain_f32      the int4 default since: row_exact_f32 with ONNX Runtime's Softmax (row-invariant
-                 for plain steps and chain trees, engines/onnx_export.py: chain_f32_attention)
+  chain_f32      row_exact_f32 with ONNX Runtime's Softmax (row-invariant for plain steps and
+                 chain trees), chain_f32's first form; the engines' chain_f32 now computes the same
+                 rows in one Attention op (engines/onnx_export.py: chain_f32_attention)
 
 Only row_exact, token_major and row_exact_f32 are row-invariant for any tree, chain_f32 for chains
 (Medusa == plain on int4 engines); the others say what each part costs.
@@ -80,7 +81,7 @@ def row_exact_f32(q, k, v, past_k, past_v, mask, used):
 
 
 def chain_f32(q, k, v, past_k, past_v, mask, used):
-    """The int4 default (engines/onnx_export.py: chain_f32_attention): row_exact_f32 with Softmax."""
+    """row_exact_f32 with Softmax, chain_f32's first form (the engines' is one Attention op)."""
     b, _, s, d = q.shape
     index = (used + torch.arange(s))[None, None, :, None].expand(b, HKV, s, d)
     keys = past_k.narrow(2, 0, used + s).scatter(2, index, k)

@@ -39,7 +39,7 @@ def parser() -> argparse.ArgumentParser:
                                            "chain_f32"],
                    help="ONNX attention form (default: chain_f32 for --weights int4, whose Medusa greedy then "
                         "equals its plain greedy for chain trees, the runtime running any other tree as its main "
-                        "chain; row_exact_f32 keeps branching trees exact too, ~3%% slower a step; row_exact does "
+                        "chain; row_exact_f32 keeps branching trees exact too, ~4%% slower a step; row_exact does "
                         "it in float64, ~10%% slower; otherwise attention23, the fastest measured on CPU; split "
                         "below opset 23)")
     p.add_argument("--trt-attention", choices=["plugin", "native"],

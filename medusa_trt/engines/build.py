@@ -96,7 +96,7 @@ def default_attention(opset: int, weights: dict) -> str:
     """The fastest exact attention form: int4 weights with int8 activations (accuracy level 4) turn
     float32 rounding noise into different logits, so their tree rows and one-row steps must agree
     bit for bit. "chain_f32" (engines/onnx_export.py) does for plain steps and chain trees, the
-    trees that pay on a CPU (every tuned int4 tree so far is one), ~3% faster a step than
+    trees that pay on a CPU (every tuned int4 tree so far is one), ~4% faster a step than
     "row_exact_f32", which keeps branching trees exact too; "row_exact", in float64, costs ~10% more
     (BENCHMARKS.md, issue 13). Float engines keep the fused Attention op ("split" below opset 23)."""
     from medusa_trt.engines.onnx_export import DEFAULT_ATTENTION

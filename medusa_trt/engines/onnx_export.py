@@ -193,34 +193,71 @@ def row_exact_f32_attention(q, k, v, past_k, past_v, mask: PlacedMask):
     return (torch.matmul(e, values.to(e.dtype)) / total).reshape(q.shape).to(q.dtype)
 
 
+def _place(k, v, past_k, past_v, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The new K/V [B, Hkv, S, D] written into the past's first max(past_lengths) + S keys at each
+    sequence's length + slot (PlacedMask.slots)."""
+    index = slots.expand(-1, past_k.shape[1], -1, k.shape[-1])
+    return past_k.scatter(2, index, k), past_v.scatter(2, index, v)
+
+
 def _placed_scores(q, k, v, past_k, past_v, mask: PlacedMask) -> tuple[torch.Tensor, torch.Tensor]:
     """The placed forms' float32 masked scores [B, Hkv, G*S, P] and values [B, Hkv, P, D]: each new
     token's K/V written at its own sequence's length + slot, the query heads grouped per KV head."""
     b, hq, s, d = q.shape
-    mask, slots = mask
+    keys, values = _place(k, v, past_k, past_v, mask.slots)
+    mask = mask.mask
     hkv = past_k.shape[1]
     g = hq // hkv
-    index = slots.expand(-1, hkv, -1, d)
-    keys, values = past_k.scatter(2, index, k), past_v.scatter(2, index, v)
     qg = q.reshape(b, hkv, g * s, d) * (1.0 / math.sqrt(d))
     scores = torch.matmul(qg, keys.transpose(-1, -2))
     return scores.masked_fill(~mask[:, None].repeat(1, 1, g, 1), torch.finfo(scores.dtype).min), values
 
 
 def chain_f32_attention(q, k, v, past_k, past_v, mask: PlacedMask):
-    """row_exact_f32 with ONNX Runtime's own Softmax: one op where row_exact_f32 takes seven (row
-    max, subtract, exp, the float64 sum and its two casts, the division), exact for plain steps and
-    chain trees only (AttentionForm.chains_only).
+    """row_exact_f32's placed keys and grouped queries, with scores, mask, softmax and weighted sum
+    in one ONNX Attention op (ONNX Runtime's kernel: MLAS GEMMs and Softmax, where row_exact_f32
+    spends ten ops, seven of them on an exact softmax), exact for plain steps and chain trees only
+    (AttentionForm.chains_only).
 
-    Softmax sums a row in vector lanes by key index. In a plain step, a prefill and a chain tree
+    The query heads of a KV head go in as that head's rows ([B, Hkv, G*S, D]), so the weighted sum
+    always has G >= 3 rows per head as in row_exact_f32, never the one-row path whose sums differ.
+    The softmax sums a row in vector lanes by key index. In a plain step, a prefill and a chain tree
     every visible key sits at its own position, so it lands in the same lane whatever the row count
     or the masked keys after it (exp of a masked score is 0, or too small to move a sum of at least
     1); a branching tree puts a deep node's ancestors at slot offsets, in other lanes, and its rows
     differ in the last bits. So the runtime verifies only a tree's main chain on an engine of this
-    form (runtime/decoding.py). The weighted sum is row_exact_f32's MatMul, whose key blocks a chain
-    never leaves. tests/engines/test_int4.py checks the Softmax premise and whole engines."""
-    scores, values = _placed_scores(q, k, v, past_k, past_v, mask)
-    return torch.matmul(torch.softmax(scores, dim=-1), values).reshape(q.shape)
+    form (runtime/decoding.py). The weighted sum sums keys in blocks, which a chain never leaves.
+    tests/engines/test_int4.py checks the kernel's premise and whole engines bitwise."""
+    b, hq, s, d = q.shape
+    keys, values = _place(k, v, past_k, past_v, mask.slots)
+    hkv = past_k.shape[1]
+    visible = mask.mask[:, None].repeat(1, 1, hq // hkv, 1)
+    return _grouped_attention_op()(q.reshape(b, hkv, hq // hkv * s, d), keys, values, visible).reshape(q.shape)
+
+
+@functools.cache
+def _grouped_attention_op() -> Callable:
+    """chain_f32's attention as a custom op, translated to one ONNX Attention (opset 23): grouped
+    queries [B, Hkv, M, D], keys and values [B, Hkv, P, D], visible [B, 1, M, P] bool."""
+
+    @torch.library.custom_op("medusa_trt::grouped_attention", mutates_args=())
+    def op(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        scores = torch.matmul(q * (1.0 / math.sqrt(q.shape[-1])), keys.transpose(-1, -2))
+        scores = scores.masked_fill(~visible, torch.finfo(scores.dtype).min)
+        return torch.matmul(torch.softmax(scores, dim=-1), values)
+
+    @op.register_fake
+    def _(q, keys, values, visible):
+        return torch.empty_like(q)
+
+    return op
+
+
+def _grouped_attention_translation(q, keys, values, visible):
+    from onnxscript import opset23 as op
+
+    y, _, _, _ = op.Attention(q, keys, values, visible)  # scale: 1 / sqrt(head_dim), the default
+    return y
 
 
 @functools.cache
@@ -439,6 +476,8 @@ class AttentionForm:
     # Exact (Medusa greedy == plain greedy) for chain trees only: the runtime verifies a tree's main
     # chain (engine.json onnx.chains_only; tree.main_chain).
     chains_only: bool = False
+    # The custom op `translation` replaces, registered on first call (default: attention_with_past).
+    custom_op: Callable[[], Callable] | None = None
 
 
 # ONNX Runtime's float32 MatMul (MLAS SGEMM) sums the reduced axis in blocks of 128, widened for
@@ -458,9 +497,9 @@ ATTENTION_FORMS: dict[str, AttentionForm] = {
     "row_exact_f32": AttentionForm(row_exact_f32_attention, None, MIN_OPSET,
                                    "float32 with a float64 softmax sum: row_exact's guarantee within key blocks",
                                    KEY_BLOCK, places_new_keys=True),
-    "chain_f32": AttentionForm(chain_f32_attention, None, MIN_OPSET,
-                               "row_exact_f32 with ONNX Runtime's Softmax: exact for plain steps and chain trees",
-                               places_new_keys=True, chains_only=True),
+    "chain_f32": AttentionForm(chain_f32_attention, _grouped_attention_translation, 23,
+                               "row_exact_f32's layout in one ONNX Attention op: exact for plain steps and chain trees",
+                               places_new_keys=True, chains_only=True, custom_op=_grouped_attention_op),
 }
 # Measured fastest on a 2-core CPU for decode and tree steps at 10M and 100M parameters
 # (benchmarks/bench_onnx.py --sweep-attention); "split" is the fallback below opset 23.
@@ -817,8 +856,7 @@ def export_onnx(
     }
     table = {}
     if form.translation:
-        _fused_attention_op()  # registers torch.ops.medusa_trt.attention_with_past
-        table[torch.ops.medusa_trt.attention_with_past.default] = form.translation
+        table[(form.custom_op or _fused_attention_op)()._opoverload] = form.translation  # registers the op
     if fp8:
         table.update(_fp8_translations())
     if has_int4(model):

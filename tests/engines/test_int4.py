@@ -230,30 +230,37 @@ def test_float32_weighted_sum_is_row_invariant_within_a_key_block(threads):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_float32_softmax_is_row_invariant_for_chains(threads):
-    """chain_f32's premise: ONNX Runtime's Softmax gives a row the same bits whatever the step's row
-    count and the masked keys after its visible ones (a plain step's row against the same position
-    in a chain tree step, or a shorter sequence in a ragged batch). Keys moved by a gap (branching
-    trees) are not covered: the sum runs in vector lanes by key index. If a future kernel breaks
-    the premise, this fails first."""
+def test_onnx_attention_is_row_invariant_for_chains(threads):
+    """chain_f32's premise: ONNX Runtime's Attention op (opset 23), given a KV head's grouped query
+    rows, gives a chain tree node's rows the same bits as the one-step rows of the same position:
+    whatever the step's row count and the masked keys after the node's own (its descendants, or a
+    shorter sequence's tail in a ragged batch). Keys moved by a gap (branching trees) are not
+    covered: the softmax sums a row in vector lanes by key index. If a future kernel breaks the
+    premise, this fails first."""
     from onnx import TensorProto, helper
 
-    graph = helper.make_graph([helper.make_node("Softmax", ["s"], ["p"], axis=-1)], "softmax",
-                              [helper.make_tensor_value_info("s", TensorProto.FLOAT, ["B", "H", "M", "K"])],
-                              [helper.make_tensor_value_info("p", TensorProto.FLOAT, None)])
-    model = helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 21)])
+    shape = {"q": ["B", 3, "M", 64], "k": ["B", 3, "P", 64], "v": ["B", 3, "P", 64]}
+    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, d) for n, d in shape.items()]
+    inputs.append(helper.make_tensor_value_info("visible", TensorProto.BOOL, ["B", 1, "M", "P"]))
+    graph = helper.make_graph([helper.make_node("Attention", ["q", "k", "v", "visible"], ["y"])], "attention",
+                              inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 23)])
     session = _session_from_bytes(model.SerializeToString(), threads)
     rng = np.random.default_rng(0)
-    masked = np.finfo(np.float32).min  # what the graphs' masked_fill writes
     for _ in range(100):
-        visible, extra, rows = int(rng.integers(1, 1500)), int(rng.integers(1, 70)), int(rng.integers(2, 30))
-        s = rng.standard_normal((1, 3, rows, visible + extra), dtype=np.float32) * 4
-        row = int(rng.integers(0, rows))
-        s[:, :, row, visible:] = masked
-        many = session.run(None, {"s": s})[0][:, :, row]
-        one = session.run(None, {"s": np.ascontiguousarray(s[:, :, row:row + 1, :visible])})[0][:, :, 0]
-        np.testing.assert_array_equal(many[..., :visible], one)
-        assert not many[..., visible:].any()
+        past, n = int(rng.integers(1, 1500)), int(rng.integers(2, 30))
+        q = rng.standard_normal((1, 3, 3 * n, 64), dtype=np.float32)
+        k = rng.standard_normal((1, 3, past + n, 64), dtype=np.float32)
+        v = rng.standard_normal((1, 3, past + n, 64), dtype=np.float32)
+        causal = np.arange(past + n)[None, :] <= past + np.arange(n)[:, None]  # [n, P]: a chain
+        chain = session.run(None, {"q": q, "k": k, "v": v, "visible": np.tile(causal, (3, 1))[None, None]})[0]
+        i = int(rng.integers(0, n))
+        rows = [g * n + i for g in range(3)]  # query heads of one KV head, node i
+        keys = past + i + 1
+        one = session.run(None, {"q": np.ascontiguousarray(q[:, :, rows]), "k": np.ascontiguousarray(k[:, :, :keys]),
+                                 "v": np.ascontiguousarray(v[:, :, :keys]),
+                                 "visible": np.ones((1, 1, 3, keys), bool)})[0]
+        np.testing.assert_array_equal(one, chain[:, :, rows])
 
 
 def test_chain_engine_runs_a_branching_tree_as_its_main_chain(ort_engine, caplog):
