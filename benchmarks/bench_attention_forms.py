@@ -18,9 +18,9 @@ KV heads of 64), in several forms, and times whole session runs round-robin:
   row_exact_f32  the int4 default from the eighth run to 2026-11-24: float32, the softmax's sum in
                  float64 over the exponentials, the weighted sum a float32 MatMul of them
                  (row-invariant within key blocks, engines/onnx_export.py: row_exact_f32_attention)
-  chain_f32      row_exact_f32 with ONNX Runtime's Softmax (row-invariant for plain steps and
-                 chain trees), chain_f32's first form; the engines' chain_f32 now computes the same
-                 rows in one Attention op (engines/onnx_export.py: chain_f32_attention)
+  chain_f32      the int4 default since 2026-11-24: row_exact_f32's placed keys and grouped query
+                 rows in one ONNX Attention op (row-invariant for plain steps and chain trees,
+                 engines/onnx_export.py: chain_f32_attention)
 
 Only row_exact, token_major and row_exact_f32 are row-invariant for any tree, chain_f32 for chains
 (Medusa == plain on int4 engines); the others say what each part costs.
@@ -39,6 +39,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from medusa_trt.engines.onnx_export import _grouped_attention_op, _grouped_attention_translation
 from medusa_trt.runtime.ort_backend import make_session
 
 LAYERS, HQ, HKV, D = 30, 9, 3, 64
@@ -67,13 +68,17 @@ def head_major(slice_prefix: bool, concat: bool, **precision):
     return form
 
 
-def row_exact_f32(q, k, v, past_k, past_v, mask, used):
-    """engines/onnx_export.py: row_exact_f32_attention, the mask already tiled:
-    the new K/V written into the buffer's slots after the prefix (batch 1: at `used`)."""
-    b, _, s, d = q.shape
+def _placed(k, v, past_k, past_v, used):
+    """The new K/V written into the buffer's slots after the prefix (batch 1: at `used`)."""
+    b, _, s, d = k.shape
     index = (used + torch.arange(s))[None, None, :, None].expand(b, HKV, s, d)
-    keys = past_k.narrow(2, 0, used + s).scatter(2, index, k)
-    values = past_v.narrow(2, 0, used + s).scatter(2, index, v)
+    return past_k.narrow(2, 0, used + s).scatter(2, index, k), past_v.narrow(2, 0, used + s).scatter(2, index, v)
+
+
+def row_exact_f32(q, k, v, past_k, past_v, mask, used):
+    """engines/onnx_export.py: row_exact_f32_attention, the mask already tiled."""
+    b, _, s, d = q.shape
+    keys, values = _placed(k, v, past_k, past_v, used)
     scores = torch.matmul(q.reshape(b, HKV, G * s, d) * (1.0 / math.sqrt(d)), keys.transpose(-1, -2))
     scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     e = torch.exp(scores - scores.amax(-1, keepdim=True))
@@ -81,14 +86,10 @@ def row_exact_f32(q, k, v, past_k, past_v, mask, used):
 
 
 def chain_f32(q, k, v, past_k, past_v, mask, used):
-    """row_exact_f32 with Softmax, chain_f32's first form (the engines' is one Attention op)."""
+    """engines/onnx_export.py: chain_f32_attention, the mask already tiled: one Attention op."""
     b, _, s, d = q.shape
-    index = (used + torch.arange(s))[None, None, :, None].expand(b, HKV, s, d)
-    keys = past_k.narrow(2, 0, used + s).scatter(2, index, k)
-    values = past_v.narrow(2, 0, used + s).scatter(2, index, v)
-    scores = torch.matmul(q.reshape(b, HKV, G * s, d) * (1.0 / math.sqrt(d)), keys.transpose(-1, -2))
-    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-    return torch.matmul(torch.softmax(scores, dim=-1), values).reshape(b, HQ, s, d)
+    keys, values = _placed(k, v, past_k, past_v, used)
+    return _grouped_attention_op()(q.reshape(b, HKV, G * s, d), keys, values, mask).reshape(b, HQ, s, d)
 
 
 def token_major(q, k, v, past_k, past_v, mask, used):
@@ -147,8 +148,9 @@ def export(name: str, out: Path) -> Path:
     news, keys = Dim("new"), Dim("keys")
     shapes = {"q": {2: news}, "k": {2: news}, "v": {2: news}, "lengths": None, "mask": {1: news, 2: keys},
               "past": tuple(past_dims for _ in range(2 * LAYERS))}
+    table = {_grouped_attention_op()._opoverload: _grouped_attention_translation} if name == "chain_f32" else None
     program = torch.onnx.export(_Layers(FORMS[name]), (), kwargs=inputs, dynamic_shapes=shapes, dynamo=True,
-                                optimize=True, verbose=False)
+                                custom_translation_table=table, opset_version=23, optimize=True, verbose=False)
     program.save(path)
     return path
 

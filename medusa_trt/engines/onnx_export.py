@@ -231,8 +231,9 @@ def chain_f32_attention(q, k, v, past_k, past_v, mask: PlacedMask):
     b, hq, s, d = q.shape
     keys, values = _place(k, v, past_k, past_v, mask.slots)
     hkv = past_k.shape[1]
-    visible = mask.mask[:, None].repeat(1, 1, hq // hkv, 1)
-    return _grouped_attention_op()(q.reshape(b, hkv, hq // hkv * s, d), keys, values, visible).reshape(q.shape)
+    g = hq // hkv
+    visible = mask.mask[:, None].repeat(1, 1, g, 1)
+    return _grouped_attention_op()(q.reshape(b, hkv, g * s, d), keys, values, visible).reshape(q.shape)
 
 
 @functools.cache
