@@ -546,10 +546,11 @@ class MedusaModel(nn.Module):
         shape = (len(new_k), *new_k[0].shape)
         return logits, h, torch.cat(new_k).view(shape), torch.cat(new_v).view(shape)
 
-    def empty_cache(self, batch: int, length: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def empty_cache(self, batch: int, length: int = 0, device: torch.device | str | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
         shape = (cfg.num_layers, batch, cfg.num_kv_heads, length, cfg.head_dim)
-        return torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype)
+        return torch.zeros(shape, dtype=self.dtype, device=device), torch.zeros(shape, dtype=self.dtype, device=device)
 
     # -- loading -------------------------------------------------------------------------------
 

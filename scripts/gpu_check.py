@@ -8,6 +8,9 @@ On a machine with a CUDA GPU it
    runs `medusa-check` on each;
 3. builds an ONNX Runtime engine for the CUDA provider and runs `medusa-check --device cuda`;
 4. times Medusa against plain decoding on each engine (`medusa-bench`, one run, alternating);
+5. with `--gguf`, runs SmolLM2-135M-Instruct on CUDA through the PyTorch reference (float32 and
+   bfloat16): plain greedy against transformers, Medusa greedy against plain (the CPU's tuned tree,
+   mc_sim_7b_63 and a tree medusa-tune-tree picks on this GPU), tokens/s of each;
 installs what is missing first (the `tensorrt` extra and onnxruntime-gpu; `--wheels DIR` installs
 from carried wheels on a machine without network), writes `--out` (JSON) and prints a short table.
 Every step is recorded, a failing step does not stop the others; the exit code is 1 if one failed.
@@ -128,6 +131,115 @@ def kernel_case(past: int, nodes: int, heads: int = 32, kv_heads: int = 8, dim: 
             "kernel_bytes_per_s": kv_bytes / (kernel_ms / 1e3)}
 
 
+def real_model(gguf: Path, work: Path, limit: int, max_new_tokens: int = 128, device: str = "cuda",
+               on_progress=None) -> dict:
+    """SmolLM2-135M-Instruct (the GGUF of the real-model issue) on CUDA through the PyTorch reference
+    (medusa_trt.modeling), per dtype: plain greedy against transformers' greedy on the same GPU, and
+    Medusa greedy (the CPU-tuned shipped tree, the 63-node preset and a tree tuned on this GPU)
+    against plain greedy, on held-out prompts, with tokens/s of each (one prompt at a time, the
+    modes in turn per prompt). `on_progress(report)` runs after each dtype (the caller saves what
+    is done so far).
+
+    Exactness on a GPU is a measurement, not a given: cuBLAS may pick other kernels, so other
+    summation orders, for the tree's T rows than for one row, so a near-tie can break the other way."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_peers import agreement as bench_agreement
+    from bench_peers import read_prompts
+
+    from medusa_trt.converter.gguf import write_hf_dir
+    from medusa_trt.runtime.decoding import GenerationConfig, decode
+    from medusa_trt.runtime.loading import load_backend, load_tokenizer, stop_tokens
+    from medusa_trt.tools.demo import ASSETS
+
+    ckpt, hf_dir = work / "smollm2_ckpt", work / "smollm2_hf"
+    report: dict = {"convert": run_tool("medusa_trt.cli.convert", [
+        "--base", str(gguf), "--heads", str(ASSETS / "heads"), "--out", str(ckpt), "--dtype", "float32",
+        "--force", "--quiet"])}
+    if report["convert"]["rc"] != 0:
+        return report
+    if not (hf_dir / "config.json").is_file():
+        write_hf_dir(gguf, hf_dir)
+    tok = load_tokenizer(ckpt)
+    prompts = [p.ids for p in read_prompts(ASSETS / "prompts_heldout.jsonl", tok, limit)]
+    stops = stop_tokens(ckpt, tok)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    trees = {"tuned_cpu": json.loads((ASSETS / "tree.json").read_text())["medusa_choices"], "mc_sim_7b_63": "mc_sim_7b_63"}
+    # The tree for this GPU: medusa-tune-tree on the float32 reference here (step cost is nearly flat
+    # in the tree's size on a GPU, so it picks a much larger tree than the CPU engines' 1-2 nodes).
+    tree_file = work / "tree_cuda.json"
+    report["tune_tree"] = run_tool("medusa_trt.cli.tune_tree", [
+        "--engine", str(ckpt), "--device", device, "--prompts", str(ASSETS / "prompts_calib.jsonl"), "--limit", "16",
+        "--max-nodes", "63", "--no-measure", "--quiet", "--out", str(tree_file)])
+    if report["tune_tree"]["rc"] == 0:
+        tuned = json.loads(tree_file.read_text())
+        trees["tuned_here"] = tuned["medusa_choices"]
+        report["tune_tree"]["tree"] = {"nodes": len(tuned["medusa_choices"]), "predicted": tuned["predicted"]["tuned"]}
+
+    def agreement(outs: list[list[int]], refs: list[list[int]]) -> dict:
+        rows = [bench_agreement(out, ref) for out, ref in zip(outs, refs, strict=True)]
+        return {"equal": sum(r[0] for r in rows), "of": len(rows),
+                "common_prefix_share_of_unequal": [round(r[1], 3) for r in rows if not r[0]]}
+
+    def round_robin(modes: dict) -> dict[str, dict]:
+        """Every mode on every prompt, the modes taking turns per prompt (the order rotated by one each
+        prompt) so that drift on the machine hits them alike; one warm-up prompt each first (cuBLAS
+        handles, kernels loaded). A mode is ids -> (new tokens, steps)."""
+        for fn in modes.values():
+            fn(prompts[0])
+        names, runs = list(modes), {name: {"out": [], "seconds": 0.0, "steps": 0} for name in modes}
+        for i, ids in enumerate(prompts):
+            for name in names[i % len(names):] + names[: i % len(names)]:
+                sync()
+                t0 = time.perf_counter()
+                out, steps = modes[name](ids)
+                sync()
+                run = runs[name]
+                run["seconds"] += time.perf_counter() - t0
+                run["out"].append(out)
+                run["steps"] += steps
+        for run in runs.values():
+            run["tokens_per_s"] = sum(map(len, run["out"])) / run["seconds"]
+        return runs
+
+    for dtype in ("float32", "bfloat16"):
+        hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=getattr(torch, dtype)).to(device).eval()
+        backend = load_backend(ckpt, dtype=dtype, device=device)
+
+        def hf_greedy(ids, hf=hf):
+            x = torch.tensor([ids], device=device)
+            with torch.inference_mode():
+                out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False,
+                                  eos_token_id=list(stops), pad_token_id=stops[0])[0, len(ids):].tolist()
+            return out, len(out)
+
+        def ours(ids, choices=None, backend=backend):
+            cfg = GenerationConfig(max_new_tokens=max_new_tokens, use_medusa=choices is not None,
+                                   medusa_choices=choices or [[0]], stop_token_ids=stops)
+            r = decode(backend, [ids], cfg)
+            return r.tokens[0], r.stats[0].steps
+
+        runs = round_robin({"transformers": hf_greedy, "plain": ours,
+                            **{name: (lambda ids, c=choices: ours(ids, c)) for name, choices in trees.items()}})
+        plain = runs["plain"]
+        entry = {"transformers_tokens_per_s": round(runs["transformers"]["tokens_per_s"], 1),
+                 "plain_tokens_per_s": round(plain["tokens_per_s"], 1),
+                 "plain_vs_transformers": agreement(plain["out"], runs["transformers"]["out"]), "medusa": {}}
+        for name in trees:
+            run = runs[name]
+            entry["medusa"][name] = {"tokens_per_s": round(run["tokens_per_s"], 1),
+                                     "speedup_vs_plain": round(run["tokens_per_s"] / plain["tokens_per_s"], 3),
+                                     "tokens_per_step": round(sum(map(len, run["out"])) / run["steps"], 3),
+                                     "vs_plain": agreement(run["out"], plain["out"])}
+        report[dtype] = entry
+        if on_progress:
+            on_progress(report)
+        del hf, backend
+    return report
+
+
 def run_tool(module: str, args: list[str], timeout: float = 3600) -> dict:
     """A medusa-trt CLI as a child process: its exit code and the tail of its output."""
     start = time.perf_counter()
@@ -164,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--wheels", type=Path, help="install missing packages from this folder of wheels (no network)")
     p.add_argument("--no-install", action="store_true", help="use what is installed")
     p.add_argument("--skip-engines", action="store_true", help="kernel only")
+    p.add_argument("--gguf", type=Path, help="SmolLM2-135M-Instruct's GGUF (build/smollm2): also run the real model "
+                   "on CUDA through the PyTorch reference")
+    p.add_argument("--limit", type=int, default=16, help="held-out prompts for --gguf (default 16)")
     args = p.parse_args(argv)
     gpu = gpu_summary()
     if gpu is None:
@@ -191,6 +306,11 @@ def main(argv: list[str] | None = None) -> int:
                     ("tensorrt-native", ["--backend", "tensorrt", "--trt-attention", "native"], "cuda"),
                     ("onnxruntime-cuda", ["--device", "cuda", "--dtype", "float16"], "cuda")):
                 report["steps"] += engine_steps(work, name, build_args, device)
+        if args.gguf:
+            def save(partial: dict) -> None:  # a run cut off by a time limit keeps what it measured
+                args.out.write_text(json.dumps({**report, "real_model": partial}, indent=2) + "\n")
+
+            report["real_model"] = real_model(args.gguf, work, args.limit, on_progress=save)
     except Exception as e:  # the report says how far it got
         report["error"] = f"{type(e).__name__}: {e}"
     args.out.write_text(json.dumps(report, indent=2) + "\n")
@@ -205,7 +325,16 @@ def main(argv: list[str] | None = None) -> int:
         extra = f"  {s['tokens_per_s']}" if s.get("tokens_per_s") else ""
         verdict = "PASS" if s["rc"] == 0 else f"FAIL (rc {s['rc']})"
         print(f"{s['step']:<28} {verdict}  {s['seconds']} s{extra}")
-    failed = ("error" in report or any(not c["passed"] for c in report["kernel"])
+    real = report.get("real_model") or {}
+    for dtype in ("float32", "bfloat16"):
+        if dtype in real:
+            e, agree = real[dtype], real[dtype]["plain_vs_transformers"]
+            print(f"SmolLM2 CUDA {dtype}: transformers {e['transformers_tokens_per_s']} tok/s, plain "
+                  f"{e['plain_tokens_per_s']} tok/s (== transformers {agree['equal']}/{agree['of']})")
+            for name, m in e["medusa"].items():
+                print(f"  medusa {name}: {m['tokens_per_s']} tok/s, {m['speedup_vs_plain']}x plain, "
+                      f"{m['tokens_per_step']} tokens/step, == plain {m['vs_plain']['equal']}/{m['vs_plain']['of']}")
+    failed = ("error" in report or real.get("convert", {}).get("rc", 0) != 0 or any(not c["passed"] for c in report["kernel"])
               or any(s["rc"] != 0 for s in report["steps"]))
     print(f"{PROG}: {'FAIL' if failed else 'PASS'}; report {args.out}" + (f" ({report['error']})" if "error" in report else ""))
     return 1 if failed else 0

@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from medusa_trt.cli.common import (
+    add_device_arg,
     add_json_report_arg,
     add_max_new_tokens_arg,
     add_prompts_arg,
@@ -29,7 +30,7 @@ def parser() -> argparse.ArgumentParser:
     add_json_report_arg(p)
     add_max_new_tokens_arg(p, default=32, help="tokens per greedy decode (default 32)")
     p.add_argument("--tree-steps", type=int, default=4, help="tree-verify steps to compare (default 4)")
-    p.add_argument("--device", help="engine device override (cpu, cuda)")
+    add_device_arg(p, help="the engine's device: cpu or cuda (default: the engine's own)")
     p.add_argument("--atol", type=float, help="override the dtype's logits tolerance")
     return p
 

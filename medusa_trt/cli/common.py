@@ -191,6 +191,13 @@ def add_threads_arg(p: argparse.ArgumentParser, *, default: int | None = None,
     _add(p, "--threads", old, type=int, default=default, help=help)
 
 
+def add_device_arg(p: argparse.ArgumentParser, *,
+                   help: str = "cpu or cuda (default: the engine's own; a merged checkpoint runs the PyTorch "
+                               "reference, on the CPU unless cuda is named)") -> None:
+    """For commands that open an engine or checkpoint with load_backend (its `device`)."""
+    p.add_argument("--device", default=None, help=help)
+
+
 def add_spin_arg(p: argparse.ArgumentParser) -> None:
     """For commands that decode on an ONNX Runtime engine (load_backend's `spin`)."""
     p.add_argument("--spin", action="store_true", help="ONNX Runtime worker threads spin between ops instead of "

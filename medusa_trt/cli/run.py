@@ -7,6 +7,7 @@ import json
 import sys
 
 from medusa_trt.cli.common import (
+    add_device_arg,
     add_max_new_tokens_arg,
     add_prompts_arg,
     add_sampling_args,
@@ -35,7 +36,7 @@ def parser() -> argparse.ArgumentParser:
     add_sampling_args(p)
     add_max_new_tokens_arg(p, default=64)
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="checkpoint dtype override")
-    p.add_argument("--device", default=None, help="engine device (cpu, cuda)")
+    add_device_arg(p)
     add_threads_arg(p)
     add_spin_arg(p)
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of text")

@@ -8,7 +8,14 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from medusa_trt.cli.common import add_source_args, add_threads_arg, add_tree_arg, new_parser, run_cli
+from medusa_trt.cli.common import (
+    add_device_arg,
+    add_source_args,
+    add_threads_arg,
+    add_tree_arg,
+    new_parser,
+    run_cli,
+)
 from medusa_trt.serving.triton_repo import write_triton_repo
 from medusa_trt.tree import DEFAULT_TREE
 
@@ -28,7 +35,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-input-len", type=int, help="longest prompt in tokens (default: all the engine allows)")
     p.add_argument("--max-output-len", type=int, help="largest max_tokens (default: all the engine allows)")
     p.add_argument("--max-queue-delay-us", type=int, default=1000, help="dynamic batcher delay (default 1000)")
-    p.add_argument("--device", help="device for the engine (default: the engine's own)")
+    add_device_arg(p, help="device for the engine: cpu or cuda (default: the engine's own)")
     add_threads_arg(p, default=0, help="torch intra-op threads per model instance (0: torch's default)",
                     old=["--intra-op-threads"])
     p.add_argument("--tokenizer-dir", type=Path, help="tokenizer for a TensorRT-LLM engine (default: --engine)")

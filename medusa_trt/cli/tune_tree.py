@@ -10,6 +10,7 @@ from pathlib import Path
 
 from medusa_trt.cli.common import (
     ENGINE_OR_CHECKPOINT_HELP,
+    add_device_arg,
     add_max_new_tokens_arg,
     add_prompts_arg,
     add_quiet_arg,
@@ -46,6 +47,7 @@ def parser() -> argparse.ArgumentParser:
     add_threads_arg(p, help="engine intra-op threads (default: one per core); tune with the setting you will "
                     "decode with")
     add_spin_arg(p)
+    add_device_arg(p)
     add_quiet_arg(p)
     return p
 
@@ -61,7 +63,7 @@ def _main(argv: list[str] | None = None) -> int:
                 raise BenchError(f"--{name.replace('_', '-')} {getattr(args, name)}: expected >= 1")
         if not args.engine.is_dir():
             raise BenchError(f"{args.engine}: --engine directory not found")
-        backend = load_backend(args.engine, threads=args.threads, spin=args.spin)
+        backend = load_backend(args.engine, device=args.device, threads=args.threads, spin=args.spin)
         tok = load_tokenizer(args.engine)
         _, calib = load_prompts(args.prompts, tok, args.limit)
         stops = stop_tokens(args.engine, tok)

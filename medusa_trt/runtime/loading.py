@@ -17,10 +17,10 @@ def _merged_config(directory: Path) -> dict:
 
 def load_backend(directory: str | Path, dtype: str | None = None, device: str | None = None,
                  threads: int | None = None, spin: bool = False) -> Backend:
-    """An engine dir (engine.json) opens its engine; a merged checkpoint opens the PyTorch reference.
-    `threads`: ONNX Runtime intra-op threads (default: one per core this process may use); `spin`:
-    its worker threads spin between ops (for cores the engine has to itself; see
-    ort_backend.session_options)."""
+    """An engine dir (engine.json) opens its engine; a merged checkpoint opens the PyTorch reference
+    (on `device`: cpu by default, or cuda). `threads`: ONNX Runtime intra-op threads (default: one
+    per core this process may use); `spin`: its worker threads spin between ops (for cores the
+    engine has to itself; see ort_backend.session_options)."""
     directory = Path(directory)
     if threads is not None and threads < 1:
         raise EngineError(f"threads {threads}: expected a positive number (or none: one per core)")
@@ -50,7 +50,15 @@ def load_backend(directory: str | Path, dtype: str | None = None, device: str | 
     from medusa_trt.checkpoint import DEFAULT_MAX_DRAFT_LEN
     from medusa_trt.modeling import MedusaModel
 
+    if device not in (None, "cpu"):  # before the weights load: a wrong device fails at once
+        import torch
+
+        if device != "cuda" or not torch.cuda.is_available():
+            raise EngineError(f"device {device!r}: the PyTorch reference runs on 'cpu', or 'cuda' where torch "
+                              f"sees a GPU (torch {torch.__version__} sees {torch.cuda.device_count()})")
     model = MedusaModel.from_checkpoint(directory, dtype=dtype)
+    if device == "cuda":
+        model = model.to(device)
     return TorchBackend(model, max_draft_len=config.get("max_draft_len", DEFAULT_MAX_DRAFT_LEN))
 
 

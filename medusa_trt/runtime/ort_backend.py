@@ -31,6 +31,7 @@ files.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -186,6 +187,36 @@ def make_session(onnx_path: str | Path, device: str = "cpu", threads: int | None
     return session
 
 
+@functools.cache
+def one_row_kernel_differs(block_size: int, accuracy_level: int) -> bool:
+    """Whether this CPU's MatMulNBits (4-bit, `block_size`, `accuracy_level`) computes a lone row to
+    other bits than the same row among others: ONNX Runtime's AVX2 build has a one-row kernel of its
+    own for blocks of 32 and more, its AVX-512 build does not (BENCHMARKS.md, issue 13 (l)). Answered
+    once per process by one small graph run on one row, then on that row among three."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from medusa_trt.modeling import quantize_int4
+
+    k, n = 4 * block_size, 64
+    g = torch.Generator().manual_seed(0)
+    packed, scales, zero_points = quantize_int4(torch.randn(n, k, generator=g), block_size)
+    node = helper.make_node("MatMulNBits", ["x", "w", "s", "z"], ["y"], domain="com.microsoft", K=k, N=n, bits=4,
+                            block_size=block_size, accuracy_level=accuracy_level)
+    graph = helper.make_graph(
+        [node], "one_row_probe", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, n])],
+        [numpy_helper.from_array(packed.numpy(), "w"), numpy_helper.from_array(scales.reshape(-1).numpy(), "s"),
+         numpy_helper.from_array(zero_points.reshape(-1).numpy(), "z")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)],
+                              ir_version=10)
+    session = ort.InferenceSession(model.SerializeToString(), session_options(1), providers=["CPUExecutionProvider"])
+    rows = torch.randn(3, k, generator=g).numpy()
+    (one,) = session.run(None, {"x": rows[:1]})
+    (three,) = session.run(None, {"x": rows})
+    return not np.array_equal(one[0], three[0])
+
+
 class OrtBackend:
     """An ONNX Runtime engine directory behind the Backend interface (see module docstring)."""
 
@@ -233,6 +264,14 @@ class OrtBackend:
         self._bindings: dict = {}
         # The Backend's optional one-call plain greedy step: in-place engines bind it once per cache.
         self.plain_greedy_step = self._plain_greedy_step if self.in_place else None
+        # Where this CPU's MatMulNBits runs a single row on a kernel of its own (ONNX Runtime's AVX2
+        # build: a one-row GEMV that rounds otherwise than its multi-row GEMM), a one-token step at
+        # batch 1 runs as two rows, the second a throwaway copy, so its logits are the bits a Medusa
+        # step computes for that row and Medusa greedy stays equal to plain greedy (BENCHMARKS.md,
+        # issue 13 (l)). It costs such a plain step ~30%; where the kernels agree, nothing.
+        weights = engine.get("weights") or {}
+        self.pad_one_row = bool(self.in_place and self.device == "cpu" and weights.get("format") == "int4"
+                                and one_row_kernel_differs(weights["block_size"], weights["accuracy_level"]))
         self.fused_step_topk = onnx_info.get("step_topk") if step_file else None
         self._check_graphs(engine)
         self.num_layers, self.num_kv_heads = model["num_layers"], model["num_kv_heads"]
@@ -316,6 +355,12 @@ class OrtBackend:
             for i, name in enumerate(self._past_names)}
 
     def forward(self, input_ids, position_ids, new_mask, logit_positions=None, with_heads=True):
+        if self.pad_one_row and input_ids.numel() == 1 and int(self.lengths.max()) + 2 <= self.keys.shape[3]:
+            # One token as a two-row step (see pad_one_row): the second row, a copy written one slot
+            # further, attends the first and is never read or committed.
+            return self.forward(input_ids.repeat(1, 2), torch.cat([position_ids, position_ids + 1], dim=1),
+                                torch.ones(1, 2, 2, dtype=torch.bool).tril(), torch.zeros(1, 1, dtype=torch.long),
+                                with_heads)
         s = input_ids.shape[1]
         logit_positions = check_forward(self.keys, self.lengths, input_ids, position_ids, logit_positions,
                                         self.info.max_seq_len, self.engine_dir / "engine.json")
@@ -394,13 +439,23 @@ class OrtBackend:
         bound = self._bindings.get("plain")
         if bound is None or bound.lengths_tensor is not self.lengths or len(tokens) != len(bound.ids):
             bound = self._bindings["plain"] = _PlainBinding.make(self, len(tokens))
-        if bound.longest >= min(self.keys.shape[3], self.info.max_seq_len):
+        width = bound.ids.shape[1]  # 2: one token as two rows (pad_one_row)
+        if bound.longest + width - 1 >= min(self.keys.shape[3], self.info.max_seq_len):
+            if width > 1 and bound.longest < min(self.keys.shape[3], self.info.max_seq_len):
+                # No room for the throwaway row: forward + commit do the step (they fall back to one row).
+                self.lengths = self.lengths.clone()
+                logits, _ = self.forward(tokens[:, None], self.lengths[:, None], torch.ones(1, 1, 1, dtype=torch.bool),
+                                         with_heads=False)
+                self.commit(torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long))
+                return logits[:, 0].argmax(-1)
             check_forward(self.keys, self.lengths, tokens[:, None], self.lengths[:, None], None, self.info.max_seq_len,
                           self.engine_dir / "engine.json")  # raises the error that forward would
-        bound.ids[:, 0] = tokens.numpy()
+        bound.ids[:] = tokens.numpy()[:, None]
         self.session.run_with_iobinding(bound.io)
         bound.lengths += 1  # the commit: self.lengths is this memory
         bound.longest += 1
+        if bound.positions is not None:
+            bound.positions += 1
         return torch.from_numpy(bound.logits[:, 0].argmax(-1))
 
     def heads(self, rows: torch.Tensor) -> torch.Tensor:
@@ -457,13 +512,16 @@ class _PlainBinding:
     """A plain step's graph call bound once: the caches (past and present, one memory), the token
     ids, each sequence's length as both past_lengths and position_ids (one memory: a plain step's
     new token sits at its sequence's length), the constant mask and logit position, and the outputs.
-    `lengths` is also the backend's `lengths` tensor, so the step's commit is one in-place add."""
+    `lengths` is also the backend's `lengths` tensor, so the step's commit is one in-place add.
+    With the backend's pad_one_row at batch 1 the token goes in twice (two rows, a causal mask),
+    and the positions [length, length + 1] get an array of their own."""
 
     io: object  # onnxruntime IOBinding
-    ids: np.ndarray  # [B, 1] int64
+    ids: np.ndarray  # [B, 1], or [1, 2] padded
     lengths: np.ndarray  # [B] int64
     lengths_tensor: torch.Tensor  # `lengths` as the backend's tensor (a later commit replaces it)
     longest: int  # max(lengths), kept as a Python int
+    positions: np.ndarray | None  # [1, 2] when padded (advanced with the lengths); else `lengths` serves
     constants: tuple[np.ndarray, ...]  # new_mask, logit_positions: kept alive for their pointers
     logits: np.ndarray  # [B, 1, V]
     hidden: np.ndarray  # [B, 1, d]
@@ -472,18 +530,22 @@ class _PlainBinding:
     def make(cls, backend: OrtBackend, batch: int) -> _PlainBinding:
         io = backend._cache_binding(backend.session)
         lengths = backend.lengths.numpy().astype(np.int64)  # a copy: the old tensor may be shared
-        ids = np.zeros((batch, 1), np.int64)
-        mask, positions = np.ones((batch, 1, 1), np.bool_), np.zeros((batch, 1), np.int64)
+        width = 2 if backend.pad_one_row and batch == 1 else 1
+        ids = np.zeros((batch, width), np.int64)
+        positions = lengths[:, None] + np.arange(width)[None] if width > 1 else None
+        mask = np.tril(np.ones((batch, width, width), np.bool_))
+        rows = np.zeros((batch, 1), np.int64)  # logit_positions: the first row
         logits = np.empty((batch, 1, backend.vocab_size), np.float32)
         hidden = np.empty((batch, 1, backend.hidden_size), backend._np_dtype)
-        for name, array, shape in (("input_ids", ids, ids.shape), ("position_ids", lengths, (batch, 1)),
+        position_ids = (positions, positions.shape) if positions is not None else (lengths, (batch, 1))
+        for name, array, shape in (("input_ids", ids, ids.shape), ("position_ids", *position_ids),
                                    ("past_lengths", lengths, (batch,)), ("new_mask", mask, mask.shape),
-                                   ("logit_positions", positions, positions.shape)):
+                                   ("logit_positions", rows, rows.shape)):
             io.bind_input(name, "cpu", 0, array.dtype, list(shape), array.ctypes.data)
         for name, array in (("logits", logits), ("hidden", hidden)):
             io.bind_output(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
         backend.lengths = torch.from_numpy(lengths)
-        return cls(io, ids, lengths, backend.lengths, int(lengths.max()), (mask, positions), logits, hidden)
+        return cls(io, ids, lengths, backend.lengths, int(lengths.max()), positions, (mask, rows), logits, hidden)
 
 
 def _host_feeds(**tensors: torch.Tensor) -> dict[str, np.ndarray]:

@@ -48,6 +48,21 @@ def test_merged_checkpoint_opens_the_pytorch_reference(tiny_merged):
     assert next(half.model.parameters()).dtype == torch.float16
 
 
+def test_merged_checkpoint_on_a_device(tiny_merged):
+    """device "cpu" is the default; "cuda" runs the reference on the GPU where torch sees one (the
+    same tokens: scripts/gpu_check.py measures that on real hardware) and is refused, naming the
+    device, where it does not; any other name is refused everywhere."""
+    ckpt = tiny_merged("llama")
+    assert greedy(load_backend(ckpt, device="cpu")) == greedy(load_backend(ckpt))
+    if torch.cuda.is_available():
+        assert greedy(load_backend(ckpt, device="cuda")) == greedy(load_backend(ckpt))
+    else:
+        with pytest.raises(EngineError, match="device 'cuda'.*sees 0"):
+            load_backend(ckpt, device="cuda")
+    with pytest.raises(EngineError, match="device 'tpu'"):
+        load_backend(ckpt, device="tpu")
+
+
 def test_engine_dir_opens_its_engine(ort_engine, tiny_merged):
     engine = ort_engine("llama")
     backend = load_backend(engine, threads=1)
