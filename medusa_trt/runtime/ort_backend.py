@@ -268,9 +268,9 @@ class OrtBackend:
         # build: a one-row GEMV that rounds otherwise than its multi-row GEMM), a one-token step at
         # batch 1 runs as two rows, the second a throwaway copy, so its logits are the bits a Medusa
         # step computes for that row and Medusa greedy stays equal to plain greedy (BENCHMARKS.md,
-        # issue 13 (l)). It costs such a plain step ~30%; where the kernels agree, nothing.
+        # issue 13 (l)). It costs such a plain step ~8% (SmolLM2); where the kernels agree, nothing.
         weights = engine.get("weights") or {}
-        self.pad_one_row = bool(self.in_place and self.device == "cpu" and weights.get("format") == "int4"
+        self.pad_one_row = bool(self.device == "cpu" and weights.get("format") == "int4"
                                 and one_row_kernel_differs(weights["block_size"], weights["accuracy_level"]))
         self.fused_step_topk = onnx_info.get("step_topk") if step_file else None
         self._check_graphs(engine)
