@@ -22,8 +22,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from medusa_trt.modeling import INT4_ACCURACY_LEVELS, quantize_int4
-from medusa_trt.runtime.ort_backend import session_options
+from medusa_trt.modeling import INT4_ACCURACY_LEVELS
+from medusa_trt.runtime.ort_backend import matmul_nbits_session
 
 ROWS = (1, 2, 3, 4, 8)
 # SmolLM2-135M (hidden 576, 9 query heads and 3 KV heads of 64, MLP 1536) when no checkpoint is named.
@@ -46,22 +46,8 @@ def layer_shapes(checkpoint: Path | None) -> dict[str, tuple[int, int]]:
 
 def matmul_session(k: int, n: int, block_size: int, level: int, threads: int, spinning: bool):
     """One MatMulNBits node over random int4 weights [N, K], in a session with the engine's options."""
-    import onnx
-    import onnxruntime as ort
-    from onnx import TensorProto, helper
-
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(n * 7 + k)) * 0.05
-    packed, scales, zero_points = (t.numpy() for t in quantize_int4(w, block_size))
-    inits = [onnx.numpy_helper.from_array(packed, "B"), onnx.numpy_helper.from_array(scales.reshape(-1), "S"),
-             onnx.numpy_helper.from_array(zero_points, "Z")]
-    node = helper.make_node("MatMulNBits", ["A", "B", "S", "Z"], ["Y"], domain="com.microsoft", K=k, N=n, bits=4,
-                            block_size=block_size, accuracy_level=level)
-    graph = helper.make_graph([node], "int4_rows", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", k])],
-                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", n])], inits)
-    model = helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 21),
-                                                                   helper.make_opsetid("com.microsoft", 1)])
-    return ort.InferenceSession(model.SerializeToString(), session_options(threads, spinning=spinning),
-                                providers=["CPUExecutionProvider"])
+    return matmul_nbits_session(w, block_size, level, threads, spinning)
 
 
 def best_us(session, rows: int, k: int, calls: int = 200, repeats: int = 5) -> float:

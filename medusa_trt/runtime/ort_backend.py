@@ -187,33 +187,41 @@ def make_session(onnx_path: str | Path, device: str = "cpu", threads: int | None
     return session
 
 
+def matmul_nbits_session(w: torch.Tensor, block_size: int, accuracy_level: int, threads: int | None = 1,
+                         spinning: bool = False):
+    """A session of one MatMulNBits node, input "A" [M, K] -> "Y" [M, N], over w [N, K] quantized the
+    way int4 engines hold it (modeling.quantize_int4), with the engines' session options."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from medusa_trt.modeling import quantize_int4
+
+    n, k = w.shape
+    packed, scales, zero_points = (t.numpy() for t in quantize_int4(w, block_size))
+    node = helper.make_node("MatMulNBits", ["A", "B", "S", "Z"], ["Y"], domain="com.microsoft", K=k, N=n, bits=4,
+                            block_size=block_size, accuracy_level=accuracy_level)
+    graph = helper.make_graph(
+        [node], "matmul_nbits", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", k])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", n])],
+        [numpy_helper.from_array(packed, "B"), numpy_helper.from_array(scales.reshape(-1), "S"),
+         numpy_helper.from_array(zero_points, "Z")])
+    model = helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 21),
+                                                                   helper.make_opsetid("com.microsoft", 1)])
+    return ort.InferenceSession(model.SerializeToString(), session_options(threads, spinning=spinning),
+                                providers=["CPUExecutionProvider"])
+
+
 @functools.cache
 def one_row_kernel_differs(block_size: int, accuracy_level: int) -> bool:
     """Whether this CPU's MatMulNBits (4-bit, `block_size`, `accuracy_level`) computes a lone row to
     other bits than the same row among others: ONNX Runtime's AVX2 build has a one-row kernel of its
     own for blocks of 32 and more, its AVX-512 build does not (BENCHMARKS.md, issue 13 (l)). Answered
     once per process by one small graph run on one row, then on that row among three."""
-    import onnxruntime as ort
-    from onnx import TensorProto, helper, numpy_helper
-
-    from medusa_trt.modeling import quantize_int4
-
-    k, n = 4 * block_size, 64
     g = torch.Generator().manual_seed(0)
-    packed, scales, zero_points = quantize_int4(torch.randn(n, k, generator=g), block_size)
-    node = helper.make_node("MatMulNBits", ["x", "w", "s", "z"], ["y"], domain="com.microsoft", K=k, N=n, bits=4,
-                            block_size=block_size, accuracy_level=accuracy_level)
-    graph = helper.make_graph(
-        [node], "one_row_probe", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, k])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, n])],
-        [numpy_helper.from_array(packed.numpy(), "w"), numpy_helper.from_array(scales.reshape(-1).numpy(), "s"),
-         numpy_helper.from_array(zero_points.reshape(-1).numpy(), "z")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)],
-                              ir_version=10)
-    session = ort.InferenceSession(model.SerializeToString(), session_options(1), providers=["CPUExecutionProvider"])
-    rows = torch.randn(3, k, generator=g).numpy()
-    (one,) = session.run(None, {"x": rows[:1]})
-    (three,) = session.run(None, {"x": rows})
+    session = matmul_nbits_session(torch.randn(64, 4 * block_size, generator=g), block_size, accuracy_level)
+    rows = torch.randn(3, 4 * block_size, generator=g).numpy()
+    (one,) = session.run(None, {"A": rows[:1]})
+    (three,) = session.run(None, {"A": rows})
     return not np.array_equal(one[0], three[0])
 
 
@@ -354,8 +362,12 @@ class OrtBackend:
             name: (self.keys if i % 2 == 0 else self.values)[i // 2].numpy()
             for i, name in enumerate(self._past_names)}
 
+    def _room_for_two_rows(self, longest: int) -> bool:
+        """Whether a padded one-token step's throwaway row (position and slot longest + 1) fits."""
+        return longest + 1 < min(self.keys.shape[3], self.info.max_seq_len)
+
     def forward(self, input_ids, position_ids, new_mask, logit_positions=None, with_heads=True):
-        if self.pad_one_row and input_ids.numel() == 1 and int(self.lengths.max()) + 2 <= self.keys.shape[3]:
+        if self.pad_one_row and input_ids.numel() == 1 and self._room_for_two_rows(int(self.lengths.max())):
             # One token as a two-row step (see pad_one_row): the second row, a copy written one slot
             # further, attends the first and is never read or committed.
             return self.forward(input_ids.repeat(1, 2), torch.cat([position_ids, position_ids + 1], dim=1),
@@ -439,11 +451,11 @@ class OrtBackend:
         bound = self._bindings.get("plain")
         if bound is None or bound.lengths_tensor is not self.lengths or len(tokens) != len(bound.ids):
             bound = self._bindings["plain"] = _PlainBinding.make(self, len(tokens))
-        width = bound.ids.shape[1]  # 2: one token as two rows (pad_one_row)
-        if bound.longest + width - 1 >= min(self.keys.shape[3], self.info.max_seq_len):
-            if width > 1 and bound.longest < min(self.keys.shape[3], self.info.max_seq_len):
+        padded = bound.ids.shape[1] == 2  # one token as two rows (pad_one_row)
+        if bound.longest >= min(self.keys.shape[3], self.info.max_seq_len) or (
+                padded and not self._room_for_two_rows(bound.longest)):
+            if padded and bound.longest < min(self.keys.shape[3], self.info.max_seq_len):
                 # No room for the throwaway row: forward + commit do the step (they fall back to one row).
-                self.lengths = self.lengths.clone()
                 logits, _ = self.forward(tokens[:, None], self.lengths[:, None], torch.ones(1, 1, 1, dtype=torch.bool),
                                          with_heads=False)
                 self.commit(torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long))
