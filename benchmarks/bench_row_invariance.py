@@ -2,11 +2,13 @@
 And where Medusa greedy departs from plain greedy, how close was the base's top-2 there? (issue 13)
 
 Float32 engines differ only by rounding (~1e-5), so Medusa greedy equals plain greedy. In int4
-engines (MatMulNBits at accuracy level 4) that float32 rounding noise, which comes from attention
-(its kernels reduce in another order for another row count), reaches an int8 rounding of the
-activations and moves whole quanta: with the fused Attention op the two paths' logits differed by
-~0.6 and a near-tie flipped. The int4 attention forms `row_exact_f32` (the default) and `row_exact`
-(float64) make them equal.
+engines (MatMulNBits at accuracy level 4) float32 rounding noise reaches an int8 rounding of the
+activations and moves whole quanta, so the int4 attention forms (`chain_f32`, the default, and
+`row_exact_f32`) give a row the same bits whatever the step's row count; on CPUs whose MatMulNBits
+has a one-row kernel, the backend runs one-token steps and lone logits rows as two rows
+(OrtBackend.pad_one_row). Three ways to compute the last prompt position's logits are compared: a
+prefill of the whole prompt, one one-token step after the rest, and the second row of a two-token
+chain step (the layout of a Medusa tree step's rows).
 
     python benchmarks/bench_row_invariance.py build/real/engine build/real/engine_int4 [--prompts 8]
         [--diverge 32 --medusa-choices-int4 medusa_trt/assets/smollm2/tree_int4.json]
@@ -31,9 +33,9 @@ ASSETS = Path(__file__).resolve().parents[1] / "medusa_trt" / "assets" / "smollm
 
 
 def row_difference(backend, prompts) -> dict:
-    """Last-position logits from one forward over the whole prompt vs prefill of all but the last
-    token plus one one-row step."""
-    diffs, flips = [], 0
+    """The last position's logits: prefill of the whole prompt, and a one-token step after the rest,
+    each against the second row of a two-token step (a chain tree's rows)."""
+    diffs, flips = {"prefill": [], "one_row_step": []}, 0
     for q in prompts:
         ids = q.ids
         backend.start(1, len(ids) + 4)
@@ -42,9 +44,14 @@ def row_difference(backend, prompts) -> dict:
         prefill(backend, [ids[:-1]])
         one, _ = backend.forward(torch.tensor([[ids[-1]]]), backend.lengths[:, None],
                                  torch.ones(1, 1, 1, dtype=torch.bool), with_heads=False)
-        diffs.append(float((many[0] - one[0, 0]).abs().max()))
-        flips += int(many[0].argmax() != one[0, 0].argmax())
-    return {"max_abs_logit_diff_median": statistics.median(diffs), "max": max(diffs), "argmax_flips": flips}
+        backend.start(1, len(ids) + 4)
+        prefill(backend, [ids[:-2]])
+        chain, _ = backend.forward(torch.tensor([ids[-2:]]), backend.lengths[:, None] + torch.arange(2),
+                                   torch.ones(1, 2, 2, dtype=torch.bool).tril(), with_heads=False)
+        diffs["prefill"].append(float((many[0] - chain[0, 1]).abs().max()))
+        diffs["one_row_step"].append(float((one[0, 0] - chain[0, 1]).abs().max()))
+        flips += int(one[0, 0].argmax() != chain[0, 1].argmax())
+    return {**{f"{k}_vs_chain_max_abs_logit_diff": max(v) for k, v in diffs.items()}, "argmax_flips": flips}
 
 
 def divergence(backend, prompts, tree, stops) -> dict:

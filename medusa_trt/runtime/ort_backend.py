@@ -274,9 +274,10 @@ class OrtBackend:
         self.plain_greedy_step = self._plain_greedy_step if self.in_place else None
         # Where this CPU's MatMulNBits runs a single row on a kernel of its own (ONNX Runtime's AVX2
         # build: a one-row GEMV that rounds otherwise than its multi-row GEMM), a one-token step at
-        # batch 1 runs as two rows, the second a throwaway copy, so its logits are the bits a Medusa
-        # step computes for that row and Medusa greedy stays equal to plain greedy (BENCHMARKS.md,
-        # issue 13 (l)). It costs such a plain step ~8% (SmolLM2); where the kernels agree, nothing.
+        # batch 1 runs as two rows, the second a throwaway copy, and a lone logits row is computed
+        # twice, so a plain step's logits are the bits a Medusa step computes for that row and Medusa
+        # greedy stays equal to plain greedy (BENCHMARKS.md, issue 13 (l)). It costs such a plain step
+        # ~8% (SmolLM2); where the kernels agree, nothing.
         weights = engine.get("weights") or {}
         self.pad_one_row = bool(self.device == "cpu" and weights.get("format") == "int4"
                                 and one_row_kernel_differs(weights["block_size"], weights["accuracy_level"]))
@@ -376,6 +377,12 @@ class OrtBackend:
         s = input_ids.shape[1]
         logit_positions = check_forward(self.keys, self.lengths, input_ids, position_ids, logit_positions,
                                         self.info.max_seq_len, self.engine_dir / "engine.json")
+        kept = logit_positions.shape[1]
+        if self.pad_one_row and logit_positions.numel() == 1:
+            # A lone logits row would take the lm_head's MatMulNBits to the one-row kernel too: the
+            # row is asked for twice and kept once, so the logits of a plain step and of a prefill
+            # are the bits a tree step computes for that row.
+            logit_positions = logit_positions.repeat(1, 2)
         feeds = _host_feeds(input_ids=input_ids, position_ids=position_ids, past_lengths=self.lengths,
                             new_mask=new_mask, logit_positions=logit_positions)
         if self.in_place:
@@ -390,6 +397,7 @@ class OrtBackend:
         else:
             logits, hidden, new_k, new_v = self._run_bound(feeds, logit_positions.shape[1], s)
         self._pending = (new_k, new_v)
+        logits, hidden = logits[:, :kept], hidden[:, :kept]
         self._hidden = hidden  # [B, K, d] host tensor: the heads run on the rows the loop picks
         if not with_heads:
             return logits, None
@@ -526,7 +534,8 @@ class _PlainBinding:
     new token sits at its sequence's length), the constant mask and logit position, and the outputs.
     `lengths` is also the backend's `lengths` tensor, so the step's commit is one in-place add.
     With the backend's pad_one_row at batch 1 the token goes in twice (two rows, a causal mask),
-    and the positions [length, length + 1] get an array of their own."""
+    the positions [length, length + 1] get an array of their own, and the first row's logits are
+    computed twice (as forward does: the lm_head's two-row kernel)."""
 
     io: object  # onnxruntime IOBinding
     ids: np.ndarray  # [B, 1], or [1, 2] padded
@@ -535,8 +544,8 @@ class _PlainBinding:
     longest: int  # max(lengths), kept as a Python int
     positions: np.ndarray | None  # [1, 2] when padded (advanced with the lengths); else `lengths` serves
     constants: tuple[np.ndarray, ...]  # new_mask, logit_positions: kept alive for their pointers
-    logits: np.ndarray  # [B, 1, V]
-    hidden: np.ndarray  # [B, 1, d]
+    logits: np.ndarray  # [B, 1, V], or [1, 2, V] padded (the same row twice)
+    hidden: np.ndarray  # [B, 1, d], or [1, 2, d] padded
 
     @classmethod
     def make(cls, backend: OrtBackend, batch: int) -> _PlainBinding:
@@ -546,9 +555,9 @@ class _PlainBinding:
         ids = np.zeros((batch, width), np.int64)
         positions = lengths[:, None] + np.arange(width)[None] if width > 1 else None
         mask = np.tril(np.ones((batch, width, width), np.bool_))
-        rows = np.zeros((batch, 1), np.int64)  # logit_positions: the first row
-        logits = np.empty((batch, 1, backend.vocab_size), np.float32)
-        hidden = np.empty((batch, 1, backend.hidden_size), backend._np_dtype)
+        rows = np.zeros((batch, width), np.int64)  # logit_positions: the first row (twice when padded: forward)
+        logits = np.empty((batch, width, backend.vocab_size), np.float32)
+        hidden = np.empty((batch, width, backend.hidden_size), backend._np_dtype)
         position_ids = (positions, positions.shape) if positions is not None else (lengths, (batch, 1))
         for name, array, shape in (("input_ids", ids, ids.shape), ("position_ids", *position_ids),
                                    ("past_lengths", lengths, (batch,)), ("new_mask", mask, mask.shape),

@@ -20,7 +20,7 @@ from medusa_trt.engines.onnx_export import past_names
 from medusa_trt.modeling import MedusaModel, dequantize_int4, quantize_int4, quantize_model_int4
 from medusa_trt.runtime import ort_backend
 from medusa_trt.runtime.decoding import GenerationConfig, decode, prefill
-from medusa_trt.runtime.ort_backend import EngineError, OrtBackend, make_session, one_row_kernel_differs
+from medusa_trt.runtime.ort_backend import EngineError, OrtBackend, make_session
 from tests.engines.test_onnx_export import ATOL, make_inputs, run_decoder
 
 INT4 = {"weights": "int4", "int4_block_size": 32}
@@ -151,11 +151,10 @@ def test_int4_rows_are_bitwise_row_invariant(ort_engine, attention):
     assert onnx_info.get("key_block") == (128 if attention == "row_exact_f32" else None)
     assert onnx_info.get("chains_only", False) == (attention is None)
     backend = OrtBackend(engine)
-    # Bitwise where this CPU's MatMulNBits has no one-row kernel of its own (ONNX Runtime's AVX-512
-    # build). On its AVX2 build one-token steps run as two rows (OrtBackend.pad_one_row), which makes
-    # SmolLM2's int4 rows bit-identical (BENCHMARKS.md, issue 13 (l)); this tiny model's rows still
-    # differ there by float32 noise (~1e-6, not traced to an op yet), hence 1e-5 on such a CPU.
-    tol = dict(rtol=0, atol=1e-5 if one_row_kernel_differs(32, 4) else 0.0)
+    # Bitwise on every CPU: where MatMulNBits has a one-row kernel of its own (ONNX Runtime's AVX2
+    # build), one-token steps run as two rows and a lone logits row is computed twice
+    # (OrtBackend.pad_one_row; BENCHMARKS.md, issue 13 (l)).
+    tol = dict(rtol=0, atol=0)
     ids = [7, 3, 19, 40, 2, 11, 5, 60, 33, 21, 9, 14]
     one = _one_row_logits(backend, ids, 6)
     many = []  # position k's logits from a prefill of ids[:k + 1] (one many-row forward)
@@ -171,8 +170,9 @@ def test_int4_rows_are_bitwise_row_invariant(ort_engine, attention):
 def test_one_token_steps_run_as_two_rows_where_the_cpu_has_a_one_row_kernel(ort_engine, monkeypatch):
     """Where MatMulNBits computes a lone row on a kernel of its own (forced here, whatever this CPU
     does), a batch-1 one-token step of an int4 engine runs as two rows: the one-call greedy step and
-    forward + commit give the same next tokens, Medusa greedy equals plain greedy at batch 1, and a
-    step with no room left for the throwaway row runs as one row rather than failing."""
+    forward + commit give the same next tokens, Medusa greedy equals plain greedy at batch 1, a
+    forward returns the first row's logits and heads, and a step with no room left for the throwaway
+    row runs as one row rather than failing."""
     monkeypatch.setattr(ort_backend, "one_row_kernel_differs", lambda block_size, level: True)
     backend = OrtBackend(int4_engine(ort_engine, 4))
     assert backend.pad_one_row
@@ -183,6 +183,20 @@ def test_one_token_steps_run_as_two_rows_where_the_cpu_has_a_one_row_kernel(ort_
         bound_step, backend.plain_greedy_step = backend.plain_greedy_step, None  # forward + commit instead
         assert decode(backend, [prompt], GenerationConfig(max_new_tokens=24, use_medusa=False)).tokens == plain
         backend.plain_greedy_step = bound_step
+    # A one-token forward with heads: one row of logits and of each head's logits, the first row's
+    # (the throwaway row's differ), as an unpadded backend computes them up to the kernels' rounding.
+    unpadded = OrtBackend(int4_engine(ort_engine, 4))
+    unpadded.pad_one_row = False
+    got = []
+    for b in (backend, unpadded):
+        b.start(1, 8)
+        prefill(b, [[5, 9, 17]])
+        got.append(b.forward(torch.tensor([[33]]), b.lengths[:, None], torch.ones(1, 1, 1, dtype=torch.bool)))
+    (logits, medusa), (want_logits, want_medusa) = got
+    assert logits.shape == want_logits.shape == (1, 1, backend.vocab_size)
+    assert medusa.shape == want_medusa.shape == (backend.num_medusa_heads, 1, 1, backend.vocab_size)
+    torch.testing.assert_close(logits, want_logits, rtol=0, atol=1e-4)
+    torch.testing.assert_close(medusa, want_medusa, rtol=0, atol=1e-4)
     prompt = [5, 9, 17, 33]
     backend.start(1, len(prompt) + 2)
     logits, _ = prefill(backend, [prompt])
