@@ -64,6 +64,10 @@ class Backend(Protocol):
     # Optional, for plain greedy decoding in one call per step (OrtBackend, in-place engines):
     # `plain_greedy_step` (None or absent: none), tokens [B] -> next tokens [B], the same as
     # forward(tokens[:, None], lengths[:, None], ones, zeros) + commit(zeros, ones) + argmax.
+    # Optional, for greedy Medusa decoding in one call per step (OrtBackend, in-place engines):
+    # `greedy_tree_step` (None or absent: none), (tokens [B, >= T], tree: decoding.StepTree) ->
+    # (best path [B], accepted [B], next tree tokens [B, 1 + C]), the same as fused_step at each
+    # sequence's length + the tree's offsets followed by the commit of each accepted path.
     # Optional, for backends that open their graphs on first use (OrtBackend): open_sessions() opens
     # them all now, as a server does at load so that no request pays for it.
 

@@ -414,6 +414,10 @@ def tree_step(backend: Backend, tree: StepTree, root: torch.Tensor, medusa: torc
 def _fused_tree_step(backend, tree: StepTree, tokens):
     """One backend call verifies `tokens` (the first tree.num_slots: a cut tree verifies fewer),
     accepts greedily and drafts the next tree's tokens."""
+    bound = getattr(backend, "greedy_tree_step", None)
+    if bound is not None:  # fused step and commit in one call (OrtBackend, in-place engines)
+        best, accepted, next_tokens = bound(tokens, tree)
+        return _emitted(tree, tokens, best, accepted)[0], accepted, next_tokens
     tokens = tokens[:, : tree.num_slots]
     pos = backend.lengths[:, None] + tree.position_offsets[None]
     mask = tree.mask[None].expand(len(tokens), -1, -1)
@@ -422,15 +426,21 @@ def _fused_tree_step(backend, tree: StepTree, tokens):
     return emitted, accepted, next_tokens
 
 
+def _emitted(tree: StepTree, tokens, best, accepted) -> tuple[list[list[int]], list[list[int]], list[int]]:
+    """Each sequence's emitted tokens (its accepted path's), the path's slots [B] (root..leaf, -1
+    as 0) and its accepted count. In Python lists: right after an engine step each torch call costs
+    tens of microseconds (cold caches), a list lookup well under one."""
+    rows = [tree.paths[p] for p in best.tolist()]
+    kept = accepted.tolist()
+    toks = tokens.tolist()
+    return [[toks[i][s] for s in row[: a + 1]] for i, (row, a) in enumerate(zip(rows, kept, strict=True))], rows, kept
+
+
 def _commit_path(backend, tree: StepTree, tokens, best, accepted):
     """Commits each sequence's accepted path; returns the emitted tokens and the slot whose logits
-    continue. In Python lists: right after an engine step each torch call costs tens of
-    microseconds (cold caches), a list lookup well under one."""
-    rows = [tree.paths[p] for p in best.tolist()]  # [B] root..leaf slots, -1 as 0
-    kept = accepted.tolist()
+    continue."""
+    emitted, rows, kept = _emitted(tree, tokens, best, accepted)
     backend.commit(torch.tensor(rows), accepted + 1)
-    toks = tokens.tolist()
-    emitted = [[toks[i][s] for s in row[: a + 1]] for i, (row, a) in enumerate(zip(rows, kept, strict=True))]
     return emitted, torch.tensor([row[a] for row, a in zip(rows, kept, strict=True)])
 
 

@@ -13,7 +13,8 @@ buffers themselves, at each sequence's length + slot (engines/onnx_fusions.py:
 write_cache_in_place): each layer's buffer is bound as both its past input and its present output,
 once per cache, and a step binds only its small inputs and outputs. `commit` then moves only the
 accepted slots of a branching path (backend.compact_in_place). A plain greedy step on such an
-engine is one call with everything bound once (`plain_greedy_step`): forward, commit and argmax.
+engine is one call with everything bound once (`plain_greedy_step`): forward, commit and argmax;
+a greedy Medusa step likewise (`greedy_tree_step`): the fused step graph and the commit.
 
 Otherwise, on the CPU the cache goes to `session.run` as numpy views, which ONNX Runtime reads in
 place; on a 2-core CPU that measured as fast as IOBinding or faster (BENCHMARKS.md, issue 4): run()
@@ -35,6 +36,7 @@ import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -57,6 +59,9 @@ from medusa_trt.engine_dir import (  # noqa: F401 (EngineError, read_engine_json
     read_engine_json,
 )
 from medusa_trt.runtime.backend import ModelInfo, check_forward, compact_in_place, scatter_pending, zero_cache
+
+if TYPE_CHECKING:
+    from medusa_trt.runtime.decoding import StepTree
 
 _PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 
@@ -282,6 +287,9 @@ class OrtBackend:
         self.pad_one_row = bool(self.device == "cpu" and weights.get("format") == "int4"
                                 and one_row_kernel_differs(weights["block_size"], weights["accuracy_level"]))
         self.fused_step_topk = onnx_info.get("step_topk") if step_file else None
+        # The Backend's optional one-call greedy tree step: fused step and commit, bound once per
+        # cache, batch and tree (_TreeBinding).
+        self.greedy_tree_step = self._greedy_tree_step if self.in_place and self.fused_step_topk else None
         self._check_graphs(engine)
         self.num_layers, self.num_kv_heads = model["num_layers"], model["num_kv_heads"]
         self.head_dim, self.num_medusa_heads = model["head_dim"], engine["medusa"]["num_heads"]
@@ -478,6 +486,30 @@ class OrtBackend:
             bound.positions += 1
         return torch.from_numpy(bound.logits[:, 0].argmax(-1))
 
+    def _greedy_tree_step(self, tokens: torch.Tensor, tree: StepTree) -> tuple[torch.Tensor, ...]:
+        """fused_step(tokens[:, :T] at each sequence's length + the tree's offsets) and the commit of
+        each accepted path, the same graph call as that pair of calls, with every input and output
+        bound once per cache, batch and tree (_TreeBinding). Around a ~15 ms step those calls'
+        Python and torch cost ~0.8 ms on a 2-core AVX2 host, this ~0.1 ms (BENCHMARKS.md, issue 13
+        (m)). Returns best path [B], accepted draft tokens [B] and the next tree's tokens [B, 1 + C]."""
+        bound = self._bindings.get("tree")
+        if (bound is None or bound.tree is not tree or bound.lengths_tensor is not self.lengths
+                or len(tokens) != len(bound.ids)):
+            bound = self._bindings["tree"] = _TreeBinding.make(self, tree)
+        longest = int(bound.lengths.max())
+        if longest + tree.num_slots > self.keys.shape[3] or longest + bound.depth >= self.info.max_seq_len:
+            check_forward(self.keys, self.lengths, tokens[:, : tree.num_slots], self.lengths[:, None] + tree.position_offsets,
+                          None, self.info.max_seq_len, self.engine_dir / "engine.json")  # raises what fused_step would
+        bound.ids[:] = tokens.numpy()[:, : tree.num_slots]
+        np.add(bound.lengths[:, None], bound.offsets, out=bound.positions)
+        self.step_session.run_with_iobinding(bound.io)
+        best, accepted = bound.best.copy(), bound.accepted.copy()  # the next step writes the bound ones
+        if not tree.is_chain:  # an accepted chain is where it belongs; a branch's slots move
+            slots = torch.tensor([tree.paths[p] for p in best.tolist()])
+            compact_in_place(self.keys, self.values, self.lengths, slots, torch.from_numpy(accepted + 1))
+        bound.lengths += accepted + 1  # the commit: self.lengths is this memory
+        return torch.from_numpy(best), torch.from_numpy(accepted), torch.from_numpy(bound.next_tokens.copy())
+
     def heads(self, rows: torch.Tensor) -> torch.Tensor:
         return self._run_heads(self._hidden[torch.arange(len(rows)), rows])
 
@@ -567,6 +599,49 @@ class _PlainBinding:
             io.bind_output(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
         backend.lengths = torch.from_numpy(lengths)
         return cls(io, ids, lengths, backend.lengths, int(lengths.max()), positions, (mask, rows), logits, hidden)
+
+
+@dataclass
+class _TreeBinding:
+    """A greedy tree step's graph call bound once (the step graph): the caches (past and present,
+    one memory), the token ids, the positions (each sequence's length + the tree's offsets,
+    rewritten in place each step), each sequence's length (also the backend's `lengths` tensor, so
+    the commit is an in-place add), the tree's constant mask, retrieve and candidate_index, and the
+    outputs. Made for one StepTree: a cut tree (StepTree.within_block) binds anew."""
+
+    io: object  # onnxruntime IOBinding
+    tree: object  # the StepTree bound (identity: runtime/decoding.py makes each tree, and each cut, once)
+    ids: np.ndarray  # [B, T]
+    positions: np.ndarray  # [B, T]
+    offsets: np.ndarray  # [T] the tree's position offsets
+    depth: int  # the largest offset: positions reach length + depth
+    lengths: np.ndarray  # [B] int64
+    lengths_tensor: torch.Tensor  # `lengths` as the backend's tensor (a later commit replaces it)
+    constants: tuple[np.ndarray, ...]  # new_mask, retrieve, candidate_index: kept alive for their pointers
+    best: np.ndarray  # [B]
+    accepted: np.ndarray  # [B]
+    next_tokens: np.ndarray  # [B, 1 + C]
+
+    @classmethod
+    def make(cls, backend: OrtBackend, tree) -> _TreeBinding:
+        io = backend._cache_binding(backend.step_session)
+        lengths = backend.lengths.numpy().astype(np.int64)  # a copy: the old tensor may be shared
+        batch, t = len(lengths), tree.num_slots
+        offsets = tree.position_offsets.numpy().astype(np.int64)
+        ids, positions = np.zeros((batch, t), np.int64), np.zeros((batch, t), np.int64)
+        mask = np.ascontiguousarray(np.broadcast_to(tree.mask.numpy().astype(np.bool_), (batch, t, t)))
+        retrieve = np.ascontiguousarray(tree.retrieve.numpy(), dtype=np.int64)
+        index = np.ascontiguousarray(tree.candidate_index.numpy(), dtype=np.int64)
+        for name, array in (("input_ids", ids), ("position_ids", positions), ("past_lengths", lengths),
+                            ("new_mask", mask), ("retrieve", retrieve), ("candidate_index", index)):
+            io.bind_input(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
+        best, accepted = np.empty(batch, np.int64), np.empty(batch, np.int64)
+        next_tokens = np.empty((batch, 1 + len(index)), np.int64)
+        for name, array in (("best_path", best), ("accepted", accepted), ("next_tokens", next_tokens)):
+            io.bind_output(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
+        backend.lengths = torch.from_numpy(lengths)
+        return cls(io, tree, ids, positions, offsets, int(offsets.max()), lengths, backend.lengths,
+                   (mask, retrieve, index), best, accepted, next_tokens)
 
 
 def _host_feeds(**tensors: torch.Tensor) -> dict[str, np.ndarray]:

@@ -34,10 +34,10 @@ class BenchError(MedusaTrtError):
 
 
 class ForwardTimer:
-    """A backend whose compute calls (forward, and heads, fused_step and plain_greedy_step where the
-    backend has them) are timed; everything else in a step is host overhead (candidate selection,
-    acceptance, KV compaction, Python). Calls before the first commit belong to the prefill.
-    Delegates the rest."""
+    """A backend whose compute calls (forward, and heads, fused_step, plain_greedy_step and
+    greedy_tree_step where the backend has them) are timed; everything else in a step is host
+    overhead (candidate selection, acceptance, KV compaction, Python). Calls before the first commit
+    belong to the prefill. Delegates the rest."""
 
     def __init__(self, backend: Backend):
         self.backend = backend
@@ -75,7 +75,7 @@ class ForwardTimer:
 
     def __getattr__(self, name):  # info, start, keep, and backend-specific attributes
         attr = getattr(self.backend, name)
-        if name in ("heads", "fused_step", "plain_greedy_step") and attr is not None:  # compute, timed like forward
+        if name in ("heads", "fused_step", "plain_greedy_step", "greedy_tree_step") and attr is not None:  # compute, timed like forward
             return lambda *args, **kwargs: self._timed(attr, *args, **kwargs)
         return attr
 

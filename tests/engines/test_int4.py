@@ -443,6 +443,64 @@ def test_plain_greedy_step_equals_forward_and_commit(ort_engine):
         lean.plain_greedy_step(roots[0])
 
 
+@pytest.mark.parametrize("attention", [None, "row_exact_f32"])
+def test_greedy_tree_step_equals_fused_step_and_commit(ort_engine, attention):
+    """OrtBackend.greedy_tree_step (in-place engines: one bound call per greedy Medusa step) leaves
+    the cache, the lengths and the outputs bit for bit where fused_step + the commit of each
+    accepted path leave them: a chain (chain_f32) and a branching tree whose accepted path is not
+    the first (row_exact_f32: the commit moves slots), on a ragged batch, mixed with plain steps
+    (which replace the lengths it writes), across keep and when the capacity runs out."""
+    from medusa_trt.runtime.decoding import StepTree, _fused_tree_step
+    from medusa_trt.tree import build_tree
+
+    engine = int4_engine(ort_engine, 4, attention)
+    lean, generic = OrtBackend(engine), OrtBackend(engine)
+    assert lean.greedy_tree_step is not None
+    generic.greedy_tree_step = None  # fused_step, then commit
+    choices = [[0], [0, 0], [0, 0, 0]] if attention is None else [[0], [1], [0, 0], [1, 0], [1, 1]]
+    tree = StepTree.of(build_tree(choices, lean.num_medusa_heads, chains_only=attention is None), lean.vocab_size)
+    assert tree.is_chain == (attention is None)
+    # The path the test makes greedy: the chain, or root -> second child -> its second child.
+    path = max(tree.paths, key=lambda p: (len(set(p)), p))
+    prompts = [[5, 9, 17, 33, 2, 8], [3, 4]]
+    follow = [decode(lean, [p], GenerationConfig(max_new_tokens=40, use_medusa=False)).tokens[0] for p in prompts]
+    for backend in (lean, generic):
+        backend.start(2, 40)
+        prefill(backend, prompts, heads=False)
+    produced = [0, 0]
+    rng = torch.Generator().manual_seed(0)
+    steps = ["tree"] * 3 + ["plain"] + ["tree"] * 2 + ["keep"] + ["tree"] * 2
+    rows = [0, 1]
+    for what in steps:
+        if what == "keep":
+            for backend in (lean, generic):
+                backend.keep(torch.tensor([1]))
+            rows = [1]
+            continue
+        if what == "plain":
+            roots = torch.tensor([follow[r][produced[r]] for r in rows])
+            assert lean.plain_greedy_step(roots).tolist() == generic.plain_greedy_step(roots).tolist()
+            produced = [n + (r in rows) for r, n in enumerate(produced)]
+            continue
+        tokens = torch.randint(100, 200, (len(rows), tree.num_slots + 2), generator=rng)
+        for i, r in enumerate(rows):  # the root, and the greedy continuation along `path`
+            for depth, slot in enumerate(path):
+                tokens[i, slot] = follow[r][produced[r] + depth]
+        got = [_fused_tree_step(backend, tree, tokens) for backend in (lean, generic)]
+        (emitted, accepted, next_tokens), want = got
+        assert emitted == want[0] and accepted.tolist() == want[1].tolist() == [len(path) - 1] * len(rows)
+        assert torch.equal(next_tokens, want[2])
+        assert lean.lengths.tolist() == generic.lengths.tolist()
+        torch.testing.assert_close(lean.keys, generic.keys, rtol=0, atol=0)
+        torch.testing.assert_close(lean.values, generic.values, rtol=0, atol=0)
+        produced = [n + len(path) * (r in rows) for r, n in enumerate(produced)]
+    tokens = torch.zeros(1, tree.num_slots, dtype=torch.long)
+    while int(lean.lengths[0]) + tree.num_slots <= lean.keys.shape[3]:
+        lean.greedy_tree_step(tokens, tree)
+    with pytest.raises(ValueError, match="KV cache overflow"):
+        lean.greedy_tree_step(tokens, tree)
+
+
 def test_no_cache_in_place_flag(tiny_merged, tmp_path):
     """medusa-build --no-cache-in-place: the int4 engine returns new K/V for the runtime to scatter."""
     from medusa_trt.cli.build import main as build_main
