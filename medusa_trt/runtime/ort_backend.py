@@ -415,6 +415,11 @@ class OrtBackend:
         """Verifies a tree, accepts greedily and drafts the next tree's tokens in one call (the step
         graph, engines/onnx_export.py). Returns best path [B], accepted draft tokens [B] and the next
         input_ids [B, 1 + C]; the new tokens' KV stays pending until `commit`."""
+        if self.pad_one_row and input_ids.numel() == 1 and self._room_for_two_rows(int(self.lengths.max())):
+            # A lone slot (a one-token prompt's prefill, a tree cut to its root) as two rows, as forward
+            # pads one token (see pad_one_row): retrieve never names the throwaway slot.
+            return self.fused_step(input_ids.repeat(1, 2), torch.cat([position_ids, position_ids + 1], dim=1),
+                                   torch.ones(1, 2, 2, dtype=torch.bool).tril(), retrieve, candidate_index)
         check_forward(self.keys, self.lengths, input_ids, position_ids, None, self.info.max_seq_len,
                       self.engine_dir / "engine.json")
         feeds = _host_feeds(input_ids=input_ids, position_ids=position_ids, past_lengths=self.lengths,
@@ -492,6 +497,11 @@ class OrtBackend:
         bound once per cache, batch and tree (_TreeBinding). Around a ~15 ms step those calls'
         Python and torch cost ~0.8 ms on a 2-core AVX2 host, this ~0.1 ms (BENCHMARKS.md, issue 13
         (m)). Returns best path [B], accepted draft tokens [B] and the next tree's tokens [B, 1 + C]."""
+        if self.pad_one_row and tree.num_slots == 1 and len(tokens) == 1:  # fused_step pads the lone slot
+            best, accepted, next_tokens = self.fused_step(tokens[:, :1], self.lengths[:, None], tree.mask[None],
+                                                          tree.retrieve, tree.candidate_index)
+            self.commit(torch.zeros(1, 1, dtype=torch.long), accepted + 1)
+            return best, accepted, next_tokens
         bound = self._bindings.get("tree")
         if (bound is None or bound.tree is not tree or bound.lengths_tensor is not self.lengths
                 or len(tokens) != len(bound.ids)):

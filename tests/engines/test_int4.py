@@ -208,6 +208,30 @@ def test_one_token_steps_run_as_two_rows_where_the_cpu_has_a_one_row_kernel(ort_
         backend.plain_greedy_step(token)
 
 
+def test_lone_tree_slots_run_as_two_rows_where_the_cpu_has_a_one_row_kernel(ort_engine, monkeypatch):
+    """With pad_one_row (forced here), the fused step never runs a lone row either: a one-token
+    prompt's prefill and a row_exact_f32 tree cut to its root at a key-block edge go in as two rows,
+    the second never accepted, and Medusa greedy stays equal to plain greedy."""
+    monkeypatch.setattr(ort_backend, "one_row_kernel_differs", lambda block_size, level: True)
+    for attention, prompt in ((None, [17]), ("row_exact_f32", list(range(3, 123)))):
+        backend = OrtBackend(int4_engine(ort_engine, 4, attention))
+        rows = []
+        run = backend._run_in_place
+
+        def spy(name, feeds, outputs, run=run):
+            rows.append(feeds["input_ids"].shape)
+            return run(name, feeds, outputs)
+
+        backend._run_in_place = spy
+        plain = decode(backend, [prompt], GenerationConfig(max_new_tokens=12, use_medusa=False)).tokens
+        rows.clear()
+        medusa = decode(backend, [prompt], GenerationConfig(max_new_tokens=12, medusa_choices=[[0], [1], [0, 0]]))
+        assert medusa.tokens == plain
+        assert rows and all(r[1] >= 2 for r in rows)
+        if attention:  # lengths 123.. cross key 128: some step is cut to its root (and padded)
+            assert backend.info.key_block == 128 and rows.count((1, 2)) >= 1
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_float32_scores_are_row_invariant_in_onnx_runtime(threads):
     """row_exact keeps its scores in float32 on the premise that ONNX Runtime's MatMul gives a query
