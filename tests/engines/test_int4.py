@@ -218,7 +218,7 @@ def test_lone_tree_slots_run_as_two_rows_where_the_cpu_has_a_one_row_kernel(ort_
         rows = []
         run = backend._run_in_place
 
-        def spy(name, feeds, outputs, run=run):
+        def spy(name, feeds, outputs, run=run, rows=rows):
             rows.append(feeds["input_ids"].shape)
             return run(name, feeds, outputs)
 
