@@ -414,9 +414,9 @@ def tree_step(backend: Backend, tree: StepTree, root: torch.Tensor, medusa: torc
 def _fused_tree_step(backend, tree: StepTree, tokens):
     """One backend call verifies `tokens` (the first tree.num_slots: a cut tree verifies fewer),
     accepts greedily and drafts the next tree's tokens."""
-    bound = getattr(backend, "greedy_tree_step", None)
-    if bound is not None:  # fused step and commit in one call (OrtBackend, in-place engines)
-        best, accepted, next_tokens = bound(tokens, tree)
+    one_call = getattr(backend, "greedy_tree_step", None)
+    if one_call is not None:  # fused step and commit in one call (OrtBackend, in-place engines)
+        best, accepted, next_tokens = one_call(tokens, tree)
         return _emitted(tree, tokens, best, accepted)[0], accepted, next_tokens
     tokens = tokens[:, : tree.num_slots]
     pos = backend.lengths[:, None] + tree.position_offsets[None]

@@ -620,7 +620,7 @@ class _TreeBinding:
     outputs. Made for one StepTree: a cut tree (StepTree.within_block) binds anew."""
 
     io: object  # onnxruntime IOBinding
-    tree: object  # the StepTree bound (identity: runtime/decoding.py makes each tree, and each cut, once)
+    tree: StepTree  # the tree bound (identity: runtime/decoding.py makes each tree, and each cut, once)
     ids: np.ndarray  # [B, T]
     positions: np.ndarray  # [B, T]
     offsets: np.ndarray  # [T] the tree's position offsets
@@ -633,7 +633,7 @@ class _TreeBinding:
     next_tokens: np.ndarray  # [B, 1 + C]
 
     @classmethod
-    def make(cls, backend: OrtBackend, tree) -> _TreeBinding:
+    def make(cls, backend: OrtBackend, tree: StepTree) -> _TreeBinding:
         io = backend._cache_binding(backend.step_session)
         lengths = backend.lengths.numpy().astype(np.int64)  # a copy: the old tensor may be shared
         batch, t = len(lengths), tree.num_slots
