@@ -1,0 +1,208 @@
+"""What 4-bit weights cost in quality: teacher-forced next-token agreement with float32 on held-out
+text, for this project's engines and the 4-bit peers (issue 13).
+
+Every system reads the same token ids (the held-out prompts as bench_peers feeds them: code as it
+is, chat in the chat template) in one forward pass and gives logits at every position. The reference
+is transformers in float32 on the HF dir dequantized from the GGUF (the weights all systems start
+from). Per system, over all positions that predict a next token:
+  top-1     share of positions whose argmax is the reference's argmax
+  top-5     share where the reference's argmax is among the system's five largest logits
+  KL        mean KL(reference || system) of the next-token distributions, in nats
+  ppl       perplexity of the text itself (exp of the mean negative log-likelihood of the next token)
+Systems: ours (--engine NAME=DIR, any number: float32, int4 at several block sizes, ...), the
+onnxruntime-genai int4 model bench_peers builds (--genai-int4 DIR, run by onnxruntime itself), and
+llama.cpp on the Q4_1 GGUF when llama-cpp-python is installed (`pip install -e '.[bench]'`).
+
+    python benchmarks/bench_int4_quality.py --engine float32=build/real/engine --engine int4=build/real/engine_int4
+        [--genai-int4 build/bench_peers/ortgenai-int4] [--limit N] [--threads 2] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_peers import DEFAULT_PROMPTS, BenchInputError, read_prompts  # noqa: E402
+
+PROG = "bench_int4_quality"
+
+
+# -- logits at every position, per system ------------------------------------------------------
+
+
+def ours(engine_dir: Path, threads: int):
+    from medusa_trt.runtime.ort_backend import OrtBackend
+
+    backend = OrtBackend(engine_dir, threads=threads)
+
+    def logits(ids: list[int]) -> np.ndarray:
+        s = len(ids)
+        backend.start(1, s + 2)
+        out, _ = backend.forward(torch.tensor([ids]), torch.arange(s)[None], torch.ones(1, s, s, dtype=torch.bool).tril(),
+                                 torch.arange(s)[None], with_heads=False)
+        return out[0].numpy()
+
+    return logits
+
+
+def genai_onnx(model_dir: Path, threads: int):
+    """onnxruntime-genai's decoder graph run by onnxruntime directly: an empty past, every position."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
+    session = ort.InferenceSession(str(model_dir / "model.onnx"), options, providers=["CPUExecutionProvider"])
+    inputs = session.get_inputs()
+
+    def logits(ids: list[int]) -> np.ndarray:
+        s = len(ids)
+        feeds = {}
+        for i in inputs:
+            if i.name == "input_ids":
+                feeds[i.name] = np.array([ids], dtype=np.int64)
+            elif i.name == "attention_mask":
+                feeds[i.name] = np.ones((1, s), dtype=np.int64)
+            elif i.name == "position_ids":
+                feeds[i.name] = np.arange(s, dtype=np.int64)[None]
+            elif i.name.startswith("past_key_values."):
+                feeds[i.name] = np.zeros((1, i.shape[1], 0, 64 if isinstance(i.shape[3], str) else i.shape[3]),
+                                         dtype=np.float32)
+            else:
+                raise BenchInputError(f"{model_dir / 'model.onnx'}: input {i.name!r}: not one this benchmark feeds")
+        return session.run(["logits"], feeds)[0][0]
+
+    return logits
+
+
+def llama_cpp(gguf: Path, threads: int, n_ctx: int):
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_batch=n_ctx,
+                logits_all=True, seed=0, verbose=False)
+
+    def logits(ids: list[int]) -> np.ndarray:
+        llm.reset()
+        llm.eval(ids)
+        return np.array(llm.scores[: len(ids)], dtype=np.float32)
+
+    return logits
+
+
+# -- the comparison ----------------------------------------------------------------------------
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def compare(ref: np.ndarray, other: np.ndarray, next_ids: np.ndarray) -> dict:
+    """Sums over positions (the last position predicts nothing in the text and is dropped)."""
+    ref, other = ref[:-1], other[:-1]
+    top_ref = ref.argmax(-1)
+    top5 = np.argpartition(-other, 5, axis=-1)[:, :5]
+    lr, lo = log_softmax(ref), log_softmax(other)
+    return {"positions": len(top_ref),
+            "top1": int((other.argmax(-1) == top_ref).sum()),
+            "top5": int((top5 == top_ref[:, None]).any(-1).sum()),
+            "kl": float((np.exp(lr) * (lr - lo)).sum(-1).sum()),
+            "nll": float(-lo[np.arange(len(next_ids)), next_ids].sum())}
+
+
+def _sum(per_prompt) -> dict:
+    sums: dict = {}
+    for d in per_prompt:
+        for k, v in d.items():
+            sums[k] = sums.get(k, 0) + v
+    return sums
+
+
+def summary(sums: dict) -> dict:
+    n = sums["positions"]
+    return {"positions": n, "top1": sums["top1"] / n, "top5": sums["top5"] / n, "kl": sums["kl"] / n,
+            "ppl": math.exp(sums["nll"] / n)}
+
+
+def markdown(results: dict[str, dict]) -> str:
+    lines = ["| system | positions | top-1 agreement | top-5 holds ref top-1 | KL(ref ‖ system), nats | perplexity |",
+             "|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        lines.append(f"| {name} | {r['positions']} | {r['top1']:.4f} | {r['top5']:.4f} | {r['kl']:.5f} | {r['ppl']:.3f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--engine", action="append", default=[], metavar="NAME=DIR", help="one of our engines (repeatable)")
+    p.add_argument("--genai-int4", type=Path, default=Path("build/bench_peers/ortgenai-int4"),
+                   help="onnxruntime-genai's int4 model dir (bench_peers builds it; skipped when absent)")
+    p.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp out")
+    p.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS)
+    p.add_argument("--limit", type=int, default=None, help="first N prompts (an even share of code and chat)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--workdir", type=Path, default=Path("build/bench_peers"), help="cache of the float32 HF dir")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    try:
+        engines = {}
+        for spec in args.engine:
+            name, sep, path = spec.partition("=")
+            if not sep or not name or not (Path(path) / "engine.json").is_file():
+                raise BenchInputError(f"--engine {spec!r}: expected NAME=DIR of an engine (a dir with engine.json)")
+            engines[name] = Path(path)
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from medusa_trt.converter.gguf import fetch_smollm2, write_hf_dir
+
+        gguf = fetch_smollm2(Path("build/smollm2"))
+        hf_dir = args.workdir / "hf"
+        if not (hf_dir / "config.json").is_file():
+            print(f"{PROG}: dequantizing {gguf} -> {hf_dir} (float32)", file=sys.stderr)
+            write_hf_dir(gguf, hf_dir)
+        tok = AutoTokenizer.from_pretrained(hf_dir)
+        prompts = read_prompts(args.prompts, tok, args.limit)
+    except BenchInputError as e:
+        print(f"{PROG}: {e}", file=sys.stderr)
+        return 2
+
+    torch.set_num_threads(args.threads)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        refs = [model(torch.tensor([pr.ids])).logits[0].numpy() for pr in tqdm(prompts, desc="transformers float32")]
+    del model
+
+    systems = {f"ours {name}": (lambda d=d: ours(d, args.threads)) for name, d in engines.items()}
+    if (args.genai_int4 / "model.onnx").is_file():
+        systems["ort-genai int4"] = lambda: genai_onnx(args.genai_int4, args.threads)
+    else:
+        print(f"{PROG}: ort-genai int4 skipped: {args.genai_int4 / 'model.onnx'} not found (bench_peers builds it)",
+              file=sys.stderr)
+    if not args.no_llama_cpp:
+        systems["llama.cpp Q4_1"] = lambda: llama_cpp(gguf, args.threads, max(len(pr.ids) for pr in prompts) + 8)
+    results = {"transformers float32": summary(_sum(compare(r, r, np.array(pr.ids[1:])) for pr, r in zip(prompts, refs, strict=True)))}
+    for name, open_system in systems.items():
+        try:
+            logits = open_system()
+        except ImportError as e:
+            print(f"{PROG}: {name} skipped: {e}", file=sys.stderr)
+            continue
+        results[name] = summary(_sum(compare(ref, logits(pr.ids), np.array(pr.ids[1:]))
+                                     for pr, ref in zip(tqdm(prompts, desc=name), refs, strict=True)))
+    print(f"{len(prompts)} held-out prompts ({args.prompts}), reference transformers float32 ({hf_dir}):")
+    print(markdown(results))
+    if args.json:
+        args.json.write_text(json.dumps({"prompts": str(args.prompts), "n": len(prompts), "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
