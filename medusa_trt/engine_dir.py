@@ -27,7 +27,9 @@ from medusa_trt.errors import MedusaTrtError, read_json_object, require, require
 # 4: onnx.key_block (row_exact_f32 attention: an older runtime would not keep tree steps inside a block).
 # 5: onnx.cache_in_place (graphs that write the cache they are bound to, per-layer present outputs).
 # 6: onnx.chains_only (chain_f32 attention: an older runtime would verify branching trees inexactly).
-ENGINE_FORMAT_VERSION = 6
+# 7: weights.offsets and weights.lm_head_bits (an older medusa-check would rebuild its reference with
+#    zero points and a 4-bit lm_head).
+ENGINE_FORMAT_VERSION = 7
 ENGINE_JSON = "engine.json"
 BACKENDS = ("onnxruntime", "tensorrt", "tensorrt-llm")
 SECTIONS = {"onnxruntime": "onnx", "tensorrt": "tensorrt", "tensorrt-llm": "tensorrt_llm"}
@@ -134,6 +136,8 @@ def validate_engine(engine: Any, path: Path, backend: str | None = None) -> dict
         if weights["format"] == "int4":
             req(weights, "block_size", int, "weights.", positive=True)
             req(weights, "accuracy_level", int, "weights.", nonnegative=True)
+            req(weights, "offsets", bool, "weights.", default=False)
+            req(weights, "lm_head_bits", int, "weights.", choices=(4, 8), default=4)
     elif kind == "tensorrt":
         _relative_file(section, "engine", path, p)
         _relative_file(section, "heads_engine", path, p, optional=True)

@@ -277,11 +277,17 @@ def stacked_linear(w: torch.Tensor | None, b: torch.Tensor, fp8: FP8HeadLinears 
 # The numbers of ONNX Runtime's com.microsoft MatMulNBits (bits=4): W [N, K] is cut along K into
 # blocks of `block_size`; each block has a float32 scale and a 4-bit zero point (asymmetric, the
 # block's [min(w, 0), max(w, 0)] mapped onto 0..15) and dequantizes as (q - zero_point) * scale.
+# That grid passes through zero, so it cannot hold a block whose values sit on a grid that does not
+# (a GGUF's Q4_1 block: d * q + m): `offsets` instead maps [min(w), max(w)] onto 0..15 and keeps
+# the block's offset as a float, w = scale * (q - 8) + offset, run as MatMulNBits without zero points
+# plus blocksum(x) @ offsets^T (exact for Q4_1 blocks; 1.15-1.23x a step, BENCHMARKS.md, issue 13 (p)).
+# The lm_head may be 8-bit instead (symmetric, w = scale * (q - 128): exact for a GGUF's Q8_0).
 # The engine holds the packed bytes; the reference dequantizes the same bytes, so both multiply by
 # the same float32 weights.
 
 INT4_BLOCK_SIZES = (16, 32, 64, 128, 256)  # MatMulNBits: a power of two >= 16
 INT4_ACCURACY_LEVELS = (0, 4)  # MatMulNBits: 0 float compute, 4 int8 activations (per block)
+LM_HEAD_BITS = (4, 8)
 
 
 def quantize_int4(w: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -301,12 +307,50 @@ def quantize_int4(w: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch
     return packed.contiguous(), scale.contiguous(), (z[:, 0::2] | (z[:, 1::2] << 4)).contiguous()
 
 
-def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor) -> torch.Tensor:
-    """The float32 W [N, K] that quantize_int4's output stands for: (q - zero_point) * scale."""
+def quantize_int4_offsets(w: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """W [N, K] -> packed (as quantize_int4), scales [N, K/bs] and offsets [N, K/bs] float32: each
+    block's [min, max] onto 0..15, dequantizing as scale * (q - 8) + offset. A block whose values are
+    d * q + m with both end codes used (every Q4_1 block of a GGUF) comes back to float32 rounding."""
+    n, k = w.shape
+    blocks = w.detach().to(torch.float32).reshape(n, k // block_size, block_size)
+    lo, hi = blocks.amin(-1), blocks.amax(-1)
+    scale = (hi - lo) / 15.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # a constant block: q = 0, offset exact
+    q = torch.round((blocks - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
+    return (q[..., 0::2] | (q[..., 1::2] << 4)).contiguous(), scale.contiguous(), (lo + 8.0 * scale).contiguous()
+
+
+def quantize_int8(w: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [N, K] -> packed [N, K/bs, bs] uint8 (q + 128) and scales [N, K/bs] float32, symmetric
+    (scale = max|w| / 127): MatMulNBits bits=8 without zero points. Exact for a GGUF's Q8_0 blocks."""
+    n, k = w.shape
+    blocks = w.detach().to(torch.float32).reshape(n, k // block_size, block_size)
+    scale = blocks.abs().amax(-1) / 127.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(blocks / scale[..., None]).clamp(-128, 127) + 128
+    return q.to(torch.uint8).contiguous(), scale.contiguous()
+
+
+def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None) -> torch.Tensor:
+    """The float32 W [N, K] that quantize_int4's output stands for: (q - zero_point) * scale; without
+    zero points (quantize_int4_offsets), MatMulNBits' implicit 8."""
     n, blocks, half = packed.shape
     q = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(n, blocks, 2 * half).to(torch.float32)
+    if zero_points is None:
+        return ((q - 8.0) * scales[..., None]).reshape(n, blocks * 2 * half)
     zp = torch.stack([zero_points & 0x0F, zero_points >> 4], dim=-1).reshape(n, -1)[:, :blocks].to(torch.float32)
     return ((q - zp[..., None]) * scales[..., None]).reshape(n, blocks * 2 * half)
+
+
+def dequantize_int8(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The float32 W [N, K] of quantize_int8's output: (q - 128) * scale."""
+    n, blocks, bs = packed.shape
+    return ((packed.to(torch.float32) - 128.0) * scales[..., None]).reshape(n, blocks * bs)
+
+
+def block_sums(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """x [..., K] -> [..., K / block_size]: the sum of each block, what per-block offsets multiply."""
+    return x.reshape(*x.shape[:-1], -1, block_size).sum(-1)
 
 
 def fake_quant_int8_blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -319,28 +363,41 @@ def fake_quant_int8_blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
     return (q * scale).reshape(x.shape).to(x.dtype)
 
 
-def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor,
-                accuracy_level: int) -> torch.Tensor:
+def nbits_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
+                 accuracy_level: int, bits: int) -> torch.Tensor:
     """MatMulNBits' arithmetic: x [..., K] @ dequantized W^T, activations per-block int8 at level 4."""
     if accuracy_level == 4:
-        x = fake_quant_int8_blocks(x, 2 * packed.shape[2])
-    return F.linear(x, dequantize_int4(packed, scales, zero_points).to(x.dtype))
+        x = fake_quant_int8_blocks(x, packed.shape[2] * 8 // bits)
+    w = dequantize_int4(packed, scales, zero_points) if bits == 4 else dequantize_int8(packed, scales)
+    return F.linear(x, w.to(x.dtype))
 
 
 class Int4Linear(nn.Module):
-    """A Linear whose weight is int4 blocks (quantize_int4), run as MatMulNBits runs it (int4_matmul).
-    `matmul` is a plain attribute so the exporter can swap in the MatMulNBits op."""
+    """A Linear whose weight is int4 blocks (quantize_int4, or quantize_int4_offsets with `offsets`)
+    or, with bits=8, int8 blocks (quantize_int8), run as MatMulNBits runs it (nbits_matmul), plus the
+    offsets' blocksum(x) @ offsets^T. `matmul` is a plain attribute so the exporter can swap in the
+    MatMulNBits op."""
 
-    kept = ("packed", "scales", "zero_points")
-
-    def __init__(self, linear: nn.Linear, block_size: int, accuracy_level: int):
+    def __init__(self, linear: nn.Linear, block_size: int, accuracy_level: int, offsets: bool = False,
+                 bits: int = 4):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.block_size, self.accuracy_level = block_size, accuracy_level
-        for name, t in zip(self.kept, quantize_int4(linear.weight, block_size), strict=True):
+        self.block_size, self.accuracy_level, self.bits = block_size, accuracy_level, bits
+        self.register_buffer("zero_points", None)  # the schemes without them: MatMulNBits' implicit one
+        self.register_buffer("offsets", None)
+        if bits == 8:
+            self.kept: tuple[str, ...] = ("packed", "scales")
+            tensors = quantize_int8(linear.weight, block_size)
+        elif offsets:
+            self.kept = ("packed", "scales", "offsets")
+            tensors = quantize_int4_offsets(linear.weight, block_size)
+        else:
+            self.kept = ("packed", "scales", "zero_points")
+            tensors = quantize_int4(linear.weight, block_size)
+        for name, t in zip(self.kept, tensors, strict=True):
             self.register_buffer(name, t)
         self.bias = linear.bias
-        self.matmul = int4_matmul
+        self.matmul = nbits_matmul
 
     def _apply(self, fn, recurse=True):  # dtype casts leave the packed bytes and float32 scales alone
         saved = {n: self._buffers.pop(n) for n in self.kept}
@@ -351,22 +408,28 @@ class Int4Linear(nn.Module):
             self._buffers.update({n: t.to(device) for n, t in saved.items()})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.matmul(x, self.packed, self.scales, self.zero_points, self.accuracy_level)
+        y = self.matmul(x, self.packed, self.scales, self.zero_points, self.accuracy_level, self.bits)
+        if self.offsets is not None:  # in x's own precision: ReduceSum and a float MatMul in the graph
+            y = y + F.linear(block_sums(x, self.block_size), self.offsets.to(x.dtype))
         return y if self.bias is None else y + self.bias
 
 
 def quantize_model_int4(model: MedusaModel, block_size: int, accuracy_level: int, lm_head: bool = True,
-                        draft: bool = False) -> list[str]:
+                        draft: bool = False, offsets: bool = False, lm_head_bits: int = 4) -> list[str]:
     """Replaces the decoder's Linears (and the lm_head with `lm_head`) by Int4Linear in place: what
     medusa-build --weights int4 exports and what medusa-check runs as the reference. Deterministic,
     so both get the same bytes. Medusa heads that use the base lm_head (v2) then use the int4 one.
     `draft`: the heads' draft-vocabulary matrices too (`draft_int4`, one Int4Linear per head), when
-    the heads have a draft vocabulary. Returns the names of the Linears left in the model dtype
-    because their input size is not a multiple of block_size (the caller warns)."""
+    the heads have a draft vocabulary. `offsets`: per-block float offsets (quantize_int4_offsets)
+    instead of zero points; `lm_head_bits` 8: the lm_head as int8 blocks. Returns the names of the
+    Linears left in the model dtype because their input size is not a multiple of block_size (the
+    caller warns)."""
     if block_size not in INT4_BLOCK_SIZES:
         raise ValueError(f"int4 block size {block_size}: expected one of {INT4_BLOCK_SIZES}")
     if accuracy_level not in INT4_ACCURACY_LEVELS:
         raise ValueError(f"int4 accuracy level {accuracy_level}: expected one of {INT4_ACCURACY_LEVELS}")
+    if lm_head_bits not in LM_HEAD_BITS:
+        raise ValueError(f"lm_head bits {lm_head_bits}: expected one of {LM_HEAD_BITS}")
     names = [f"layers.{i}.{n}" for i in range(len(model.layers)) for n in ("qkv", "dense", "fc", "gate", "proj")]
     if lm_head:
         h = model.cfg.num_medusa_heads
@@ -383,7 +446,8 @@ def quantize_model_int4(model: MedusaModel, block_size: int, accuracy_level: int
         if linear.in_features % block_size:
             skipped.append(name)
             continue
-        setattr(owner, attr, Int4Linear(linear, block_size, accuracy_level))
+        bits = lm_head_bits if name == "lm_head" else 4
+        setattr(owner, attr, Int4Linear(linear, block_size, accuracy_level, offsets, bits))
     if draft and model.cfg.draft_vocab and model.cfg.num_medusa_heads:
         # The draft matrix is the heads' largest float32 read per step ([V', d] a head; issue 13).
         if model.cfg.hidden_size % block_size:
@@ -393,7 +457,7 @@ def quantize_model_int4(model: MedusaModel, block_size: int, accuracy_level: int
             for w in model.draft_lm_head:  # [H, V', d]
                 linear = nn.Linear(w.shape[1], w.shape[0], bias=False)
                 linear.weight.data = w.float()
-                heads.append(Int4Linear(linear, block_size, accuracy_level))
+                heads.append(Int4Linear(linear, block_size, accuracy_level, offsets))
             model.draft_int4 = nn.ModuleList(heads)
     return skipped
 

@@ -90,6 +90,9 @@ def _quantization_part(config: dict) -> dict | None:
 # level 0, which is slower than float32 below the lm_head's size; block 32 was fastest at one row.
 INT4_DEFAULT_BLOCK_SIZE = 32
 INT4_DEFAULT_ACCURACY_LEVEL = 4
+# Zero points by default: per-block float offsets (--int4-offsets) and an 8-bit lm_head keep a GGUF's
+# Q4_1 / Q8_0 weights exactly (top-1 agreement with float32 0.665 -> 0.968 on SmolLM2) but cost a step
+# 1.15-1.23x on the AVX2 CPU (BENCHMARKS.md, issue 13 (p)), and the peers measured run zero-anchored grids.
 
 
 def default_attention(opset: int, weights: dict) -> str:
@@ -108,7 +111,7 @@ def default_attention(opset: int, weights: dict) -> str:
 
 def _quantize_int4(opts: BuildOptions, config: dict, model) -> dict:
     """Quantizes `model` in place for --weights int4; returns engine.json's "weights" section."""
-    from medusa_trt.modeling import INT4_ACCURACY_LEVELS, INT4_BLOCK_SIZES, quantize_model_int4
+    from medusa_trt.modeling import INT4_ACCURACY_LEVELS, INT4_BLOCK_SIZES, LM_HEAD_BITS, quantize_model_int4
 
     block = int(opts.extra.get("int4_block_size", INT4_DEFAULT_BLOCK_SIZE))
     level = int(opts.extra.get("int4_accuracy_level", INT4_DEFAULT_ACCURACY_LEVEL))
@@ -119,12 +122,17 @@ def _quantize_int4(opts: BuildOptions, config: dict, model) -> dict:
     if (config.get("quantization") or {}).get("quant_algo"):
         raise BuildError(f"{opts.checkpoint / 'config.json'}: an FP8 checkpoint cannot be built with --weights "
                          "int4; convert the base without --quantize fp8")
-    skipped = quantize_model_int4(model, block, level, draft=True)
+    offsets = bool(opts.extra.get("int4_offsets", False))
+    lm_head_bits = int(opts.extra.get("int4_lm_head_bits", 4))
+    if lm_head_bits not in LM_HEAD_BITS:
+        raise BuildError(f"--int4-lm-head-bits {lm_head_bits}: expected one of {', '.join(map(str, LM_HEAD_BITS))}")
+    skipped = quantize_model_int4(model, block, level, draft=True, offsets=offsets, lm_head_bits=lm_head_bits)
     for name in skipped:
         log.warning("--weights int4: %s stays %s: its input size is not a multiple of --int4-block-size %d",
                     name, model.dtype, block)
     return {"format": "int4", "op": "com.microsoft.MatMulNBits", "bits": 4, "block_size": block,
-            "accuracy_level": level, "symmetric": False, "lm_head": "lm_head" not in skipped,
+            "accuracy_level": level, "symmetric": False, "offsets": offsets, "lm_head": "lm_head" not in skipped,
+            "lm_head_bits": lm_head_bits,
             "heads_use_lm_head": bool(model.heads_use_lm_head), "draft_int4": model.draft_int4 is not None,
             "float_linears": skipped}
 

@@ -23,7 +23,9 @@ checkpoint's scales live (`x` is cast to float32 first in a float16 graph): that
 arithmetic, and ONNX Runtime's CPU kernels do not take a float16 input with a float32 scale.
 
 int4 models (modeling.quantize_model_int4, medusa-build --weights int4) export each Int4Linear as one
-com.microsoft MatMulNBits node over its packed bytes, scales and zero points.
+com.microsoft MatMulNBits node over its packed bytes, scales and zero points (none with per-block
+offsets, whose blocksum(x) @ offsets^T traces as Reshape, ReduceSum, MatMul and Add; bits=8 for an
+8-bit lm_head).
 
 Graph interface (names are the contract with `medusa_trt.runtime.ort_backend`):
 
@@ -86,7 +88,7 @@ from medusa_trt.modeling import (
     MedusaModel,
     attention_with_past,
     fake_quant_fp8,
-    int4_matmul,
+    nbits_matmul,
     resblocks,
 )
 from medusa_trt.tree import candidate_topk
@@ -410,19 +412,19 @@ def _int4_op() -> Callable:
     plain ops it would be an unpack-and-dequantize chain and a float MatMul)."""
 
     @torch.library.custom_op("medusa_trt::matmul_nbits", mutates_args=())
-    def op(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor,
-           accuracy_level: int) -> torch.Tensor:
-        return int4_matmul(x, packed, scales, zero_points, accuracy_level)
+    def op(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
+           accuracy_level: int, bits: int) -> torch.Tensor:
+        return nbits_matmul(x, packed, scales, zero_points, accuracy_level, bits)
 
     @op.register_fake
-    def _(x, packed, scales, zero_points, accuracy_level):
+    def _(x, packed, scales, zero_points, accuracy_level, bits):
         return x.new_empty((*x.shape[:-1], packed.shape[0]))
 
     return op
 
 
-def _export_int4_matmul(x, packed, scales, zero_points, accuracy_level):
-    return _int4_op()(x, packed, scales, zero_points, accuracy_level)
+def _export_int4_matmul(x, packed, scales, zero_points, accuracy_level, bits):
+    return _int4_op()(x, packed, scales, zero_points, accuracy_level, bits)
 
 
 @functools.cache
@@ -443,15 +445,18 @@ def _matmul_nbits_schema():
     )
 
 
-def _matmul_nbits_translation(x, packed, scales, zero_points, accuracy_level):
+def _matmul_nbits_translation(x, packed, scales, zero_points, accuracy_level, bits):
     from onnxscript import opset23 as op
     from onnxscript.values import Op, Opset
 
-    n, blocks, half = (int(d) for d in packed.shape)
+    n, blocks, blob = (int(d) for d in packed.shape)
+    block_size = blob * 8 // int(bits)
     mm = Op(Opset("com.microsoft", 1), "MatMulNBits", _matmul_nbits_schema())
     # scales [N, blocks] -> [N * blocks], the layout the kernel reads (folded at load: an initializer).
-    return mm(x, packed, op.Reshape(scales, op.Constant(value_ints=[-1])), zero_points, K=blocks * 2 * half, N=n,
-              bits=4, block_size=2 * half, accuracy_level=int(accuracy_level))
+    # Without zero points the node has three inputs: the kernel's implicit 2^(bits - 1).
+    args = [x, packed, op.Reshape(scales, op.Constant(value_ints=[-1]))] + ([] if zero_points is None else [zero_points])
+    return mm(*args, K=blocks * block_size, N=n, bits=int(bits), block_size=block_size,
+              accuracy_level=int(accuracy_level))
 
 
 def has_int4(model: MedusaModel) -> bool:
@@ -778,7 +783,7 @@ def _export_mode(model: MedusaModel, form: AttentionForm, heads: Callable, wrapp
         for m in fp8:
             m.fake_quant, m.dequant = fake_quant_fp8, dequantize_fp8
         for m in int4:
-            m.matmul = int4_matmul
+            m.matmul = nbits_matmul
 
 
 def example_inputs(model: MedusaModel, batch: int = 2, new: int = 3, past: int = 5, logits: int = 2) -> dict:

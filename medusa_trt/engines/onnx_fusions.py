@@ -210,10 +210,11 @@ def _fuse_gate_up(model) -> int:
     for n in graph.node:
         if n.op_type == "MatMul" and n.input[1] in g.initializers and len(g.init[n.input[1]].dims) == 2:
             key = ("MatMul", n.input[0], g.init[n.input[1]].dims[0], g.init[n.input[1]].data_type)
-        elif n.op_type == "MatMulNBits" and n.domain == MS_DOMAIN and len(n.input) == 4 and \
-                n.input[1] in g.initializers and n.input[3] in g.initializers and _constant(g, n.input[2]):
+        elif n.op_type == "MatMulNBits" and n.domain == MS_DOMAIN and len(n.input) in (3, 4) and \
+                n.input[1] in g.initializers and all(i in g.initializers for i in n.input[3:]) and \
+                _constant(g, n.input[2]):
             attrs = tuple(_attr(n, a) for a in ("K", "bits", "block_size", "accuracy_level"))
-            key = ("MatMulNBits", n.input[0], attrs)
+            key = ("MatMulNBits", n.input[0], attrs, len(n.input))  # with zero points or without
         else:
             continue
         groups.setdefault(key, []).append(n)
@@ -231,14 +232,15 @@ def _fuse_gate_up(model) -> int:
         else:
             packed = [numpy_helper.to_array(g.init[n.input[1]]) for n in nodes]
             scales = [numpy_helper.to_array(_constant(g, n.input[2])[0]).reshape(-1) for n in nodes]
-            zeros = [numpy_helper.to_array(g.init[n.input[3]]) for n in nodes]
+            parts = {"packed": packed, "scales": scales}
+            if key[3] == 4:
+                parts["zero_points"] = [numpy_helper.to_array(g.init[n.input[3]]) for n in nodes]
             sizes = [int(_attr(n, "N")) for n in nodes]
-            for suffix, parts in (("packed", packed), ("scales", scales), ("zero_points", zeros)):
-                new_init.append(numpy_helper.from_array(np.concatenate(parts, axis=0), f"{stem}.{suffix}"))
+            for suffix, arrays in parts.items():
+                new_init.append(numpy_helper.from_array(np.concatenate(arrays, axis=0), f"{stem}.{suffix}"))
             attrs = dict(zip(("K", "bits", "block_size", "accuracy_level"), key[2], strict=True))
-            fused = helper.make_node("MatMulNBits", [first.input[0], f"{stem}.packed", f"{stem}.scales",
-                                                     f"{stem}.zero_points"], [f"{stem}.out"], name=stem,
-                                     domain=MS_DOMAIN, N=sum(sizes), **attrs)
+            fused = helper.make_node("MatMulNBits", [first.input[0], *(f"{stem}.{suffix}" for suffix in parts)],
+                                     [f"{stem}.out"], name=stem, domain=MS_DOMAIN, N=sum(sizes), **attrs)
         new_init.append(numpy_helper.from_array(np.array(sizes, dtype=np.int64), f"{stem}.sizes"))
         split = helper.make_node("Split", [f"{stem}.out", f"{stem}.sizes"], [n.output[0] for n in nodes],
                                  name=f"{stem}_split", axis=-1)

@@ -17,7 +17,15 @@ import torch
 
 from medusa_trt.cli.check import main as check_main
 from medusa_trt.engines.onnx_export import past_names
-from medusa_trt.modeling import MedusaModel, dequantize_int4, quantize_int4, quantize_model_int4
+from medusa_trt.modeling import (
+    MedusaModel,
+    dequantize_int4,
+    dequantize_int8,
+    quantize_int4,
+    quantize_int4_offsets,
+    quantize_int8,
+    quantize_model_int4,
+)
 from medusa_trt.runtime import ort_backend
 from medusa_trt.runtime.decoding import GenerationConfig, decode, prefill
 from medusa_trt.runtime.ort_backend import EngineError, OrtBackend, make_session
@@ -31,9 +39,17 @@ def int4_engine(ort_engine, level: int, attention: str | None = None):
     return ort_engine("llama", extra={**INT4, "int4_accuracy_level": level}, **({"attention": attention} if attention else {}))
 
 
-def int4_reference(tiny_merged, level: int) -> MedusaModel:
+# The GGUF-exact scheme (BENCHMARKS.md, issue 13 (o)): per-block float offsets, 8-bit lm_head.
+EXACT = {"int4_offsets": True, "int4_lm_head_bits": 8}
+
+
+def exact_engine(ort_engine, level: int = 4):
+    return ort_engine("llama", extra={**INT4, **EXACT, "int4_accuracy_level": level})
+
+
+def int4_reference(tiny_merged, level: int, offsets: bool = False, lm_head_bits: int = 4) -> MedusaModel:
     model = MedusaModel.from_checkpoint(tiny_merged("llama"))
-    assert quantize_model_int4(model, 32, level) == []
+    assert quantize_model_int4(model, 32, level, offsets=offsets, lm_head_bits=lm_head_bits) == []
     return model
 
 
@@ -50,6 +66,27 @@ def test_quantize_int4_round_trip():
     assert bool((back[0, :32] == 0).all())
 
 
+def test_offsets_and_int8_hold_gguf_blocks_exactly():
+    """A Q4_1 block (d * q + m, q in 0..15 with both end codes, as llama.cpp writes them) comes back
+    from the offsets scheme to float32 rounding, where the zero-point grid misses it by up to half a
+    step; a Q8_0 block (d * q, |q| <= 127 with 127 used) comes back bit for bit from int8."""
+    g = torch.Generator().manual_seed(0)
+    n, k = 8, 128
+    d = torch.rand(n, k // 32, 1, generator=g) * 0.02 + 1e-3
+    m = torch.randn(n, k // 32, 1, generator=g) * 0.05
+    q = torch.randint(0, 16, (n, k // 32, 32), generator=g).float()
+    q[..., 0], q[..., 1] = 0, 15
+    w = (d * q + m).reshape(n, k)
+    packed, scales, offsets = quantize_int4_offsets(w, 32)
+    back = (dequantize_int4(packed, scales, None).reshape(n, k // 32, 32) + offsets[..., None]).reshape(n, k)
+    assert (back - w).abs().max() <= 1e-6 * w.abs().max()
+    assert (dequantize_int4(*quantize_int4(w, 32)) - w).abs().max() > 100 * (back - w).abs().max()
+    q8 = torch.randint(-127, 128, (n, k // 32, 32), generator=g).float()
+    q8[..., 0] = 127
+    w8 = (d * q8).reshape(n, k)
+    assert torch.equal(dequantize_int8(*quantize_int8(w8, 32)), w8)
+
+
 def test_unfit_block_size_stays_float(tiny_merged):
     """hidden 64 is not a multiple of 128: those Linears stay float and are named; proj (K=128) is int4."""
     model = MedusaModel.from_checkpoint(tiny_merged("llama"))
@@ -59,13 +96,15 @@ def test_unfit_block_size_stays_float(tiny_merged):
         quantize_model_int4(MedusaModel.from_checkpoint(tiny_merged("llama")), 48, 4)
 
 
-@pytest.mark.parametrize("level", [0, 4])
+@pytest.mark.parametrize("level, exact", [(0, False), (4, False), (0, True), (4, True)])
 @pytest.mark.parametrize("batch, past, kind", [(1, 0, "causal"), (3, 11, "tree")])
-def test_int4_engine_parity(ort_engine, tiny_merged, level, batch, past, kind):
-    engine = int4_engine(ort_engine, level)
+def test_int4_engine_parity(ort_engine, tiny_merged, level, exact, batch, past, kind):
+    """Both schemes: zero points, and offsets with an 8-bit lm_head (EXACT)."""
+    engine = exact_engine(ort_engine, level) if exact else int4_engine(ort_engine, level)
     info = json.loads((engine / "engine.json").read_text())["weights"]
     assert info["format"] == "int4" and info["block_size"] == 32 and info["accuracy_level"] == level
-    model = int4_reference(tiny_merged, level)
+    assert (info["offsets"], info["lm_head_bits"]) == ((True, 8) if exact else (False, 4))
+    model = int4_reference(tiny_merged, level, *((True, 8) if exact else ()))
     feeds, ref_args = make_inputs(model, batch, past, kind)
     got = run_decoder(make_session(engine / "model.onnx"), feeds)
     with torch.no_grad():
@@ -79,15 +118,22 @@ def test_int4_engine_parity(ort_engine, tiny_merged, level, batch, past, kind):
     # the int4 graph really is int4: no float copy of the decoder weights
     import onnx
 
-    ops = {n.op_type for n in onnx.load(engine / "model.onnx").graph.node}
-    assert "MatMulNBits" in ops
+    nodes = [n for n in onnx.load(engine / "model.onnx").graph.node if n.op_type == "MatMulNBits"]
+    assert nodes
+    bits = sorted({next(a.i for a in n.attribute if a.name == "bits") for n in nodes})
+    assert bits == ([4, 8] if exact else [4])
+    assert {len(n.input) for n in nodes} == ({3} if exact else {4})  # offsets: no zero points
 
 
-@pytest.mark.parametrize("attention", [None, "row_exact_f32"])
+@pytest.mark.parametrize("attention", [None, "row_exact_f32", "exact weights"])
 def test_int4_medusa_greedy_equals_plain(ort_engine, attention):
     """Medusa greedy on an int4 engine == plain greedy on the same engine (fused step and two-call
     path), with the default tree: a chain_f32 engine runs its main chain, row_exact_f32 all of it."""
-    backend = OrtBackend(int4_engine(ort_engine, 4, attention))
+    if attention == "exact weights":
+        backend = OrtBackend(exact_engine(ort_engine))
+        attention = None
+    else:
+        backend = OrtBackend(int4_engine(ort_engine, 4, attention))
     assert backend.info.chains_only == (attention is None)
     prompts = [[5, 9, 17, 33], [3, 4], list(range(20, 40))]
     plain = decode(backend, prompts, GenerationConfig(max_new_tokens=32, use_medusa=False)).tokens
@@ -138,14 +184,16 @@ def _tree_logits(backend, ids: list[int], start: int, decoys: bool = True) -> to
     return logits[0]
 
 
-@pytest.mark.parametrize("attention", [None, "row_exact_f32", "row_exact"])
+@pytest.mark.parametrize("attention", [None, "row_exact_f32", "row_exact", "exact weights"])
 def test_int4_rows_are_bitwise_row_invariant(ort_engine, attention):
     """The attention forms of level-4 int4 engines (the default "chain_f32", "row_exact_f32" and
     "row_exact") make a position's logits the same bits in a one-row step, a many-row prefill and a
     chain tree step, and (all but chain_f32) a tree step whose path keys sit at other offsets:
     MatMulNBits' int8 activations would otherwise turn float32 rounding noise into different logits
-    (the cause of Medusa != plain greedy on the real model; benchmarks/bench_row_invariance.py)."""
-    engine = int4_engine(ort_engine, 4, attention)
+    (the cause of Medusa != plain greedy on the real model; benchmarks/bench_row_invariance.py).
+    "exact weights": chain_f32 with the offsets' ReduceSum and MatMul and the 8-bit lm_head."""
+    engine = exact_engine(ort_engine) if attention == "exact weights" else int4_engine(ort_engine, 4, attention)
+    attention = None if attention == "exact weights" else attention
     onnx_info = json.loads((engine / "engine.json").read_text())["onnx"]
     assert onnx_info["attention"] == (attention or "chain_f32")
     assert onnx_info.get("key_block") == (128 if attention == "row_exact_f32" else None)
@@ -536,17 +584,34 @@ def test_no_cache_in_place_flag(tiny_merged, tmp_path):
     assert not OrtBackend(out).in_place
 
 
-@pytest.mark.parametrize("field", ["cache_in_place", "chains_only"])
-def test_engine_json_flags_must_be_bools(ort_engine, tmp_path, field):
+@pytest.mark.parametrize("field, value", [("onnx.cache_in_place", "false"), ("onnx.chains_only", "false"),
+                                          ("weights.offsets", "true"), ("weights.lm_head_bits", 6)])
+def test_engine_json_flags_must_be_bools(ort_engine, tmp_path, field, value):
     import shutil
 
     engine = tmp_path / "engine"
     shutil.copytree(int4_engine(ort_engine, 4), engine)
     data = json.loads((engine / "engine.json").read_text())
-    data["onnx"][field] = "false"
+    section, key = field.split(".")
+    data[section][key] = value
     (engine / "engine.json").write_text(json.dumps(data))
-    with pytest.raises(EngineError, match=f"onnx.{field}"):
+    with pytest.raises(EngineError, match=field):
         OrtBackend(engine)
+
+
+def test_bad_lm_head_bits_is_refused_before_anything_is_written(tiny_merged, tmp_path, capsys):
+    from medusa_trt.cli.build import main as build_main
+    from medusa_trt.engines.build import BuildError, BuildOptions, build_engine
+
+    out = tmp_path / "engine"
+    args = ["--checkpoint", str(tiny_merged("llama")), "--out", str(out), "--weights", "int4", "--quiet"]
+    with pytest.raises(SystemExit) as e:
+        build_main([*args, "--int4-lm-head-bits", "6"])
+    assert e.value.code == 2 and "--int4-lm-head-bits" in capsys.readouterr().err
+    with pytest.raises(BuildError, match="--int4-lm-head-bits 6: expected one of 4, 8"):
+        build_engine(BuildOptions(checkpoint=tiny_merged("llama"), out=out, progress=False,
+                                  extra={**INT4, "int4_lm_head_bits": 6}))
+    assert not out.exists() and list(tmp_path.iterdir()) == []
 
 
 def test_onnx_runtime_writes_the_bound_cache_in_place(ort_engine, capfd, monkeypatch):
@@ -599,9 +664,11 @@ def _session_from_bytes(model: bytes, threads: int):
     return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
 
 
-def test_medusa_check_int4(ort_engine, tmp_path):
+@pytest.mark.parametrize("exact", [False, True])
+def test_medusa_check_int4(ort_engine, tmp_path, exact):
     report = tmp_path / "r.json"
-    assert check_main(["--engine", str(int4_engine(ort_engine, 4)), "--json", str(report),
+    engine = exact_engine(ort_engine) if exact else int4_engine(ort_engine, 4)
+    assert check_main(["--engine", str(engine), "--json", str(report),
                        "--max-new-tokens", "12", "--tree-steps", "2"]) == 0
     assert json.loads(report.read_text())["passed"]
 
