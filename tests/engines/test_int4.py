@@ -586,7 +586,7 @@ def test_no_cache_in_place_flag(tiny_merged, tmp_path):
 
 @pytest.mark.parametrize("field, value", [("onnx.cache_in_place", "false"), ("onnx.chains_only", "false"),
                                           ("weights.offsets", "true"), ("weights.lm_head_bits", 6)])
-def test_engine_json_flags_must_be_bools(ort_engine, tmp_path, field, value):
+def test_engine_json_flags_are_validated(ort_engine, tmp_path, field, value):
     import shutil
 
     engine = tmp_path / "engine"
