@@ -16,7 +16,8 @@ Runtime's com.microsoft ops with the same arithmetic:
 - "gate_up": MatMuls (float, or MatMulNBits) with constant weights reading the same input (the MLP's
   gate and up projections) -> one MatMul over the weights concatenated along N, then a Split: one
   kernel call (and one fork/join of the intra-op threads) instead of two. Each output column is the
-  same dot product as before.
+  same dot product as before. Where both the fused MatMulNBits and the fused offset correction of an
+  exact int4 engine are split only to be added half by half, they are added first and split once.
 
 One more rewrite, not optional because it changes the graph's outputs: `write_cache_in_place`
 (engine.json onnx.cache_in_place) makes the new K/V land in the cache buffers the runtime binds.
@@ -254,6 +255,69 @@ def _fuse_gate_up(model) -> int:
     del graph.node[:]
     graph.node.extend(kept)
     graph.initializer.extend(new_init)
+    _add_before_split(model)
+    return len(replace)
+
+
+def _add_before_split(model) -> int:
+    """Split(a) and Split(b) whose outputs are only added pairwise, part i of a to part i of b,
+    -> Split(a + b): one Add and one Split instead of one Add per part and two Splits. An exact
+    int4 engine adds its offsets' correction MatMul to each MatMulNBits (modeling.Int4Linear), so
+    after the fusion above the MLP's gate and up each had an Add of two split halves. Elementwise
+    the same sums, so the same bits."""
+    from onnx import helper, numpy_helper
+
+    graph = model.graph
+    g = _Graph(graph)
+
+    def sizes(split) -> list[int] | None:
+        if len(split.input) != 2 or split.input[1] not in g.initializers:
+            return None
+        return numpy_helper.to_array(g.init[split.input[1]]).tolist()
+
+    def pairs_up(a, b) -> list | None:
+        """The Adds when every output i of Split a is read only by one Add of it and output i of b."""
+        # On the last axis only: there a broadcast Add of the unsplit tensors lines up as the parts' did.
+        if len(a.output) != len(b.output) or sizes(a) != sizes(b) or _attr(a, "axis", 0) != -1 or \
+                _attr(b, "axis", 0) != -1:
+            return None
+        adds = []
+        for x, y in zip(a.output, b.output, strict=True):
+            readers = g.consumers.get(x, [])
+            if len(readers) != 1 or readers[0].op_type != "Add" or {*readers[0].input} != {x, y} or \
+                    not g.only_used_by(x, readers[0]) or not g.only_used_by(y, readers[0]):
+                return None
+            adds.append(readers[0])
+        return adds
+
+    position = {id(m): i for i, m in enumerate(graph.node)}
+    replace: dict[int, list] = {}
+    remove: set[int] = set()
+    for n in graph.node:
+        if n.op_type != "Split" or id(n) in remove or id(n) in replace or sizes(n) is None:
+            continue
+        first = g.consumers.get(n.output[0], [])
+        if len(first) != 1 or first[0].op_type != "Add":
+            continue
+        other = next((g.op(i, "Split") for i in first[0].input if i != n.output[0]), None)
+        if other is None or other is n or id(other) in remove or id(other) in replace:
+            continue
+        adds = pairs_up(n, other)
+        if adds is None:
+            continue
+        total = f"{n.name or n.output[0]}_sum"
+        add = helper.make_node("Add", [n.input[0], other.input[0]], [total], name=total)
+        split = helper.make_node("Split", [total, n.input[1]], [a.output[0] for a in adds], name=f"{total}_split",
+                                 axis=-1)
+        # In place of the later Split: both inputs are computed by then, and the Adds' readers follow it.
+        later = max(n, other, key=lambda x: position[id(x)])
+        replace[id(later)] = [add, split]
+        remove.update({id(n), id(other), *(id(a) for a in adds)} - {id(later)})
+    if not replace:
+        return 0
+    kept = [m for n in graph.node if id(n) not in remove for m in replace.get(id(n), [n])]
+    del graph.node[:]
+    graph.node.extend(kept)
     return len(replace)
 
 

@@ -118,8 +118,12 @@ def test_int4_engine_parity(ort_engine, tiny_merged, level, exact, batch, past, 
     # the int4 graph really is int4: no float copy of the decoder weights
     import onnx
 
-    nodes = [n for n in onnx.load(engine / "model.onnx").graph.node if n.op_type == "MatMulNBits"]
+    graph = onnx.load(engine / "model.onnx").graph
+    nodes = [n for n in graph.node if n.op_type == "MatMulNBits"]
     assert nodes
+    # Two Splits a layer in both schemes (qkv, the fused gate/up): the offsets' correction of the
+    # gate/up pair is added before its Split (onnx_fusions._add_before_split), not per half.
+    assert sum(n.op_type == "Split" for n in graph.node) == 2 * model.cfg.num_layers
     bits = sorted({next(a.i for a in n.attribute if a.name == "bits") for n in nodes})
     assert bits == ([4, 8] if exact else [4])
     assert {len(n.input) for n in nodes} == ({3} if exact else {4})  # offsets: no zero points

@@ -64,3 +64,44 @@ def test_unknown_fusion_is_refused(tiny_merged, tmp_path):
                                   extra={"fusions": ["rotary", "gelu"]}))
     assert not (tmp_path / "e").exists()
     assert set(FUSIONS) == {"rotary", "skip_norm", "gate_up"}
+
+
+def _two_splits_added(extra_reader: bool = False):
+    """y_i = split(a)_i + split(b)_i for three parts of a [2, 9] row (an exact int4 engine's
+    MatMulNBits and offset correction after the gate_up fusion); `extra_reader`: part 0 of a is also
+    a graph output."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    sizes = numpy_helper.from_array(np.array([2, 3, 4], dtype=np.int64), "sizes")
+    nodes = [helper.make_node("Split", ["a", "sizes"], ["a0", "a1", "a2"], axis=-1),
+             helper.make_node("Split", ["b", "sizes"], ["b0", "b1", "b2"], axis=-1)]
+    nodes += [helper.make_node("Add", [f"a{i}", f"b{i}"] if i != 1 else ["b1", "a1"], [f"y{i}"]) for i in range(3)]
+    io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("y0", "y1", "y2")]
+    if extra_reader:
+        io.append(helper.make_tensor_value_info("a0", TensorProto.FLOAT, None))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2, 9]) for n in "ab"],
+                              io, [sizes])
+    return helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 18)])
+
+
+@pytest.mark.parametrize("extra_reader", [False, True])
+def test_add_before_split_is_bitwise_the_pairwise_adds(extra_reader):
+    import numpy as np
+    import onnxruntime as ort
+
+    from medusa_trt.engines.onnx_fusions import _add_before_split
+
+    model = _two_splits_added(extra_reader)
+    rng = np.random.default_rng(0)
+    feeds = {"a": rng.standard_normal((2, 9), dtype=np.float32), "b": rng.standard_normal((2, 9), dtype=np.float32)}
+
+    def run(m):
+        return ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+
+    before = run(model)
+    assert _add_before_split(model) == (0 if extra_reader else 1)
+    ops = collections.Counter(n.op_type for n in model.graph.node)
+    assert (ops["Split"], ops["Add"]) == ((2, 3) if extra_reader else (1, 1))
+    for x, y in zip(before, run(model), strict=True):
+        assert np.array_equal(x, y)
