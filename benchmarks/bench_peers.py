@@ -6,7 +6,8 @@ Systems, all greedy, batch 1, on the same prompt token ids, with the same thread
            model (its model builder, from the same HF dir); ours: plain decoding and Medusa (tree
            --medusa-choices) on one ONNX Runtime engine (--engine, built by medusa-build);
   4-bit    onnxruntime-genai's int4 CPU model (same builder); llama.cpp (llama-cpp-python) on the
-           original Q4_1 GGUF; ours on an int4 engine when --engine-int4 is given.
+           original Q4_1 GGUF; ours on an int4 engine when --engine-int4 is given, and on a GGUF-exact
+           int4 engine (medusa-build --int4-offsets --int4-lm-head-bits 8) when --engine-int4-exact is.
 For every thread count (--threads 1,2) the systems take turns per prompt (round robin, the order
 rotated by one each prompt), so drift on a shared machine hits all of them alike. Figures per
 system: tokens/s (new tokens over prefill + decode wall time, as a user waits), the ratio to the
@@ -17,7 +18,7 @@ agree with the float32 reference (transformers at the first thread count): promp
 tokens, mean common-prefix share and mean per-position agreement. A system whose package is missing or fails to load is skipped with the
 reason. Peers are optional: `pip install -e '.[bench]'` (llama-cpp-python compiles llama.cpp).
 
-    python benchmarks/bench_peers.py --engine build/demo/engine [--engine-int4 DIR]
+    python benchmarks/bench_peers.py --engine build/demo/engine [--engine-int4 DIR] [--engine-int4-exact DIR]
         [--prompts medusa_trt/assets/smollm2/prompts_heldout.jsonl] [--threads 1,2] [--max-new-tokens 128]
         [--limit N] [--systems NAME,...] [--workdir build/bench_peers] [--json FILE]
 
@@ -48,7 +49,10 @@ DEFAULT_INT4_TREE_FILE = ASSETS / "tree_int4.json"  # medusa-tune-tree on the in
 FLOAT32, FOUR_BIT = "float32", "4-bit"
 # In run order before rotation; the names are the --systems vocabulary.
 SYSTEMS = ("transformers", "ort-genai fp32", "ours plain", "ours medusa",
-           "ort-genai int4", "llama.cpp Q4_1", "ours int4 plain", "ours int4 medusa")
+           "ort-genai int4", "llama.cpp Q4_1", "ours int4 plain", "ours int4 medusa",
+           "ours int4 exact plain", "ours int4 exact medusa")
+# Our engines by system-name prefix, with the option that names each.
+ENGINE_OPTIONS = {"ours": "engine", "ours int4": "engine_int4", "ours int4 exact": "engine_int4_exact"}
 REFERENCE = "transformers"
 PROG = "bench_peers"
 
@@ -356,7 +360,7 @@ def open_systems(names: list[str], threads: int, ctx: dict, skipped: dict[str, s
     from medusa_trt.tools.bench import ForwardTimer
 
     systems: dict[str, object] = {}
-    engines = {"ours": ctx["engine"], "ours int4": ctx["engine_int4"]}
+    engines = {prefix: ctx[key] for prefix, key in ENGINE_OPTIONS.items()}
     backends: dict[str, object] = {}
 
     def attempt(name: str, make) -> None:
@@ -372,7 +376,7 @@ def open_systems(names: list[str], threads: int, ctx: dict, skipped: dict[str, s
     def ours(prefix: str, mode: str):
         engine = engines[prefix]
         if engine is None:
-            raise FileNotFoundError(f"no --engine{'-int4' if 'int4' in prefix else ''} given")
+            raise FileNotFoundError(f"no --{ENGINE_OPTIONS[prefix].replace('_', '-')} given")
         if not (engine / "engine.json").is_file():
             raise FileNotFoundError(f"{engine}: no engine.json (build one with medusa-build)")
         if prefix not in backends:
@@ -403,7 +407,7 @@ def open_systems(names: list[str], threads: int, ctx: dict, skipped: dict[str, s
     attempt("ort-genai fp32", lambda: genai("fp32"))
     attempt("ort-genai int4", lambda: genai("int4"))
     attempt("llama.cpp Q4_1", lambda: LlamaCpp(ctx["gguf"], threads, ctx["stops"], ctx["n_ctx"]))
-    for prefix in ("ours", "ours int4"):
+    for prefix in ENGINE_OPTIONS:
         for mode in ("plain", "medusa"):
             attempt(f"{prefix} {mode}", lambda p=prefix, m=mode: ours(p, m))
     return {name: systems[name] for name in SYSTEMS if name in systems}
@@ -480,6 +484,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engine", type=Path, help="our float32 ONNX Runtime engine (medusa-build) of this model")
     p.add_argument("--engine-int4", type=Path, help="our int4 engine (medusa-build --weights int4), if any")
+    p.add_argument("--engine-int4-exact", type=Path, help="our GGUF-exact int4 engine (medusa-build --weights int4 "
+                   "--int4-offsets --int4-lm-head-bits 8), if any; its Medusa runs the int4 tree")
     p.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS,
                    help=".jsonl with 'text' and 'kind' (code|chat) (default: the held-out prompts shipped with "
                    "the heads, medusa_trt/assets/smollm2/prompts_heldout.jsonl)")
@@ -518,7 +524,7 @@ def parse_args(argv: list[str] | None):
     unknown = [s for s in args.systems if s not in SYSTEMS]
     if unknown:
         raise BenchInputError(f"--systems {', '.join(unknown)}: unknown; expected some of {', '.join(SYSTEMS)}")
-    # --engine-int4 may name an engine not built yet: that system is skipped with the reason.
+    # --engine-int4(-exact) may name an engine not built yet: that system is skipped with the reason.
     if args.engine is not None and not (args.engine / "engine.json").is_file():
         raise BenchInputError(f"{args.engine}: --engine has no engine.json (expected a medusa-build engine dir)")
     if args.medusa_choices is None:
@@ -554,7 +560,8 @@ def main(argv: list[str] | None = None) -> int:
         parse_medusa_choices(choices)  # a bad tree fails here, in one line, not mid-run
         parse_medusa_choices(choices_int4)
         longest = max(len(p.ids) for p in prompts)
-        ctx = {"spin": args.spin, "engine": args.engine, "engine_int4": args.engine_int4, "hf_dir": hf_dir, "gguf": gguf,
+        ctx = {"spin": args.spin, **{key: getattr(args, key) for key in ENGINE_OPTIONS.values()}, "hf_dir": hf_dir,
+               "gguf": gguf,
                "workdir": args.workdir, "medusa_choices": choices, "medusa_choices_int4": choices_int4, "stops": stop_tokens(hf_dir, tok),
                "vocab_size": len(tok), "prompts": prompts, "n_ctx": longest + args.max_new_tokens + 16}
     except (ValueError, CheckpointError) as e:  # bad option, GGUF, wheel download or prompts: one line
@@ -567,8 +574,7 @@ def main(argv: list[str] | None = None) -> int:
         "prompts": str(args.prompts),
         "num_prompts": len(prompts), "kinds": {k: sum(p.kind == k for p in prompts) for k in ("code", "chat")},
         "max_new_tokens": args.max_new_tokens, "threads": args.threads, "ours_spin": args.spin, "medusa_choices": str(choices), "medusa_choices_int4": str(choices_int4),
-        "engine": str(args.engine) if args.engine else None,
-        "engine_int4": str(args.engine_int4) if args.engine_int4 else None,
+        **{key: str(getattr(args, key)) if getattr(args, key) else None for key in ENGINE_OPTIONS.values()},
         "reference": f"{REFERENCE} float32 greedy at {args.threads[0]} thread(s)",
         "cpus": len(os.sched_getaffinity(0)),
         # Other jobs on the cores hurt spinning thread pools most (llama.cpp's OpenMP threads): record

@@ -86,8 +86,10 @@ def test_prefill_and_decode_apart():
 
 def test_medusa_equal_to_plain_per_engine():
     outputs = {"ours plain": [[1, 2], [3]], "ours medusa": [[1, 2], [4]], "ours int4 plain": [[5]],
-               "ours int4 medusa": [[5]], "transformers": [[1, 2], [3]]}
-    assert bench_peers.equal_to_plain(outputs) == {"ours medusa": [True, False], "ours int4 medusa": [True]}
+               "ours int4 medusa": [[5]], "ours int4 exact plain": [[6]], "ours int4 exact medusa": [[7]],
+               "transformers": [[1, 2], [3]]}
+    assert bench_peers.equal_to_plain(outputs) == {"ours medusa": [True, False], "ours int4 medusa": [True],
+                                                   "ours int4 exact medusa": [False]}
 
 
 def test_no_peer_in_a_group_leaves_the_ratio_empty():
