@@ -109,6 +109,22 @@ def default_attention(opset: int, weights: dict) -> str:
     return DEFAULT_ATTENTION if opset >= 23 else "split"
 
 
+def gguf_blocks_hint(config: dict, offsets: bool, lm_head_bits: int) -> str | None:
+    """What --weights int4 without the GGUF-exact options gives up on a checkpoint converted from a
+    GGUF whose blocks those options would keep (its tensor types, as medusa-convert records them):
+    the default re-rounds Q4_1 blocks onto zero-point grids and a Q8_0 lm_head onto 4 bits, a
+    second rounding as large as the first. None when there is nothing to keep."""
+    types = ((config.get("medusa_trt") or {}).get("gguf") or {}).get("tensor_types") or {}
+    missing = [f for f, kept in (("--int4-offsets", "Q4_1" not in types or offsets),
+                                 ("--int4-lm-head-bits 8", "Q8_0" not in types or lm_head_bits == 8)) if not kept]
+    if not missing:
+        return None
+    blocks = " and ".join(f"{t} ({types[t]} tensor{'s' * (types[t] != 1)})" for t in ("Q4_1", "Q8_0") if t in types)
+    return (f"the base came from a GGUF of {blocks}; {' '.join(missing)} would keep those blocks exactly "
+            "(SmolLM2-135M: top-1 agreement with float32 0.97 against 0.66, a step ~1.2x; BENCHMARKS.md, "
+            "issue 13 (p)), this build re-quantizes them")
+
+
 def _quantize_int4(opts: BuildOptions, config: dict, model) -> dict:
     """Quantizes `model` in place for --weights int4; returns engine.json's "weights" section."""
     from medusa_trt.modeling import INT4_ACCURACY_LEVELS, INT4_BLOCK_SIZES, LM_HEAD_BITS, quantize_model_int4
@@ -126,6 +142,9 @@ def _quantize_int4(opts: BuildOptions, config: dict, model) -> dict:
     lm_head_bits = int(opts.extra.get("int4_lm_head_bits", 4))
     if lm_head_bits not in LM_HEAD_BITS:
         raise BuildError(f"--int4-lm-head-bits {lm_head_bits}: expected one of {', '.join(map(str, LM_HEAD_BITS))}")
+    hint = gguf_blocks_hint(config, offsets, lm_head_bits)
+    if hint:
+        log.warning("%s: %s", opts.checkpoint / "config.json", hint)
     skipped = quantize_model_int4(model, block, level, draft=True, offsets=offsets, lm_head_bits=lm_head_bits)
     for name in skipped:
         log.warning("--weights int4: %s stays %s: its input size is not a multiple of --int4-block-size %d",

@@ -770,3 +770,19 @@ def test_decode_with_large_capacity_equals_small(ort_engine):
     start = backend.start
     backend.start = lambda batch, capacity: start(batch, capacity + 300)
     assert decode(backend, prompts, cfg).tokens == small
+
+
+def test_gguf_blocks_hint_names_the_options_a_gguf_checkpoint_misses():
+    """medusa-build --weights int4 on a checkpoint converted from a Q4_1 / Q8_0 GGUF says which of
+    the GGUF-exact options would keep its blocks; nothing once they are given, or for other sources."""
+    from medusa_trt.engines.build import gguf_blocks_hint
+
+    gguf = {"medusa_trt": {"gguf": {"tensor_types": {"F32": 61, "Q4_1": 210, "Q8_0": 1}}}}
+    hint = gguf_blocks_hint(gguf, offsets=False, lm_head_bits=4)
+    assert "Q4_1 (210 tensors) and Q8_0 (1 tensor)" in hint
+    assert "--int4-offsets --int4-lm-head-bits 8 would keep" in hint
+    assert "--int4-offsets would keep" in gguf_blocks_hint(gguf, offsets=False, lm_head_bits=8)
+    assert "--int4-lm-head-bits 8 would keep" in gguf_blocks_hint(gguf, offsets=True, lm_head_bits=4)
+    assert gguf_blocks_hint(gguf, offsets=True, lm_head_bits=8) is None
+    assert gguf_blocks_hint({"medusa_trt": {"gguf": {"tensor_types": {"F16": 3}}}}, False, 4) is None
+    assert gguf_blocks_hint({"medusa_trt": {"base": "hf"}}, False, 4) is None
