@@ -74,6 +74,14 @@ class _Graph:
         return name not in self.outputs and all(c is node for c in self.consumers.get(name, []))
 
 
+def _replace_nodes(graph, replace: dict[int, list], remove: set[int]) -> None:
+    """Rewrites graph.node in order: a node whose id is in `replace` becomes those nodes, in its
+    place (every input is computed by then and every reader comes later); the `remove` ids go."""
+    kept = [m for n in graph.node if id(n) not in remove for m in replace.get(id(n), [n])]
+    del graph.node[:]
+    graph.node.extend(kept)
+
+
 def _attr(node, name: str, default=None):
     from onnx import helper
 
@@ -144,14 +152,12 @@ def _fuse_rotary(model, cos_cache: np.ndarray, sin_cache: np.ndarray, position_i
             continue
         x, nodes = match
         remove.update(id(n) for n in nodes)
-        replace[id(node)] = helper.make_node(
+        replace[id(node)] = [helper.make_node(
             "RotaryEmbedding", [x, position_ids, "rotary_cos_cache", "rotary_sin_cache"], list(node.output),
-            name=f"{node.name or node.output[0]}_rotary", domain=MS_DOMAIN, interleaved=0)
+            name=f"{node.name or node.output[0]}_rotary", domain=MS_DOMAIN, interleaved=0)]
     if not replace:
         return 0
-    kept = [replace.get(id(n), n) for n in graph.node if id(n) not in remove]
-    del graph.node[:]
-    graph.node.extend(kept)
+    _replace_nodes(graph, replace, remove)
     graph.initializer.extend([numpy_helper.from_array(cos_cache, "rotary_cos_cache"),
                               numpy_helper.from_array(sin_cache, "rotary_sin_cache")])
     return len(replace)
@@ -174,15 +180,13 @@ def _fuse_skip_norm(model) -> int:
             continue
         total = add.output[0]
         outputs = [norm.output[0]] if g.only_used_by(total, norm) else [norm.output[0], "", "", total]
-        replace[id(add)] = helper.make_node(
+        replace[id(add)] = [helper.make_node(
             "SkipSimplifiedLayerNormalization", [add.input[0], add.input[1], norm.input[1]], outputs,
-            name=f"{norm.name or norm.output[0]}_skip", domain=MS_DOMAIN, epsilon=float(_attr(norm, "epsilon", 1e-5)))
+            name=f"{norm.name or norm.output[0]}_skip", domain=MS_DOMAIN, epsilon=float(_attr(norm, "epsilon", 1e-5)))]
         remove.add(id(norm))
     if not replace:
         return 0
-    kept = [replace.get(id(n), n) for n in graph.node if id(n) not in remove]
-    del graph.node[:]
-    graph.node.extend(kept)
+    _replace_nodes(graph, replace, remove)
     return len(replace)
 
 
@@ -251,9 +255,7 @@ def _fuse_gate_up(model) -> int:
         return 0
     # The fused node sits where the group's first node was: every input is computed by then, and
     # every consumer of any member comes after it.
-    kept = [m for n in graph.node if id(n) not in remove for m in replace.get(id(n), [n])]
-    del graph.node[:]
-    graph.node.extend(kept)
+    _replace_nodes(graph, replace, remove)
     graph.initializer.extend(new_init)
     _add_before_split(model)
     return len(replace)
@@ -315,9 +317,7 @@ def _add_before_split(model) -> int:
         remove.update({id(n), id(other), *(id(a) for a in adds)} - {id(later)})
     if not replace:
         return 0
-    kept = [m for n in graph.node if id(n) not in remove for m in replace.get(id(n), [n])]
-    del graph.node[:]
-    graph.node.extend(kept)
+    _replace_nodes(graph, replace, remove)
     return len(replace)
 
 
@@ -352,9 +352,7 @@ def _cache_in_place(model, write_indices: str, present: dict[str, str]) -> int:
             helper.make_node("Slice", [present[name], *sl.input[1:]], list(scatter.output), name=sl.name)]
     if len(replace) != len(present):  # all or nothing: the runtime binds every present output
         return 0
-    kept = [m for n in graph.node if id(n) not in remove for m in replace.get(id(n), [n])]
-    del graph.node[:]
-    graph.node.extend(kept)
+    _replace_nodes(graph, replace, remove)
     past_info = {i.name: i for i in graph.input}
     for past, out in present.items():
         info = graph.output.add()
