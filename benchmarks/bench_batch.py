@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench_peers import read_prompts  # the held-out prompts as the peers benchmark renders them
+from common import read_prompts  # the held-out prompts as the peers benchmark renders them
 from tqdm import tqdm
 
 from medusa_trt.runtime.decoding import GenerationConfig, decode

@@ -27,10 +27,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from common import DEFAULT_PROMPTS, BenchInputError, float32_hf_dir, read_prompts
 from tqdm import tqdm
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_peers import DEFAULT_PROMPTS, BenchInputError, float32_hf_dir, read_prompts  # noqa: E402
 
 PROG = "bench_int4_quality"
 

@@ -40,10 +40,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common import DEFAULT_PROMPTS, BenchInputError, Prompt, float32_hf_dir, read_prompts
+
 from medusa_trt.tools.demo import ASSETS
 
-# The model's shipped assets (heads, tuned tree, held-out prompts), as the demo reads them.
-DEFAULT_PROMPTS = ASSETS / "prompts_heldout.jsonl"
+# The model's shipped assets (heads, tuned tree), as the demo reads them.
 DEFAULT_TREE_FILE = ASSETS / "tree.json"
 DEFAULT_INT4_TREE_FILE = ASSETS / "tree_int4.json"  # medusa-tune-tree on the int4 engine: its own step costs
 FLOAT32, FOUR_BIT = "float32", "4-bit"
@@ -55,10 +56,6 @@ SYSTEMS = ("transformers", "ort-genai fp32", "ours plain", "ours medusa",
 ENGINE_OPTIONS = {"ours": "engine", "ours int4": "engine_int4", "ours int4 exact": "engine_int4_exact"}
 REFERENCE = "transformers"
 PROG = "bench_peers"
-
-
-class BenchInputError(ValueError):
-    """Bad input (a file, a directory, an option); exit 2."""
 
 
 # -- the model files -------------------------------------------------------------------------
@@ -79,62 +76,6 @@ def build_ortgenai(hf_dir: Path, out: Path, precision: str) -> Path:
         raise RuntimeError(f"model builder -p {precision} failed: {last}")
     tmp.rename(out)
     return out
-
-
-def float32_hf_dir(gguf: Path, workdir: Path, prog: str = PROG) -> Path:
-    """The float32 HF dir dequantized from the GGUF, the reference every system starts from (cached
-    under workdir/hf)."""
-    from medusa_trt.converter.gguf import write_hf_dir
-
-    hf_dir = workdir / "hf"
-    if not (hf_dir / "config.json").is_file():
-        print(f"{prog}: dequantizing {gguf} -> {hf_dir} (float32)", file=sys.stderr)
-        write_hf_dir(gguf, hf_dir)
-    return hf_dir
-
-
-# -- prompts ---------------------------------------------------------------------------------
-
-
-@dataclass
-class Prompt:
-    text: str  # as fed to every tokenizer: chat prompts rendered with the chat template
-    kind: str  # "code" | "chat"
-    ids: list[int]
-
-
-def read_prompts(path: Path, tokenizer, limit: int | None = None) -> list[Prompt]:
-    """.jsonl lines {"text": ..., "kind": "code"|"chat"}; a chat text is rendered with the tokenizer's
-    chat template (one user turn, generation prompt added) unless it already is (it holds the
-    template's special tokens, as scripts/train_smollm2_heads.py writes them); code is continued as
-    it is."""
-    if not path.is_file():
-        raise BenchInputError(f"{path}: prompts file not found")
-    prompts = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-            text, kind = rec["text"], rec["kind"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise BenchInputError(f"{path}:{n}: expected a JSON object with 'text' and 'kind' ({e})") from None
-        if kind not in ("code", "chat") or not isinstance(text, str) or not text:
-            raise BenchInputError(f"{path}:{n}: kind {kind!r} / text {text!r:.40}: expected 'code' or 'chat' "
-                                  "and a non-empty text")
-        if kind == "chat" and not any(t in text for t in tokenizer.all_special_tokens):
-            text = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                 tokenize=False)
-        # The chat template writes its special tokens itself; code gets what the tokenizer adds.
-        ids = tokenizer.encode(text, add_special_tokens=kind == "code")
-        prompts.append(Prompt(text, kind, ids))
-    if limit:  # an even share of both kinds, in file order
-        code = [p for p in prompts if p.kind == "code"]
-        chat = [p for p in prompts if p.kind == "chat"]
-        prompts = code[: (limit + 1) // 2] + chat[: limit // 2]
-    if not prompts:
-        raise BenchInputError(f"{path}: no prompts")
-    return prompts
 
 
 # -- the systems -----------------------------------------------------------------------------
@@ -550,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
         gguf = args.gguf or fetch_smollm2()
         if not gguf.is_file():
             raise BenchInputError(f"{gguf}: --gguf not found")
-        hf_dir = args.hf_model or float32_hf_dir(gguf, args.workdir)
+        hf_dir = args.hf_model or float32_hf_dir(gguf, args.workdir, PROG)
         if not (hf_dir / "config.json").is_file():
             raise BenchInputError(f"{hf_dir}: --hf-model has no config.json (expected a Hugging Face model dir)")
         tok = AutoTokenizer.from_pretrained(hf_dir)

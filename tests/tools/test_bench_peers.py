@@ -10,8 +10,9 @@ import pytest
 
 from medusa_trt.tools.bench import ModeSummary
 
-_spec = importlib.util.spec_from_file_location(
-    "bench_peers", Path(__file__).resolve().parents[2] / "benchmarks" / "bench_peers.py")
+_BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(_BENCHMARKS))  # bench_peers imports the scripts' shared helpers as `common`
+_spec = importlib.util.spec_from_file_location("bench_peers", _BENCHMARKS / "bench_peers.py")
 bench_peers = importlib.util.module_from_spec(_spec)
 sys.modules["bench_peers"] = bench_peers  # dataclasses look their module up there
 _spec.loader.exec_module(bench_peers)

@@ -10,7 +10,7 @@ has a one-row kernel, the backend runs one-token steps and lone logits rows as t
 prefill of the whole prompt, one one-token step after the rest, and the second row of a two-token
 chain step (the layout of a Medusa tree step's rows).
 
-    python benchmarks/bench_row_invariance.py build/real/engine build/real/engine_int4 [--prompts 8]
+    python benchmarks/investigations/bench_row_invariance.py build/real/engine build/real/engine_int4 [--prompts 8]
         [--diverge 32 --medusa-choices-int4 medusa_trt/assets/smollm2/tree_int4.json]
 """
 
@@ -23,13 +23,15 @@ import sys
 from pathlib import Path
 
 import torch
-from bench_peers import read_prompts  # the held-out prompts as the peers benchmark renders them
 from tqdm import tqdm
 
-from medusa_trt.runtime.decoding import GenerationConfig, decode, prefill
-from medusa_trt.runtime.loading import load_backend, load_tokenizer, stop_tokens
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared helpers
+from common import read_prompts  # noqa: E402  (the held-out prompts as the peers benchmark renders them)
 
-ASSETS = Path(__file__).resolve().parents[1] / "medusa_trt" / "assets" / "smollm2"
+from medusa_trt.runtime.decoding import GenerationConfig, decode, prefill  # noqa: E402
+from medusa_trt.runtime.loading import load_backend, load_tokenizer, stop_tokens  # noqa: E402
+
+ASSETS = Path(__file__).resolve().parents[2] / "medusa_trt" / "assets" / "smollm2"
 
 
 def row_difference(backend, prompts) -> dict:

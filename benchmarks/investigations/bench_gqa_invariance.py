@@ -13,7 +13,7 @@ heads over 3 KV heads of 64, SmolLM2-135M's shape) on random caches and compares
 with the cache bound as both past and present (IOBinding, as onnxruntime-genai runs it), RoPE in the
 op or not. A row differs when any of its 576 outputs differs.
 
-    python benchmarks/bench_gqa_invariance.py [--trials 100] [--threads 1]
+    python benchmarks/investigations/bench_gqa_invariance.py [--trials 100] [--threads 1]
 """
 
 from __future__ import annotations

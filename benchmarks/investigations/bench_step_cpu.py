@@ -4,7 +4,7 @@ A 1-thread ONNX Runtime session runs on the calling thread, so its CPU time bare
 processes load the machine (wall time does). Engines take turns (round robin); each row is the
 median over rounds of the median of 5 steps, committed 128, capacity 512; ratios to the first engine.
 
-    python benchmarks/bench_step_cpu.py --rounds 9 base=build/e1 fused=build/e2
+    python benchmarks/investigations/bench_step_cpu.py --rounds 9 base=build/e1 fused=build/e2
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine_steps import step_call  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared helpers
+from common import step_call  # noqa: E402
 
 from medusa_trt.runtime.ort_backend import OrtBackend  # noqa: E402
 

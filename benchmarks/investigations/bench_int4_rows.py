@@ -8,7 +8,7 @@ nodes accepted more often than that share pay. This times one decoder layer's fo
 accuracy levels ONNX Runtime's CPU kernel has, with random int4 weights quantized the way
 `medusa-build --weights int4` quantizes them (modeling.quantize_int4).
 
-    python benchmarks/bench_int4_rows.py [--checkpoint build/real/ckpt] [--threads 1,2] [--spin] [--block-size 32]
+    python benchmarks/investigations/bench_int4_rows.py [--checkpoint build/real/ckpt] [--threads 1,2] [--spin] [--block-size 32]
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ KV heads of 64), in several forms, and times whole session runs round-robin:
 Only row_exact, token_major and row_exact_f32 are row-invariant for any tree, chain_f32 for chains
 (Medusa == plain on int4 engines); the others say what each part costs.
 
-    python benchmarks/bench_attention_forms.py [--committed 190,1000] [--slots 1,2] [--out build/attention_forms]
+    python benchmarks/investigations/bench_attention_forms.py [--committed 190,1000] [--slots 1,2] [--out build/attention_forms]
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
   engine_dir.LOAD_DIGEST_BYTES hashes at every load);
 - converter.hf_base.check_finite (aminmax) vs the dtype cast every converted tensor goes through.
 
-    python benchmarks/bench_integrity.py [--mb 538] [--workdir DIR]
+    python benchmarks/investigations/bench_integrity.py [--mb 538] [--workdir DIR]
 """
 
 from __future__ import annotations

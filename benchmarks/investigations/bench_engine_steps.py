@@ -1,11 +1,11 @@
 """Step time of ONNX Runtime engines against committed length and cache capacity (issue 13).
 
-Every engine's steps are timed round-robin in one run (benchmarks/bench_onnx.round_robin), so the
+Every engine's steps are timed round-robin in one run (benchmarks/common.py: round_robin), so the
 figures are ratios taken side by side. A step is a decoder forward over 1 (plain) or 8 (a tree of
 8 slots) new tokens per sequence with `committed` cached tokens, in a cache allocated for
 `capacity` tokens.
 
-    python benchmarks/bench_engine_steps.py --engine old=build/e1 --engine new=build/e2 \\
+    python benchmarks/investigations/bench_engine_steps.py --engine old=build/e1 --engine new=build/e2 \\
         --committed 128,1024,4096 --capacity 512,8192 --batch 1,4 --slots 1,8 --threads 1
 """
 
@@ -18,33 +18,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_onnx import round_robin, step_inputs  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared helpers
+from common import round_robin, step_call  # noqa: E402
 
-from medusa_trt.runtime.backend import zero_cache  # noqa: E402
 from medusa_trt.runtime.ort_backend import OrtBackend  # noqa: E402
-
-_CACHES: dict = {}
-
-
-def step_call(backend: OrtBackend, batch: int, slots: int, committed: int, capacity: int):
-    """One forward with its own cache (swapped in at each call: a few dozen numpy views)."""
-    ids, pos, mask = step_inputs(backend, batch, slots, committed)
-    key = (batch, capacity, backend.num_layers, backend.num_kv_heads, backend.head_dim, backend.dtype)
-    if key not in _CACHES:  # one per shape, shared by every call (an in-place engine writes at `committed`, unread)
-        _CACHES[key] = zero_cache(backend.num_layers, batch, backend.num_kv_heads, capacity, backend.head_dim,
-                                  backend.dtype, "cpu")
-    keys, values = _CACHES[key]
-    bindings: dict = {}  # an in-place engine binds each cache once (runtime/ort_backend.py): once per call here
-
-    def step():
-        backend.keys, backend.values = keys, values
-        backend.lengths = torch.full((batch,), committed)
-        backend._cache_changed()
-        backend._bindings = bindings
-        return backend.forward(ids, pos, mask, with_heads=False)
-
-    return step
 
 
 def main(argv: list[str] | None = None) -> int:
