@@ -13,10 +13,6 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from medusa_trt.checkpoint import (
-    SAFETENSORS_DTYPES,
-    CheckpointError,
-    SafetensorsFile,
-    SafetensorsWriter,
     check_tp,
     expected_tensors,
     load_checkpoint,
@@ -28,6 +24,8 @@ from medusa_trt.checkpoint import (
     validate_checkpoint,
     write_checkpoint,
 )
+from medusa_trt.errors import CheckpointError
+from medusa_trt.safetensors_io import SAFETENSORS_DTYPES, SafetensorsFile, SafetensorsWriter
 
 ALL_DTYPES = sorted(SAFETENSORS_DTYPES.values(), key=str)
 
