@@ -250,10 +250,11 @@ class MedusaModel(nn.Module):
         # Slots that medusa_trt.quant fills when it swaps quantized modules in; the exporters read
         # them by these names. Instance attributes, not class ones: nn.Module keeps an assigned
         # module in _modules, which a class attribute of the same name would shadow.
-        self.medusa_fp8: nn.Module | None = None  # every head's ResBlock weights in another form
-        # (StackedWeights); medusa_w is then None
-        self.draft_int4: nn.ModuleList | None = None  # per head, its draft-vocabulary logits in place
-        # of the draft_lm_head product
+        # medusa_fp8: every head's ResBlock weights in another form (StackedWeights; medusa_w is then
+        # None). draft_int4: a module per head giving its draft-vocabulary logits, in place of the
+        # draft_lm_head product.
+        self.medusa_fp8: nn.Module | None = None
+        self.draft_int4: nn.ModuleList | None = None
 
     # v2 heads (their lm_head a copy of the base one) read the lm_head module, whatever form quant gave it.
     heads_use_lm_head = False
