@@ -95,7 +95,7 @@ def dir_bytes(directory: Path, pattern: str = "*") -> int:
 def same_tensors(a: Path, b: Path) -> bool:
     import torch
 
-    from medusa_trt.checkpoint import SafetensorsFile
+    from medusa_trt.safetensors_io import SafetensorsFile
 
     with SafetensorsFile(a) as fa, SafetensorsFile(b) as fb:
         if sorted(fa.keys()) != sorted(fb.keys()):

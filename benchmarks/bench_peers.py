@@ -476,7 +476,7 @@ def parse_args(argv: list[str] | None):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from medusa_trt.checkpoint import CheckpointError
+    from medusa_trt.errors import CheckpointError
     from medusa_trt.tree import DEFAULT_TREE, parse_medusa_choices
 
     try:

@@ -244,7 +244,7 @@ def _stale(engine_dir: Path) -> bool:
 def param_count(ckpt: Path) -> int:
     import numpy as np
 
-    from medusa_trt.checkpoint import SafetensorsFile
+    from medusa_trt.safetensors_io import SafetensorsFile
 
     with SafetensorsFile(ckpt / "rank0.safetensors") as f:
         return sum(int(np.prod(f.info(n).shape)) for n in f.keys())

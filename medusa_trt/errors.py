@@ -1,6 +1,7 @@
 """The project's one error type and the typed readers that validate what files give us.
 
-Every error raised for bad input (a file, an option, a request) is a `MedusaTrtError`; the CLIs turn
+Every error raised for bad input (a file, an option, a request) is a `MedusaTrtError` (CheckpointError,
+here too, is the one the checkpoint, safetensors and converter modules share); the CLIs turn
 it into one line `prog: error: <message>` and exit 2 (medusa_trt/cli/common.py). It subclasses
 ValueError so callers that caught ValueError keep working. The messages name the file, the key,
 the value and what was expected; `require` and its helpers write such messages for JSON fields.
@@ -20,6 +21,10 @@ MAX_JSON_BYTES = 64 << 20  # configs, indexes and engine.json are KiB to a few M
 
 class MedusaTrtError(ValueError):
     """Bad input to medusa-trt; the message says what, where and what was expected."""
+
+
+class CheckpointError(MedusaTrtError):
+    """A checkpoint file or directory is missing, corrupt, or does not match its config."""
 
 
 def _where(file: str | Path | None, key: str) -> str:

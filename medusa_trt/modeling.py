@@ -7,12 +7,9 @@ exact bytes they build from. Everything a tree verify needs is explicit in `forw
 prompt, the tree mask for a verify step), and the past key/values. The module holds no cache state,
 which keeps it exportable to ONNX as one graph.
 
-FP8 checkpoints (`quantization.quant_algo == "FP8"`, docs/formats.md section 2) run as fake quantization:
-quantized Linears keep their float8_e4m3fn weights and dequantize them (q * scale, in float32) at
-each call, and quantize-dequantize their input with the calibrated activation scale; with an FP8 KV
-cache the new keys/values go through the same round trip before attention, so a token reads its own
-K/V exactly as later steps read them from the cache. This is the arithmetic of the engines' explicit
-QuantizeLinear/DequantizeLinear graphs, which makes engine-vs-reference parity tight.
+The model is float only. Quantized forms (an FP8 checkpoint's, medusa-build's int4) are modules that
+medusa_trt.quant swaps in, computing what the engines' quantized ops compute; the model offers the
+seams they plug into (Linear submodules, `DecoderLayer.kv_cache`, the slots named in MedusaModel).
 """
 
 from __future__ import annotations
@@ -21,6 +18,7 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -31,12 +29,9 @@ from medusa_trt.checkpoint import (
     LM_HEAD,
     LN_F,
     VOCAB_EMBEDDING,
-    dequantize_fp8,
-    is_fp8_module,
     layer_prefix,
     medusa_linear_prefix,
     medusa_lm_head,
-    quantize_fp8,
 )
 
 # Head logit of a token outside the draft vocabulary: far below any real logit (they stay within
@@ -67,14 +62,6 @@ class ModelConfig:
     # Token ids the heads draft from (their logits elsewhere are OUTSIDE_DRAFT_LOGIT): a vocabulary
     # subset set by head training makes a step's head logits cost V'/V of the full lm_head.
     draft_vocab: tuple[int, ...] | None = None
-
-    def is_fp8(self, module: str) -> bool:
-        """Whether the Linear named `module` (TensorRT-LLM name) holds FP8 weights and scales."""
-        return is_fp8_module(module, {"quantization": self.quantization})
-
-    @property
-    def kv_cache_fp8(self) -> bool:
-        return (self.quantization or {}).get("kv_cache_quant_algo") == "FP8"
 
     @classmethod
     def from_checkpoint_config(cls, cfg: dict) -> ModelConfig:
@@ -155,91 +142,6 @@ def attention_with_past(q, k, v, past_k, past_v, mask):
     return attention(q, torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2), mask)
 
 
-def fake_quant_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Quantize to float8_e4m3fn and back (in float32), returned in x's dtype: what a value looks like
-    after an FP8 GEMM input or an FP8 KV cache. `scale` broadcasts against x."""
-    return dequantize_fp8(quantize_fp8(x, scale), scale, x.dtype)
-
-
-class FP8Module(nn.Module):
-    """Base of the modules holding float8 weights and float32 scales as buffers (named in `kept`).
-
-    nn.Module.to(dtype) casts every floating-point tensor, float8 included, so `model.to(float16)`
-    would silently turn an FP8 model into a float16 one and round its scales. Dtype casts skip the
-    kept buffers; device moves still apply to them. `fake_quant` and `dequant` are plain attributes
-    (like DecoderLayer.attend) so an exporter can swap them for explicit Q/DQ ops.
-    """
-
-    kept: tuple[str, ...] = ()
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fake_quant = fake_quant_fp8
-        self.dequant = dequantize_fp8
-
-    def _apply(self, fn, recurse=True):
-        saved = {n: self._buffers.pop(n) for n in self.kept if self._buffers.get(n) is not None}
-        try:
-            return super()._apply(fn, recurse)
-        finally:
-            device = fn(torch.empty(0)).device  # where fn sends tensors, whatever it does to dtypes
-            self._buffers.update({n: t.to(device) for n, t in saved.items()})
-
-
-class FP8Linear(FP8Module):
-    """A TensorRT-LLM FP8 Linear emulated in the model dtype: y = dq(q(x)) @ dq(W)^T + b, per-tensor
-    scales, weight stored as float8_e4m3fn. Loads the checkpoint's names (`weight`,
-    `weights_scaling_factor`, `activation_scaling_factor`, `bias`)."""
-
-    kept = ("weight", "weights_scaling_factor", "activation_scaling_factor")
-
-    def __init__(self, in_features: int, out_features: int, bias: bool):
-        super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.float8_e4m3fn))
-        self.register_buffer("weights_scaling_factor", torch.ones(1))
-        self.register_buffer("activation_scaling_factor", torch.ones(1))
-        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.fake_quant(x, self.activation_scaling_factor)
-        w = self.dequant(self.weight, self.weights_scaling_factor, x.dtype)
-        return F.linear(x, w, self.bias)
-
-
-class FP8KVCache(FP8Module):
-    """The round trip of keys/values through an FP8 KV cache with one per-layer scale."""
-
-    kept = ("scale",)
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.register_buffer("scale", torch.ones(1))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fake_quant(x, self.scale)
-
-
-class FP8HeadLinears(FP8Module):
-    """Every Medusa ResBlock linear of an FP8 checkpoint, stacked like MedusaModel.medusa_w: weight
-    [H, L, d, d] float8_e4m3fn and per-tensor scales [H, L] (each head and layer has its own)."""
-
-    kept = ("weight", "weights_scaling_factor", "activation_scaling_factor")
-
-    def __init__(self, num_heads: int, num_layers: int, dim: int):
-        super().__init__()
-        self.register_buffer("weight", torch.zeros(num_heads, num_layers, dim, dim, dtype=torch.float8_e4m3fn))
-        self.register_buffer("weights_scaling_factor", torch.ones(num_heads, num_layers))
-        self.register_buffer("activation_scaling_factor", torch.ones(num_heads, num_layers))
-
-    def layer(self, x: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [H, ..., d] -> (x quantized-dequantized per head, weights [H, d, d] in x's dtype)."""
-        shape = (-1,) + (1,) * (x.dim() - 1)
-        xq = self.fake_quant(x, self.activation_scaling_factor[:, layer].reshape(shape))
-        w = self.dequant(self.weight[:, layer], self.weights_scaling_factor[:, layer].reshape(-1, 1, 1), x.dtype)
-        return xq, w
-
-
 # -- Medusa heads ------------------------------------------------------------------------------
 # A head is L ResBlocks (x <- x + silu(W x + b)) and an lm_head; head k reads the final normed hidden
 # state at t and predicts token t+2+k. The ResBlock math is here once: the reference model, the ONNX
@@ -260,212 +162,25 @@ def resblocks(x: torch.Tensor, linear: HeadLinear, layers: Iterable[int]) -> tor
     return x
 
 
-def stacked_linear(w: torch.Tensor | None, b: torch.Tensor, fp8: FP8HeadLinears | None = None) -> HeadLinear:
+class StackedWeights(Protocol):
+    """Every head's ResBlock weights held in another form than a float tensor (quant.FP8HeadLinears)."""
+
+    def layer(self, x: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [H, ..., d] -> (the input the layer's matmul reads, its weights [H, d, d] in x's dtype)."""
+        ...
+
+
+def stacked_linear(w: torch.Tensor | None, b: torch.Tensor, weights: StackedWeights | None = None) -> HeadLinear:
     """The ResBlock linear of every head as one batched matmul: x [H, ..., d] -> W_h x_h + b_h, from
-    weights w [H, L, d, d] (out, in) and biases b [H, L, d], or from FP8 weights (`fp8`, w None),
-    whose inputs are quantized-dequantized first as an FP8 GEMM's are."""
+    weights w [H, L, d, d] (out, in) and biases b [H, L, d], or from `weights` (w None), which give
+    each layer's matmul input and weights (FP8: the input quantized-dequantized, as an FP8 GEMM's is)."""
 
     def linear(x: torch.Tensor, layer: int) -> torch.Tensor:
-        xin, wl = (x, w[:, layer]) if fp8 is None else fp8.layer(x, layer)  # wl [H, d, d]
+        xin, wl = (x, w[:, layer]) if weights is None else weights.layer(x, layer)  # wl [H, d, d]
         bias = b[:, layer].reshape(b.shape[0], *(1,) * (x.dim() - 2), b.shape[-1])  # [H, 1.., d]
         return torch.einsum("h...i,hoi->h...o", xin, wl) + bias
 
     return linear
-
-
-# -- int4 weight-only quantization (medusa-build --weights int4) ---------------------------------
-# The numbers of ONNX Runtime's com.microsoft MatMulNBits (bits=4): W [N, K] is cut along K into
-# blocks of `block_size`; each block has a float32 scale and a 4-bit zero point (asymmetric, the
-# block's [min(w, 0), max(w, 0)] mapped onto 0..15) and dequantizes as (q - zero_point) * scale.
-# That grid passes through zero, so it cannot hold a block whose values sit on a grid that does not
-# (a GGUF's Q4_1 block: d * q + m): `offsets` instead maps [min(w), max(w)] onto 0..15 and keeps
-# the block's offset as a float, w = scale * (q - 8) + offset, run as MatMulNBits without zero points
-# plus blocksum(x) @ offsets^T (exact for Q4_1 blocks; 1.15-1.23x a step, BENCHMARKS.md, issue 13 (p)).
-# The lm_head may be 8-bit instead (symmetric, w = scale * (q - 128): exact for a GGUF's Q8_0).
-# The engine holds the packed bytes; the reference dequantizes the same bytes, so both multiply by
-# the same float32 weights.
-
-INT4_BLOCK_SIZES = (16, 32, 64, 128, 256)  # MatMulNBits: a power of two >= 16
-INT4_ACCURACY_LEVELS = (0, 4)  # MatMulNBits: 0 float compute, 4 int8 activations (per block)
-LM_HEAD_BITS = (4, 8)
-
-
-def quantize_int4(w: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """W [N, K] (K divisible by block_size) -> packed [N, K/bs, bs/2] uint8 (element 2j in the low
-    nibble, 2j+1 in the high one), scales [N, K/bs] float32, zero points [N, ceil(K/bs / 2)] uint8
-    (two 4-bit values per byte, block 2j low): MatMulNBits' B, scales and zero_points."""
-    n, k = w.shape
-    blocks = w.detach().to(torch.float32).reshape(n, k // block_size, block_size)
-    lo = blocks.amin(-1).clamp(max=0.0)
-    hi = blocks.amax(-1).clamp(min=0.0)
-    scale = (hi - lo) / 15.0
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero block: any scale is exact
-    zp = torch.round(-lo / scale).clamp(0, 15)
-    q = torch.round(blocks / scale[..., None] + zp[..., None]).clamp(0, 15).to(torch.uint8)
-    packed = q[..., 0::2] | (q[..., 1::2] << 4)
-    z = F.pad(zp, (0, zp.shape[1] % 2)).to(torch.uint8)
-    return packed.contiguous(), scale.contiguous(), (z[:, 0::2] | (z[:, 1::2] << 4)).contiguous()
-
-
-def quantize_int4_offsets(w: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """W [N, K] -> packed (as quantize_int4), scales [N, K/bs] and offsets [N, K/bs] float32: each
-    block's [min, max] onto 0..15, dequantizing as scale * (q - 8) + offset. A block whose values are
-    d * q + m with both end codes used (every Q4_1 block of a GGUF) comes back to float32 rounding."""
-    n, k = w.shape
-    blocks = w.detach().to(torch.float32).reshape(n, k // block_size, block_size)
-    lo, hi = blocks.amin(-1), blocks.amax(-1)
-    scale = (hi - lo) / 15.0
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # a constant block: q = 0, offset exact
-    q = torch.round((blocks - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
-    return (q[..., 0::2] | (q[..., 1::2] << 4)).contiguous(), scale.contiguous(), (lo + 8.0 * scale).contiguous()
-
-
-def quantize_int8(w: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """W [N, K] -> packed [N, K/bs, bs] uint8 (q + 128) and scales [N, K/bs] float32, symmetric
-    (scale = max|w| / 127): MatMulNBits bits=8 without zero points. Exact for a GGUF's Q8_0 blocks."""
-    n, k = w.shape
-    blocks = w.detach().to(torch.float32).reshape(n, k // block_size, block_size)
-    scale = blocks.abs().amax(-1) / 127.0
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(blocks / scale[..., None]).clamp(-128, 127) + 128
-    return q.to(torch.uint8).contiguous(), scale.contiguous()
-
-
-def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None) -> torch.Tensor:
-    """The float32 W [N, K] that quantize_int4's output stands for: (q - zero_point) * scale; without
-    zero points (quantize_int4_offsets), MatMulNBits' implicit 8."""
-    n, blocks, half = packed.shape
-    q = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(n, blocks, 2 * half).to(torch.float32)
-    if zero_points is None:
-        return ((q - 8.0) * scales[..., None]).reshape(n, blocks * 2 * half)
-    zp = torch.stack([zero_points & 0x0F, zero_points >> 4], dim=-1).reshape(n, -1)[:, :blocks].to(torch.float32)
-    return ((q - zp[..., None]) * scales[..., None]).reshape(n, blocks * 2 * half)
-
-
-def dequantize_int8(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """The float32 W [N, K] of quantize_int8's output: (q - 128) * scale."""
-    n, blocks, bs = packed.shape
-    return ((packed.to(torch.float32) - 128.0) * scales[..., None]).reshape(n, blocks * bs)
-
-
-def block_sums(x: torch.Tensor, block_size: int) -> torch.Tensor:
-    """x [..., K] -> [..., K / block_size]: the sum of each block, what per-block offsets multiply."""
-    return x.reshape(*x.shape[:-1], -1, block_size).sum(-1)
-
-
-def fake_quant_int8_blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
-    """x [..., K] quantized to int8 and back per block of K (symmetric, scale = amax / 127): what
-    MatMulNBits with accuracy_level 4 multiplies instead of x (measured on ONNX Runtime 1.31's CPU
-    kernel: outputs match this to 2e-6, against 2e-2 without it)."""
-    xb = x.float().reshape(*x.shape[:-1], -1, block_size)
-    scale = xb.abs().amax(-1, keepdim=True) / 127.0
-    q = torch.round(xb / torch.where(scale > 0, scale, torch.ones_like(scale)))
-    return (q * scale).reshape(x.shape).to(x.dtype)
-
-
-def nbits_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
-                 accuracy_level: int, bits: int) -> torch.Tensor:
-    """MatMulNBits' arithmetic: x [..., K] @ dequantized W^T, activations per-block int8 at level 4."""
-    if accuracy_level == 4:
-        x = fake_quant_int8_blocks(x, packed.shape[2] * 8 // bits)
-    w = dequantize_int4(packed, scales, zero_points) if bits == 4 else dequantize_int8(packed, scales)
-    return F.linear(x, w.to(x.dtype))
-
-
-class Int4Linear(nn.Module):
-    """A Linear whose weight is int4 blocks (quantize_int4, or quantize_int4_offsets with `offsets`)
-    or, with bits=8, int8 blocks (quantize_int8), run as MatMulNBits runs it (nbits_matmul), plus the
-    offsets' blocksum(x) @ offsets^T. `matmul` is a plain attribute so the exporter can swap in the
-    MatMulNBits op."""
-
-    def __init__(self, linear: nn.Linear, block_size: int, accuracy_level: int, offsets: bool = False,
-                 bits: int = 4):
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.block_size, self.accuracy_level, self.bits = block_size, accuracy_level, bits
-        self.register_buffer("zero_points", None)  # the schemes without them: MatMulNBits' implicit one
-        self.register_buffer("offsets", None)
-        if bits == 8:
-            self.kept: tuple[str, ...] = ("packed", "scales")
-            tensors = quantize_int8(linear.weight, block_size)
-        elif offsets:
-            self.kept = ("packed", "scales", "offsets")
-            tensors = quantize_int4_offsets(linear.weight, block_size)
-        else:
-            self.kept = ("packed", "scales", "zero_points")
-            tensors = quantize_int4(linear.weight, block_size)
-        for name, t in zip(self.kept, tensors, strict=True):
-            self.register_buffer(name, t)
-        self.bias = linear.bias
-        self.matmul = nbits_matmul
-
-    def _apply(self, fn, recurse=True):  # dtype casts leave the packed bytes and float32 scales alone
-        saved = {n: self._buffers.pop(n) for n in self.kept}
-        try:
-            return super()._apply(fn, recurse)
-        finally:
-            device = fn(torch.empty(0)).device
-            self._buffers.update({n: t.to(device) for n, t in saved.items()})
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.matmul(x, self.packed, self.scales, self.zero_points, self.accuracy_level, self.bits)
-        if self.offsets is not None:  # in x's own precision: ReduceSum and a float MatMul in the graph
-            y = y + F.linear(block_sums(x, self.block_size), self.offsets.to(x.dtype))
-        return y if self.bias is None else y + self.bias
-
-
-def quantize_model_int4(model: MedusaModel, block_size: int, accuracy_level: int, lm_head: bool = True,
-                        draft: bool = False, offsets: bool = False, lm_head_bits: int = 4) -> list[str]:
-    """Replaces the decoder's Linears (and the lm_head with `lm_head`) by Int4Linear in place: what
-    medusa-build --weights int4 exports and what medusa-check runs as the reference. Deterministic,
-    so both get the same bytes. Medusa heads that use the base lm_head (v2) then use the int4 one.
-    `draft`: the heads' draft-vocabulary matrices too (`draft_int4`, one Int4Linear per head), when
-    the heads have a draft vocabulary. `offsets`: per-block float offsets (quantize_int4_offsets)
-    instead of zero points; `lm_head_bits` 8: the lm_head as int8 blocks. Returns the names of the
-    Linears left in the model dtype because their input size is not a multiple of block_size (the
-    caller warns)."""
-    if block_size not in INT4_BLOCK_SIZES:
-        raise ValueError(f"int4 block size {block_size}: expected one of {INT4_BLOCK_SIZES}")
-    if accuracy_level not in INT4_ACCURACY_LEVELS:
-        raise ValueError(f"int4 accuracy level {accuracy_level}: expected one of {INT4_ACCURACY_LEVELS}")
-    if lm_head_bits not in LM_HEAD_BITS:
-        raise ValueError(f"lm_head bits {lm_head_bits}: expected one of {LM_HEAD_BITS}")
-    names = [f"layers.{i}.{n}" for i in range(len(model.layers)) for n in ("qkv", "dense", "fc", "gate", "proj")]
-    if lm_head:
-        h = model.cfg.num_medusa_heads
-        model.heads_use_lm_head = bool(h) and all(
-            torch.equal(model.medusa_lm_head[k], model.lm_head.weight) for k in range(h))
-        names.append("lm_head")
-    skipped = []
-    for name in names:
-        owner_name, _, attr = name.rpartition(".")
-        owner = model.get_submodule(owner_name) if owner_name else model
-        linear = getattr(owner, attr)
-        if not isinstance(linear, nn.Linear):
-            raise ValueError(f"{name}: {type(linear).__name__} cannot be int4-quantized (FP8 checkpoints stay FP8)")
-        if linear.in_features % block_size:
-            skipped.append(name)
-            continue
-        bits = lm_head_bits if name == "lm_head" else 4
-        setattr(owner, attr, Int4Linear(linear, block_size, accuracy_level, offsets, bits))
-    if draft and model.cfg.draft_vocab and model.cfg.num_medusa_heads:
-        # The draft matrix is the heads' largest float32 read per step ([V', d] a head; issue 13).
-        if model.cfg.hidden_size % block_size:
-            skipped.append("draft_lm_head")
-        else:
-            heads = []
-            for w in model.draft_lm_head:  # [H, V', d]
-                linear = nn.Linear(w.shape[1], w.shape[0], bias=False)
-                linear.weight.data = w.float()
-                heads.append(Int4Linear(linear, block_size, accuracy_level, offsets))
-            model.draft_int4 = nn.ModuleList(heads)
-    return skipped
-
-
-def _linear(cfg: ModelConfig, name: str, in_features: int, out_features: int, bias: bool) -> nn.Module:
-    if cfg.is_fp8(name):
-        return FP8Linear(in_features, out_features, bias)
-    return nn.Linear(in_features, out_features, bias=bias)
 
 
 class RMSNorm(nn.Module):
@@ -481,19 +196,21 @@ class RMSNorm(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, index: int = 0):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
         qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-        d, inter, p = cfg.hidden_size, cfg.intermediate_size, layer_prefix(index)
+        d, inter = cfg.hidden_size, cfg.intermediate_size
         self.input_layernorm = RMSNorm(d, cfg.norm_eps)
-        self.qkv = _linear(cfg, f"{p}.attention.qkv", d, qkv_out, cfg.qkv_bias)
-        self.dense = _linear(cfg, f"{p}.attention.dense", cfg.num_heads * cfg.head_dim, d, False)
+        self.qkv = nn.Linear(d, qkv_out, bias=cfg.qkv_bias)
+        self.dense = nn.Linear(cfg.num_heads * cfg.head_dim, d, bias=False)
         self.post_layernorm = RMSNorm(d, cfg.norm_eps)
-        self.fc = _linear(cfg, f"{p}.mlp.fc", d, inter, False)  # HF gate_proj
-        self.gate = _linear(cfg, f"{p}.mlp.gate", d, inter, False)  # HF up_proj
-        self.proj = _linear(cfg, f"{p}.mlp.proj", inter, d, False)  # HF down_proj
-        self.kv_cache = FP8KVCache() if cfg.kv_cache_fp8 else None
+        self.fc = nn.Linear(d, inter, bias=False)  # HF gate_proj
+        self.gate = nn.Linear(d, inter, bias=False)  # HF up_proj
+        self.proj = nn.Linear(inter, d, bias=False)  # HF down_proj
+        # What the cache does to new keys/values, when it stores another form than the model dtype
+        # (quant.FP8KVCache): a token then attends to its own K/V as later steps read them back.
+        self.kv_cache: nn.Module | None = None
         self.attend = attention_with_past  # plain attribute, not a module: the ONNX exporter swaps it
 
     def forward(self, x, cos, sin, mask, past_k, past_v):
@@ -505,7 +222,7 @@ class DecoderLayer(nn.Module):
         heads = qkv.view(b, s, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
         q, k, v = heads.split([cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads], 1)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.kv_cache is not None:  # the cache holds what FP8 can represent, the new tokens included
+        if self.kv_cache is not None:  # the new tokens included
             k, v = self.kv_cache(k), self.kv_cache(v)
         out = self.attend(q, k, v, past_k, past_v, mask)
         x = x + self.dense(out.transpose(1, 2).reshape(b, s, -1))
@@ -522,21 +239,25 @@ class MedusaModel(nn.Module):
         self.cfg = cfg
         d, n_heads, n_layers = cfg.hidden_size, cfg.num_medusa_heads, cfg.num_medusa_layers
         self.vocab_embedding = nn.Embedding(cfg.vocab_size, d)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.ln_f = RMSNorm(d, cfg.norm_eps)
         self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False)
         # Heads stacked so all of them run as one batched matmul per ResBlock layer.
         self.medusa_w = nn.Parameter(torch.zeros(n_heads, n_layers, d, d))  # [H, L, out, in]
-        self.medusa_fp8: FP8HeadLinears | None = None
-        if n_heads and _fp8_heads(cfg):  # the weights live there instead, as float8 + scales
-            self.register_parameter("medusa_w", None)
-            self.medusa_fp8 = FP8HeadLinears(n_heads, n_layers, d)
         self.medusa_b = nn.Parameter(torch.zeros(n_heads, n_layers, d))
         self.medusa_lm_head = nn.Parameter(torch.zeros(n_heads, cfg.vocab_size, d))
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
-        self.draft_int4: nn.ModuleList | None = None  # int4 draft-vocabulary matrices (quantize_model_int4)
+        # Slots that medusa_trt.quant fills when it swaps quantized modules in; the exporters read
+        # them by these names. Instance attributes, not class ones: nn.Module keeps an assigned
+        # module in _modules, which a class attribute of the same name would shadow.
+        # medusa_fp8: every head's ResBlock weights in another form (StackedWeights; medusa_w is then
+        # None). draft_int4: a module per head giving its draft-vocabulary logits, in place of the
+        # draft_lm_head product.
+        self.medusa_fp8: nn.Module | None = None
+        self.draft_int4: nn.ModuleList | None = None
 
-    heads_use_lm_head = False  # v2 heads through an int4 lm_head (quantize_model_int4)
+    # v2 heads (their lm_head a copy of the base one) read the lm_head module, whatever form quant gave it.
+    heads_use_lm_head = False
 
     @property
     def dtype(self) -> torch.dtype:
@@ -625,7 +346,16 @@ class MedusaModel(nn.Module):
         torch_dtype = CONFIG_DTYPES[dtype or cfg.dtype]
         with torch.device("meta"):
             model = cls(cfg)
-        model.load_state_dict(_to_module_names(cfg, weights), assign=True, strict=True)
+        state = _to_module_names(cfg, weights)
+        if cfg.quantization:
+            # An FP8 checkpoint's modules (docs/formats.md section 2) are quant.py's: it swaps them in,
+            # on the meta device like the rest, and names their tensors. quant imports no modeling
+            # code at run time, so this call makes no import cycle.
+            from medusa_trt.quant import load_fp8
+
+            with torch.device("meta"):
+                load_fp8(model, weights, state)
+        model.load_state_dict(state, assign=True, strict=True)
         model.inv_freq = rope_inv_freq(cfg)
         if cfg.draft_vocab:
             ids = torch.tensor(cfg.draft_vocab, dtype=torch.long)
@@ -642,19 +372,6 @@ class MedusaModel(nn.Module):
         return cls.from_weights(config, weights, dtype)
 
 
-def _fp8_heads(cfg: ModelConfig) -> bool:
-    """Whether the Medusa linears are FP8: all of them or none (one stacked tensor holds them)."""
-    names = [medusa_linear_prefix(h, j) for h in range(cfg.num_medusa_heads) for j in range(cfg.num_medusa_layers)]
-    flags = {cfg.is_fp8(n) for n in names}
-    if len(flags) > 1:
-        raise ValueError(f"quantization.exclude_modules {(cfg.quantization or {}).get('exclude_modules')} "
-                         "quantizes some Medusa linears but not others; expected all or none")
-    return flags == {True}
-
-
-_LINEAR_SUFFIXES = ("weight", "bias", "weights_scaling_factor", "activation_scaling_factor")
-
-
 def _to_module_names(cfg: ModelConfig, w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """TensorRT-LLM checkpoint names -> this module's parameter names (lm_heads unpadded)."""
     v = cfg.vocab_size
@@ -665,17 +382,11 @@ def _to_module_names(cfg: ModelConfig, w: dict[str, torch.Tensor]) -> dict[str, 
     }
     for i in range(cfg.num_layers):
         src, dst = f"{layer_prefix(i)}.", f"layers.{i}."
-        names = {"input_layernorm.weight": "input_layernorm.weight", "post_layernorm.weight": "post_layernorm.weight"}
-        linears = {"attention.qkv": "qkv", "attention.dense": "dense", "mlp.fc": "fc", "mlp.gate": "gate",
-                   "mlp.proj": "proj"}
-        for a, b in linears.items():
-            fp8 = cfg.is_fp8(src + a)
-            for suffix in _LINEAR_SUFFIXES:
-                if suffix == "weight" or (suffix == "bias" and a == "attention.qkv" and cfg.qkv_bias) or (
-                        fp8 and suffix.endswith("scaling_factor")):
-                    names[f"{a}.{suffix}"] = f"{b}.{suffix}"
-        if cfg.kv_cache_fp8:
-            names["attention.kv_cache_scaling_factor"] = "kv_cache.scale"
+        names = {"input_layernorm.weight": "input_layernorm.weight", "post_layernorm.weight": "post_layernorm.weight",
+                 "attention.qkv.weight": "qkv.weight", "attention.dense.weight": "dense.weight",
+                 "mlp.fc.weight": "fc.weight", "mlp.gate.weight": "gate.weight", "mlp.proj.weight": "proj.weight"}
+        if cfg.qkv_bias:
+            names["attention.qkv.bias"] = "qkv.bias"
         out.update({dst + b: w[src + a] for a, b in names.items()})
     H, L = cfg.num_medusa_heads, cfg.num_medusa_layers
     if H:
@@ -683,12 +394,7 @@ def _to_module_names(cfg: ModelConfig, w: dict[str, torch.Tensor]) -> dict[str, 
             return torch.stack([torch.stack([w[f"{medusa_linear_prefix(h, j)}.{param}"] for j in range(L)])
                                 for h in range(H)])
 
-        if _fp8_heads(cfg):
-            out["medusa_fp8.weight"] = stacked("weight")
-            for scale in ("weights_scaling_factor", "activation_scaling_factor"):
-                out[f"medusa_fp8.{scale}"] = stacked(scale).reshape(H, L)
-        else:
-            out["medusa_w"] = stacked("weight")
+        out["medusa_w"] = stacked("weight")
         out["medusa_b"] = stacked("bias")
         out["medusa_lm_head"] = torch.stack(
             [w.get(medusa_lm_head(h), w[LM_HEAD])[:v] for h in range(H)]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from medusa_trt.checkpoint import SafetensorsWriter
+from medusa_trt.safetensors_io import SafetensorsWriter
 
 ARCHS = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
          "mistral": ("MistralConfig", "MistralForCausalLM"),

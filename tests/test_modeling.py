@@ -3,13 +3,16 @@ Medusa heads against the math applied directly to the source head file."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from medusa_trt.checkpoint import dequantize_fp8, fp8_scale, quantize_fp8
-from medusa_trt.modeling import FP8HeadLinears, MedusaModel, resblocks, stacked_linear
+from medusa_trt.modeling import MedusaModel, resblocks, stacked_linear
+from medusa_trt.quant import FP8HeadLinears, dequantize_fp8, fp8_scale, quantize_fp8
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 32}
@@ -171,3 +174,11 @@ def test_float16_checkpoint_runs_close_to_float32(tiny_merged):
         a = ref(ids, pos, causal(1, 16), *ref.empty_cache(1))[0]
         b = half(ids, pos, causal(1, 16), *half.empty_cache(1))[0]
     assert (a - b).abs().max() <= 0.05 * a.abs().max()
+
+
+def test_the_model_imports_no_quantization_code():
+    """modeling.py is the float model: importing it loads no quant.py, and it holds no copy of the
+    numerics (quant.py swaps its modules into a model; the loader calls it for a checkpoint's block)."""
+    code = ("import sys, medusa_trt.modeling as m; assert 'medusa_trt.quant' not in sys.modules; "
+            "assert not [n for n in dir(m) if 'int4' in n.lower() or 'fp8' in n.lower()]")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from medusa_trt.modeling import INT4_ACCURACY_LEVELS
+from medusa_trt.quant import INT4_ACCURACY_LEVELS
 from medusa_trt.runtime.ort_backend import matmul_nbits_session
 
 ROWS = (1, 2, 3, 4, 8)

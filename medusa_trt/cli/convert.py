@@ -6,8 +6,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from medusa_trt.checkpoint import DEFAULT_MAX_DRAFT_LEN
 from medusa_trt.cli.common import add_quiet_arg, run_cli
-from medusa_trt.converter.merge import DEFAULT_MAX_DRAFT_LEN, convert
+from medusa_trt.converter.merge import convert
 from medusa_trt.converter.quantize import KV_CACHE_DTYPES, QUANTIZE_CHOICES, QuantOptions
 
 PROG = "medusa-convert"

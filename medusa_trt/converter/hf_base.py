@@ -12,15 +12,9 @@ from pathlib import Path
 
 import torch
 
-from medusa_trt.checkpoint import (
-    LM_HEAD,
-    LN_F,
-    VOCAB_EMBEDDING,
-    CheckpointError,
-    SafetensorsFile,
-    layer_prefix,
-)
-from medusa_trt.errors import read_json_object, require
+from medusa_trt.checkpoint import LM_HEAD, LN_F, VOCAB_EMBEDDING, layer_prefix
+from medusa_trt.errors import CheckpointError, read_json_object, require
+from medusa_trt.safetensors_io import SafetensorsFile
 
 log = logging.getLogger("medusa_trt.converter")
 

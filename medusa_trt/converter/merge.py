@@ -12,10 +12,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from medusa_trt import __version__
-from medusa_trt.checkpoint import (  # DEFAULT_MAX_DRAFT_LEN: re-exported for medusa-convert's CLI
+from medusa_trt.checkpoint import (
     CONFIG_DTYPES,
     DEFAULT_MAX_DRAFT_LEN,
-    CheckpointError,
     CheckpointWriter,
     check_tp,
     expected_tensors,
@@ -34,6 +33,7 @@ from medusa_trt.converter.hf_base import (
 )
 from medusa_trt.converter.quantize import EXCLUDED_HEADS as EXCLUDED_HEADS_PATTERN
 from medusa_trt.converter.quantize import QuantOptions, fp8_tensors, quantization_block
+from medusa_trt.errors import CheckpointError
 from medusa_trt.outputs import atomic_output_dir, check_output_dir
 
 log = logging.getLogger("medusa_trt.converter")

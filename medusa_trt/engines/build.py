@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from medusa_trt.checkpoint import CheckpointError, read_config, validate_checkpoint
+from medusa_trt.checkpoint import read_config, validate_checkpoint
 from medusa_trt.engine_dir import (  # noqa: F401 (re-exported: the engine format's names used to live here)
     DEVICES,
     DTYPES,
@@ -38,6 +38,7 @@ from medusa_trt.engines.options import (  # BuildError, BuildOptions: also impor
     limits_for,
     progress_bar,
 )
+from medusa_trt.errors import CheckpointError
 from medusa_trt.outputs import atomic_output_dir, check_output_dir
 
 log = logging.getLogger(__name__)
@@ -127,7 +128,7 @@ def gguf_blocks_hint(config: dict, offsets: bool, lm_head_bits: int) -> str | No
 
 def _quantize_int4(opts: BuildOptions, config: dict, model) -> dict:
     """Quantizes `model` in place for --weights int4; returns engine.json's "weights" section."""
-    from medusa_trt.modeling import INT4_ACCURACY_LEVELS, INT4_BLOCK_SIZES, LM_HEAD_BITS, quantize_model_int4
+    from medusa_trt.quant import INT4_ACCURACY_LEVELS, INT4_BLOCK_SIZES, LM_HEAD_BITS, quantize_model_int4
 
     block = int(opts.extra.get("int4_block_size", INT4_DEFAULT_BLOCK_SIZE))
     level = int(opts.extra.get("int4_accuracy_level", INT4_DEFAULT_ACCURACY_LEVEL))

@@ -71,7 +71,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from medusa_trt.acceptance import candidates_from_topk, greedy_accept
-from medusa_trt.checkpoint import dequantize_fp8
 from medusa_trt.engine_dir import (  # noqa: F401 (re-exported for the TensorRT builder and tests)
     HEADS_INPUT,
     HEADS_OUTPUT,
@@ -81,16 +80,8 @@ from medusa_trt.engine_dir import (  # noqa: F401 (re-exported for the TensorRT 
     STEP_OUTPUT_NAMES,
     past_names,
 )
-from medusa_trt.modeling import (
-    FP8Linear,
-    FP8Module,
-    Int4Linear,
-    MedusaModel,
-    attention_with_past,
-    fake_quant_fp8,
-    nbits_matmul,
-    resblocks,
-)
+from medusa_trt.modeling import MedusaModel, attention_with_past, resblocks
+from medusa_trt.quant import FP8Linear, FP8Module, Int4Linear, dequantize_fp8, fake_quant_fp8, nbits_matmul
 from medusa_trt.tree import candidate_topk
 
 log = logging.getLogger(__name__)

@@ -199,7 +199,7 @@ def matmul_nbits_session(w: torch.Tensor, block_size: int, accuracy_level: int, 
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    from medusa_trt.modeling import quantize_int4
+    from medusa_trt.quant import quantize_int4
 
     n, k = w.shape
     packed, scales, zero_points = (t.numpy() for t in quantize_int4(w, block_size))

@@ -120,8 +120,9 @@ def run_check(engine_dir: str | Path, checkpoint: str | Path | None = None, prom
               max_new_tokens: int = 32, tree_steps: int = 4, device: str | None = None,
               atol: float | None = None) -> CheckReport:
     """Runs every comparison; raises CheckInputError on bad input, never on a parity failure."""
-    from medusa_trt.checkpoint import CheckpointError, validate_checkpoint
+    from medusa_trt.checkpoint import validate_checkpoint
     from medusa_trt.engine_dir import sha256_file, verify_artifacts
+    from medusa_trt.errors import CheckpointError
     from medusa_trt.modeling import MedusaModel
     from medusa_trt.runtime.backend import TorchBackend
     from medusa_trt.runtime.loading import load_backend
@@ -166,7 +167,7 @@ def run_check(engine_dir: str | Path, checkpoint: str | Path | None = None, prom
         raise CheckInputError(str(e)) from None
     model = MedusaModel.from_checkpoint(checkpoint, dtype="float32")
     if int4:
-        from medusa_trt.modeling import quantize_model_int4
+        from medusa_trt.quant import quantize_model_int4
 
         weights = engine["weights"]
         quantize_model_int4(model, int(weights["block_size"]), int(weights["accuracy_level"]),

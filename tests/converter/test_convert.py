@@ -20,7 +20,6 @@ from synthetic import HEAD_FORMATS
 
 from medusa_trt.checkpoint import (
     REQUIRED_CONFIG_KEYS,
-    SafetensorsFile,
     expected_tensors,
     load_checkpoint,
     merge_ranks,
@@ -29,6 +28,7 @@ from medusa_trt.checkpoint import (
 )
 from medusa_trt.cli.convert import main
 from medusa_trt.converter import ConvertError, convert
+from medusa_trt.safetensors_io import SafetensorsFile
 
 ARCHS = ["llama", "mistral", "qwen2"]
 

@@ -13,12 +13,14 @@ import torch.nn.functional as F
 from synthetic import make_heads
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from medusa_trt.checkpoint import SafetensorsFile, load_checkpoint, rank_file, validate_checkpoint
+from medusa_trt.checkpoint import load_checkpoint, rank_file, validate_checkpoint
 from medusa_trt.cli.convert import main as convert_main
 from medusa_trt.converter import convert
 from medusa_trt.converter.hf_base import TensorSource, find_weight_files
 from medusa_trt.converter.quantize import QuantOptions
-from medusa_trt.modeling import FP8Linear, MedusaModel
+from medusa_trt.modeling import MedusaModel
+from medusa_trt.quant import FP8Linear
+from medusa_trt.safetensors_io import SafetensorsFile
 
 E4M3_MAX = 448.0
 LINEARS = {"attention.qkv": ("q_proj", "k_proj", "v_proj"), "attention.dense": ("o_proj",),
@@ -417,7 +419,7 @@ def test_onnx_qdq_is_the_reference_arithmetic(tmp_path):
     import numpy as np
 
     from medusa_trt.engines.onnx_export import _export_dequant, _export_fake_quant, _fp8_translations
-    from medusa_trt.modeling import fake_quant_fp8
+    from medusa_trt.quant import fake_quant_fp8
     from medusa_trt.runtime.ort_backend import make_session
 
     scale = torch.tensor([0.01])

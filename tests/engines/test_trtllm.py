@@ -20,12 +20,13 @@ import sys
 import pytest
 import torch
 
-from medusa_trt.checkpoint import SafetensorsFile, expected_tensors, rank_file, rank_shape, read_config
+from medusa_trt.checkpoint import expected_tensors, rank_file, rank_shape, read_config
 from medusa_trt.cli import build as build_cli
 from medusa_trt.converter import convert
 from medusa_trt.converter.quantize import QuantOptions
 from medusa_trt.engines.build import BuildError, BuildOptions, build_engine
 from medusa_trt.engines.trtllm import trtllm_build_command
+from medusa_trt.safetensors_io import SafetensorsFile
 
 CALIB = "the quick brown fox jumps over a lazy dog\nMedusa heads guess what comes next\n42 times, really\n"
 

@@ -15,7 +15,8 @@ from transformers import AutoModelForCausalLM
 
 from medusa_trt.cli.run import main as run_main
 from medusa_trt.converter import convert
-from medusa_trt.modeling import OUTSIDE_DRAFT_LOGIT, MedusaModel, quantize_model_int4
+from medusa_trt.modeling import OUTSIDE_DRAFT_LOGIT, MedusaModel
+from medusa_trt.quant import quantize_model_int4
 from medusa_trt.runtime.backend import TorchBackend
 from medusa_trt.runtime.decoding import GenerationConfig, decode, generate
 from medusa_trt.tools.train_heads import greedy_continuations, save_heads, train_heads

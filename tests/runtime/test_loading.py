@@ -11,9 +11,8 @@ import torch
 from synthetic import EOS
 from transformers import AutoTokenizer
 
-from medusa_trt.checkpoint import CheckpointError
 from medusa_trt.engine_dir import ENGINE_JSON, EngineError
-from medusa_trt.errors import MedusaTrtError
+from medusa_trt.errors import CheckpointError, MedusaTrtError
 from medusa_trt.modeling import MedusaModel
 from medusa_trt.runtime.backend import TorchBackend
 from medusa_trt.runtime.decoding import GenerationConfig, decode

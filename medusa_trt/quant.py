@@ -1,0 +1,396 @@
+"""Weight quantization of the reference model, as modules swapped into a MedusaModel.
+
+modeling.py is the float model and knows none of this (gpt-fast's model.py / quantize.py split):
+the functions here rewrite a model in place, and each quantized module computes what an engine's
+quantized op computes, so engine-vs-reference parity stays tight.
+
+FP8 (`quantization.quant_algo == "FP8"` in a checkpoint, docs/formats.md section 2) runs as fake
+quantization: quantized Linears keep their float8_e4m3fn weights and dequantize them (q * scale, in
+float32) at each call, and quantize-dequantize their input with the calibrated activation scale;
+with an FP8 KV cache the new keys/values go through the same round trip before attention, so a
+token reads its own K/V exactly as later steps read them from the cache. This is the arithmetic of
+the engines' explicit QuantizeLinear/DequantizeLinear graphs. MedusaModel.from_weights calls
+`load_fp8` for a checkpoint with a quantization block; this module imports modeling for type
+hints only, so that call makes no import cycle.
+
+int4 (medusa-build --weights int4, `quantize_model_int4`) runs ONNX Runtime's MatMulNBits
+arithmetic on the same packed bytes the engine holds.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from medusa_trt.checkpoint import is_fp8_module, layer_prefix, medusa_linear_prefix
+
+if TYPE_CHECKING:
+    from medusa_trt.modeling import MedusaModel, ModelConfig
+
+
+# -- FP8 numbers (per-tensor, symmetric float8_e4m3fn): scale = amax / 448, dequantized x = q * scale --
+
+FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn value
+
+
+def fp8_scale(amax: torch.Tensor | float) -> torch.Tensor:
+    """The float32 (1,) scaling factor for a tensor whose largest magnitude is `amax`.
+
+    An all-zero tensor gets 1.0: any scale represents zero exactly, and 1.0 keeps the runtime's
+    x / scale finite (TensorRT and ONNX Runtime divide by it).
+    """
+    amax = torch.as_tensor(amax, dtype=torch.float32).reshape(1)
+    return torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax))
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x / scale in float32, saturated to +-448, rounded to nearest-even float8_e4m3fn.
+
+    Saturation is explicit because e4m3fn has no infinity (an overflow would be NaN in some
+    converters); it is what ONNX QuantizeLinear does with its default saturate=1.
+    """
+    y = x.to(torch.float32) / scale.to(torch.float32)
+    return y.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """q * scale computed in float32 (as ONNX DequantizeLinear does), then cast to `dtype`."""
+    return (q.to(torch.float32) * scale.to(torch.float32)).to(dtype)
+
+
+def fake_quant_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Quantize to float8_e4m3fn and back (in float32), returned in x's dtype: what a value looks like
+    after an FP8 GEMM input or an FP8 KV cache. `scale` broadcasts against x."""
+    return dequantize_fp8(quantize_fp8(x, scale), scale, x.dtype)
+
+
+class FP8Module(nn.Module):
+    """Base of the modules holding float8 weights and float32 scales as buffers (named in `kept`).
+
+    nn.Module.to(dtype) casts every floating-point tensor, float8 included, so `model.to(float16)`
+    would silently turn an FP8 model into a float16 one and round its scales. Dtype casts skip the
+    kept buffers; device moves still apply to them. `fake_quant` and `dequant` are plain attributes
+    (like DecoderLayer.attend) so an exporter can swap them for explicit Q/DQ ops.
+    """
+
+    kept: tuple[str, ...] = ()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fake_quant = fake_quant_fp8
+        self.dequant = dequantize_fp8
+
+    def _apply(self, fn, recurse=True):
+        saved = {n: self._buffers.pop(n) for n in self.kept if self._buffers.get(n) is not None}
+        try:
+            return super()._apply(fn, recurse)
+        finally:
+            device = fn(torch.empty(0)).device  # where fn sends tensors, whatever it does to dtypes
+            self._buffers.update({n: t.to(device) for n, t in saved.items()})
+
+
+class FP8Linear(FP8Module):
+    """A TensorRT-LLM FP8 Linear emulated in the model dtype: y = dq(q(x)) @ dq(W)^T + b, per-tensor
+    scales, weight stored as float8_e4m3fn. Loads the checkpoint's names (`weight`,
+    `weights_scaling_factor`, `activation_scaling_factor`, `bias`)."""
+
+    kept = ("weight", "weights_scaling_factor", "activation_scaling_factor")
+
+    def __init__(self, in_features: int, out_features: int, bias: bool):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.float8_e4m3fn))
+        self.register_buffer("weights_scaling_factor", torch.ones(1))
+        self.register_buffer("activation_scaling_factor", torch.ones(1))
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.fake_quant(x, self.activation_scaling_factor)
+        w = self.dequant(self.weight, self.weights_scaling_factor, x.dtype)
+        return F.linear(x, w, self.bias)
+
+
+class FP8KVCache(FP8Module):
+    """The round trip of keys/values through an FP8 KV cache with one per-layer scale."""
+
+    kept = ("scale",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fake_quant(x, self.scale)
+
+
+class FP8HeadLinears(FP8Module):
+    """Every Medusa ResBlock linear of an FP8 checkpoint, stacked like MedusaModel.medusa_w: weight
+    [H, L, d, d] float8_e4m3fn and per-tensor scales [H, L] (each head and layer has its own)."""
+
+    kept = ("weight", "weights_scaling_factor", "activation_scaling_factor")
+
+    def __init__(self, num_heads: int, num_layers: int, dim: int):
+        super().__init__()
+        self.register_buffer("weight", torch.zeros(num_heads, num_layers, dim, dim, dtype=torch.float8_e4m3fn))
+        self.register_buffer("weights_scaling_factor", torch.ones(num_heads, num_layers))
+        self.register_buffer("activation_scaling_factor", torch.ones(num_heads, num_layers))
+
+    def layer(self, x: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [H, ..., d] -> (x quantized-dequantized per head, weights [H, d, d] in x's dtype)."""
+        shape = (-1,) + (1,) * (x.dim() - 1)
+        xq = self.fake_quant(x, self.activation_scaling_factor[:, layer].reshape(shape))
+        w = self.dequant(self.weight[:, layer], self.weights_scaling_factor[:, layer].reshape(-1, 1, 1), x.dtype)
+        return xq, w
+
+
+# -- FP8 checkpoints: the modules that hold their tensors ------------------------------------------
+
+_DECODER_LINEARS = {"attention.qkv": "qkv", "attention.dense": "dense", "mlp.fc": "fc", "mlp.gate": "gate",
+                    "mlp.proj": "proj"}  # TensorRT-LLM name -> DecoderLayer attribute
+_FP8_SCALES = ("weights_scaling_factor", "activation_scaling_factor")
+
+
+def _is_fp8(cfg: ModelConfig, module: str) -> bool:
+    """Whether the Linear named `module` (TensorRT-LLM name) holds FP8 weights and scales."""
+    return is_fp8_module(module, {"quantization": cfg.quantization})
+
+
+def _kv_cache_fp8(cfg: ModelConfig) -> bool:
+    return (cfg.quantization or {}).get("kv_cache_quant_algo") == "FP8"
+
+
+def _fp8_heads(cfg: ModelConfig) -> bool:
+    """Whether the Medusa linears are FP8: all of them or none (one stacked tensor holds them)."""
+    names = [medusa_linear_prefix(h, j) for h in range(cfg.num_medusa_heads) for j in range(cfg.num_medusa_layers)]
+    flags = {_is_fp8(cfg, n) for n in names}
+    if len(flags) > 1:
+        raise ValueError(f"quantization.exclude_modules {(cfg.quantization or {}).get('exclude_modules')} "
+                         "quantizes some Medusa linears but not others; expected all or none")
+    return flags == {True}
+
+
+def load_fp8(model: MedusaModel, weights: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> None:
+    """Swaps into `model` the modules of an FP8 checkpoint's quantization block, and adds the tensors
+    they hold to `state` (module names, what MedusaModel.from_weights loads): FP8Linear for each
+    quantized decoder Linear, FP8KVCache in each layer with an FP8 KV cache, FP8HeadLinears in place
+    of medusa_w for FP8 Medusa linears. Called while the model is on the meta device, so the new
+    modules allocate nothing before the checkpoint's tensors are assigned."""
+    cfg = model.cfg
+    heads = _fp8_heads(cfg)
+    for i, layer in enumerate(model.layers):
+        src, dst = f"{layer_prefix(i)}.", f"layers.{i}."
+        for name, attr in _DECODER_LINEARS.items():
+            if _is_fp8(cfg, src + name):
+                linear = getattr(layer, attr)
+                setattr(layer, attr, FP8Linear(linear.in_features, linear.out_features, linear.bias is not None))
+                for scale in _FP8_SCALES:
+                    state[f"{dst}{attr}.{scale}"] = weights[f"{src}{name}.{scale}"]
+        if _kv_cache_fp8(cfg):
+            layer.kv_cache = FP8KVCache()
+            state[f"{dst}kv_cache.scale"] = weights[f"{src}attention.kv_cache_scaling_factor"]
+    if heads:
+        h, n = cfg.num_medusa_heads, cfg.num_medusa_layers
+
+        def stacked(param: str) -> torch.Tensor:  # [H, L, ...]
+            return torch.stack([torch.stack([weights[f"{medusa_linear_prefix(k, j)}.{param}"] for j in range(n)])
+                                for k in range(h)])
+
+        model.register_parameter("medusa_w", None)  # the weights live in medusa_fp8 instead, as float8 + scales
+        model.medusa_fp8 = FP8HeadLinears(h, n, cfg.hidden_size)
+        state["medusa_fp8.weight"] = state.pop("medusa_w")  # modeling stacked the float8 weights as [H, L, d, d]
+        for scale in _FP8_SCALES:
+            state[f"medusa_fp8.{scale}"] = stacked(scale).reshape(h, n)
+
+
+# -- int4 weight-only quantization (medusa-build --weights int4) ---------------------------------
+# The numbers of ONNX Runtime's com.microsoft MatMulNBits (bits=4): W [N, K] is cut along K into
+# blocks of `block_size`; each block has a float32 scale and a 4-bit zero point (asymmetric, the
+# block's [min(w, 0), max(w, 0)] mapped onto 0..15) and dequantizes as (q - zero_point) * scale.
+# That grid passes through zero, so it cannot hold a block whose values sit on a grid that does not
+# (a GGUF's Q4_1 block: d * q + m): `offsets` instead maps [min(w), max(w)] onto 0..15 and keeps
+# the block's offset as a float, w = scale * (q - 8) + offset, run as MatMulNBits without zero points
+# plus blocksum(x) @ offsets^T (exact for Q4_1 blocks, for some cost a step: docs/benchmarks/issue-13-int4.md,
+# (p)).
+# The lm_head may be 8-bit instead (symmetric, w = scale * (q - 128): exact for a GGUF's Q8_0).
+# The engine holds the packed bytes; the reference dequantizes the same bytes, so both multiply by
+# the same float32 weights.
+
+INT4_BLOCK_SIZES = (16, 32, 64, 128, 256)  # MatMulNBits: a power of two >= 16
+INT4_ACCURACY_LEVELS = (0, 4)  # MatMulNBits: 0 float compute, 4 int8 activations (per block)
+LM_HEAD_BITS = (4, 8)
+
+
+def quantize_int4(w: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """W [N, K] (K divisible by block_size) -> packed [N, K/bs, bs/2] uint8 (element 2j in the low
+    nibble, 2j+1 in the high one), scales [N, K/bs] float32, zero points [N, ceil(K/bs / 2)] uint8
+    (two 4-bit values per byte, block 2j low): MatMulNBits' B, scales and zero_points."""
+    n, k = w.shape
+    blocks = w.detach().to(torch.float32).reshape(n, k // block_size, block_size)
+    lo = blocks.amin(-1).clamp(max=0.0)
+    hi = blocks.amax(-1).clamp(min=0.0)
+    scale = (hi - lo) / 15.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero block: any scale is exact
+    zp = torch.round(-lo / scale).clamp(0, 15)
+    q = torch.round(blocks / scale[..., None] + zp[..., None]).clamp(0, 15).to(torch.uint8)
+    packed = q[..., 0::2] | (q[..., 1::2] << 4)
+    z = F.pad(zp, (0, zp.shape[1] % 2)).to(torch.uint8)
+    return packed.contiguous(), scale.contiguous(), (z[:, 0::2] | (z[:, 1::2] << 4)).contiguous()
+
+
+def quantize_int4_offsets(w: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """W [N, K] -> packed (as quantize_int4), scales [N, K/bs] and offsets [N, K/bs] float32: each
+    block's [min, max] onto 0..15, dequantizing as scale * (q - 8) + offset. A block whose values are
+    d * q + m with both end codes used (every Q4_1 block of a GGUF) comes back to float32 rounding."""
+    n, k = w.shape
+    blocks = w.detach().to(torch.float32).reshape(n, k // block_size, block_size)
+    lo, hi = blocks.amin(-1), blocks.amax(-1)
+    scale = (hi - lo) / 15.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # a constant block: q = 0, offset exact
+    q = torch.round((blocks - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
+    return (q[..., 0::2] | (q[..., 1::2] << 4)).contiguous(), scale.contiguous(), (lo + 8.0 * scale).contiguous()
+
+
+def quantize_int8(w: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [N, K] -> packed [N, K/bs, bs] uint8 (q + 128) and scales [N, K/bs] float32, symmetric
+    (scale = max|w| / 127): MatMulNBits bits=8 without zero points. Exact for a GGUF's Q8_0 blocks."""
+    n, k = w.shape
+    blocks = w.detach().to(torch.float32).reshape(n, k // block_size, block_size)
+    scale = blocks.abs().amax(-1) / 127.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(blocks / scale[..., None]).clamp(-128, 127) + 128
+    return q.to(torch.uint8).contiguous(), scale.contiguous()
+
+
+def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None) -> torch.Tensor:
+    """The float32 W [N, K] that quantize_int4's output stands for: (q - zero_point) * scale; without
+    zero points (quantize_int4_offsets), MatMulNBits' implicit 8."""
+    n, blocks, half = packed.shape
+    q = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(n, blocks, 2 * half).to(torch.float32)
+    if zero_points is None:
+        return ((q - 8.0) * scales[..., None]).reshape(n, blocks * 2 * half)
+    zp = torch.stack([zero_points & 0x0F, zero_points >> 4], dim=-1).reshape(n, -1)[:, :blocks].to(torch.float32)
+    return ((q - zp[..., None]) * scales[..., None]).reshape(n, blocks * 2 * half)
+
+
+def dequantize_int8(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The float32 W [N, K] of quantize_int8's output: (q - 128) * scale."""
+    n, blocks, bs = packed.shape
+    return ((packed.to(torch.float32) - 128.0) * scales[..., None]).reshape(n, blocks * bs)
+
+
+def block_sums(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """x [..., K] -> [..., K / block_size]: the sum of each block, what per-block offsets multiply."""
+    return x.reshape(*x.shape[:-1], -1, block_size).sum(-1)
+
+
+def fake_quant_int8_blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """x [..., K] quantized to int8 and back per block of K (symmetric, scale = amax / 127): what
+    MatMulNBits with accuracy_level 4 multiplies instead of x: ONNX Runtime's CPU kernel rounds its
+    activations so, and engine parity at level 4 holds only with this rounding in the reference."""
+    xb = x.float().reshape(*x.shape[:-1], -1, block_size)
+    scale = xb.abs().amax(-1, keepdim=True) / 127.0
+    q = torch.round(xb / torch.where(scale > 0, scale, torch.ones_like(scale)))
+    return (q * scale).reshape(x.shape).to(x.dtype)
+
+
+def nbits_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
+                 accuracy_level: int, bits: int) -> torch.Tensor:
+    """MatMulNBits' arithmetic: x [..., K] @ dequantized W^T, activations per-block int8 at level 4."""
+    if accuracy_level == 4:
+        x = fake_quant_int8_blocks(x, packed.shape[2] * 8 // bits)
+    w = dequantize_int4(packed, scales, zero_points) if bits == 4 else dequantize_int8(packed, scales)
+    return F.linear(x, w.to(x.dtype))
+
+
+class Int4Linear(nn.Module):
+    """A Linear whose weight is int4 blocks (quantize_int4, or quantize_int4_offsets with `offsets`)
+    or, with bits=8, int8 blocks (quantize_int8), run as MatMulNBits runs it (nbits_matmul), plus the
+    offsets' blocksum(x) @ offsets^T. `matmul` is a plain attribute so the exporter can swap in the
+    MatMulNBits op."""
+
+    def __init__(self, linear: nn.Linear, block_size: int, accuracy_level: int, offsets: bool = False,
+                 bits: int = 4):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.block_size, self.accuracy_level, self.bits = block_size, accuracy_level, bits
+        self.register_buffer("zero_points", None)  # the schemes without them: MatMulNBits' implicit one
+        self.register_buffer("offsets", None)
+        if bits == 8:
+            self.kept: tuple[str, ...] = ("packed", "scales")
+            tensors = quantize_int8(linear.weight, block_size)
+        elif offsets:
+            self.kept = ("packed", "scales", "offsets")
+            tensors = quantize_int4_offsets(linear.weight, block_size)
+        else:
+            self.kept = ("packed", "scales", "zero_points")
+            tensors = quantize_int4(linear.weight, block_size)
+        for name, t in zip(self.kept, tensors, strict=True):
+            self.register_buffer(name, t)
+        self.bias = linear.bias
+        self.matmul = nbits_matmul
+
+    def _apply(self, fn, recurse=True):  # dtype casts leave the packed bytes and float32 scales alone
+        saved = {n: self._buffers.pop(n) for n in self.kept}
+        try:
+            return super()._apply(fn, recurse)
+        finally:
+            device = fn(torch.empty(0)).device
+            self._buffers.update({n: t.to(device) for n, t in saved.items()})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.matmul(x, self.packed, self.scales, self.zero_points, self.accuracy_level, self.bits)
+        if self.offsets is not None:  # in x's own precision: ReduceSum and a float MatMul in the graph
+            y = y + F.linear(block_sums(x, self.block_size), self.offsets.to(x.dtype))
+        return y if self.bias is None else y + self.bias
+
+
+def quantize_model_int4(model: MedusaModel, block_size: int, accuracy_level: int, lm_head: bool = True,
+                        draft: bool = False, offsets: bool = False, lm_head_bits: int = 4) -> list[str]:
+    """Replaces the decoder's Linears (and the lm_head with `lm_head`) by Int4Linear in place: what
+    medusa-build --weights int4 exports and what medusa-check runs as the reference. Deterministic,
+    so both get the same bytes. Medusa heads that use the base lm_head (v2) then use the int4 one.
+    `draft`: the heads' draft-vocabulary matrices too (`draft_int4`, one Int4Linear per head), when
+    the heads have a draft vocabulary. `offsets`: per-block float offsets (quantize_int4_offsets)
+    instead of zero points; `lm_head_bits` 8: the lm_head as int8 blocks. Returns the names of the
+    Linears left in the model dtype because their input size is not a multiple of block_size (the
+    caller warns)."""
+    if block_size not in INT4_BLOCK_SIZES:
+        raise ValueError(f"int4 block size {block_size}: expected one of {INT4_BLOCK_SIZES}")
+    if accuracy_level not in INT4_ACCURACY_LEVELS:
+        raise ValueError(f"int4 accuracy level {accuracy_level}: expected one of {INT4_ACCURACY_LEVELS}")
+    if lm_head_bits not in LM_HEAD_BITS:
+        raise ValueError(f"lm_head bits {lm_head_bits}: expected one of {LM_HEAD_BITS}")
+    names = [f"layers.{i}.{n}" for i in range(len(model.layers)) for n in ("qkv", "dense", "fc", "gate", "proj")]
+    if lm_head:
+        h = model.cfg.num_medusa_heads
+        model.heads_use_lm_head = bool(h) and all(
+            torch.equal(model.medusa_lm_head[k], model.lm_head.weight) for k in range(h))
+        names.append("lm_head")
+    skipped = []
+    for name in names:
+        owner_name, _, attr = name.rpartition(".")
+        owner = model.get_submodule(owner_name) if owner_name else model
+        linear = getattr(owner, attr)
+        if not isinstance(linear, nn.Linear):
+            raise ValueError(f"{name}: {type(linear).__name__} cannot be int4-quantized (FP8 checkpoints stay FP8)")
+        if linear.in_features % block_size:
+            skipped.append(name)
+            continue
+        bits = lm_head_bits if name == "lm_head" else 4
+        setattr(owner, attr, Int4Linear(linear, block_size, accuracy_level, offsets, bits))
+    if draft and model.cfg.draft_vocab and model.cfg.num_medusa_heads:
+        # The draft matrix is the heads' largest float32 read per step ([V', d] a head;
+        # docs/benchmarks/issue-13-int4.md).
+        if model.cfg.hidden_size % block_size:
+            skipped.append("draft_lm_head")
+        else:
+            heads = []
+            for w in model.draft_lm_head:  # [H, V', d]
+                linear = nn.Linear(w.shape[1], w.shape[0], bias=False)
+                linear.weight.data = w.float()
+                heads.append(Int4Linear(linear, block_size, accuracy_level, offsets))
+            model.draft_int4 = nn.ModuleList(heads)
+    return skipped
