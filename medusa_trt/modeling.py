@@ -1,4 +1,4 @@
-"""PyTorch reference model: a Llama-family decoder plus Medusa heads.
+"""PyTorch reference model: a Llama-family decoder plus its drafter (Medusa heads; medusa_trt/drafters/).
 
 It reads the merged checkpoint's own weight names (the TensorRT-LLM layout: fused qkv, `mlp.fc` is
 HF gate_proj, `mlp.gate` is HF up_proj) so every backend is checked against one model that loads the
@@ -15,10 +15,8 @@ seams they plug into (Linear submodules, `DecoderLayer.kv_cache`, the slots name
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -33,11 +31,7 @@ from medusa_trt.checkpoint import (
     medusa_linear_prefix,
     medusa_lm_head,
 )
-
-# Head logit of a token outside the draft vocabulary: far below any real logit (they stay within
-# +-100), and small enough that statistics over whole logit tensors (medusa-check's comparator
-# squares them) do not overflow float32.
-OUTSIDE_DRAFT_LOGIT = -1e4
+from medusa_trt.drafters import make_drafter
 
 
 @dataclass(frozen=True)
@@ -59,9 +53,10 @@ class ModelConfig:
     sliding_window: int | None = None
     dtype: str = "float32"
     quantization: dict | None = None  # the checkpoint's block: quant_algo, kv_cache_quant_algo, exclude_modules
-    # Token ids the heads draft from (their logits elsewhere are OUTSIDE_DRAFT_LOGIT): a vocabulary
-    # subset set by head training makes a step's head logits cost V'/V of the full lm_head.
+    # Token ids the heads draft from (their logits elsewhere are drafters.medusa.OUTSIDE_DRAFT_LOGIT):
+    # a vocabulary subset set by head training makes a step's head logits cost V'/V of the full lm_head.
     draft_vocab: tuple[int, ...] | None = None
+    drafter: str = "medusa"  # the drafter's kind (medusa_trt/drafters/: DRAFTERS)
 
     @classmethod
     def from_checkpoint_config(cls, cfg: dict) -> ModelConfig:
@@ -87,6 +82,7 @@ class ModelConfig:
             quantization=cfg.get("quantization"),
             draft_vocab=tuple(cfg["medusa_trt"]["draft_vocab"]) if (cfg.get("medusa_trt") or {}).get("draft_vocab")
             else None,
+            drafter=(cfg.get("medusa_trt") or {}).get("drafter", "medusa"),
         )
 
 
@@ -142,47 +138,6 @@ def attention_with_past(q, k, v, past_k, past_v, mask):
     return attention(q, torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2), mask)
 
 
-# -- Medusa heads ------------------------------------------------------------------------------
-# A head is L ResBlocks (x <- x + silu(W x + b)) and an lm_head; head k reads the final normed hidden
-# state at t and predicts token t+2+k. The ResBlock math is here once: the reference model, the ONNX
-# export, head training and FP8 calibration all run `resblocks`, each with the linear form it needs
-# (all heads stacked in one batched matmul here and in training, 2-D matrices per head in the
-# export, whose constant 2-D weights ONNX Runtime prepacks).
-
-HeadLinear = Callable[[torch.Tensor, int], torch.Tensor]  # (x, layer) -> W_layer x + b_layer
-
-
-def resblocks(x: torch.Tensor, linear: HeadLinear, layers: Iterable[int]) -> torch.Tensor:
-    """x after the Medusa ResBlocks `layers` (in order): x <- x + silu(linear(x, layer)).
-
-    `linear(x, layer)` is the layer's W x + b in whatever layout the caller holds x in: every head
-    at once (`stacked_linear`, x [H, ..., d]) or one head's 2-D weights (x [..., d])."""
-    for layer in layers:
-        x = x + F.silu(linear(x, layer))
-    return x
-
-
-class StackedWeights(Protocol):
-    """Every head's ResBlock weights held in another form than a float tensor (quant.FP8HeadLinears)."""
-
-    def layer(self, x: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [H, ..., d] -> (the input the layer's matmul reads, its weights [H, d, d] in x's dtype)."""
-        ...
-
-
-def stacked_linear(w: torch.Tensor | None, b: torch.Tensor, weights: StackedWeights | None = None) -> HeadLinear:
-    """The ResBlock linear of every head as one batched matmul: x [H, ..., d] -> W_h x_h + b_h, from
-    weights w [H, L, d, d] (out, in) and biases b [H, L, d], or from `weights` (w None), which give
-    each layer's matmul input and weights (FP8: the input quantized-dequantized, as an FP8 GEMM's is)."""
-
-    def linear(x: torch.Tensor, layer: int) -> torch.Tensor:
-        xin, wl = (x, w[:, layer]) if weights is None else weights.layer(x, layer)  # wl [H, d, d]
-        bias = b[:, layer].reshape(b.shape[0], *(1,) * (x.dim() - 2), b.shape[-1])  # [H, 1.., d]
-        return torch.einsum("h...i,hoi->h...o", xin, wl) + bias
-
-    return linear
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -232,56 +187,27 @@ class DecoderLayer(nn.Module):
 
 
 class MedusaModel(nn.Module):
-    """Base decoder + Medusa heads. See `forward` for the contract every backend reproduces."""
+    """Base decoder + drafter. See `forward` for the contract every backend reproduces."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        d, n_heads, n_layers = cfg.hidden_size, cfg.num_medusa_heads, cfg.num_medusa_layers
+        d = cfg.hidden_size
         self.vocab_embedding = nn.Embedding(cfg.vocab_size, d)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.ln_f = RMSNorm(d, cfg.norm_eps)
         self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False)
-        # Heads stacked so all of them run as one batched matmul per ResBlock layer.
-        self.medusa_w = nn.Parameter(torch.zeros(n_heads, n_layers, d, d))  # [H, L, out, in]
-        self.medusa_b = nn.Parameter(torch.zeros(n_heads, n_layers, d))
-        self.medusa_lm_head = nn.Parameter(torch.zeros(n_heads, cfg.vocab_size, d))
+        self.drafter = make_drafter(cfg)  # what proposes the next tree's tokens (medusa_trt/drafters/)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
-        # Slots that medusa_trt.quant fills when it swaps quantized modules in; the exporters read
-        # them by these names. Instance attributes, not class ones: nn.Module keeps an assigned
-        # module in _modules, which a class attribute of the same name would shadow.
-        # medusa_fp8: every head's ResBlock weights in another form (StackedWeights; medusa_w is then
-        # None). draft_int4: a module per head giving its draft-vocabulary logits, in place of the
-        # draft_lm_head product.
-        self.medusa_fp8: nn.Module | None = None
-        self.draft_int4: nn.ModuleList | None = None
-
-    # v2 heads (their lm_head a copy of the base one) read the lm_head module, whatever form quant gave it.
-    heads_use_lm_head = False
 
     @property
     def dtype(self) -> torch.dtype:
         return self.vocab_embedding.weight.dtype
 
-    def medusa_heads(self, h: torch.Tensor) -> torch.Tensor:
-        """h [B, S, d] final normed hidden state -> [H, B, S, V] float32 logits (head k predicts t+2+k)."""
-        x = h.unsqueeze(0).expand(self.cfg.num_medusa_heads, *h.shape)  # [H, B, S, d]
-        linear = stacked_linear(self.medusa_w, self.medusa_b, self.medusa_fp8)
-        x = resblocks(x, linear, range(self.cfg.num_medusa_layers))
-        if self.draft_int4 is not None:
-            return self.draft_logits(torch.stack([m(x[h]) for h, m in enumerate(self.draft_int4)]).float())
-        if self.cfg.draft_vocab:
-            return self.draft_logits(torch.einsum("hbsi,hvi->hbsv", x, self.draft_lm_head).float())
-        if self.heads_use_lm_head:
-            return self.lm_head(x).float()
-        return torch.einsum("hbsi,hvi->hbsv", x, self.medusa_lm_head).float()
-
-    def draft_logits(self, sub: torch.Tensor) -> torch.Tensor:
-        """Head logits over the draft vocabulary [..., V'] -> [..., V], OUTSIDE_DRAFT_LOGIT elsewhere
-        (top-k then never picks a token outside it)."""
-        out = torch.full((*sub.shape[:-1], self.cfg.vocab_size), OUTSIDE_DRAFT_LOGIT, dtype=sub.dtype,
-                         device=sub.device)
-        return out.scatter(-1, self.draft_ids.expand(*sub.shape[:-1], -1), sub)
+    def draft(self, hidden: torch.Tensor, next_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """The drafter's logits [H, B, S, V] float32 at hidden [B, S, d] (final normed hidden states)
+        and next_tokens [B, S] (the token chosen after each row; drafters that read them need them)."""
+        return self.drafter(hidden, next_tokens, self.lm_head)
 
     def forward(
         self,
@@ -292,12 +218,13 @@ class MedusaModel(nn.Module):
         past_values: torch.Tensor,
         logit_positions: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`forward_hidden` with the Medusa heads applied: logits [B, K, V] f32, medusa_logits
-        [H, B, K, V] f32, present keys/values of the new tokens [L, B, Hkv, S, D]."""
+        """`forward_hidden` with the drafter applied at every row (for a drafter that reads only hidden
+        states): logits [B, K, V] f32, medusa_logits [H, B, K, V] f32, present keys/values of the new
+        tokens [L, B, Hkv, S, D]."""
         logits, h, new_k, new_v = self.forward_hidden(
             input_ids, position_ids, attention_mask, past_keys, past_values, logit_positions
         )
-        return logits, self.medusa_heads(h), new_k, new_v
+        return logits, self.draft(h), new_k, new_v
 
     def forward_hidden(
         self,
@@ -309,11 +236,11 @@ class MedusaModel(nn.Module):
         logit_positions: torch.Tensor | None = None,  # [B, K] int64: rows of S to produce logits for
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns logits [B, K, V] f32, the final normed hidden state [B, K, d] at the same rows (what
-        the Medusa heads read), and the NEW tokens' present keys/values [L, B, Hkv, S, D] (the caller
+        the drafter reads), and the NEW tokens' present keys/values [L, B, Hkv, S, D] (the caller
         owns the cache and decides where they go). K = S when `logit_positions` is None; prompts
-        pass their last position to skip the [S, V] products nobody reads. The heads are separate
-        (`medusa_heads`) because a decoding step needs them at one row only: the last accepted
-        tree node, known after verification."""
+        pass their last position to skip the [S, V] products nobody reads. The drafter is separate
+        (`draft`) because a decoding step needs it at the committed rows only, known after
+        verification."""
         x = self.vocab_embedding(input_ids)
         freqs = position_ids[..., None].float() * self.inv_freq  # [B, S, D/2]
         emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # [B, 1, S, D]
@@ -358,9 +285,7 @@ class MedusaModel(nn.Module):
         model.load_state_dict(state, assign=True, strict=True)
         model.inv_freq = rope_inv_freq(cfg)
         if cfg.draft_vocab:
-            ids = torch.tensor(cfg.draft_vocab, dtype=torch.long)
-            model.register_buffer("draft_ids", ids, persistent=False)
-            model.register_buffer("draft_lm_head", model.medusa_lm_head.detach()[:, ids].clone(), persistent=False)
+            model.drafter.set_draft_vocab(cfg.draft_vocab)
         return model.to(torch_dtype).eval()
 
     @classmethod
@@ -394,12 +319,13 @@ def _to_module_names(cfg: ModelConfig, w: dict[str, torch.Tensor]) -> dict[str, 
             return torch.stack([torch.stack([w[f"{medusa_linear_prefix(h, j)}.{param}"] for j in range(L)])
                                 for h in range(H)])
 
-        out["medusa_w"] = stacked("weight")
-        out["medusa_b"] = stacked("bias")
-        out["medusa_lm_head"] = torch.stack(
+        out["drafter.w"] = stacked("weight")
+        out["drafter.b"] = stacked("bias")
+        out["drafter.lm_heads"] = torch.stack(
             [w.get(medusa_lm_head(h), w[LM_HEAD])[:v] for h in range(H)]
         )
     else:
         d = cfg.hidden_size
-        out.update(medusa_w=torch.zeros(0, L, d, d), medusa_b=torch.zeros(0, L, d), medusa_lm_head=torch.zeros(0, v, d))
+        out.update({"drafter.w": torch.zeros(0, L, d, d), "drafter.b": torch.zeros(0, L, d),
+                    "drafter.lm_heads": torch.zeros(0, v, d)})
     return out

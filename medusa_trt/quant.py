@@ -127,7 +127,7 @@ class FP8KVCache(FP8Module):
 
 
 class FP8HeadLinears(FP8Module):
-    """Every Medusa ResBlock linear of an FP8 checkpoint, stacked like MedusaModel.medusa_w: weight
+    """Every Medusa ResBlock linear of an FP8 checkpoint, stacked like MedusaHeads.w (drafters/medusa.py): weight
     [H, L, d, d] float8_e4m3fn and per-tensor scales [H, L] (each head and layer has its own)."""
 
     kept = ("weight", "weights_scaling_factor", "activation_scaling_factor")
@@ -176,7 +176,7 @@ def load_fp8(model: MedusaModel, weights: dict[str, torch.Tensor], state: dict[s
     """Swaps into `model` the modules of an FP8 checkpoint's quantization block, and adds the tensors
     they hold to `state` (module names, what MedusaModel.from_weights loads): FP8Linear for each
     quantized decoder Linear, FP8KVCache in each layer with an FP8 KV cache, FP8HeadLinears in place
-    of medusa_w for FP8 Medusa linears. Called while the model is on the meta device, so the new
+    of the drafter's stacked weights for FP8 Medusa linears. Called while the model is on the meta device, so the new
     modules allocate nothing before the checkpoint's tensors are assigned."""
     cfg = model.cfg
     heads = _fp8_heads(cfg)
@@ -198,11 +198,11 @@ def load_fp8(model: MedusaModel, weights: dict[str, torch.Tensor], state: dict[s
             return torch.stack([torch.stack([weights[f"{medusa_linear_prefix(k, j)}.{param}"] for j in range(n)])
                                 for k in range(h)])
 
-        model.register_parameter("medusa_w", None)  # the weights live in medusa_fp8 instead, as float8 + scales
-        model.medusa_fp8 = FP8HeadLinears(h, n, cfg.hidden_size)
-        state["medusa_fp8.weight"] = state.pop("medusa_w")  # modeling stacked the float8 weights as [H, L, d, d]
+        model.drafter.register_parameter("w", None)  # the weights live in drafter.fp8 instead, as float8 + scales
+        model.drafter.fp8 = FP8HeadLinears(h, n, cfg.hidden_size)
+        state["drafter.fp8.weight"] = state.pop("drafter.w")  # modeling stacked the float8 weights as [H, L, d, d]
         for scale in _FP8_SCALES:
-            state[f"medusa_fp8.{scale}"] = stacked(scale).reshape(h, n)
+            state[f"drafter.fp8.{scale}"] = stacked(scale).reshape(h, n)
 
 
 # -- int4 weight-only quantization (medusa-build --weights int4) ---------------------------------
@@ -366,8 +366,8 @@ def quantize_model_int4(model: MedusaModel, block_size: int, accuracy_level: int
     names = [f"layers.{i}.{n}" for i in range(len(model.layers)) for n in ("qkv", "dense", "fc", "gate", "proj")]
     if lm_head:
         h = model.cfg.num_medusa_heads
-        model.heads_use_lm_head = bool(h) and all(
-            torch.equal(model.medusa_lm_head[k], model.lm_head.weight) for k in range(h))
+        model.drafter.uses_base_lm_head = bool(h) and all(
+            torch.equal(model.drafter.lm_heads[k], model.lm_head.weight) for k in range(h))
         names.append("lm_head")
     skipped = []
     for name in names:
@@ -388,9 +388,9 @@ def quantize_model_int4(model: MedusaModel, block_size: int, accuracy_level: int
             skipped.append("draft_lm_head")
         else:
             heads = []
-            for w in model.draft_lm_head:  # [H, V', d]
+            for w in model.drafter.draft_lm_heads:  # [H, V', d]
                 linear = nn.Linear(w.shape[1], w.shape[0], bias=False)
                 linear.weight.data = w.float()
                 heads.append(Int4Linear(linear, block_size, accuracy_level, offsets))
-            model.draft_int4 = nn.ModuleList(heads)
+            model.drafter.draft_int4 = nn.ModuleList(heads)
     return skipped

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from medusa_trt.modeling import MedusaModel, resblocks, stacked_linear
+from medusa_trt.drafters.medusa import resblocks, stacked_linear
+from medusa_trt.modeling import MedusaModel
 from medusa_trt.quant import FP8HeadLinears, dequantize_fp8, fp8_scale, quantize_fp8
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

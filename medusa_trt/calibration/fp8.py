@@ -117,7 +117,7 @@ def calibrate(model, data: CalibrationData, *, heads: bool = False, kv_cache: bo
 
     from medusa_trt.quant import FP8Linear
 
-    if any(isinstance(m, FP8Linear) for m in model.modules()) or model.medusa_fp8 is not None:
+    if any(isinstance(m, FP8Linear) for m in model.modules()) or model.drafter.fp8 is not None:
         raise ValueError("calibrate() needs the unquantized model: ranges of an already quantized one "
                          "would describe its rounding, not the model")
     amax: dict[str, torch.Tensor] = {}
@@ -164,12 +164,12 @@ def _record_heads(model, h: torch.Tensor, record) -> None:
     hidden state h, layer l the output of layer l-1 (the heads' math, MedusaModel.medusa_heads)."""
     import torch.nn.functional as F
 
-    from medusa_trt.modeling import resblocks
+    from medusa_trt.drafters.medusa import resblocks
 
     cfg = model.cfg
     for head in range(cfg.num_medusa_heads):
         def linear(x: torch.Tensor, layer: int, head: int = head) -> torch.Tensor:
             record(medusa_linear_prefix(head, layer), x)
-            return F.linear(x, model.medusa_w[head, layer], model.medusa_b[head, layer])
+            return F.linear(x, model.drafter.w[head, layer], model.drafter.b[head, layer])
 
         resblocks(h, linear, range(cfg.num_medusa_layers))

@@ -153,7 +153,7 @@ def _quantize_int4(opts: BuildOptions, config: dict, model) -> dict:
     return {"format": "int4", "op": "com.microsoft.MatMulNBits", "bits": 4, "block_size": block,
             "accuracy_level": level, "symmetric": False, "offsets": offsets, "lm_head": "lm_head" not in skipped,
             "lm_head_bits": lm_head_bits,
-            "heads_use_lm_head": bool(model.heads_use_lm_head), "draft_int4": model.draft_int4 is not None,
+            "heads_use_lm_head": bool(model.drafter.uses_base_lm_head), "draft_int4": model.drafter.draft_int4 is not None,
             "float_linears": skipped}
 
 

@@ -67,7 +67,6 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from medusa_trt.acceptance import candidates_from_topk, greedy_accept
@@ -80,8 +79,9 @@ from medusa_trt.engine_dir import (  # noqa: F401 (re-exported for the TensorRT 
     STEP_OUTPUT_NAMES,
     past_names,
 )
-from medusa_trt.modeling import MedusaModel, attention_with_past, resblocks
-from medusa_trt.quant import FP8Linear, FP8Module, Int4Linear, dequantize_fp8, fake_quant_fp8, nbits_matmul
+from medusa_trt.engines.onnx.drafters import graph_form
+from medusa_trt.modeling import MedusaModel, attention_with_past
+from medusa_trt.quant import FP8Module, Int4Linear, dequantize_fp8, fake_quant_fp8, nbits_matmul
 from medusa_trt.tree import candidate_topk
 
 log = logging.getLogger(__name__)
@@ -506,20 +506,6 @@ DEFAULT_ATTENTION = "attention23"
 # -- export ------------------------------------------------------------------------------------
 
 
-def _head_branch(x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
-    """One head's rows inside the fused step's If (_ExportModule._head_rows): ResBlocks from (W, b)
-    pairs, then, when the count is odd, float32 logits through the last [W, d] matrix. Its tensors
-    are operands, not closure cells: torch.cond traces pure functions."""
-    layers = len(params) // 2
-    z = resblocks(x, lambda h, layer: F.linear(h, params[2 * layer], params[2 * layer + 1]), range(layers))
-    return F.linear(z, params[-1]).float() if len(params) % 2 else z
-
-
-def _skipped_head(x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
-    """The If's other branch: zeros of _head_branch's shape (rows past the tree's depth, never read)."""
-    return x.new_zeros(x.shape[0], params[-1].shape[0], dtype=torch.float32) if len(params) % 2 else torch.zeros_like(x)
-
-
 class _ExportModule(nn.Module):
     """The graph's interface around MedusaModel.forward (see the module docstring)."""
 
@@ -528,126 +514,8 @@ class _ExportModule(nn.Module):
         self.model = model
         self.committed_prefix = committed_prefix
         self.places_new_keys = places_new_keys
-        cfg = model.cfg
-        pairs = [(h, i) for h in range(cfg.num_medusa_heads) for i in range(cfg.num_medusa_layers)]
-        # Per-head 2-D weights, copies of the stacked parameters: torch.cond (the fused step's If per
-        # head) rejects operands that share storage. FP8 heads as one FP8Linear per head and layer,
-        # aliasing the stacked float8 weights and their scales (their step computes every head).
-        self.head_fp8 = None
-        if model.medusa_fp8 is not None:
-            fp8 = model.medusa_fp8
-            self.head_fp8 = nn.ModuleList(FP8Linear(cfg.hidden_size, cfg.hidden_size, bias=False) for _ in pairs)
-            for lin, (h, i) in zip(self.head_fp8, pairs, strict=True):
-                lin.weight = fp8.weight[h, i]
-                lin.weights_scaling_factor = fp8.weights_scaling_factor[h, i].reshape(1)
-                lin.activation_scaling_factor = fp8.activation_scaling_factor[h, i].reshape(1)
-        self.head_w = nn.ParameterList(
-            nn.Parameter(model.medusa_w[h, i].clone(), requires_grad=False) for h, i in pairs
-        ) if self.head_fp8 is None else None
-        self.head_b = nn.ParameterList(
-            nn.Parameter(model.medusa_b[h, i].clone(), requires_grad=False)
-            for h in range(cfg.num_medusa_heads) for i in range(cfg.num_medusa_layers)
-        )
-        # Heads that use the base lm_head (FasterDecoding v2 heads; the merged checkpoint holds a copy
-        # per head) share one MatMul: [heads * rows, d] against one matrix instead of one per head.
-        base_lm = getattr(model.lm_head, "weight", None)  # None: an int4 lm_head
-        self.shared_lm_head = cfg.num_medusa_heads > 0 and (model.heads_use_lm_head or base_lm is not None and all(
-            torch.equal(model.medusa_lm_head[h], base_lm) for h in range(cfg.num_medusa_heads)))
-        self.head_lm = nn.ParameterList(
-            nn.Parameter(model.medusa_lm_head[h], requires_grad=False) for h in range(cfg.num_medusa_heads)
-        ) if not self.shared_lm_head else None
-        # A draft vocabulary (docs/formats.md section 1): the heads' logits are computed over its V'
-        # rows only, one [V', d] matrix when the heads share the lm_head.
-        # int4 engines hold it as MatMulNBits (modeling.quantize_model_int4 with draft=True).
-        self.draft_lm, self.draft_int4 = None, None
-        self.draft_matrices = 0  # distinct draft matrices: 1 when the heads share one, else H; 0: none
-        if cfg.draft_vocab and cfg.num_medusa_heads:
-            lm = model.draft_lm_head
-            shared = all(torch.equal(lm[h], lm[0]) for h in range(cfg.num_medusa_heads))
-            self.draft_matrices = 1 if shared else cfg.num_medusa_heads
-            if model.draft_int4 is not None:
-                self.draft_int4 = model.draft_int4[:1] if shared else model.draft_int4
-            else:
-                self.draft_lm = nn.Parameter(lm[:1] if shared else lm, requires_grad=False)  # [1 or H, V', d]
-
-    def medusa_heads(self, h: torch.Tensor) -> torch.Tensor:
-        """Same math as MedusaModel.medusa_heads: h [B, S, d] -> [H, B, S, V]."""
-        b, s, d = h.shape
-        return self.medusa_rows(h.reshape(b * s, d)).permute(1, 0, 2).reshape(-1, b, s, self.model.cfg.vocab_size)
-
-    def medusa_rows(self, x0: torch.Tensor) -> torch.Tensor:
-        """Medusa logits [N, H, V] (row-major: the fused step takes its top-k without a transpose) of
-        hidden rows x0 [N, d], with 2-D MatMuls (ONNX Runtime prepacks those): ResBlocks per head,
-        logits per head or through the shared lm_head."""
-        if self.draft_matrices:
-            return self.model.draft_logits(self.draft_rows(x0))
-        return self._rows(x0)
-
-    def _draft_matmul(self, z: torch.Tensor, head: int) -> torch.Tensor:
-        """z [..., d] -> head `head`'s draft logits [..., V'] (head 0 when the heads share one matrix)."""
-        if self.draft_int4 is not None:
-            return self.draft_int4[head](z)
-        return F.linear(z, self.draft_lm[head])
-
-    def draft_rows(self, x0: torch.Tensor, used: int | None = None) -> torch.Tensor:
-        """Head logits over the draft vocabulary only, [N, H, V'] (H = `used` when given)."""
-        if self.draft_matrices == 1:
-            z = self._rows(x0, logits=False, used=used)  # [N, H, d]
-            n, heads, d = z.shape
-            return self._draft_matmul(z.reshape(n * heads, d), 0).float().reshape(n, heads, -1)
-        if self.draft_int4 is None:  # a float matrix per head, computed with its head
-            return self._head_rows(x0, list(self.draft_lm), used)
-        # An int4 matrix per head: every head computed, then cut.
-        z = self._head_rows(x0)
-        out = torch.stack([self._draft_matmul(z[:, h], h) for h in range(z.shape[1])], dim=1).float()
-        return out if used is None else out.narrow(1, 0, used)
-
-    def draft_topk(self, x0: torch.Tensor, k: int, used: int | None = None) -> torch.Tensor:
-        """Token ids [N, H, k] of each head's k most likely drafts at hidden rows x0 [N, d], of the
-        first `used` heads only when given (H = used)."""
-        if not self.draft_matrices:
-            return self._rows(x0, used=used).topk(k, dim=-1).indices
-        return self.model.draft_ids[self.draft_rows(x0, used).topk(k, dim=-1).indices]
-
-    def _rows(self, x0: torch.Tensor, logits: bool = True, used: int | None = None) -> torch.Tensor:
-        """Heads' logits [N, H, V] (hidden [N, H, d] when not `logits`); H = `used` when given."""
-        cfg = self.model.cfg
-        n, d = x0.shape
-        if not cfg.num_medusa_heads:  # a model without heads still has the output, with zero heads
-            return x0.new_zeros(n, 0, cfg.vocab_size, dtype=torch.float32)
-        if logits and not self.shared_lm_head:  # each head's own [V, d] lm_head, computed with its head
-            return self._head_rows(x0, list(self.head_lm), used)
-        x = self._head_rows(x0, used=used)
-        return self.model.lm_head(x.reshape(-1, d)).float().reshape(n, x.shape[1], -1) if logits else x
-
-    def _head_rows(self, x0: torch.Tensor, tails: list[torch.Tensor] | None = None,
-                   used: int | None = None) -> torch.Tensor:
-        """Each head's ResBlock output [N, H, d] for hidden rows x0 [N, d], or with `tails` (a [W, d]
-        matrix per head) its float32 logits [N, H, W]; 2-D MatMuls, which ONNX Runtime prepacks.
-        `used` (the fused step's tree depth) keeps the first heads only, and head h > 0 then runs
-        behind an If on `used > h`: a head the tree does not draft with reads none of its weights (on
-        the int4 engine with tree [[0]], 3 of 4 heads: ~0.2 ms of a ~9 ms step; BENCHMARKS.md,
-        issue 13)."""
-        cfg = self.model.cfg
-        heads, layers = cfg.num_medusa_heads, cfg.num_medusa_layers
-        if self.head_fp8 is not None:  # FP8Linear modules cannot be If operands: every head computed, then cut
-            x = torch.stack([self._fp8_head_rows(head, x0, tails) for head in range(heads)], dim=1)
-            return x if used is None else x.narrow(1, 0, used)
-        out = []
-        for head in range(heads):
-            params = [t for i in range(head * layers, (head + 1) * layers) for t in (self.head_w[i], self.head_b[i])]
-            operands = (x0, *params, *([] if tails is None else [tails[head]]))
-            gated = used is not None and head > 0  # a tree drafts with head 0 at least
-            out.append(torch.cond(used > head, _head_branch, _skipped_head, operands) if gated else _head_branch(*operands))
-        x = torch.stack(out, dim=1)
-        return x if used is None else x.narrow(1, 0, used)
-
-    def _fp8_head_rows(self, head: int, x: torch.Tensor, tails: list[torch.Tensor] | None) -> torch.Tensor:
-        """_head_branch for FP8 heads: an FP8Linear per head and layer."""
-        layers = self.model.cfg.num_medusa_layers
-        z = resblocks(x, lambda h, layer: self.head_fp8[head * layers + layer](h) + self.head_b[head * layers + layer],
-                      range(layers))
-        return z if tails is None else F.linear(z, tails[head]).float()
+        # The drafter's exported form (drafters/): the heads graph and the fused step draft through it.
+        self.draft = graph_form(model.drafter, model.lm_head)
 
     def forward(self, input_ids, position_ids, past_lengths, new_mask, logit_positions, past):
         b, s = input_ids.shape
@@ -684,7 +552,7 @@ class _HeadsModule(nn.Module):
         self.decoder = decoder
 
     def forward(self, hidden):
-        return self.decoder.medusa_rows(hidden).permute(1, 0, 2)
+        return self.decoder.draft.rows(hidden).permute(1, 0, 2)
 
 
 class _FusedStepModule(nn.Module):
@@ -714,8 +582,8 @@ class _FusedStepModule(nn.Module):
         # (on an int4 engine with tree [[0]], 1 of 4 rows; BENCHMARKS.md, issue 13).
         depth = retrieve.shape[1] - 1
         torch._check(depth >= 1)
-        torch._check(depth <= self.decoder.model.cfg.num_medusa_heads)
-        top = self.decoder.draft_topk(h, self.k, depth)  # [B, D, k]
+        torch._check(depth <= self.decoder.model.drafter.num_heads)
+        top = self.decoder.draft.topk(h, self.k, depth)  # [B, D, k]
         return best, accepted, candidates_from_topk(root, top, candidate_index), new_k, new_v
 
 
@@ -753,12 +621,11 @@ def _quiet_exporter() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _export_mode(model: MedusaModel, form: AttentionForm, heads: Callable, wrapper: nn.Module) -> Iterator[None]:
-    """Swaps the attention form, the heads' op form and the FP8 ops for the duration of the trace."""
+def _export_mode(model: MedusaModel, form: AttentionForm, wrapper: nn.Module) -> Iterator[None]:
+    """Swaps the attention form, the int4 ops and the FP8 ops for the duration of the trace."""
     saved = [layer.attend for layer in model.layers]
     for layer in model.layers:
         layer.attend = form.function
-    model.medusa_heads = heads  # instance attribute shadows the method
     fp8 = [m for m in wrapper.modules() if isinstance(m, FP8Module)]
     for m in fp8:
         m.fake_quant, m.dequant = _export_fake_quant, _export_dequant
@@ -770,7 +637,6 @@ def _export_mode(model: MedusaModel, form: AttentionForm, heads: Callable, wrapp
     finally:
         for layer, fn in zip(model.layers, saved, strict=True):
             layer.attend = fn
-        del model.medusa_heads
         for m in fp8:
             m.fake_quant, m.dequant = fake_quant_fp8, dequantize_fp8
         for m in int4:
@@ -864,7 +730,7 @@ def export_onnx(
         external_data = weight_bytes > MAX_PROTOBUF_BYTES - (64 << 20)  # leave room for the graph itself
     if external_data:
         log.info("%s: %.2f GB of weights go to external data files", path, weight_bytes / 1e9)
-    with _export_mode(model, form, wrapper.medusa_heads, wrapper), torch.no_grad(), _quiet_exporter():
+    with _export_mode(model, form, wrapper), torch.no_grad(), _quiet_exporter():
         program = torch.onnx.export(
             wrapper, (), kwargs=inputs, dynamic_shapes=dynamic_shapes, input_names=[*INPUT_NAMES, *past_names(cfg.num_layers)],
             output_names=list(OUTPUT_NAMES), opset_version=opset, dynamo=True, custom_translation_table=table or None,
@@ -906,4 +772,4 @@ def export_onnx(
         files += sorted(p for p in path.parent.glob(path.stem + "*.data"))
     return ExportResult(path, tuple(files), opset, attention, bool(external_data),
                         (*INPUT_NAMES, *past_names(cfg.num_layers)), OUTPUT_NAMES, heads_path, step_path,
-                        step_topk(model), wrapper.shared_lm_head)
+                        step_topk(model), wrapper.draft.shared_lm_head)

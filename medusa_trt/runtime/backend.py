@@ -184,12 +184,12 @@ class TorchBackend:
         self.keys[..., past : past + s, :] = new_k
         self.values[..., past : past + s, :] = new_v
         self._past = past
-        return logits.cpu(), self.model.medusa_heads(self._hidden).cpu() if with_heads else None
+        return logits.cpu(), self.model.draft(self._hidden).cpu() if with_heads else None
 
     @torch.inference_mode()
     def heads(self, rows: torch.Tensor) -> torch.Tensor:
         h = self._hidden[torch.arange(len(rows), device=self.device), rows.to(self.device)]  # [B, d]
-        return self.model.medusa_heads(h[:, None])[:, :, 0].cpu()
+        return self.model.draft(h[:, None])[:, :, 0].cpu()
 
     def commit(self, slots: torch.Tensor, counts: torch.Tensor) -> None:
         b, src, dst = (i.to(self.device) for i in commit_indices(self.lengths, self._past, slots, counts))

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from medusa_trt.modeling import resblocks, stacked_linear
+from medusa_trt.drafters.medusa import resblocks, stacked_linear
 
 LOSS_DECAY = 0.8  # Medusa-1's per-head loss weight: head k counts 0.8^k
 

@@ -215,7 +215,7 @@ def test_reference_fake_quantization(fp8, tiny_merged):
     half = model.to(torch.float16)
     assert half.layers[0].qkv.weight.dtype == torch.float8_e4m3fn
     assert half.layers[0].qkv.weights_scaling_factor.dtype == torch.float32
-    assert half.medusa_fp8.weight.dtype == torch.float8_e4m3fn and half.lm_head.weight.dtype == torch.float16
+    assert half.drafter.fp8.weight.dtype == torch.float8_e4m3fn and half.lm_head.weight.dtype == torch.float16
 
 
 def test_kv_cache_only(fp8, tiny_merged):
@@ -307,7 +307,7 @@ def test_heads_from_every_format_quantize(tmp_path, tiny_base, calib_file):
     config, w = load_checkpoint(tmp_path / "out")
     assert w["medusa_heads.3.medusa_layers.1.linear.weight"].dtype == torch.float8_e4m3fn
     model = MedusaModel.from_weights(config, w)
-    assert model.medusa_fp8.weight.shape == (4, 2, 64, 64)
+    assert model.drafter.fp8.weight.shape == (4, 2, 64, 64)
 
 
 # -- engine: explicit float8 Q/DQ in ONNX, run by ONNX Runtime, against the FP8 reference ----------
@@ -392,7 +392,7 @@ def test_engine_matches_fp8_reference(fp8_engine):
         full = torch.cat([torch.ones(b, s, p, dtype=torch.bool), new_mask], dim=-1)
         with torch.no_grad():
             ref = model.forward_hidden(ids, pos, full, past_k, past_v)
-            ref_heads = model.medusa_heads(ref[1])  # [H, B, S, V]
+            ref_heads = model.draft(ref[1])  # [H, B, S, V]
         feeds = {"input_ids": ids.numpy(), "position_ids": pos.numpy(), "past_lengths": np.full(b, p),
                  "new_mask": new_mask.numpy(), "logit_positions": torch.arange(s).repeat(b, 1).numpy()}
         for i in range(layers):

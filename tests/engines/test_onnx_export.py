@@ -101,7 +101,7 @@ def assert_parity(sess, model: MedusaModel, feeds, ref_args, heads_sess=None):
     got = run_decoder(sess, feeds)
     with torch.no_grad():
         want = model.forward_hidden(*ref_args)
-        ref_medusa = model.medusa_heads(want[1])
+        ref_medusa = model.draft(want[1])
     for name, a, b in zip(("logits", "hidden", "present_keys", "present_values"), got, want, strict=True):
         assert a.shape == tuple(b.shape), name
         diff = float(np.abs(a - b.numpy()).max())

@@ -15,7 +15,8 @@ from transformers import AutoModelForCausalLM
 
 from medusa_trt.cli.run import main as run_main
 from medusa_trt.converter import convert
-from medusa_trt.modeling import OUTSIDE_DRAFT_LOGIT, MedusaModel
+from medusa_trt.drafters.medusa import OUTSIDE_DRAFT_LOGIT
+from medusa_trt.modeling import MedusaModel
 from medusa_trt.quant import quantize_model_int4
 from medusa_trt.runtime.backend import TorchBackend
 from medusa_trt.runtime.decoding import GenerationConfig, decode, generate
@@ -253,7 +254,7 @@ def test_draft_vocabulary_heads(distilled, tmp_path):
 
     sub, ref = MedusaModel.from_checkpoint(tmp_path / "ckpt"), MedusaModel.from_checkpoint(m.ckpt)
     h = torch.randn(2, 3, sub.cfg.hidden_size)
-    got, want = sub.medusa_heads(h), ref.medusa_heads(h)
+    got, want = sub.draft(h), ref.draft(h)
     outside = torch.ones(sub.cfg.vocab_size, dtype=torch.bool)
     outside[vocab] = False
     assert torch.equal(got[..., vocab], want[..., vocab])
@@ -284,7 +285,7 @@ def test_draft_vocabulary_heads(distilled, tmp_path):
         ref = MedusaModel.from_checkpoint(tmp_path / "ckpt")
         quantize_model_int4(ref, 32, 4, draft=mirrored)
         with torch.no_grad():
-            want = ref.medusa_heads(h[None])[:, 0]
+            want = ref.draft(h[None])[:, 0]
         diff = (int4.heads_session.run(None, {"hidden": h.numpy()})[0] - want.numpy())[..., vocab]
         # level 4's criterion (tests/engines/test_int4.py): p90 within 1e-4; unmirrored it is ~0.05
         assert (np.quantile(np.abs(diff), 0.9) <= 1e-4) == mirrored

@@ -107,7 +107,7 @@ def test_shared_lm_head_writes_v2_heads_that_the_engine_runs_as_one_matmul(tiny_
     reference = TorchBackend(MedusaModel.from_checkpoint(tmp_path / "ckpt"))
     backend = OrtBackend(tmp_path / "engine")
     hidden = torch.randn(3, reference.model.cfg.hidden_size)
-    expected = reference.model.medusa_heads(hidden[None])[:, 0]
+    expected = reference.model.draft(hidden[None])[:, 0]
     torch.testing.assert_close(backend._run_heads(hidden), expected, atol=1e-4, rtol=1e-4)
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 72) for _ in range(n)] for n in (5, 9, 7)]

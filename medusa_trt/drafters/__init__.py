@@ -1,0 +1,44 @@
+"""Drafters: what proposes the next tree's tokens, behind one seam.
+
+A drafter reads what the base model has committed and returns, per head, logits for the tokens
+after the next tree's root (head k: the token k + 1 after the root). The seam is one interface in
+the three places a drafter lives:
+
+- the reference model (`Drafter`, drafters/base.py): `MedusaModel.drafter` is an instance of the
+  checkpoint's drafter kind (config `medusa_trt.drafter`, default "medusa"), and the model calls it
+  and nothing else;
+- the exported graphs (`Drafter.graph_form`): the heads graph and the fused step graph
+  (engines/onnx/export.py) draft through the form the drafter exports, with 2-D MatMuls and the
+  If-per-head ONNX Runtime runs fast;
+- the runtime (`Backend.draft`, runtime/backend.py): the decoding loop hands every backend the rows
+  it committed this step and the tokens chosen after them, once per step.
+
+Per step a drafter gets the base model's final normed hidden state of each committed row, oldest
+first, and the token chosen after each (the last one: the next root). A drafter with a cache of its
+own (`Drafter.has_cache`: Amphista's staged adaptation layers, an EAGLE-style layer) appends exactly
+those rows to it and never rolls back: every row it sees is committed. Medusa heads need only the
+last row's hidden state.
+
+A new drafter is a new module here: a `Drafter` subclass with its `kind` in DRAFTERS, its tensors
+named in docs/formats.md, and its graph form.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from medusa_trt.drafters.base import Drafter
+from medusa_trt.drafters.medusa import MedusaHeads
+
+if TYPE_CHECKING:
+    from medusa_trt.modeling import ModelConfig
+
+DRAFTERS: dict[str, type[Drafter]] = {MedusaHeads.kind: MedusaHeads}
+
+
+def make_drafter(cfg: ModelConfig) -> Drafter:
+    """An empty drafter of the checkpoint's kind (cfg.drafter) for the model `cfg` describes; the
+    checkpoint's weights are loaded into it with the model's."""
+    if cfg.drafter not in DRAFTERS:
+        raise ValueError(f"drafter {cfg.drafter!r}: expected one of {', '.join(DRAFTERS)}")
+    return DRAFTERS[cfg.drafter](cfg)
