@@ -40,7 +40,7 @@ import torch
 from tqdm import tqdm
 
 from medusa_trt.engines.onnx_export import _grouped_attention_op, _grouped_attention_translation
-from medusa_trt.runtime.ort_backend import make_session
+from medusa_trt.runtime.ort.session import make_session
 
 LAYERS, HQ, HKV, D = 30, 9, 3, 64
 G = HQ // HKV

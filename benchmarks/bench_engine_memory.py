@@ -54,7 +54,7 @@ def measure_loaded(engine_dir: Path, threads: int, mode: str, tree: str | None) 
     import torch
 
     from medusa_trt.runtime.decoding import GenerationConfig, decode
-    from medusa_trt.runtime.ort_backend import OrtBackend
+    from medusa_trt.runtime.ort.backend import OrtBackend
 
     torch.set_num_threads(1)
     bare = rss_bytes()

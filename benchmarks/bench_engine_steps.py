@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_onnx import round_robin, step_inputs  # noqa: E402
 
 from medusa_trt.runtime.backend import zero_cache  # noqa: E402
-from medusa_trt.runtime.ort_backend import OrtBackend  # noqa: E402
+from medusa_trt.runtime.ort.backend import OrtBackend  # noqa: E402
 
 _CACHES: dict = {}
 

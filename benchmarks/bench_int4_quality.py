@@ -39,7 +39,7 @@ PROG = "bench_int4_quality"
 
 
 def ours(engine_dir: Path, threads: int):
-    from medusa_trt.runtime.ort_backend import OrtBackend
+    from medusa_trt.runtime.ort.backend import OrtBackend
 
     backend = OrtBackend(engine_dir, threads=threads)
 

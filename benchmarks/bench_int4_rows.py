@@ -23,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 from medusa_trt.modeling import INT4_ACCURACY_LEVELS
-from medusa_trt.runtime.ort_backend import matmul_nbits_session
+from medusa_trt.runtime.ort.session import matmul_nbits_session
 
 ROWS = (1, 2, 3, 4, 8)
 # SmolLM2-135M (hidden 576, 9 query heads and 3 KV heads of 64, MLP 1536) when no checkpoint is named.

@@ -42,7 +42,7 @@ THREADS = len(os.sched_getaffinity(0))  # --threads overrides; every framework g
 
 
 def ort_backend(engine_dir: Path):
-    from medusa_trt.runtime.ort_backend import OrtBackend
+    from medusa_trt.runtime.ort.backend import OrtBackend
 
     return OrtBackend(engine_dir, threads=THREADS)
 
@@ -114,8 +114,8 @@ def bench_plain(paths: dict[str, Path], vocab: int, new_tokens: int, repeats: in
     from transformers import AutoModelForCausalLM
 
     from medusa_trt.modeling import MedusaModel
-    from medusa_trt.runtime.backend import TorchBackend
     from medusa_trt.runtime.decoding import GenerationConfig, decode
+    from medusa_trt.runtime.torch_backend import TorchBackend
 
     prompt = torch.randint(3, vocab, (PROMPT_LEN,), generator=torch.Generator().manual_seed(0)).tolist()
     cfg = GenerationConfig(max_new_tokens=new_tokens, use_medusa=False)
@@ -356,7 +356,7 @@ def measure_variant(name: str, engine_dir: Path) -> dict:
     """In a child process: one variant's median step time per case (ms)."""
     import onnxruntime as ort
 
-    from medusa_trt.runtime.ort_backend import session_options
+    from medusa_trt.runtime.ort.session import session_options
 
     kwargs = dict(OPTION_VARIANTS[name])
     backend = ort_backend(engine_dir)

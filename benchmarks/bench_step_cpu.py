@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine_steps import step_call  # noqa: E402
 
-from medusa_trt.runtime.ort_backend import OrtBackend  # noqa: E402
+from medusa_trt.runtime.ort.backend import OrtBackend  # noqa: E402
 
 SHAPES = [(1, 1), (1, 4), (4, 1), (4, 4)]  # (batch, slots)
 

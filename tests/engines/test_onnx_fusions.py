@@ -15,7 +15,7 @@ from medusa_trt.engines.build import BuildError, BuildOptions, build_engine
 from medusa_trt.engines.onnx_fusions import FUSIONS
 from medusa_trt.modeling import MedusaModel
 from medusa_trt.runtime.decoding import GenerationConfig, decode
-from medusa_trt.runtime.ort_backend import OrtBackend
+from medusa_trt.runtime.ort.backend import OrtBackend
 
 
 def _ops(path) -> collections.Counter:

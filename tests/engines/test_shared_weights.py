@@ -16,7 +16,8 @@ from medusa_trt.engines.onnx_export import example_inputs, export_onnx, past_nam
 from medusa_trt.engines.onnx_weights import ALIGNMENT, WEIGHTS_FILE, share_weights
 from medusa_trt.modeling import MedusaModel
 from medusa_trt.runtime.decoding import GenerationConfig, decode
-from medusa_trt.runtime.ort_backend import OrtBackend, make_session
+from medusa_trt.runtime.ort.backend import OrtBackend
+from medusa_trt.runtime.ort.session import make_session
 
 
 def _feeds(inputs: dict, num_layers: int) -> dict:
