@@ -122,9 +122,10 @@ def round_robin(calls: dict, rounds: int, inner: int = 3) -> dict:
 
 
 def ort_backend(engine_dir: Path, threads: int):
-    from medusa_trt.runtime.ort_backend import OrtBackend
+    from medusa_trt.runtime.ort.backend import OrtBackend
+    from medusa_trt.runtime.ort.session import OrtSessionOptions
 
-    return OrtBackend(engine_dir, threads=threads)
+    return OrtBackend(engine_dir, options=OrtSessionOptions(threads=threads))
 
 
 def tree_inputs(slots: int, num_heads: int):
@@ -182,13 +183,12 @@ def step_call(backend, batch: int, slots: int, committed: int, capacity: int):
         _CACHES[key] = zero_cache(backend.num_layers, batch, backend.num_kv_heads, capacity, backend.head_dim,
                                   backend.dtype, "cpu")
     keys, values = _CACHES[key]
-    bindings: dict = {}  # an in-place engine binds each cache once (runtime/ort_backend.py): once per call here
+    # The backend's cache object for this cache (an in-place one binds it once: runtime/ort/cache.py).
+    cache = backend.cache_mode(keys, values, backend._past_names)
 
     def step():
-        backend.keys, backend.values = keys, values
+        backend.keys, backend.values, backend.cache = keys, values, cache
         backend.lengths = torch.full((batch,), committed)
-        backend._cache_changed()
-        backend._bindings = bindings
         return backend.forward(ids, pos, mask, with_heads=False)
 
     return step

@@ -203,8 +203,9 @@ def distill(args, engine: Path, tok, prompts: list[dict], desc: str) -> list[dic
     """Greedy continuation and hidden states of every prompt, batched on the engine."""
     from medusa_trt.runtime.decoding import GenerationConfig, decode
     from medusa_trt.runtime.loading import load_backend
+    from medusa_trt.runtime.ort.session import OrtSessionOptions
 
-    rec = HiddenRecorder(load_backend(engine, threads=args.threads))
+    rec = HiddenRecorder(load_backend(engine, ort_options=OrtSessionOptions(threads=args.threads)))
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     ids = [tok.encode(p["text"]) for p in prompts]
     order = sorted(range(len(ids)), key=lambda i: (prompts[i]["kind"], len(ids[i])))  # similar lengths together

@@ -21,6 +21,7 @@ from medusa_trt.converter import convert  # noqa: E402
 from medusa_trt.converter.gguf import fetch_smollm2  # noqa: E402
 from medusa_trt.runtime.decoding import GenerationConfig, decode  # noqa: E402
 from medusa_trt.runtime.loading import load_backend, load_tokenizer  # noqa: E402
+from medusa_trt.runtime.ort.session import OrtSessionOptions  # noqa: E402
 from medusa_trt.tools.demo import ASSETS  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -76,7 +77,7 @@ def test_medusa_greedy_equals_transformers(smollm2, oracle):
             out = model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
                                  pad_token_id=0)
             expected.append(out[0, len(p):].tolist())
-    backend = load_backend(smollm2[2], threads=1)
+    backend = load_backend(smollm2[2], ort_options=OrtSessionOptions(threads=1))
     tuned = str(ASSETS / "tree.json") if (ASSETS / "tree.json").is_file() else "mc_sim_7b_63"
     for tree in (tuned, "mc_sim_7b_63"):
         res = decode(backend, prompts, GenerationConfig(max_new_tokens=NEW_TOKENS, medusa_choices=tree))

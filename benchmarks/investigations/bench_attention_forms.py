@@ -40,7 +40,7 @@ import torch
 from tqdm import tqdm
 
 from medusa_trt.engines.onnx_export import _grouped_attention_op, _grouped_attention_translation
-from medusa_trt.runtime.ort_backend import make_session
+from medusa_trt.runtime.ort.session import OrtSessionOptions, make_session
 
 LAYERS, HQ, HKV, D = 30, 9, 3, 64
 G = HQ // HKV
@@ -182,7 +182,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("build/attention_forms"))
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    sessions = {name: make_session(export(name, args.out), threads=args.threads)
+    sessions = {name: make_session(export(name, args.out), options=OrtSessionOptions(threads=args.threads))
                 for name in tqdm(FORMS, desc="export", unit="form")}
     rng = np.random.default_rng(0)
     cache = [rng.standard_normal((1, HKV, CAPACITY, D), dtype=np.float32) for _ in range(2 * LAYERS)]

@@ -30,6 +30,7 @@ from common import read_prompts  # noqa: E402  (the held-out prompts as the peer
 
 from medusa_trt.runtime.decoding import GenerationConfig, decode, prefill  # noqa: E402
 from medusa_trt.runtime.loading import load_backend, load_tokenizer, stop_tokens  # noqa: E402
+from medusa_trt.runtime.ort.session import OrtSessionOptions  # noqa: E402
 
 ASSETS = Path(__file__).resolve().parents[2] / "medusa_trt" / "assets" / "smollm2"
 
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     report = {}
     for engine in args.engines:
-        backend, tok = load_backend(engine, threads=1), load_tokenizer(engine)
+        backend, tok = load_backend(engine, ort_options=OrtSessionOptions(threads=1)), load_tokenizer(engine)
         prompts = read_prompts(ASSETS / "prompts_heldout.jsonl", tok, max(args.prompts, args.diverge))
         report[str(engine)] = row_difference(backend, prompts[: args.prompts])
         if args.diverge:

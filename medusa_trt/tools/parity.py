@@ -59,6 +59,7 @@ from pathlib import Path
 import torch
 
 from medusa_trt.errors import MedusaTrtError
+from medusa_trt.runtime.backend import Backend
 
 TOLERANCES = {"float32": 1e-4, "float16": 5e-2, "bfloat16": 2.5e-1}
 LOGIT_SCALE = 10.0  # the logit magnitude TOLERANCES are stated for (see the module docstring)
@@ -124,8 +125,8 @@ def run_check(engine_dir: str | Path, checkpoint: str | Path | None = None, prom
     from medusa_trt.engine_dir import sha256_file, verify_artifacts
     from medusa_trt.errors import CheckpointError
     from medusa_trt.modeling import MedusaModel
-    from medusa_trt.runtime.backend import TorchBackend
     from medusa_trt.runtime.loading import load_backend
+    from medusa_trt.runtime.torch_backend import TorchBackend
 
     engine_dir = Path(engine_dir)
     if atol is not None and not (atol >= 0 and math.isfinite(atol)):
@@ -219,7 +220,7 @@ def _read_engine(engine_dir: Path) -> dict:
         raise CheckInputError(str(e)) from None
 
 
-class _Observed:
+class _Observed(Backend):
     """The Backend the decoding loop's own steps run on in medusa-check: every call goes to the
     engine and to the reference with the same inputs, and the loop carries on with the reference's
     outputs, so both sides see the same tokens and commit the same cache entries. Each forward asks
@@ -274,8 +275,8 @@ def _compare_steps(report: CheckReport, subject, reference, prompts: list[list[i
     from polygraphy.comparator import Comparator, IterationResult, RunResults
     from polygraphy.logger import G_LOGGER
 
-    from medusa_trt.runtime.decoding import GenerationConfig, StepTree, prefill, tree_step
-    from medusa_trt.tree import tree_for_engine
+    from medusa_trt.runtime.decoding import GenerationConfig, prefill, tree_step
+    from medusa_trt.tree import StepTree, tree_for_engine
 
     info = reference.info
     tree = tree_for_engine(info.num_medusa_heads, info.max_draft_len) if info.num_medusa_heads else None

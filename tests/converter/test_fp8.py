@@ -368,7 +368,7 @@ def test_engine_matches_fp8_reference(fp8_engine):
     reference on identical inputs: base logits, hidden state, new K/V, and the heads graph's logits."""
     import numpy as np
 
-    from medusa_trt.runtime.ort_backend import make_session
+    from medusa_trt.runtime.ort.session import make_session
     from medusa_trt.tree import build_tree
 
     ckpt, engine_dir = fp8_engine
@@ -420,7 +420,7 @@ def test_onnx_qdq_is_the_reference_arithmetic(tmp_path):
 
     from medusa_trt.engines.onnx_export import _export_dequant, _export_fake_quant, _fp8_translations
     from medusa_trt.quant import fake_quant_fp8
-    from medusa_trt.runtime.ort_backend import make_session
+    from medusa_trt.runtime.ort.session import make_session
 
     scale = torch.tensor([0.01])
     grid = torch.tensor([0.0, 1.0, 1.125, 1.0625, 1.1875, 448.0, 464.0, 480.0, 2.0**-9, 2.0**-10, 3 * 2.0**-10])

@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from medusa_trt.cli.check import main as check_main
+from medusa_trt.engine_dir import EngineError
 from medusa_trt.engines.onnx_export import past_names
-from medusa_trt.modeling import (
-    MedusaModel,
+from medusa_trt.modeling import MedusaModel
+from medusa_trt.quant import (
     dequantize_int4,
     dequantize_int8,
     quantize_int4,
@@ -26,9 +27,11 @@ from medusa_trt.modeling import (
     quantize_int8,
     quantize_model_int4,
 )
-from medusa_trt.runtime import ort_backend
 from medusa_trt.runtime.decoding import GenerationConfig, decode, prefill
-from medusa_trt.runtime.ort_backend import EngineError, OrtBackend, make_session
+from medusa_trt.runtime.ort import backend as ort_backend
+from medusa_trt.runtime.ort.backend import OrtBackend
+from medusa_trt.runtime.ort.cache import InPlaceCache
+from medusa_trt.runtime.ort.session import make_session
 from tests.engines.test_onnx_export import ATOL, make_inputs, run_decoder
 
 INT4 = {"weights": "int4", "int4_block_size": 32}
@@ -232,9 +235,6 @@ def test_one_token_steps_run_as_two_rows_where_the_cpu_has_a_one_row_kernel(ort_
     for prompt in ([5, 9, 17, 33], list(range(20, 40))):
         plain = decode(backend, [prompt], GenerationConfig(max_new_tokens=24, use_medusa=False)).tokens
         assert decode(backend, [prompt], GenerationConfig(max_new_tokens=24, medusa_choices=[[0], [0, 0]])).tokens == plain
-        bound_step, backend.plain_greedy_step = backend.plain_greedy_step, None  # forward + commit instead
-        assert decode(backend, [prompt], GenerationConfig(max_new_tokens=24, use_medusa=False)).tokens == plain
-        backend.plain_greedy_step = bound_step
     # A one-token forward with heads: one row of logits and of each head's logits, the first row's
     # (the throwaway row's differ), as an unpadded backend computes them up to the kernels' rounding.
     unpadded = OrtBackend(int4_engine(ort_engine, 4))
@@ -253,11 +253,14 @@ def test_one_token_steps_run_as_two_rows_where_the_cpu_has_a_one_row_kernel(ort_
     backend.start(1, len(prompt) + 2)
     logits, _ = prefill(backend, [prompt])
     token = logits.argmax(-1)
+    one = torch.ones(1, 1, 1, dtype=torch.bool)
     for _ in range(2):  # the second step has no room for a second row
-        token = backend.plain_greedy_step(token)
+        logits, _ = backend.forward(token[:, None], backend.lengths[:, None], one, with_heads=False)
+        backend.commit(torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long))
+        token = logits[:, 0].argmax(-1)
     assert backend.lengths.tolist() == [len(prompt) + 2]
     with pytest.raises(ValueError, match="KV cache overflow"):
-        backend.plain_greedy_step(token)
+        backend.forward(token[:, None], backend.lengths[:, None], one, with_heads=False)
 
 
 def test_lone_tree_slots_run_as_two_rows_where_the_cpu_has_a_one_row_kernel(ort_engine, monkeypatch):
@@ -268,13 +271,13 @@ def test_lone_tree_slots_run_as_two_rows_where_the_cpu_has_a_one_row_kernel(ort_
     for attention, prompt in ((None, [17]), ("row_exact_f32", list(range(3, 123)))):
         backend = OrtBackend(int4_engine(ort_engine, 4, attention))
         rows = []
-        run = backend._run_in_place
+        run = InPlaceCache.run
 
-        def spy(name, feeds, outputs, run=run, rows=rows):
+        def spy(cache, session, feeds, outputs, run=run, rows=rows):
             rows.append(feeds["input_ids"].shape)
-            return run(name, feeds, outputs)
+            return run(cache, session, feeds, outputs)
 
-        backend._run_in_place = spy
+        monkeypatch.setattr(InPlaceCache, "run", spy)
         plain = decode(backend, [prompt], GenerationConfig(max_new_tokens=12, use_medusa=False)).tokens
         rows.clear()
         medusa = decode(backend, [prompt], GenerationConfig(max_new_tokens=12, medusa_choices=[[0], [1], [0, 0]]))
@@ -473,110 +476,6 @@ def test_int4_cache_is_written_in_place(ort_engine):
     torch.testing.assert_close(after[0], after[1], rtol=0, atol=0)
 
 
-def test_plain_greedy_step_equals_forward_and_commit(ort_engine):
-    """OrtBackend.plain_greedy_step (in-place engines: one bound call per plain greedy step) leaves
-    the cache, the lengths and the next tokens bit for bit where forward + commit + argmax leave
-    them: on a ragged batch, mixed with those calls (which replace the lengths it writes), across
-    keep (a new cache) and when the capacity runs out (forward's error)."""
-    from medusa_trt.runtime.decoding import argmax
-
-    lean, plain = OrtBackend(int4_engine(ort_engine, 4)), OrtBackend(int4_engine(ort_engine, 4))
-    assert lean.plain_greedy_step is not None
-    assert OrtBackend(ort_engine("llama", extra={**INT4, "int4_accuracy_level": 4, "cache_in_place": False})
-                      ).plain_greedy_step is None
-    plain.plain_greedy_step = None  # an instance attribute hides the property: forward + commit
-
-    def generic(backend, tokens):
-        b = len(tokens)
-        logits, _ = backend.forward(tokens[:, None], backend.lengths[:, None], torch.ones(b, 1, 1, dtype=torch.bool),
-                                    torch.zeros(b, 1, dtype=torch.long), with_heads=False)
-        backend.commit(torch.zeros(b, 1, dtype=torch.long), torch.ones(b, dtype=torch.long))
-        return argmax(logits[:, 0])
-
-    prompts = [[5, 9, 17, 33, 2, 8], [3, 4]]
-    roots = []
-    for backend in (lean, plain):
-        backend.start(2, 20)
-        logits, _ = prefill(backend, prompts, heads=False)
-        roots.append(argmax(logits))
-    steps = ["lean"] * 3 + ["generic"] * 2 + ["lean"] * 2 + ["keep"] + ["lean"] * 3
-    for what in steps:
-        if what == "keep":
-            for i, backend in enumerate((lean, plain)):
-                backend.keep(torch.tensor([1]))
-                roots[i] = roots[i][[1]]
-            continue
-        step = lean.plain_greedy_step if what == "lean" else lambda t: generic(lean, t)
-        roots = [step(roots[0]), generic(plain, roots[1])]
-        assert roots[0].tolist() == roots[1].tolist()
-        assert lean.lengths.tolist() == plain.lengths.tolist()
-        torch.testing.assert_close(lean.keys, plain.keys, rtol=0, atol=0)
-        torch.testing.assert_close(lean.values, plain.values, rtol=0, atol=0)
-    assert lean.lengths.tolist() == [len(prompts[1]) + 10]
-    for _ in range(20 - len(prompts[1]) - 10):
-        roots[0] = lean.plain_greedy_step(roots[0])
-    with pytest.raises(ValueError, match="KV cache overflow"):
-        lean.plain_greedy_step(roots[0])
-
-
-@pytest.mark.parametrize("attention", [None, "row_exact_f32"])
-def test_greedy_tree_step_equals_fused_step_and_commit(ort_engine, attention):
-    """OrtBackend.greedy_tree_step (in-place engines: one bound call per greedy Medusa step) leaves
-    the cache, the lengths and the outputs bit for bit where fused_step + the commit of each
-    accepted path leave them: a chain (chain_f32) and a branching tree whose accepted path is not
-    the first (row_exact_f32: the commit moves slots), on a ragged batch, mixed with plain steps
-    (which replace the lengths it writes), across keep and when the capacity runs out."""
-    from medusa_trt.runtime.decoding import StepTree, _fused_tree_step
-    from medusa_trt.tree import build_tree
-
-    engine = int4_engine(ort_engine, 4, attention)
-    lean, generic = OrtBackend(engine), OrtBackend(engine)
-    assert lean.greedy_tree_step is not None
-    generic.greedy_tree_step = None  # fused_step, then commit
-    choices = [[0], [0, 0], [0, 0, 0]] if attention is None else [[0], [1], [0, 0], [1, 0], [1, 1]]
-    tree = StepTree.of(build_tree(choices, lean.num_medusa_heads, chains_only=attention is None), lean.vocab_size)
-    assert tree.is_chain == (attention is None)
-    # The path the test makes greedy: the chain, or root -> second child -> its second child.
-    path = max(tree.paths, key=lambda p: (len(set(p)), p))
-    prompts = [[5, 9, 17, 33, 2, 8], [3, 4]]
-    follow = [decode(lean, [p], GenerationConfig(max_new_tokens=40, use_medusa=False)).tokens[0] for p in prompts]
-    for backend in (lean, generic):
-        backend.start(2, 40)
-        prefill(backend, prompts, heads=False)
-    produced = [0, 0]
-    rng = torch.Generator().manual_seed(0)
-    steps = ["tree"] * 3 + ["plain"] + ["tree"] * 2 + ["keep"] + ["tree"] * 2
-    rows = [0, 1]
-    for what in steps:
-        if what == "keep":
-            for backend in (lean, generic):
-                backend.keep(torch.tensor([1]))
-            rows = [1]
-            continue
-        if what == "plain":
-            roots = torch.tensor([follow[r][produced[r]] for r in rows])
-            assert lean.plain_greedy_step(roots).tolist() == generic.plain_greedy_step(roots).tolist()
-            produced = [n + (r in rows) for r, n in enumerate(produced)]
-            continue
-        tokens = torch.randint(100, 200, (len(rows), tree.num_slots + 2), generator=rng)
-        for i, r in enumerate(rows):  # the root, and the greedy continuation along `path`
-            for depth, slot in enumerate(path):
-                tokens[i, slot] = follow[r][produced[r] + depth]
-        got = [_fused_tree_step(backend, tree, tokens) for backend in (lean, generic)]
-        (emitted, accepted, next_tokens), want = got
-        assert emitted == want[0] and accepted.tolist() == want[1].tolist() == [len(path) - 1] * len(rows)
-        assert torch.equal(next_tokens, want[2])
-        assert lean.lengths.tolist() == generic.lengths.tolist()
-        torch.testing.assert_close(lean.keys, generic.keys, rtol=0, atol=0)
-        torch.testing.assert_close(lean.values, generic.values, rtol=0, atol=0)
-        produced = [n + len(path) * (r in rows) for r, n in enumerate(produced)]
-    tokens = torch.zeros(1, tree.num_slots, dtype=torch.long)
-    while int(lean.lengths[0]) + tree.num_slots <= lean.keys.shape[3]:
-        lean.greedy_tree_step(tokens, tree)
-    with pytest.raises(ValueError, match="KV cache overflow"):
-        lean.greedy_tree_step(tokens, tree)
-
-
 def test_no_cache_in_place_flag(tiny_merged, tmp_path):
     """medusa-build --no-cache-in-place: the int4 engine returns new K/V for the runtime to scatter."""
     from medusa_trt.cli.build import main as build_main
@@ -622,10 +521,10 @@ def test_onnx_runtime_writes_the_bound_cache_in_place(ort_engine, capfd, monkeyp
     """The point of the in-place engine: ONNX Runtime's TensorScatter writes into the bound cache
     rather than copying it, which it reports (a warning) when it cannot. The same graph run through
     session.run, with fresh output buffers, shows that warning: the check can fail."""
-    import medusa_trt.runtime.ort_backend as ort_backend
+    import medusa_trt.runtime.ort.session as ort_session
 
-    options = ort_backend.session_options
-    monkeypatch.setattr(ort_backend, "session_options", lambda *a, **k: _with_warnings(options(*a, **k)))
+    options = ort_session.session_options
+    monkeypatch.setattr(ort_session, "session_options", lambda *a, **k: _with_warnings(options(*a, **k)))
     backend = OrtBackend(int4_engine(ort_engine, 4))
     capfd.readouterr()
     decode(backend, [[5, 9, 17, 33]], GenerationConfig(max_new_tokens=6, use_medusa=False))

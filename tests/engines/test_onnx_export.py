@@ -15,7 +15,7 @@ from medusa_trt.engines.build import BuildError, BuildOptions, build_engine, sha
 from medusa_trt.engines.onnx_export import ATTENTION_FORMS, DEFAULT_ATTENTION, export_onnx, past_names
 from medusa_trt.modeling import MedusaModel
 from medusa_trt.runtime.backend import full_attention_mask
-from medusa_trt.runtime.ort_backend import make_session
+from medusa_trt.runtime.ort.session import make_session
 from medusa_trt.tree import DEFAULT_TREE, build_tree
 
 ARCHS = ("llama", "mistral", "qwen2")

@@ -15,7 +15,8 @@ from medusa_trt.engines.build import BuildError, BuildOptions, build_engine
 from medusa_trt.engines.onnx_fusions import FUSIONS
 from medusa_trt.modeling import MedusaModel
 from medusa_trt.runtime.decoding import GenerationConfig, decode
-from medusa_trt.runtime.ort_backend import OrtBackend
+from medusa_trt.runtime.ort.backend import OrtBackend
+from medusa_trt.runtime.ort.session import OrtSessionOptions
 
 
 def _ops(path) -> collections.Counter:
@@ -42,7 +43,8 @@ def test_fused_graphs(ort_engine, tiny_merged, weights):
 def test_fused_engine_decodes_as_plain_graph(ort_engine, weights):
     fused, plain = ort_engine(extra={"weights": weights}), ort_engine(extra={"weights": weights, "fusions": []})
     assert json.loads((plain / "engine.json").read_text())["onnx"]["fusions"] == {}
-    a, b = OrtBackend(fused, threads=1), OrtBackend(plain, threads=1)
+    one = OrtSessionOptions(threads=1)
+    a, b = OrtBackend(fused, options=one), OrtBackend(plain, options=one)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, a.vocab_size, (2, 9), generator=g)
     pos, mask = torch.arange(9).expand(2, 9), torch.ones(2, 9, 9, dtype=torch.bool).tril()

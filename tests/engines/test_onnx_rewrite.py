@@ -40,7 +40,8 @@ from medusa_trt.engines.tree_attention import kernel  # noqa: E402
 from medusa_trt.engines.tree_attention.plugin import PLUGIN_NAME, PLUGIN_NAMESPACE  # noqa: E402
 from medusa_trt.modeling import MedusaModel  # noqa: E402
 from medusa_trt.runtime.decoding import GenerationConfig, decode  # noqa: E402
-from medusa_trt.runtime.ort_backend import OrtBackend, make_session  # noqa: E402
+from medusa_trt.runtime.ort.backend import OrtBackend  # noqa: E402
+from medusa_trt.runtime.ort.session import make_session  # noqa: E402
 from medusa_trt.tree import build_tree, pack_mask  # noqa: E402
 
 TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [2, 0, 0, 0]]  # 9 nodes, depth 4

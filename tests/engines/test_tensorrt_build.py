@@ -162,9 +162,9 @@ def trt_engine(tmp_path_factory, tiny_merged):
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_engine_matches_torch_backend(trt_engine, tiny_merged, mode, arch):
     from medusa_trt.modeling import MedusaModel
-    from medusa_trt.runtime.backend import TorchBackend
     from medusa_trt.runtime.loading import load_backend
-    from medusa_trt.runtime.trt_backend import TensorRTBackend
+    from medusa_trt.runtime.torch_backend import TorchBackend
+    from medusa_trt.runtime.trt.backend import TensorRTBackend
     from medusa_trt.tree import build_tree
 
     engine_dir = trt_engine(arch, mode)
@@ -209,7 +209,7 @@ def test_engine_matches_torch_backend(trt_engine, tiny_merged, mode, arch):
 @gpu
 def test_medusa_greedy_decode_equals_plain(trt_engine):
     from medusa_trt.runtime.decoding import GenerationConfig, decode
-    from medusa_trt.runtime.trt_backend import TensorRTBackend
+    from medusa_trt.runtime.trt.backend import TensorRTBackend
 
     backend = TensorRTBackend(trt_engine("llama", "plugin"))
     prompts = [[1, 5, 9, 14, 3], [1, 40], [1, 7, 7, 8, 30, 31, 2]]
@@ -222,8 +222,8 @@ def test_medusa_greedy_decode_equals_plain(trt_engine):
 @gpu
 def test_float16_engine(trt_engine, tiny_merged):
     from medusa_trt.modeling import MedusaModel
-    from medusa_trt.runtime.backend import TorchBackend
-    from medusa_trt.runtime.trt_backend import TensorRTBackend
+    from medusa_trt.runtime.torch_backend import TorchBackend
+    from medusa_trt.runtime.trt.backend import TensorRTBackend
 
     backend = TensorRTBackend(trt_engine("llama", "plugin", "float16"))
     ref = TorchBackend(MedusaModel.from_checkpoint(tiny_merged("llama"), dtype="float32"))

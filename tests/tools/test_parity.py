@@ -142,7 +142,7 @@ PROMPTS = [[3, 30, 38, 51, 183, 33], [8, 8, 1, 123, 159, 107, 5, 74, 232, 66, 26
 
 def _torch_backend(tiny_merged, perturb_heads: bool = False):
     from medusa_trt.modeling import MedusaModel
-    from medusa_trt.runtime.backend import TorchBackend
+    from medusa_trt.runtime.torch_backend import TorchBackend
 
     model = MedusaModel.from_checkpoint(tiny_merged("llama", heads_kwargs={"trivial": True}), dtype="float32")
     if perturb_heads:  # a fault in the Medusa heads only: the base logits stay exact

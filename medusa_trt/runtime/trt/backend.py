@@ -1,6 +1,6 @@
 """A TensorRT engine directory (medusa-build --backend tensorrt) behind the runtime's Backend interface.
 
-Same graph interface and cache layout as the ONNX Runtime engine (`ort_backend`): the KV cache is
+Same graph interface and cache layout as the ONNX Runtime engine (runtime/ort/backend.py): the KV cache is
 one torch CUDA tensor per K and V, [L, B, Hkv, capacity, D], allocated once per `start`; each
 layer's slice is bound to the engine by pointer (`set_tensor_address`) as it is, the graph masks
 entries past each sequence's committed length, and `commit` scatters the kept new K/V after each
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from medusa_trt.engine_dir import EngineError, check_artifacts, read_engine_json
-from medusa_trt.runtime.backend import ModelInfo, check_forward, scatter_pending, zero_cache
+from medusa_trt.runtime.backend import Backend, ModelInfo, check_forward, scatter_pending, zero_cache
 
 _EXTRA_HINT = "pip install 'medusa-trt[tensorrt]'"
 _INPUTS = ("input_ids", "position_ids", "past_lengths", "new_mask", "logit_positions")
@@ -93,7 +93,7 @@ class _Engine:
         return outputs
 
 
-class TensorRTBackend:
+class TensorRTBackend(Backend):
     """A TensorRT engine directory behind the Backend interface (see the module docstring)."""
 
     host_threads = 1  # the engine computes on the GPU; the loop's torch ops are tiny (decoding.generate)
