@@ -79,8 +79,8 @@ def prepare(workdir: Path, size: str) -> dict[str, Path]:
 
 def _stale(engine_dir: Path) -> bool:
     """No engine yet, or one of another engine format or attention form than today's default."""
-    from medusa_trt.engines.build import ENGINE_FORMAT_VERSION
-    from medusa_trt.engines.onnx_export import DEFAULT_ATTENTION
+    from medusa_trt.engine_dir import ENGINE_FORMAT_VERSION
+    from medusa_trt.engines.onnx.attention import DEFAULT_ATTENTION
 
     path = engine_dir / "engine.json"
     if not path.is_file():
@@ -300,7 +300,8 @@ def sweep_attention(paths: dict[str, Path], workdir: Path, rounds: int) -> dict:
     """The base-only model exported with each attention form, steps timed round-robin."""
     import shutil
 
-    from medusa_trt.engines.onnx_export import ATTENTION_FORMS, export_onnx
+    from medusa_trt.engines.onnx.attention import ATTENTION_FORMS
+    from medusa_trt.engines.onnx.export import export_onnx
     from medusa_trt.modeling import MedusaModel
 
     model = MedusaModel.from_checkpoint(paths["merged-base"])

@@ -416,7 +416,7 @@ def test_onnx_qdq_is_the_reference_arithmetic(tmp_path):
     on identical inputs: saturation past 448, round-to-nearest-even ties, subnormals, zero."""
     import numpy as np
 
-    from medusa_trt.engines.onnx_export import _export_dequant, _export_fake_quant, _fp8_translations
+    from medusa_trt.engines.onnx.ops import export_dequant, export_fake_quant, fp8_translations
     from medusa_trt.modeling import fake_quant_fp8
     from medusa_trt.runtime.ort_backend import make_session
 
@@ -432,9 +432,9 @@ def test_onnx_qdq_is_the_reference_arithmetic(tmp_path):
             self.register_buffer("scale", scale)
 
         def forward(self, x):
-            return _export_fake_quant(x, self.scale), _export_dequant(self.q, self.scale, torch.float32)
+            return export_fake_quant(x, self.scale), export_dequant(self.q, self.scale, torch.float32)
 
-    program = torch.onnx.export(QDQ(), (x,), dynamo=True, opset_version=23, custom_translation_table=_fp8_translations(),
+    program = torch.onnx.export(QDQ(), (x,), dynamo=True, opset_version=23, custom_translation_table=fp8_translations(),
                                 input_names=["x"], output_names=["y", "w"], verbose=False)
     program.save(tmp_path / "qdq.onnx")
     y, w = make_session(tmp_path / "qdq.onnx").run(None, {"x": x.numpy()})

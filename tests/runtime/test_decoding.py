@@ -236,6 +236,7 @@ def test_draft_vocabulary_heads(distilled, tmp_path):
 
     from medusa_trt.cli.check import main as check_main
     from medusa_trt.engines.build import BuildOptions, build_engine
+    from medusa_trt.engines.ort.build import OrtOptions
     from medusa_trt.runtime.ort_backend import OrtBackend
 
     m = distilled("llama")
@@ -274,7 +275,7 @@ def test_draft_vocabulary_heads(distilled, tmp_path):
 
     # int4 engines hold the draft matrix as MatMulNBits too; the reference mirrors it (medusa-check).
     build_engine(BuildOptions(checkpoint=tmp_path / "ckpt", out=tmp_path / "engine_int4", progress=False,
-                              extra={"weights": "int4", "int4_block_size": 32}))
+                              backend_options=OrtOptions(weights="int4", int4_block_size=32)))
     info = json.loads((tmp_path / "engine_int4" / "engine.json").read_text())
     assert info["weights"]["draft_int4"]
     int4 = OrtBackend(tmp_path / "engine_int4")

@@ -326,7 +326,7 @@ def _cache_in_place(model, write_indices: str, present: dict[str, str]) -> int:
     TensorScatter(past, new K/V, past_lengths) -> Slice: the new keys go into the cache buffer itself
     (a graph output, `present[past]`), and attention reads the same first max(past_lengths) + S
     keys. Only for attention forms that place new keys at each sequence's own length
-    (onnx_export.AttentionForm.places_new_keys), whose scatter indices are past_lengths[b] + slot."""
+    (onnx/attention.py: AttentionForm.places_new_keys), whose scatter indices are past_lengths[b] + slot."""
     from onnx import helper
 
     graph = model.graph
