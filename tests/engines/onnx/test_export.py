@@ -1,4 +1,5 @@
-"""ONNX export and medusa-build: the engine's graph against the PyTorch reference, and the build CLI."""
+"""ONNX export (engines/onnx/export.py): the engine's graphs against the PyTorch reference, every
+attention form, and the exporter's option errors."""
 
 from __future__ import annotations
 
@@ -68,7 +69,7 @@ def make_inputs(model: MedusaModel, batch: int, past: int, mask_kind: str, seed:
     feeds = {"input_ids": ids.numpy(), "position_ids": pos.numpy(), "past_lengths": lengths.numpy(),
              "new_mask": new_mask.numpy(), "logit_positions": logit_positions.numpy()}
     # The runtime's buffers have room for the new tokens after the longest prefix; the row_exact_f32
-    # attention writes them there (engines/onnx_export.py: PlacedMask), the other forms ignore it.
+    # attention writes them there (engines/onnx/attention.py: PlacedMask), the other forms ignore it.
     room = torch.zeros(batch, cfg.num_kv_heads, s, cfg.head_dim)
     for i, name in enumerate(past_names(cfg.num_layers)):
         feeds[name] = torch.cat([(keys if i % 2 == 0 else values)[i // 2], room], dim=2).numpy()
