@@ -205,8 +205,9 @@ SIZES = {  # base parameters: 9.8M and 100.1M (untied embeddings); 4 Medusa head
 def random_models(workdir: Path, size: str) -> dict[str, Path]:
     """HF base, merged checkpoint with heads, base-only checkpoint, and an engine for each (cached)."""
     from medusa_trt.checkpoint import load_checkpoint, write_checkpoint
-    from medusa_trt.converter import convert
-    from medusa_trt.engines.build import BuildOptions, build_engine
+    from medusa_trt.converter.merge import convert
+    from medusa_trt.engines.build import build_engine
+    from medusa_trt.engines.options import BuildOptions
     sys.path.insert(0, str(REPO / "tests"))  # the test fixtures' model factories
     from synthetic import make_base, make_heads
 
@@ -231,8 +232,8 @@ def random_models(workdir: Path, size: str) -> dict[str, Path]:
 
 def _stale(engine_dir: Path) -> bool:
     """No engine yet, or one of another engine format or attention form than today's default."""
-    from medusa_trt.engines.build import ENGINE_FORMAT_VERSION
-    from medusa_trt.engines.onnx_export import DEFAULT_ATTENTION
+    from medusa_trt.engine_dir import ENGINE_FORMAT_VERSION
+    from medusa_trt.engines.onnx.attention import DEFAULT_ATTENTION
 
     path = engine_dir / "engine.json"
     if not path.is_file():

@@ -423,7 +423,7 @@ class StepTree:
     def within_block(self, lengths: torch.Tensor, block: int | None) -> StepTree:
         """This step's tree on an engine whose attention is exact only while a tree's slots share
         one `block`-aligned block of the cache with the committed prefix (row_exact_f32,
-        engines/onnx_export.py): a branching tree that would cross a block edge after any
+        engines/onnx/attention.py): a branching tree that would cross a block edge after any
         sequence's prefix is cut to the slots before it (the root at least). Chains never need a
         cut: each slot sits at its own position, as in plain decoding. About one step in
         `block / tree width` is cut per sequence."""

@@ -251,8 +251,10 @@ def pairs(data: list[dict], heads: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def base_engine(args, gguf: Path) -> Path:
     """Convert the GGUF with placeholder (identity) heads and build a plain ONNX Runtime engine."""
-    from medusa_trt.converter import convert
-    from medusa_trt.engines.build import BuildOptions, build_engine
+    from medusa_trt.converter.merge import convert
+    from medusa_trt.engines.build import build_engine
+    from medusa_trt.engines.options import BuildOptions
+    from medusa_trt.engines.ort.build import OrtOptions
 
     engine = args.work / "engine"
     if (engine / "engine.json").is_file():
@@ -265,7 +267,7 @@ def base_engine(args, gguf: Path) -> Path:
     save_heads(state, args.work / "identity_heads", gguf.name, args.heads, 1)
     convert(gguf, args.work / "identity_heads", args.work / "ckpt", dtype="float32", force=True)
     build_engine(BuildOptions(checkpoint=args.work / "ckpt", out=engine, max_seq_len=1024, max_batch_size=args.batch, progress=True,
-                              force=True, extra={"fused_step": False}))
+                              force=True, backend_options=OrtOptions(fused_step=False)))
     return engine
 
 

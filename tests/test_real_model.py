@@ -17,8 +17,8 @@ import torch
 
 pytest.importorskip("gguf")
 
-from medusa_trt.converter import convert  # noqa: E402
 from medusa_trt.converter.gguf import fetch_smollm2  # noqa: E402
+from medusa_trt.converter.merge import convert  # noqa: E402
 from medusa_trt.runtime.decoding import GenerationConfig, decode  # noqa: E402
 from medusa_trt.runtime.loading import load_backend, load_tokenizer  # noqa: E402
 from medusa_trt.runtime.ort.session import OrtSessionOptions  # noqa: E402
@@ -31,7 +31,8 @@ NEW_TOKENS = 40
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
     """(gguf, merged checkpoint, engine dir) of SmolLM2 with the shipped heads."""
-    from medusa_trt.engines.build import BuildOptions, build_engine
+    from medusa_trt.engines.build import build_engine
+    from medusa_trt.engines.options import BuildOptions
 
     gguf = fetch_smollm2(REPO / "build" / "smollm2")
     work = tmp_path_factory.mktemp("smollm2")

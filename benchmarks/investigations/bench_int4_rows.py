@@ -6,7 +6,7 @@ and a tree pays off; when it grows with the rows, each slot costs a share of a p
 nodes accepted more often than that share pay. This times one decoder layer's four MatMulNBits
 (fused QKV, output projection, fused gate+up, down) of a model config at each row count, at the
 accuracy levels ONNX Runtime's CPU kernel has, with random int4 weights quantized the way
-`medusa-build --weights int4` quantizes them (modeling.quantize_int4).
+`medusa-build --weights int4` quantizes them (quant.quantize_int4).
 
     python benchmarks/investigations/bench_int4_rows.py [--checkpoint build/real/ckpt] [--threads 1,2] [--spin] [--block-size 32]
 """

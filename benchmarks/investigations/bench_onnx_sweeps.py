@@ -36,7 +36,8 @@ def sweep_attention(paths: dict[str, Path], workdir: Path, rounds: int) -> dict:
     """The base-only model exported with each attention form, steps timed round-robin."""
     import shutil
 
-    from medusa_trt.engines.onnx_export import ATTENTION_FORMS, export_onnx
+    from medusa_trt.engines.onnx.attention import ATTENTION_FORMS
+    from medusa_trt.engines.onnx.export import export_onnx
     from medusa_trt.modeling import MedusaModel
 
     model = MedusaModel.from_checkpoint(paths["merged-base"])

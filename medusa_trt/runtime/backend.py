@@ -22,7 +22,7 @@ class ModelInfo:
     max_seq_len: int  # positions the model supports (prompt + generated + tree depth)
     max_draft_len: int  # largest tree (nodes, root excluded) the engine was built for
     # A tree step's slots must stay inside one key_block-aligned block of the cache (the
-    # row_exact_f32 attention, engines/onnx_export.py); None: any tree is exact.
+    # row_exact_f32 attention, engines/onnx/attention.py); None: any tree is exact.
     key_block: int | None = None
     # Only chain trees are exact (chain_f32 attention): the decoding loop verifies a tree's main chain.
     chains_only: bool = False

@@ -290,7 +290,7 @@ def _pad_prompts(prompts: list[list[int]]) -> tuple[torch.Tensor, ...]:
     the slots to commit [B, S] (the first `lens` of each row are the prompt's) and lens [B]. Every
     prefill pads the same way: the fused step needs every last token in slot S-1, and a row's keys
     then sit at the same offsets whichever graph computes its prompt (an int4 engine's attention is
-    exact only with keys at equal offsets; engines/onnx_export.py: row_exact_f32_attention)."""
+    exact only with keys at equal offsets; engines/onnx/attention.py: row_exact_f32_attention)."""
     lens = torch.tensor([len(p) for p in prompts])
     s = int(lens.max())
     first = s - lens  # [B] slot of each prompt's first token

@@ -33,9 +33,10 @@ def _reusable(engine_dir: Path) -> bool:
 
 def run_demo(args) -> int:
     """The demo with the options of medusa_trt.cli.demo's parser; 0 when Medusa output equals plain."""
-    from medusa_trt.converter import convert
     from medusa_trt.converter.gguf import fetch_smollm2
-    from medusa_trt.engines.build import BuildOptions, build_engine
+    from medusa_trt.converter.merge import convert
+    from medusa_trt.engines.build import build_engine
+    from medusa_trt.engines.options import BuildOptions
     from medusa_trt.runtime.decoding import GenerationConfig, generate
     from medusa_trt.runtime.loading import load_backend, load_tokenizer, stop_tokens
     from medusa_trt.runtime.ort.session import OrtSessionOptions

@@ -45,7 +45,7 @@ INT4_NOISE_PER_LAYER x layers (scaled with the peak like the tolerances: 1.7 the
 Greedy tokens may then part from the reference's at a near-tie: a plain decode passes when the
 reference's top-2 margin at the first differing token is within that p90 bound (the row says so).
 What int4 must keep exactly is the engine's own consistency: its Medusa greedy decode must equal its
-own plain greedy decode token for token (engines/onnx_export.py, row_exact attention).
+own plain greedy decode token for token (engines/onnx/attention.py, row_exact attention).
 """
 
 from __future__ import annotations

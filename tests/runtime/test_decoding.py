@@ -14,7 +14,7 @@ from synthetic import EOS
 from transformers import AutoModelForCausalLM
 
 from medusa_trt.cli.run import main as run_main
-from medusa_trt.converter import convert
+from medusa_trt.converter.merge import convert
 from medusa_trt.modeling import OUTSIDE_DRAFT_LOGIT, MedusaModel
 from medusa_trt.quant import quantize_model_int4
 from medusa_trt.runtime.decoding import GenerationConfig, decode, generate
@@ -199,7 +199,8 @@ def test_fused_greedy_step_equals_the_unfused_loop(distilled, tmp_path):
     the same path as the loop's own acceptance: same tokens and statistics, batch 4, ragged prompts,
     one sequence ending early on a stop id; a tree shallower than the heads (the graph drafts with as
     many heads as the tree is deep); a tree with a rank beyond the graph's top-k falls back."""
-    from medusa_trt.engines.build import BuildOptions, build_engine
+    from medusa_trt.engines.build import build_engine
+    from medusa_trt.engines.options import BuildOptions
     from medusa_trt.runtime.ort.backend import OrtBackend
 
     m = distilled("llama")
@@ -236,7 +237,9 @@ def test_draft_vocabulary_heads(distilled, tmp_path):
     import shutil
 
     from medusa_trt.cli.check import main as check_main
-    from medusa_trt.engines.build import BuildOptions, build_engine
+    from medusa_trt.engines.build import build_engine
+    from medusa_trt.engines.options import BuildOptions
+    from medusa_trt.engines.ort.build import OrtOptions
     from medusa_trt.runtime.ort.backend import OrtBackend
 
     m = distilled("llama")
@@ -275,7 +278,7 @@ def test_draft_vocabulary_heads(distilled, tmp_path):
 
     # int4 engines hold the draft matrix as MatMulNBits too; the reference mirrors it (medusa-check).
     build_engine(BuildOptions(checkpoint=tmp_path / "ckpt", out=tmp_path / "engine_int4", progress=False,
-                              extra={"weights": "int4", "int4_block_size": 32}))
+                              backend_options=OrtOptions(weights="int4", int4_block_size=32)))
     info = json.loads((tmp_path / "engine_int4" / "engine.json").read_text())
     assert info["weights"]["draft_int4"]
     int4 = OrtBackend(tmp_path / "engine_int4")

@@ -172,7 +172,8 @@ def test_medusa_run_engine(ort_engine, capsys):
 def test_engine_without_heads(tmp_path, tiny_merged):
     """A base-only checkpoint builds and decodes plainly (its medusa_logits output has 0 heads)."""
     from medusa_trt.checkpoint import load_checkpoint, write_checkpoint
-    from medusa_trt.engines.build import BuildOptions, build_engine
+    from medusa_trt.engines.build import build_engine
+    from medusa_trt.engines.options import BuildOptions
 
     config, weights = load_checkpoint(tiny_merged("llama"))
     write_checkpoint(tmp_path / "ckpt", {**config, "num_medusa_heads": 0},

@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM
 
 from medusa_trt.acceptance import greedy_accept, sample_accept, sample_tokens, sampling_probs, typical_accept
 from medusa_trt.cli.run import main as run_main
-from medusa_trt.converter import convert
+from medusa_trt.converter.merge import convert
 from medusa_trt.modeling import MedusaModel
 from medusa_trt.runtime import decoding
 from medusa_trt.runtime.decoding import GenerationConfig, decode

@@ -42,7 +42,7 @@ def test_perturbed_weights_fail(ort_engine, tmp_path, capsys):
     parity fails (exit 1)."""
     engine = tmp_path / "engine"
     shutil.copytree(ort_engine("llama"), engine)
-    # The weights live in the shared weights.bin (engines/onnx_weights.py): nudge one matrix in place.
+    # The weights live in the shared weights.bin (engines/ort/weights.py): nudge one matrix in place.
     model = onnx.load(engine / "model.onnx", load_external_data=False)
     target = max(model.graph.initializer, key=lambda t: np.prod(t.dims))  # an embedding or lm_head matrix
     info = {e.key: int(e.value) for e in target.external_data if e.key in ("offset", "length")}

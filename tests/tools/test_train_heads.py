@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from medusa_trt.cli import train_heads as train_cli
-from medusa_trt.converter import convert
+from medusa_trt.converter.merge import convert
 from medusa_trt.data import read_samples
 from medusa_trt.modeling import MedusaModel
 from medusa_trt.runtime.decoding import GenerationConfig, decode
@@ -80,7 +80,8 @@ def test_shared_lm_head_writes_v2_heads_that_the_engine_runs_as_one_matmul(tiny_
     import onnx
     from safetensors.torch import load_file
 
-    from medusa_trt.engines.build import BuildOptions, build_engine
+    from medusa_trt.engines.build import build_engine
+    from medusa_trt.engines.options import BuildOptions
     from medusa_trt.runtime.ort.backend import OrtBackend
 
     base = tiny_base("llama")

@@ -5,7 +5,7 @@ engine's device, allocated once per `start`. The runtime hands each layer's buff
 it is (no slice, copy or transfer on the host side); inside the graph, the default attention form
 slices it to the longest committed length and concatenates the new K/V after that prefix, so every
 layer copies the committed prefix once per step and a step costs the committed length, not the
-capacity (engines/onnx_export.py). How the graph's K/V reach the cache is the cache mode, one
+capacity (engines/onnx/export.py). How the graph's K/V reach the cache is the cache mode, one
 small object per mode (runtime/ort/cache.py): K/V returned and scattered by `commit` (CPU), bound
 in device memory (CUDA), or written in place by the graph (in-place int4 CPU engines). Returned
 tensors are new every step, so a caller may keep them.
@@ -98,7 +98,7 @@ class OrtBackend(Backend):
             raise EngineError("device 'cuda' keeps the KV cache in torch CUDA tensors, but this torch "
                               f"{torch.__version__} has no CUDA device")
         execution_provider(self.device)  # at load, though sessions open on first use
-        # Sessions over one shared weights file (engines/onnx_weights.py) map it rather than copy it,
+        # Sessions over one shared weights file (engines/ort/weights.py) map it rather than copy it,
         # unless they prepack: then each session holds its own packed copy (engine.json says which).
         self._prepack = onnx_info.get("prepack_weights", True)
         weights_file = onnx_info.get("weights_file")
@@ -216,7 +216,7 @@ class OrtBackend(Backend):
 
     def fused_step(self, input_ids, position_ids, new_mask, retrieve, candidate_index):
         """Verifies a tree, accepts greedily and drafts the next tree's tokens in one call (the step
-        graph, engines/onnx_export.py). Returns best path [B], accepted draft tokens [B] and the next
+        graph, engines/onnx/export.py). Returns best path [B], accepted draft tokens [B] and the next
         input_ids [B, 1 + C]; the new tokens' KV stays pending until `commit`."""
         feeds, _ = self._feeds(input_ids, position_ids, new_mask, retrieve=retrieve, candidate_index=candidate_index)
         b = len(input_ids)

@@ -9,7 +9,7 @@ the mode once, at load, and makes one object per cache, at `start` and `keep`):
 - BoundCache (CUDA): the cache and the new K/V stay in device memory, bound by pointer
   (IOBinding); the other outputs land in host memory, for the decoding loop is host code.
 - InPlaceCache (engine.json onnx.cache_in_place: int4 CPU engines): the graph writes the new K/V
-  into the cache at each sequence's length + slot (engines/onnx_fusions.py: write_cache_in_place);
+  into the cache at each sequence's length + slot (engines/ort/fusions.py: write_cache_in_place);
   each layer's buffer is bound as both its past input and its present output, once per cache and
   session, and a step binds only its small inputs and outputs. `commit` moves only the accepted
   slots of a branching path.

@@ -61,7 +61,7 @@ def session_options(options: OrtSessionOptions | None = None, *, level: str = "a
 
 
 class SharedWeights:
-    """One read-only mapping of an engine's shared weights file (engines/onnx_weights.py), handed to
+    """One read-only mapping of an engine's shared weights file (engines/ort/weights.py), handed to
     every session as its initializers (SessionOptions.add_initializer): ONNX Runtime then computes
     from these pages instead of mapping or copying the file once per session, so a loaded engine's
     weights are resident once (docs/benchmarks/issue-13-int4.md). Tensors are built once per (offset, dtype,
@@ -136,7 +136,7 @@ def make_session(onnx_path: str | Path, device: str = "cpu", options: OrtSession
 def matmul_nbits_session(w: torch.Tensor, block_size: int, accuracy_level: int,
                          options: OrtSessionOptions | None = None):
     """A session of one MatMulNBits node, input "A" [M, K] -> "Y" [M, N], over w [N, K] quantized the
-    way int4 engines hold it (modeling.quantize_int4), with the engines' session options."""
+    way int4 engines hold it (quant.quantize_int4), with the engines' session options."""
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 

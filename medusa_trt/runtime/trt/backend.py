@@ -47,7 +47,7 @@ class _Engine:
         data = path.read_bytes()
         engine = runtime.deserialize_cuda_engine(data)
         if engine is None and uses_plugin:
-            from medusa_trt.engines.tree_attention.plugin import register_plugin
+            from medusa_trt.engines.trt.tree_attention.plugin import register_plugin
 
             register_plugin()
             engine = runtime.deserialize_cuda_engine(data)

@@ -15,14 +15,8 @@ import pytest
 import torch
 
 from medusa_trt.cli import build as build_cli
-from medusa_trt.engines.build import BuildError, BuildOptions
-from medusa_trt.engines.tensorrt import (
-    Limits,
-    check_attention_options,
-    decoder_profile,
-    heads_profile,
-    limits_for,
-)
+from medusa_trt.engines.options import BuildError, BuildOptions, Limits, limits_for
+from medusa_trt.engines.trt.build import TrtOptions, check_attention_options, decoder_profile, heads_profile
 
 
 def _main(ckpt, out, *args) -> int:
@@ -63,10 +57,10 @@ def test_option_errors_come_before_tensorrt(tiny_merged, tmp_path, capsys):
     assert "--opset 21" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # argparse refuses unknown modes
         _main(ckpt, tmp_path / "e", "--trt-attention", "flash")
-    opts = BuildOptions(checkpoint=ckpt, out=tmp_path / "e", backend="tensorrt", extra={"trt_attention": "x"})
+    opts = BuildOptions(checkpoint=ckpt, out=tmp_path / "e", backend="tensorrt", backend_options=TrtOptions(trt_attention="x"))
     with pytest.raises(BuildError, match="--trt-attention 'x'"):
         check_attention_options(opts)
-    native = BuildOptions(checkpoint=ckpt, out=tmp_path / "e", attention="split", extra={"trt_attention": "native"})
+    native = BuildOptions(checkpoint=ckpt, out=tmp_path / "e", attention="split", backend_options=TrtOptions(trt_attention="native"))
     assert check_attention_options(native) == "native"
 
 
@@ -105,11 +99,11 @@ def test_onnx_stage_of_the_build(tiny_merged, tmp_path, mode, dtype):
     engine interface its profile describes, in the engine dtype."""
     import onnx
 
-    from medusa_trt.engines.tensorrt import export_for_tensorrt
-    from medusa_trt.engines.tree_attention.plugin import PLUGIN_NAME
+    from medusa_trt.engines.trt.build import export_for_tensorrt
+    from medusa_trt.engines.trt.tree_attention.plugin import PLUGIN_NAME
 
     opts = BuildOptions(checkpoint=tiny_merged("llama"), out=tmp_path / "e", backend="tensorrt",
-                        extra={"trt_attention": mode})
+                        backend_options=TrtOptions(trt_attention=mode))
     graphs = export_for_tensorrt(opts, check_attention_options(opts), dtype, tmp_path / "onnx")
     onnx.checker.check_model(str(graphs.decoder))
     decoder = onnx.load(str(graphs.decoder))
@@ -150,7 +144,7 @@ def trt_engine(tmp_path_factory, tiny_merged):
             out = tmp_path_factory.mktemp(f"trt-{arch}-{mode}-{dtype}") / "engine"
             build_engine(BuildOptions(checkpoint=tiny_merged(arch), out=out, backend="tensorrt", dtype=dtype,
                                       max_batch_size=4, max_seq_len=256, max_draft_len=32, progress=False,
-                                      extra={"trt_attention": mode}))
+                                      backend_options=TrtOptions(trt_attention=mode)))
             cache[key] = out
         return cache[key]
 
@@ -237,8 +231,8 @@ def test_float16_engine(trt_engine, tiny_merged):
 
 def test_tensorrt_version_floor():
     """The opset-23 graphs need RMSNormalization (TensorRT 10.15) and Attention (10.14): older is refused."""
-    from medusa_trt.engines.build import BuildError
-    from medusa_trt.engines.tensorrt import check_tensorrt_version
+    from medusa_trt.engines.options import BuildError
+    from medusa_trt.engines.trt.build import check_tensorrt_version
 
     for ok in ("10.15.1.29", "10.16.0", "11.0.0"):
         check_tensorrt_version(ok)

@@ -1,4 +1,4 @@
-"""ONNX export of the reference model (base decoder + Medusa heads) for ONNX Runtime.
+"""ONNX export of the reference model (base decoder + Medusa heads), the graphs both ONNX backends start from.
 
 The graph is `MedusaModel.forward` itself, traced by torch.onnx's dynamo exporter, so the engine
 and the reference share one implementation. What differs from eager was chosen by measurement on
@@ -8,26 +8,27 @@ a 2-core CPU with 10M and 100M-parameter models (benchmarks/bench_onnx.py):
   of every layer's cache per step (BENCHMARKS.md, issue 4);
 - the past may be the runtime's whole cache buffer (capacity T >= every committed length): the
   graph slices it to max(past_lengths) and builds the prefix mask from `past_lengths`, so a step
-  costs the committed length, not the capacity (BENCHMARKS.md, issue 13). The runtime passes the
+  costs the committed length, not the capacity (docs/benchmarks/issue-13-int4.md). The runtime passes the
   buffer as it is; in the graph, that Slice and the default attention form's Concat of past and new
   K/V each copy the committed prefix once per layer and step;
-- attention as the opset-23 `Attention` op by default (ATTENTION_FORMS lists the alternatives);
+- attention as the opset-23 `Attention` op by default (attention.py: ATTENTION_FORMS lists the
+  alternatives);
 - Medusa heads as one 2-D MatMul per head: ONNX Runtime prepacks 2-D constant weights, and the
   reference's batched einsum runs several times slower there.
 
-FP8 checkpoints export as explicit quantization (opset >= 19), the form TensorRT builds FP8 engines
+FP8 checkpoints export as explicit quantization (opset >= 19; the ops in ops.py), the form TensorRT builds FP8 engines
 from: each quantized Linear's weight is a float8e4m3fn initializer behind DequantizeLinear with its
 per-tensor scale, its input goes through QuantizeLinear -> DequantizeLinear with the calibrated
 activation scale, and with an FP8 KV cache the new keys/values do too. Q/DQ run in float32, where the
 checkpoint's scales live (`x` is cast to float32 first in a float16 graph): that is the reference's
 arithmetic, and ONNX Runtime's CPU kernels do not take a float16 input with a float32 scale.
 
-int4 models (modeling.quantize_model_int4, medusa-build --weights int4) export each Int4Linear as one
+int4 models (quant.quantize_model_int4, medusa-build --weights int4) export each Int4Linear as one
 com.microsoft MatMulNBits node over its packed bytes, scales and zero points (none with per-block
 offsets, whose blocksum(x) @ offsets^T traces as Reshape, ReduceSum, MatMul and Add; bits=8 for an
 8-bit lm_head).
 
-Graph interface (names are the contract with `medusa_trt.runtime.ort_backend`):
+Graph interface (names are the contract with `medusa_trt.runtime.ort`):
 
   inputs   input_ids        [batch, new] int64
            position_ids     [batch, new] int64   absolute positions (tree nodes: length + depth)
@@ -56,22 +57,18 @@ next tree's tokens (medusa_trt/acceptance.py, the functions the decoding loop ru
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
-import math
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from medusa_trt.acceptance import candidates_from_topk, greedy_accept
-from medusa_trt.engine_dir import (  # noqa: F401 (re-exported for the TensorRT builder and tests)
+from medusa_trt.engine_dir import (
     HEADS_INPUT,
     HEADS_OUTPUT,
     INPUT_NAMES,
@@ -80,427 +77,32 @@ from medusa_trt.engine_dir import (  # noqa: F401 (re-exported for the TensorRT 
     STEP_OUTPUT_NAMES,
     past_names,
 )
-from medusa_trt.modeling import MedusaModel, attention_with_past, resblocks
+from medusa_trt.engines.onnx.attention import (
+    ATTENTION_FORMS,
+    DEFAULT_ATTENTION,
+    MIN_OPSET,
+    AttentionForm,
+    PlacedMask,
+)
+from medusa_trt.engines.onnx.ops import (
+    export_dequant,
+    export_fake_quant,
+    export_int4_matmul,
+    fp8_translations,
+    has_fp8,
+    has_int4,
+    int4_translations,
+)
+from medusa_trt.modeling import MedusaModel, resblocks
 from medusa_trt.quant import FP8Linear, FP8Module, Int4Linear, dequantize_fp8, fake_quant_fp8, nbits_matmul
 from medusa_trt.tree import candidate_topk
 
 log = logging.getLogger(__name__)
 
 DEFAULT_OPSET = 23  # RMSNormalization and Attention became standard ops in opset 23
-MIN_OPSET = 18  # the dynamo exporter's floor
 MIN_FP8_OPSET = 19  # float8 types in QuantizeLinear/DequantizeLinear
 MAX_PROTOBUF_BYTES = 2**31 - 1  # one protobuf message; larger models must use external data
 # The graph interface (names, past_names) is part of the engine-dir contract: medusa_trt/engine_dir.py.
-
-
-# -- attention forms ---------------------------------------------------------------------------
-# Each has the signature of modeling.attention_with_past: q [B, Hq, S, D], k/v [B, Hkv, S, D],
-# past_k/past_v [B, Hkv, T, D], mask [B, S, T+S] bool -> [B, Hq, S, D].
-
-
-def split_attention(q, k, v, past_k, past_v, mask):
-    """Plain ops that never copy the cache: scores against the past and the new keys are computed
-    separately and joined (the join is [.., S, T+S], D times smaller than the cache), and GQA groups
-    the queries of each KV head instead of repeating the keys."""
-    b, hq, s, d = q.shape
-    hkv, t = past_k.shape[1], past_k.shape[2]
-    g = hq // hkv
-    # repeat_interleave order: query head h reads KV head h // g, so heads of one KV head are adjacent.
-    qg = q.float().reshape(b, hkv, g * s, d)
-    scores = torch.cat(
-        [torch.matmul(qg, past_k.float().transpose(-1, -2)), torch.matmul(qg, k.float().transpose(-1, -2))], dim=-1
-    ) / math.sqrt(d)  # [B, Hkv, G*S, T+S]
-    scores = scores.reshape(b, hkv, g, s, t + s).masked_fill(~mask[:, None, None], torch.finfo(torch.float32).min)
-    probs = torch.softmax(scores, dim=-1).reshape(b, hkv, g * s, t + s).to(v.dtype)
-    out = torch.matmul(probs[..., :t], past_v) + torch.matmul(probs[..., t:], v)
-    return out.reshape(b, hq, s, d)
-
-
-def row_exact_attention(q, k, v, past_k, past_v, mask):
-    """Attention whose output for a row does not depend on the step's other rows or on where its
-    visible keys sit: the softmax and the weighted sum in float64, rounded back to the model dtype
-    once.
-
-    A row's float32 softmax and weighted sum depend on how many rows the step has and on the key
-    positions (kernels pick other blockings and reduction orders), so a one-row plain step and the
-    tree row of the same position differ in the last bits. Float32 engines absorb that (Medusa greedy
-    still equals plain greedy), but MatMulNBits at accuracy level 4 rounds its input to int8 per
-    block: one bit of noise at a rounding boundary moves a whole quantum, and over 30 layers the
-    logits of the two paths differ by ~0.6 and greedy tokens part at near-ties. In float64 the
-    differences stay ~1e-16 relative, far below float32's rounding step, so the rounded output is
-    the same bits whatever the row count or tree (BENCHMARKS.md, issue 13: int4 row invariance).
-
-    The scores stay in the model dtype: each is one dot product over head_dim, which ONNX Runtime's
-    MatMul accumulates in the same order whatever the row and key counts (test_int4.py:
-    test_float32_scores_are_row_invariant_in_onnx_runtime; test_int4_rows_are_bitwise_row_invariant
-    checks a whole engine). That spares casting the keys, half of the cache prefix, to float64 in
-    every layer. The weighted sum over keys is not invariant in float32 (its reduction blocks move
-    with the key count), so it stays in float64."""
-    b, hq, s, d = q.shape
-    keys = torch.cat([past_k, k], dim=2)  # the past is copied once either way (see "concat")
-    values = torch.cat([past_v, v], dim=2).double()
-    hkv = keys.shape[1]
-    g = hq // hkv
-    # GQA by query grouping, as in split_attention: query head h reads KV head h // g. The mask is
-    # tiled to the grouped rows [B, 1, G*S, T+S] (once per step: every layer reads the same one), so
-    # scores and probabilities stay 4-D, without a reshape each way per layer.
-    # The scale right before the MatMul, where ONNX Runtime folds it into the kernel's alpha.
-    qg = q.reshape(b, hkv, g * s, d) * (1.0 / math.sqrt(d))
-    scores = torch.matmul(qg, keys.transpose(-1, -2)).double()
-    scores = scores.masked_fill(~mask[:, None].repeat(1, 1, g, 1), torch.finfo(torch.float64).min)
-    probs = torch.softmax(scores, dim=-1)
-    return torch.matmul(probs, values).reshape(b, hq, s, d).to(q.dtype)
-
-
-class PlacedMask(NamedTuple):
-    """The `mask` argument of a form that writes each new token's K/V at its own sequence's position
-    in the cache buffer (AttentionForm.places_new_keys), built by _ExportModule.forward."""
-
-    mask: torch.Tensor  # [B, S, P] bool over the buffer's first P = max(past_lengths) + S keys
-    slots: torch.Tensor  # [B, 1, S, 1] int64: new token i's key index, past_lengths[b] + i
-
-
-def row_exact_f32_attention(q, k, v, past_k, past_v, mask: PlacedMask):
-    """row_exact's guarantee at float32 cost, where ONNX Runtime's kernels allow it: a row's output
-    is the same bits whatever the step's other rows and the gaps between its visible keys, as long as
-    each visible key sits in the same KEY_BLOCK-aligned block of the key axis as in a plain step.
-
-    - Scores: float32, invariant (see row_exact_attention).
-    - Softmax without ONNX Runtime's Softmax, whose sum runs in vector lanes by key index (a key moved
-      by a gap lands in another lane): the row max is exact, exp is elementwise, and the sum runs in
-      float64 over the [rows, keys] exponentials (small: no cast of the cache), rounded once.
-    - The weighted sum: a float32 MatMul of the unnormalized exponentials and the values. ONNX
-      Runtime's MatMul sums each KEY_BLOCK of keys in key order and adds the blocks' sums; zeros in
-      between (masked keys) change nothing, so a row agrees with the one-row step of the same
-      position unless a key falls in another block there.
-    - So keys sit where a plain step has them: the past in place, and each new token at its own
-      sequence's length + slot (past_k/past_v span max(past_lengths) + S keys; a shorter sequence's
-      new keys overwrite its masked tail), not after the longest prefix of a ragged batch. A plain
-      step, a prefill and a chain tree then put every key at its position; a branching tree puts a
-      deep node's ancestors at slot offsets instead, within the block as long as the tree does not
-      cross a block edge, so the runtime cuts a tree there (runtime/decoding.py:
-      StepTree.within_block). tests/engines/test_int4.py checks the kernels' premise and whole engines."""
-    scores, values = _placed_scores(q, k, v, past_k, past_v, mask)
-    e = torch.exp(scores - scores.amax(-1, keepdim=True))  # masked keys: exp(min - max) == 0
-    total = e.double().sum(-1, keepdim=True).to(e.dtype)
-    return (torch.matmul(e, values.to(e.dtype)) / total).reshape(q.shape).to(q.dtype)
-
-
-def _place(k, v, past_k, past_v, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The new K/V [B, Hkv, S, D] written into the past's first max(past_lengths) + S keys at each
-    sequence's length + slot (PlacedMask.slots)."""
-    index = slots.expand(-1, past_k.shape[1], -1, k.shape[-1])
-    return past_k.scatter(2, index, k), past_v.scatter(2, index, v)
-
-
-def _placed_scores(q, k, v, past_k, past_v, mask: PlacedMask) -> tuple[torch.Tensor, torch.Tensor]:
-    """The placed forms' float32 masked scores [B, Hkv, G*S, P] and values [B, Hkv, P, D]: each new
-    token's K/V written at its own sequence's length + slot, the query heads grouped per KV head."""
-    b, hq, s, d = q.shape
-    keys, values = _place(k, v, past_k, past_v, mask.slots)
-    mask = mask.mask
-    hkv = past_k.shape[1]
-    g = hq // hkv
-    qg = q.reshape(b, hkv, g * s, d) * (1.0 / math.sqrt(d))
-    scores = torch.matmul(qg, keys.transpose(-1, -2))
-    return scores.masked_fill(~mask[:, None].repeat(1, 1, g, 1), torch.finfo(scores.dtype).min), values
-
-
-def chain_f32_attention(q, k, v, past_k, past_v, mask: PlacedMask):
-    """row_exact_f32's placed keys and grouped queries, with scores, mask, softmax and weighted sum
-    in one ONNX Attention op (ONNX Runtime's kernel: MLAS GEMMs and Softmax, where row_exact_f32
-    spends ten ops, seven of them on an exact softmax), exact for plain steps and chain trees only
-    (AttentionForm.chains_only).
-
-    The query heads of a KV head go in as that head's rows ([B, Hkv, G*S, D]), so the weighted sum
-    always has G >= 3 rows per head as in row_exact_f32, never the one-row path whose sums differ.
-    The softmax sums a row in vector lanes by key index. In a plain step, a prefill and a chain tree
-    every visible key sits at its own position, so it lands in the same lane whatever the row count
-    or the masked keys after it (exp of a masked score is 0, or too small to move a sum of at least
-    1); a branching tree puts a deep node's ancestors at slot offsets, in other lanes, and its rows
-    differ in the last bits. So the runtime verifies only a tree's main chain on an engine of this
-    form (runtime/decoding.py). The weighted sum sums keys in blocks, which a chain never leaves.
-    tests/engines/test_int4.py checks the kernel's premise and whole engines bitwise."""
-    b, hq, s, d = q.shape
-    keys, values = _place(k, v, past_k, past_v, mask.slots)
-    hkv = past_k.shape[1]
-    g = hq // hkv
-    visible = mask.mask[:, None].repeat(1, 1, g, 1)
-    return _grouped_attention_op()(q.reshape(b, hkv, g * s, d), keys, values, visible).reshape(q.shape)
-
-
-@functools.cache
-def _grouped_attention_op() -> Callable:
-    """chain_f32's attention as a custom op, translated to one ONNX Attention (opset 23): grouped
-    queries [B, Hkv, M, D], keys and values [B, Hkv, P, D], visible [B, 1, M, P] bool."""
-
-    @torch.library.custom_op("medusa_trt::grouped_attention", mutates_args=())
-    def op(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-        scores = torch.matmul(q * (1.0 / math.sqrt(q.shape[-1])), keys.transpose(-1, -2))
-        scores = scores.masked_fill(~visible, torch.finfo(scores.dtype).min)
-        return torch.matmul(torch.softmax(scores, dim=-1), values)
-
-    @op.register_fake
-    def _(q, keys, values, visible):
-        return torch.empty_like(q)
-
-    return op
-
-
-def _grouped_attention_translation(q, keys, values, visible):
-    from onnxscript import opset23 as op
-
-    y, _, _, _ = op.Attention(q, keys, values, visible)  # scale: 1 / sqrt(head_dim), the default
-    return y
-
-
-@functools.cache
-def _fused_attention_op() -> Callable:
-    """A custom op standing for one layer's attention, so the exporter can translate it to a fused
-    ONNX op (torch.export keeps custom ops whole; its eager body is only used while tracing)."""
-
-    @torch.library.custom_op("medusa_trt::attention_with_past", mutates_args=())
-    def op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor,
-           mask: torch.Tensor) -> torch.Tensor:
-        return attention_with_past(q, k, v, past_k, past_v, mask)
-
-    @op.register_fake
-    def _(q, k, v, past_k, past_v, mask):
-        return torch.empty_like(q)
-
-    return op
-
-
-def fused_attention(q, k, v, past_k, past_v, mask):
-    return _fused_attention_op()(q, k, v, past_k, past_v, mask)
-
-
-def _attention23_translation(q, k, v, past_k, past_v, mask):
-    from onnxscript import opset23 as op
-
-    # The past goes in as part of K/V rather than through past_key/past_value: ONNX Runtime's CPU
-    # kernel refuses a past without the present outputs, which nothing here reads; it would
-    # concatenate the same bytes internally. 4-D inputs carry the head counts (GQA needs no attribute).
-    keys, values = op.Concat(past_k, k, axis=2), op.Concat(past_v, v, axis=2)
-    y, _, _, _ = op.Attention(q, keys, values, op.Unsqueeze(mask, [1]), softmax_precision=1)
-    return y
-
-
-@functools.cache
-def _mha_schema():
-    """The inputs of ONNX Runtime's contrib MultiHeadAttention this form uses (onnx has no schema for
-    it, and the exporter's tracer needs one)."""
-    import onnx
-
-    p = onnx.defs.OpSchema.FormalParameter
-    optional = onnx.defs.OpSchema.FormalParameterOption.Optional
-    return onnx.defs.OpSchema(
-        "MultiHeadAttention", "com.microsoft", 1,
-        inputs=[p("query", "T"), p("key", "T"), p("value", "T"), p("bias", "T", param_option=optional),
-                p("key_padding_mask", "M", param_option=optional),
-                p("attention_bias", "T", param_option=optional)],
-        outputs=[p("output", "T")],
-        type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], ""),
-                          ("M", ["tensor(int32)"], "")],
-        attributes=[onnx.defs.OpSchema.Attribute("num_heads", onnx.defs.OpSchema.AttrType.INT, "", required=True)],
-    )
-
-
-def _mha_translation(q, k, v, past_k, past_v, mask):
-    from onnxscript import opset23 as op
-    from onnxscript.values import Op, Opset
-
-    # MultiHeadAttention has no GQA: KV heads (past included) are repeated to the query heads, the
-    # copy this form pays per step. Query [B, S, H*D]; keys/values [B, H, T+S, D].
-    b, heads, s, dim = (op.Shape(q, start=i, end=i + 1) for i in range(4))
-    hkv = op.Shape(k, start=1, end=2)
-    keys, values = op.Concat(past_k, k, axis=2), op.Concat(past_v, v, axis=2)
-    length = op.Shape(keys, start=2, end=3)
-
-    def repeat(x):  # [B, Hkv, L, D] -> [B, Hq, L, D] in repeat_interleave order
-        x5 = op.Expand(op.Unsqueeze(x, [2]), op.Concat(b, hkv, op.Div(heads, hkv), length, dim, axis=0))
-        return op.Reshape(x5, op.Concat(b, heads, length, dim, axis=0))
-
-    query = op.Reshape(op.Transpose(q, perm=[0, 2, 1, 3]), op.Concat(b, s, op.Mul(heads, dim), axis=0))
-    bias = op.Where(op.Unsqueeze(mask, [1]), op.CastLike(0.0, q), op.CastLike(-3.4028234663852886e38, q))
-    mha = Op(Opset("com.microsoft", 1), "MultiHeadAttention", _mha_schema())
-    y = mha(query, repeat(keys), repeat(values), None, None, bias, num_heads=q.shape[1])
-    return op.Transpose(op.Reshape(y, op.Concat(b, s, heads, dim, axis=0)), perm=[0, 2, 1, 3])
-
-
-# -- FP8 as explicit QuantizeLinear/DequantizeLinear ------------------------------------------------
-
-
-@functools.cache
-def _fp8_ops() -> tuple[Callable, Callable]:
-    """Custom ops standing for FP8 quantize-dequantize and weight dequantization, translated to ONNX
-    Q/DQ (traced as plain ops they would become Div/Clip/Cast chains no backend reads as FP8).
-    Scales are scalars: per-tensor quantization in ONNX."""
-
-    @torch.library.custom_op("medusa_trt::fp8_quantize_dequantize", mutates_args=())
-    def qdq(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        return fake_quant_fp8(x, scale)
-
-    @qdq.register_fake
-    def _(x, scale):
-        return torch.empty_like(x)
-
-    @torch.library.custom_op("medusa_trt::fp8_dequantize", mutates_args=())
-    def dq(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        return dequantize_fp8(q, scale)
-
-    @dq.register_fake
-    def _(q, scale):
-        return torch.empty(q.shape, dtype=torch.float32, device=q.device)
-
-    return qdq, dq
-
-
-def _export_fake_quant(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return _fp8_ops()[0](x, scale.reshape(()))
-
-
-def _export_dequant(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return _fp8_ops()[1](q, scale.reshape(())).to(dtype)
-
-
-def _fp8_zero_point():
-    from onnxscript import ir
-    from onnxscript import opset19 as op
-
-    # The zero point's type selects the quantized type: float8e4m3fn, value 0 (symmetric).
-    return op.Constant(value=ir.tensor(np.zeros((), dtype=np.uint8), dtype=ir.DataType.FLOAT8E4M3FN))
-
-
-def _qdq_translation(x, scale):
-    from onnxscript import ir
-    from onnxscript import opset19 as op
-
-    zp = _fp8_zero_point()
-    xf = x if x.dtype == ir.DataType.FLOAT else op.Cast(x, to=ir.DataType.FLOAT)
-    y = op.DequantizeLinear(op.QuantizeLinear(xf, scale, zp, saturate=1), scale, zp)
-    return y if x.dtype == ir.DataType.FLOAT else op.CastLike(y, x)
-
-
-def _dequantize_translation(q, scale):
-    from onnxscript import opset19 as op
-
-    return op.DequantizeLinear(q, scale, _fp8_zero_point())
-
-
-def _fp8_translations() -> dict:
-    _fp8_ops()  # registers torch.ops.medusa_trt.fp8_*
-    return {torch.ops.medusa_trt.fp8_quantize_dequantize.default: _qdq_translation,
-            torch.ops.medusa_trt.fp8_dequantize.default: _dequantize_translation}
-
-
-# -- int4 weights as com.microsoft MatMulNBits ------------------------------------------------------
-
-
-@functools.cache
-def _int4_op() -> Callable:
-    """A custom op standing for Int4Linear's matmul, translated to one MatMulNBits node (traced as
-    plain ops it would be an unpack-and-dequantize chain and a float MatMul)."""
-
-    @torch.library.custom_op("medusa_trt::matmul_nbits", mutates_args=())
-    def op(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
-           accuracy_level: int, bits: int) -> torch.Tensor:
-        return nbits_matmul(x, packed, scales, zero_points, accuracy_level, bits)
-
-    @op.register_fake
-    def _(x, packed, scales, zero_points, accuracy_level, bits):
-        return x.new_empty((*x.shape[:-1], packed.shape[0]))
-
-    return op
-
-
-def _export_int4_matmul(x, packed, scales, zero_points, accuracy_level, bits):
-    return _int4_op()(x, packed, scales, zero_points, accuracy_level, bits)
-
-
-@functools.cache
-def _matmul_nbits_schema():
-    """The inputs of ONNX Runtime's contrib MatMulNBits this exporter writes (onnx has no schema)."""
-    import onnx
-
-    p = onnx.defs.OpSchema.FormalParameter
-    optional = onnx.defs.OpSchema.FormalParameterOption.Optional
-    attr = onnx.defs.OpSchema.Attribute
-    return onnx.defs.OpSchema(
-        "MatMulNBits", "com.microsoft", 1,
-        inputs=[p("A", "T1"), p("B", "T2"), p("scales", "T1"), p("zero_points", "T2", param_option=optional)],
-        outputs=[p("Y", "T1")],
-        type_constraints=[("T1", ["tensor(float)", "tensor(float16)"], ""), ("T2", ["tensor(uint8)"], "")],
-        attributes=[attr(name, onnx.defs.OpSchema.AttrType.INT, "", required=True)
-                    for name in ("K", "N", "bits", "block_size", "accuracy_level")],
-    )
-
-
-def _matmul_nbits_translation(x, packed, scales, zero_points, accuracy_level, bits):
-    from onnxscript import opset23 as op
-    from onnxscript.values import Op, Opset
-
-    n, blocks, blob = (int(d) for d in packed.shape)
-    block_size = blob * 8 // int(bits)
-    mm = Op(Opset("com.microsoft", 1), "MatMulNBits", _matmul_nbits_schema())
-    # scales [N, blocks] -> [N * blocks], the layout the kernel reads (folded at load: an initializer).
-    # Without zero points the node has three inputs: the kernel's implicit 2^(bits - 1).
-    args = [x, packed, op.Reshape(scales, op.Constant(value_ints=[-1]))] + ([] if zero_points is None else [zero_points])
-    return mm(*args, K=blocks * block_size, N=n, bits=int(bits), block_size=block_size,
-              accuracy_level=int(accuracy_level))
-
-
-def has_int4(model: MedusaModel) -> bool:
-    return any(isinstance(m, Int4Linear) for m in model.modules())
-
-
-def has_fp8(model: MedusaModel) -> bool:
-    return any(isinstance(m, FP8Module) for m in model.modules())
-
-
-@dataclass(frozen=True)
-class AttentionForm:
-    function: Callable  # replaces DecoderLayer.attend while tracing
-    translation: Callable | None  # onnxscript function for the custom op, when the form uses one
-    min_opset: int
-    description: str
-    # Tree steps must keep their slots inside one key_block-aligned block of the cache (engine.json
-    # onnx.key_block; runtime/decoding.py: StepTree.within_block): None when any tree is exact.
-    key_block: int | None = None
-    # The form takes a PlacedMask and the buffer's first max(past_lengths) + S keys, and writes the
-    # new K/V at each sequence's own position; otherwise a [B, S, P + S] mask, new keys after the past.
-    places_new_keys: bool = False
-    # Exact (Medusa greedy == plain greedy) for chain trees only: the runtime verifies a tree's main
-    # chain (engine.json onnx.chains_only; tree.main_chain).
-    chains_only: bool = False
-    # The custom op `translation` replaces, registered on first call (default: attention_with_past).
-    custom_op: Callable[[], Callable] | None = None
-
-
-# ONNX Runtime's float32 MatMul (MLAS SGEMM) sums the reduced axis in blocks of 128, widened for
-# narrow outputs (256 at head_dim 64, 512 at 32; measured with 1 and 2 threads). 128 divides them all.
-KEY_BLOCK = 128
-
-ATTENTION_FORMS: dict[str, AttentionForm] = {
-    "split": AttentionForm(split_attention, None, MIN_OPSET, "plain ops, past never copied, GQA by query grouping"),
-    "concat": AttentionForm(attention_with_past, None, MIN_OPSET,
-                            "plain ops as the reference: concat past+new, repeat KV heads, masked softmax"),
-    "attention23": AttentionForm(fused_attention, _attention23_translation, 23,
-                                 "standard ONNX Attention (opset 23) with past_key/past_value inputs"),
-    "mha": AttentionForm(fused_attention, _mha_translation, MIN_OPSET,
-                         "ONNX Runtime com.microsoft MultiHeadAttention, KV heads repeated"),
-    "row_exact": AttentionForm(row_exact_attention, None, MIN_OPSET,
-                               "plain ops in float64: a row's output does not depend on the step's other rows"),
-    "row_exact_f32": AttentionForm(row_exact_f32_attention, None, MIN_OPSET,
-                                   "float32 with a float64 softmax sum: row_exact's guarantee within key blocks",
-                                   KEY_BLOCK, places_new_keys=True),
-    "chain_f32": AttentionForm(chain_f32_attention, _grouped_attention_translation, 23,
-                               "row_exact_f32's layout in one ONNX Attention op: exact for plain steps and chain trees",
-                               places_new_keys=True, chains_only=True, custom_op=_grouped_attention_op),
-}
-# Measured fastest on a 2-core CPU for decode and tree steps at 10M and 100M parameters
-# (benchmarks/bench_onnx.py --sweep-attention); "split" is the fallback below opset 23.
-DEFAULT_ATTENTION = "attention23"
 
 
 # -- export ------------------------------------------------------------------------------------
@@ -558,7 +160,7 @@ class _ExportModule(nn.Module):
         ) if not self.shared_lm_head else None
         # A draft vocabulary (docs/formats.md section 1): the heads' logits are computed over its V'
         # rows only, one [V', d] matrix when the heads share the lm_head.
-        # int4 engines hold it as MatMulNBits (modeling.quantize_model_int4 with draft=True).
+        # int4 engines hold it as MatMulNBits (quant.quantize_model_int4 with draft=True).
         self.draft_lm, self.draft_int4 = None, None
         self.draft_matrices = 0  # distinct draft matrices: 1 when the heads share one, else H; 0: none
         if cfg.draft_vocab and cfg.num_medusa_heads:
@@ -626,8 +228,7 @@ class _ExportModule(nn.Module):
         matrix per head) its float32 logits [N, H, W]; 2-D MatMuls, which ONNX Runtime prepacks.
         `used` (the fused step's tree depth) keeps the first heads only, and head h > 0 then runs
         behind an If on `used > h`: a head the tree does not draft with reads none of its weights (on
-        the int4 engine with tree [[0]], 3 of 4 heads: ~0.2 ms of a ~9 ms step; BENCHMARKS.md,
-        issue 13)."""
+        the int4 engine with tree [[0]], 3 of 4 heads; docs/benchmarks/issue-13-int4.md)."""
         cfg = self.model.cfg
         heads, layers = cfg.num_medusa_heads, cfg.num_medusa_layers
         if self.head_fp8 is not None:  # FP8Linear modules cannot be If operands: every head computed, then cut
@@ -654,7 +255,7 @@ class _ExportModule(nn.Module):
         if self.committed_prefix:
             # Attention reads only the committed prefix [0, max(past_lengths)) of the cache buffer
             # (and the S keys after it when new keys are placed in it), so a step costs what the
-            # cache holds, not its capacity (BENCHMARKS.md, issue 13).
+            # cache holds, not its capacity (docs/benchmarks/issue-13-int4.md).
             used = past_lengths.max().item()
             torch._check(used >= 0)
             end = used + s if self.places_new_keys else used
@@ -711,7 +312,7 @@ class _FusedStepModule(nn.Module):
         root = argmax.gather(1, last).squeeze(1)
         h = hidden.gather(1, (last - start)[:, :, None].expand(-1, -1, hidden.shape[-1]))[:, 0]  # [B, d]
         # A tree of depth D drafts with heads 0..D-1 only: the others' lm_head rows are not computed
-        # (on an int4 engine with tree [[0]], 1 of 4 rows; BENCHMARKS.md, issue 13).
+        # (on an int4 engine with tree [[0]], 1 of 4 rows; docs/benchmarks/issue-13-int4.md).
         depth = retrieve.shape[1] - 1
         torch._check(depth >= 1)
         torch._check(depth <= self.decoder.model.cfg.num_medusa_heads)
@@ -761,10 +362,10 @@ def _export_mode(model: MedusaModel, form: AttentionForm, heads: Callable, wrapp
     model.medusa_heads = heads  # instance attribute shadows the method
     fp8 = [m for m in wrapper.modules() if isinstance(m, FP8Module)]
     for m in fp8:
-        m.fake_quant, m.dequant = _export_fake_quant, _export_dequant
+        m.fake_quant, m.dequant = export_fake_quant, export_dequant
     int4 = [m for m in wrapper.modules() if isinstance(m, Int4Linear)]
     for m in int4:
-        m.matmul = _export_int4_matmul
+        m.matmul = export_int4_matmul
     try:
         yield
     finally:
@@ -818,9 +419,9 @@ def export_onnx(
 ) -> ExportResult:
     """Exports `model` (in its current dtype) to `path`. `external_data` None: only when the
     weights exceed the 2 GB protobuf limit. `fused_step`: also the fused greedy step graph (with its
-    own copy of the decoder's weights: medusa-build then shares them, engines/onnx_weights.py). `committed_prefix`: attention reads only the
-    cache's committed prefix (a Slice per past input); off, the past inputs go straight into the
-    attention's Concat, the form the TensorRT rewrite (engines/onnx_rewrite.py) recognises."""
+    own copy of the decoder's weights: medusa-build then shares them, engines/ort/weights.py).
+    `committed_prefix`: attention reads only the cache's committed prefix (a Slice per past input); off, the past inputs go straight into the
+    attention's Concat, the form the TensorRT rewrite (engines/trt/rewrite.py) recognises."""
     if attention not in ATTENTION_FORMS:
         raise ValueError(f"attention form {attention!r} is unknown; expected one of {sorted(ATTENTION_FORMS)}")
     form = ATTENTION_FORMS[attention]
@@ -853,12 +454,11 @@ def export_onnx(
     }
     table = {}
     if form.translation:
-        table[(form.custom_op or _fused_attention_op)()._opoverload] = form.translation  # registers the op
+        table[form.custom_op()._opoverload] = form.translation  # registers the op
     if fp8:
-        table.update(_fp8_translations())
+        table.update(fp8_translations())
     if has_int4(model):
-        _int4_op()  # registers torch.ops.medusa_trt.matmul_nbits
-        table[torch.ops.medusa_trt.matmul_nbits.default] = _matmul_nbits_translation
+        table.update(int4_translations())
     weight_bytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     if external_data is None:
         external_data = weight_bytes > MAX_PROTOBUF_BYTES - (64 << 20)  # leave room for the graph itself

@@ -11,9 +11,9 @@ import numpy as np
 import onnx
 import torch
 
-from medusa_trt.engine_dir import read_engine
-from medusa_trt.engines.onnx_export import example_inputs, export_onnx, past_names, step_example_inputs
-from medusa_trt.engines.onnx_weights import ALIGNMENT, WEIGHTS_FILE, share_weights
+from medusa_trt.engine_dir import past_names, read_engine
+from medusa_trt.engines.onnx.export import example_inputs, export_onnx, step_example_inputs
+from medusa_trt.engines.ort.weights import ALIGNMENT, WEIGHTS_FILE, share_weights
 from medusa_trt.modeling import MedusaModel
 from medusa_trt.runtime.decoding import GenerationConfig, decode
 from medusa_trt.runtime.ort.backend import OrtBackend
