@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from medusa_trt.runtime.decoding import GenerationConfig, decode
 from medusa_trt.runtime.loading import load_backend, load_tokenizer, stop_tokens
+from medusa_trt.runtime.ort.session import OrtSessionOptions
 
 ASSETS = Path(__file__).resolve().parents[1] / "medusa_trt" / "assets" / "smollm2"
 
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
 
-    backend = load_backend(args.engine, threads=args.threads, spin=args.spin)
+    backend = load_backend(args.engine, ort_options=OrtSessionOptions(threads=args.threads, spin=args.spin))
     tok = load_tokenizer(args.engine)
     stops = stop_tokens(args.engine, tok)
     prompts = read_prompts(args.prompts, tok, args.batch * args.groups)

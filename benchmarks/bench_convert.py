@@ -65,7 +65,7 @@ print(_j.dumps({"vm_hwm_kb": int(_hwm)}))
 
 OURS = r"""
 import json, sys
-from medusa_trt.converter import convert
+from medusa_trt.converter.merge import convert
 s = convert(sys.argv[1], sys.argv[2], sys.argv[3], progress=False)
 print(json.dumps({"seconds": s.seconds, "head_format": s.head_format}))
 """

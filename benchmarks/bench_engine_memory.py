@@ -54,11 +54,12 @@ def measure_loaded(engine_dir: Path, threads: int, mode: str, tree: str | None) 
     import torch
 
     from medusa_trt.runtime.decoding import GenerationConfig, decode
-    from medusa_trt.runtime.ort_backend import OrtBackend
+    from medusa_trt.runtime.ort.backend import OrtBackend
+    from medusa_trt.runtime.ort.session import OrtSessionOptions
 
     torch.set_num_threads(1)
     bare = rss_bytes()
-    backend = OrtBackend(engine_dir, threads=threads)
+    backend = OrtBackend(engine_dir, options=OrtSessionOptions(threads=threads))
     loaded = rss_bytes()
     prompt = [[1, 2, 3, 4, 5, 6, 7, 8]]
     if mode in ("medusa", "both"):

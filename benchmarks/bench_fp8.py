@@ -42,11 +42,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
 from medusa_trt.checkpoint import rank_file  # noqa: E402
-from medusa_trt.converter import convert  # noqa: E402
+from medusa_trt.converter.merge import convert  # noqa: E402
 from medusa_trt.converter.quantize import QuantOptions  # noqa: E402
 from medusa_trt.modeling import MedusaModel  # noqa: E402
-from medusa_trt.runtime.backend import TorchBackend  # noqa: E402
 from medusa_trt.runtime.decoding import GenerationConfig, decode  # noqa: E402
+from medusa_trt.runtime.torch_backend import TorchBackend  # noqa: E402
 from medusa_trt.safetensors_io import SafetensorsFile  # noqa: E402
 
 SYNTHETIC = dict(hidden_size=256, layers=4, heads=8, kv_heads=4, intermediate=768, vocab=256,

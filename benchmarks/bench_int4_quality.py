@@ -37,9 +37,10 @@ PROG = "bench_int4_quality"
 
 
 def ours(engine_dir: Path, threads: int):
-    from medusa_trt.runtime.ort_backend import OrtBackend
+    from medusa_trt.runtime.ort.backend import OrtBackend
+    from medusa_trt.runtime.ort.session import OrtSessionOptions
 
-    backend = OrtBackend(engine_dir, threads=threads)
+    backend = OrtBackend(engine_dir, options=OrtSessionOptions(threads=threads))
 
     def logits(ids: list[int]) -> np.ndarray:
         s = len(ids)

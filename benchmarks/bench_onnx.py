@@ -44,8 +44,8 @@ def bench_plain(paths: dict[str, Path], vocab: int, new_tokens: int, repeats: in
     from transformers import AutoModelForCausalLM
 
     from medusa_trt.modeling import MedusaModel
-    from medusa_trt.runtime.backend import TorchBackend
     from medusa_trt.runtime.decoding import GenerationConfig, decode
+    from medusa_trt.runtime.torch_backend import TorchBackend
 
     prompt = torch.randint(3, vocab, (PROMPT_LEN,), generator=torch.Generator().manual_seed(0)).tolist()
     cfg = GenerationConfig(max_new_tokens=new_tokens, use_medusa=False)

@@ -298,6 +298,7 @@ def markdown(results: dict[str, dict[str, dict]]) -> str:
 def open_systems(names: list[str], threads: int, ctx: dict, skipped: dict[str, str]) -> dict[str, object]:
     """Every requested system that loads, at `threads`; the others go to `skipped` with the reason."""
     from medusa_trt.runtime.loading import load_backend
+    from medusa_trt.runtime.ort.session import OrtSessionOptions
     from medusa_trt.tools.bench import ForwardTimer
 
     systems: dict[str, object] = {}
@@ -321,7 +322,7 @@ def open_systems(names: list[str], threads: int, ctx: dict, skipped: dict[str, s
         if not (engine / "engine.json").is_file():
             raise FileNotFoundError(f"{engine}: no engine.json (build one with medusa-build)")
         if prefix not in backends:
-            backend = load_backend(engine, threads=threads, spin=ctx["spin"])
+            backend = load_backend(engine, ort_options=OrtSessionOptions(threads=threads, spin=ctx["spin"]))
             if backend.info.vocab_size != ctx["vocab_size"]:
                 raise ValueError(f"{engine}: vocab {backend.info.vocab_size}, the model's is {ctx['vocab_size']}")
             backends[prefix] = ForwardTimer(backend)

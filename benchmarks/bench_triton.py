@@ -37,7 +37,7 @@ PROMPTS = [
 
 def synthetic_checkpoint(work: Path) -> Path:
     """A small random Llama with trivial heads, merged by medusa-convert (reused when present)."""
-    from medusa_trt.converter import convert
+    from medusa_trt.converter.merge import convert
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test fixtures' model factories
     from synthetic import make_base, make_heads
 

@@ -122,9 +122,10 @@ def round_robin(calls: dict, rounds: int, inner: int = 3) -> dict:
 
 
 def ort_backend(engine_dir: Path, threads: int):
-    from medusa_trt.runtime.ort_backend import OrtBackend
+    from medusa_trt.runtime.ort.backend import OrtBackend
+    from medusa_trt.runtime.ort.session import OrtSessionOptions
 
-    return OrtBackend(engine_dir, threads=threads)
+    return OrtBackend(engine_dir, options=OrtSessionOptions(threads=threads))
 
 
 def tree_inputs(slots: int, num_heads: int):
@@ -182,13 +183,12 @@ def step_call(backend, batch: int, slots: int, committed: int, capacity: int):
         _CACHES[key] = zero_cache(backend.num_layers, batch, backend.num_kv_heads, capacity, backend.head_dim,
                                   backend.dtype, "cpu")
     keys, values = _CACHES[key]
-    bindings: dict = {}  # an in-place engine binds each cache once (runtime/ort_backend.py): once per call here
+    # The backend's cache object for this cache (an in-place one binds it once: runtime/ort/cache.py).
+    cache = backend.cache_mode(keys, values, backend._past_names)
 
     def step():
-        backend.keys, backend.values = keys, values
+        backend.keys, backend.values, backend.cache = keys, values, cache
         backend.lengths = torch.full((batch,), committed)
-        backend._cache_changed()
-        backend._bindings = bindings
         return backend.forward(ids, pos, mask, with_heads=False)
 
     return step
@@ -205,8 +205,9 @@ SIZES = {  # base parameters: 9.8M and 100.1M (untied embeddings); 4 Medusa head
 def random_models(workdir: Path, size: str) -> dict[str, Path]:
     """HF base, merged checkpoint with heads, base-only checkpoint, and an engine for each (cached)."""
     from medusa_trt.checkpoint import load_checkpoint, write_checkpoint
-    from medusa_trt.converter import convert
-    from medusa_trt.engines.build import BuildOptions, build_engine
+    from medusa_trt.converter.merge import convert
+    from medusa_trt.engines.build import build_engine
+    from medusa_trt.engines.options import BuildOptions
     sys.path.insert(0, str(REPO / "tests"))  # the test fixtures' model factories
     from synthetic import make_base, make_heads
 
@@ -231,8 +232,8 @@ def random_models(workdir: Path, size: str) -> dict[str, Path]:
 
 def _stale(engine_dir: Path) -> bool:
     """No engine yet, or one of another engine format or attention form than today's default."""
-    from medusa_trt.engines.build import ENGINE_FORMAT_VERSION
-    from medusa_trt.engines.onnx_export import DEFAULT_ATTENTION
+    from medusa_trt.engine_dir import ENGINE_FORMAT_VERSION
+    from medusa_trt.engines.onnx.attention import DEFAULT_ATTENTION
 
     path = engine_dir / "engine.json"
     if not path.is_file():

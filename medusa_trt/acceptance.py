@@ -1,7 +1,7 @@
 """Tree acceptance (greedy, typical, sample) and next-step candidates, in tensor ops only.
 
 One implementation serves the decoding loop (eager torch) and the ONNX Runtime engine's fused step
-graph (engines/onnx_export.py traces the greedy functions), so both accept exactly the same path.
+graph (engines/onnx/export.py traces the greedy functions), so both accept exactly the same path.
 Everything is gathers, compares and reductions with shapes fixed by the inputs: no data-dependent
 shapes, no Python branching on values. The sampling rule and its proof: docs/sampling.md.
 """

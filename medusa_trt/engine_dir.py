@@ -22,14 +22,13 @@ from typing import Any
 
 from medusa_trt.errors import MedusaTrtError, read_json_object, require, require_section
 
-# 2: the decoder graph outputs `hidden` and the Medusa heads are a graph of their own.
-# 3: a `weights` section (int4 engines: MatMulNBits weights an older runtime would misread).
-# 4: onnx.key_block (row_exact_f32 attention: an older runtime would not keep tree steps inside a block).
-# 5: onnx.cache_in_place (graphs that write the cache they are bound to, per-layer present outputs).
-# 6: onnx.chains_only (chain_f32 attention: an older runtime would verify branching trees inexactly).
-# 7: weights.offsets and weights.lm_head_bits (an older medusa-check would rebuild its reference with
-#    zero points and a 4-bit lm_head).
-ENGINE_FORMAT_VERSION = 7
+# The format's history, and what each optional feature means: docs/formats.md, section 3.
+ENGINE_FORMAT_VERSION = 8
+# The optional features a reader of this version knows (engine.json "requires"). An engine lists
+# those it uses, and a reader refuses one that requires a feature it does not know, rather than
+# ignoring its keys and running it wrong. A new optional feature is a new name here, not a new
+# ENGINE_FORMAT_VERSION.
+KNOWN_FEATURES = ("key_block", "cache_in_place", "chains_only", "int4_offsets", "lm_head_bits")
 ENGINE_JSON = "engine.json"
 BACKENDS = ("onnxruntime", "tensorrt", "tensorrt-llm")
 SECTIONS = {"onnxruntime": "onnx", "tensorrt": "tensorrt", "tensorrt-llm": "tensorrt_llm"}
@@ -39,7 +38,7 @@ WEIGHT_FORMATS = ("float", "int4")  # onnxruntime engines: int4 = MatMulNBits de
 LOAD_DIGEST_BYTES = 64 << 20  # files up to this size are hashed at every load (see module docstring)
 
 
-# Graph interface (engines/onnx_export.py writes it; the runtime backends bind it).
+# Graph interface (engines/onnx/export.py writes it; the runtime backends bind it).
 INPUT_NAMES = ("input_ids", "position_ids", "past_lengths", "new_mask", "logit_positions")
 OUTPUT_NAMES = ("logits", "hidden", "present_keys", "present_values")
 HEADS_INPUT, HEADS_OUTPUT = "hidden", "medusa_logits"
@@ -69,6 +68,19 @@ def graph_outputs(names: tuple[str, ...], num_layers: int, in_place: bool) -> li
     return [*names[:-2], *present_names(num_layers)] if in_place else list(names)
 
 
+def required_features(engine: dict) -> list[str]:
+    """The KNOWN_FEATURES an engine.json (or a builder's part of it) uses, for its "requires" list."""
+    onnx, weights = engine.get("onnx") or {}, engine.get("weights") or {}
+    used = {
+        "key_block": onnx.get("key_block") is not None,  # tree steps kept inside one key block
+        "cache_in_place": bool(onnx.get("cache_in_place")),  # graphs that write the cache they are bound to
+        "chains_only": bool(onnx.get("chains_only")),  # only a tree's main chain is verified
+        "int4_offsets": bool(weights.get("offsets")),  # int4 blocks with float offsets, no zero points
+        "lm_head_bits": weights.get("lm_head_bits", 4) != 4,  # an lm_head of other than 4 bits
+    }
+    return [name for name in KNOWN_FEATURES if used[name]]
+
+
 def _relative_file(section: dict, key: str, path: Path, prefix: str, optional: bool = False) -> str | None:
     name = require(section, key, str, file=path, prefix=prefix, error=EngineError,
                    **({"default": None} if optional else {}))
@@ -91,6 +103,11 @@ def validate_engine(engine: Any, path: Path, backend: str | None = None) -> dict
     if version != ENGINE_FORMAT_VERSION:
         raise EngineError(f"{path}: engine format {version!r}, this runtime reads format {ENGINE_FORMAT_VERSION}; "
                           "rebuild it with medusa-build")
+    requires = req(engine, "requires", list, default=[])
+    for feature in requires:
+        if feature not in KNOWN_FEATURES:
+            raise EngineError(f"{path}: requires {feature!r}, a feature this medusa-trt does not know (it knows "
+                              f"{', '.join(KNOWN_FEATURES)}); upgrade medusa-trt or rebuild the engine with this one")
     req(engine, "device", str, choices=DEVICES)
     req(engine, "dtype", str, choices=DTYPES)
     model = require_section(engine, "model", file=path, error=EngineError)

@@ -13,12 +13,13 @@ import logging
 import math
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from medusa_trt.errors import MedusaTrtError
 
@@ -373,3 +374,64 @@ def candidate_index(tree: TreeBuffers, k: int) -> np.ndarray:
 def tree_to_brace(choices: list) -> str:
     """Triton's brace spelling, e.g. "{0}, {0, 0}"; parse_medusa_choices reads it back."""
     return ", ".join("{" + ", ".join(str(int(r)) for r in path) + "}" for path in choices)
+
+
+@dataclass(frozen=True)
+class StepTree:
+    """The tree buffers the decoding loop reads every step, as torch tensors (converted once per
+    request; runtime/decoding.py)."""
+
+    num_slots: int
+    max_depth: int
+    topk: int  # top-k taken of each head's logits (candidate_topk)
+    candidate_index: torch.Tensor  # [T-1] each non-root slot's token in the heads' flat top-k (candidate_index)
+    position_offsets: torch.Tensor  # [T]
+    mask: torch.Tensor  # [T, T] bool
+    retrieve: torch.Tensor  # [N, D+1] -1 padded
+    # within_block's cut trees by slot count, made once per request (at most one per size).
+    _cuts: dict[int, StepTree] = field(default_factory=dict, init=False, compare=False, repr=False)
+
+    @classmethod
+    def of(cls, t: TreeBuffers, vocab_size: int) -> StepTree:
+        k = candidate_topk(vocab_size, t)
+        return cls(t.num_slots, t.max_depth, k, torch.tensor(candidate_index(t, k)), torch.tensor(t.position_offsets),
+                   torch.tensor(t.attention_mask), torch.tensor(t.retrieve_indices))
+
+    @functools.cached_property
+    def paths(self) -> list[list[int]]:
+        """retrieve's rows as lists, -1 padding as slot 0 (commit reads only the accepted part)."""
+        return [[max(i, 0) for i in row] for row in self.retrieve.tolist()]
+
+    @functools.cached_property
+    def is_chain(self) -> bool:
+        """Every slot at the offset of its depth: its ancestors are the slots before it. Computed
+        once: within_block asks every step."""
+        return bool((self.position_offsets == torch.arange(self.num_slots)).all())
+
+    def cut(self, slots: int) -> StepTree:
+        """The tree of the first `slots` slots (parents come before children, so it is a tree). The
+        paths keep the full depth (-1 padded): the fused step drafts the next full tree with as many
+        heads as retrieve is deep, from the full candidate_index."""
+        paths = [tuple(i for i in row if 0 <= i < slots) for row in self.retrieve.tolist()]
+        leaves = [p for p in dict.fromkeys(paths) if not any(q != p and q[: len(p)] == p for q in paths)]
+        retrieve = torch.full((len(leaves), self.retrieve.shape[1]), -1, dtype=self.retrieve.dtype)
+        for row, path in zip(retrieve, leaves, strict=True):
+            row[: len(path)] = torch.tensor(path)
+        return StepTree(slots, int(self.position_offsets[:slots].max()), self.topk, self.candidate_index,
+                        self.position_offsets[:slots], self.mask[:slots, :slots], retrieve)
+
+    def within_block(self, lengths: torch.Tensor, block: int | None) -> StepTree:
+        """This step's tree on an engine whose attention is exact only while a tree's slots share
+        one `block`-aligned block of the cache with the committed prefix (row_exact_f32,
+        engines/onnx/attention.py): a branching tree that would cross a block edge after any
+        sequence's prefix is cut to the slots before it (the root at least). Chains never need a
+        cut: each slot sits at its own position, as in plain decoding. About one step in
+        `block / tree width` is cut per sequence."""
+        if block is None or self.num_slots == 1 or self.is_chain:
+            return self
+        room = min(block - n % block for n in lengths.tolist())
+        if room >= self.num_slots:
+            return self
+        if room not in self._cuts:
+            self._cuts[room] = self.cut(room)
+        return self._cuts[room]

@@ -183,13 +183,13 @@ class HiddenRecorder:
 
     def forward(self, input_ids, position_ids, new_mask, logit_positions=None, with_heads=True):
         out = self.backend.forward(input_ids, position_ids, new_mask, logit_positions, with_heads)
-        h = self.backend._hidden  # [B, K, d] the backend keeps it for heads(); K = 1 here
+        h = self.backend._hidden  # [B, K, d] the backend keeps it for draft(); K = 1 here
         for row, idx in enumerate(self.rows):
             self.hidden[idx].append(h[row, -1].clone())
         return out
 
-    def heads(self, rows):
-        return self.backend.heads(rows)
+    def draft(self, rows, counts, next_tokens):
+        return self.backend.draft(rows, counts, next_tokens)
 
     def commit(self, slots, counts) -> None:
         self.backend.commit(slots, counts)
@@ -203,8 +203,9 @@ def distill(args, engine: Path, tok, prompts: list[dict], desc: str) -> list[dic
     """Greedy continuation and hidden states of every prompt, batched on the engine."""
     from medusa_trt.runtime.decoding import GenerationConfig, decode
     from medusa_trt.runtime.loading import load_backend
+    from medusa_trt.runtime.ort.session import OrtSessionOptions
 
-    rec = HiddenRecorder(load_backend(engine, threads=args.threads))
+    rec = HiddenRecorder(load_backend(engine, ort_options=OrtSessionOptions(threads=args.threads)))
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     ids = [tok.encode(p["text"]) for p in prompts]
     order = sorted(range(len(ids)), key=lambda i: (prompts[i]["kind"], len(ids[i])))  # similar lengths together
@@ -250,8 +251,10 @@ def pairs(data: list[dict], heads: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def base_engine(args, gguf: Path) -> Path:
     """Convert the GGUF with placeholder (identity) heads and build a plain ONNX Runtime engine."""
-    from medusa_trt.converter import convert
-    from medusa_trt.engines.build import BuildOptions, build_engine
+    from medusa_trt.converter.merge import convert
+    from medusa_trt.engines.build import build_engine
+    from medusa_trt.engines.options import BuildOptions
+    from medusa_trt.engines.ort.build import OrtOptions
 
     engine = args.work / "engine"
     if (engine / "engine.json").is_file():
@@ -264,7 +267,7 @@ def base_engine(args, gguf: Path) -> Path:
     save_heads(state, args.work / "identity_heads", gguf.name, args.heads, 1)
     convert(gguf, args.work / "identity_heads", args.work / "ckpt", dtype="float32", force=True)
     build_engine(BuildOptions(checkpoint=args.work / "ckpt", out=engine, max_seq_len=1024, max_batch_size=args.batch, progress=True,
-                              force=True, extra={"fused_step": False}))
+                              force=True, backend_options=OrtOptions(fused_step=False)))
     return engine
 
 

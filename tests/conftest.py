@@ -13,7 +13,7 @@ import pytest
 import torch
 from synthetic import make_base, make_heads
 
-from medusa_trt.converter import convert
+from medusa_trt.converter.merge import convert
 
 # The fixtures are tiny: intra-op threads only add sync overhead, and on a 2-core machine shared
 # with another process they make every small matmul wait (measured: 6x slower decodes).
@@ -79,7 +79,8 @@ def tiny_merged(tmp_path_factory, tiny_base, tiny_heads):
 def ort_engine(tmp_path_factory, tiny_merged):
     """ort_engine(arch="llama", **BuildOptions fields) -> Path of an ONNX Runtime engine dir built by
     medusa-build from tiny_merged(arch). Exports take seconds, so each variant is built once."""
-    from medusa_trt.engines.build import BuildOptions, build_engine
+    from medusa_trt.engines.build import build_engine
+    from medusa_trt.engines.options import BuildOptions
 
     cache: dict[str, Path] = {}
 

@@ -17,10 +17,11 @@ import torch
 
 pytest.importorskip("gguf")
 
-from medusa_trt.converter import convert  # noqa: E402
 from medusa_trt.converter.gguf import fetch_smollm2  # noqa: E402
+from medusa_trt.converter.merge import convert  # noqa: E402
 from medusa_trt.runtime.decoding import GenerationConfig, decode  # noqa: E402
 from medusa_trt.runtime.loading import load_backend, load_tokenizer  # noqa: E402
+from medusa_trt.runtime.ort.session import OrtSessionOptions  # noqa: E402
 from medusa_trt.tools.demo import ASSETS  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -30,7 +31,8 @@ NEW_TOKENS = 40
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
     """(gguf, merged checkpoint, engine dir) of SmolLM2 with the shipped heads."""
-    from medusa_trt.engines.build import BuildOptions, build_engine
+    from medusa_trt.engines.build import build_engine
+    from medusa_trt.engines.options import BuildOptions
 
     gguf = fetch_smollm2(REPO / "build" / "smollm2")
     work = tmp_path_factory.mktemp("smollm2")
@@ -76,7 +78,7 @@ def test_medusa_greedy_equals_transformers(smollm2, oracle):
             out = model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
                                  pad_token_id=0)
             expected.append(out[0, len(p):].tolist())
-    backend = load_backend(smollm2[2], threads=1)
+    backend = load_backend(smollm2[2], ort_options=OrtSessionOptions(threads=1))
     tuned = str(ASSETS / "tree.json") if (ASSETS / "tree.json").is_file() else "mc_sim_7b_63"
     for tree in (tuned, "mc_sim_7b_63"):
         res = decode(backend, prompts, GenerationConfig(max_new_tokens=NEW_TOKENS, medusa_choices=tree))

@@ -17,10 +17,10 @@ from hypothesis import strategies as st
 
 from medusa_trt import tree
 from medusa_trt.acceptance import tree_candidates
-from medusa_trt.runtime.decoding import StepTree
 from medusa_trt.tree import (
     CANDIDATE_TOPK,
     DEFAULT_TREE,
+    StepTree,
     TreeError,
     build_tree,
     candidate_topk,

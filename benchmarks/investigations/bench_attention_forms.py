@@ -5,7 +5,7 @@ more than the ops themselves cost (a chain of 900 Reshapes runs at ~0.2 us an op
 one decode step's attention alone, for every layer of SmolLM2-135M (30 layers, 9 query heads over 3
 KV heads of 64), in several forms, and times whole session runs round-robin:
 
-  row_exact      the engine's form (engines/onnx_export.py: row_exact_attention, the prefix Slice of
+  row_exact      the engine's form (engines/onnx/attention.py: row_exact_attention, the prefix Slice of
                  _ExportModule included): Slice + Concat of the cache, float64 softmax and weighted sum
   no_slice       the runtime hands the committed prefix itself (not possible with a head-major
                  cache: the prefix of [B, H, T, D] is not contiguous)
@@ -17,10 +17,10 @@ KV heads of 64), in several forms, and times whole session runs round-robin:
                  in float64 (exact, like row_exact)
   row_exact_f32  the int4 default from the eighth run to 2026-11-24: float32, the softmax's sum in
                  float64 over the exponentials, the weighted sum a float32 MatMul of them
-                 (row-invariant within key blocks, engines/onnx_export.py: row_exact_f32_attention)
+                 (row-invariant within key blocks, engines/onnx/attention.py: row_exact_f32_attention)
   chain_f32      the int4 default since 2026-11-24: row_exact_f32's placed keys and grouped query
                  rows in one ONNX Attention op (row-invariant for plain steps and chain trees,
-                 engines/onnx_export.py: chain_f32_attention)
+                 engines/onnx/attention.py: chain_f32_attention)
 
 Only row_exact, token_major and row_exact_f32 are row-invariant for any tree, chain_f32 for chains
 (Medusa == plain on int4 engines); the others say what each part costs.
@@ -39,8 +39,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from medusa_trt.engines.onnx_export import _grouped_attention_op, _grouped_attention_translation
-from medusa_trt.runtime.ort_backend import make_session
+from medusa_trt.engines.onnx.attention import grouped_attention_op, grouped_attention_translation
+from medusa_trt.runtime.ort.session import OrtSessionOptions, make_session
 
 LAYERS, HQ, HKV, D = 30, 9, 3, 64
 G = HQ // HKV
@@ -76,7 +76,7 @@ def _placed(k, v, past_k, past_v, used):
 
 
 def row_exact_f32(q, k, v, past_k, past_v, mask, used):
-    """engines/onnx_export.py: row_exact_f32_attention, the mask already tiled."""
+    """engines/onnx/attention.py: row_exact_f32_attention, the mask already tiled."""
     b, _, s, d = q.shape
     keys, values = _placed(k, v, past_k, past_v, used)
     scores = torch.matmul(q.reshape(b, HKV, G * s, d) * (1.0 / math.sqrt(d)), keys.transpose(-1, -2))
@@ -86,10 +86,10 @@ def row_exact_f32(q, k, v, past_k, past_v, mask, used):
 
 
 def chain_f32(q, k, v, past_k, past_v, mask, used):
-    """engines/onnx_export.py: chain_f32_attention, the mask already tiled: one Attention op."""
+    """engines/onnx/attention.py: chain_f32_attention, the mask already tiled: one Attention op."""
     b, _, s, d = q.shape
     keys, values = _placed(k, v, past_k, past_v, used)
-    return _grouped_attention_op()(q.reshape(b, HKV, G * s, d), keys, values, mask).reshape(b, HQ, s, d)
+    return grouped_attention_op()(q.reshape(b, HKV, G * s, d), keys, values, mask).reshape(b, HQ, s, d)
 
 
 def token_major(q, k, v, past_k, past_v, mask, used):
@@ -148,7 +148,7 @@ def export(name: str, out: Path) -> Path:
     news, keys = Dim("new"), Dim("keys")
     shapes = {"q": {2: news}, "k": {2: news}, "v": {2: news}, "lengths": None, "mask": {1: news, 2: keys},
               "past": tuple(past_dims for _ in range(2 * LAYERS))}
-    table = {_grouped_attention_op()._opoverload: _grouped_attention_translation} if name == "chain_f32" else None
+    table = {grouped_attention_op()._opoverload: grouped_attention_translation} if name == "chain_f32" else None
     program = torch.onnx.export(_Layers(FORMS[name]), (), kwargs=inputs, dynamic_shapes=shapes, dynamo=True,
                                 custom_translation_table=table, opset_version=23, optimize=True, verbose=False)
     program.save(path)
@@ -182,7 +182,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("build/attention_forms"))
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    sessions = {name: make_session(export(name, args.out), threads=args.threads)
+    sessions = {name: make_session(export(name, args.out), options=OrtSessionOptions(threads=args.threads))
                 for name in tqdm(FORMS, desc="export", unit="form")}
     rng = np.random.default_rng(0)
     cache = [rng.standard_normal((1, HKV, CAPACITY, D), dtype=np.float32) for _ in range(2 * LAYERS)]

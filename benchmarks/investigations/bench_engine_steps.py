@@ -21,7 +21,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared helpers
 from common import round_robin, step_call  # noqa: E402
 
-from medusa_trt.runtime.ort_backend import OrtBackend  # noqa: E402
+from medusa_trt.runtime.ort.backend import OrtBackend  # noqa: E402
+from medusa_trt.runtime.ort.session import OrtSessionOptions  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     torch.set_num_threads(1)
-    engines = {k: OrtBackend(v, threads=args.threads) for k, v in (e.split("=", 1) for e in args.engine)}
+    engines = {k: OrtBackend(v, options=OrtSessionOptions(threads=args.threads)) for k, v in (e.split("=", 1) for e in args.engine)}
     calls = {}
     for name, be in engines.items():
         for b in ints(args.batch):

@@ -6,7 +6,7 @@ and a tree pays off; when it grows with the rows, each slot costs a share of a p
 nodes accepted more often than that share pay. This times one decoder layer's four MatMulNBits
 (fused QKV, output projection, fused gate+up, down) of a model config at each row count, at the
 accuracy levels ONNX Runtime's CPU kernel has, with random int4 weights quantized the way
-`medusa-build --weights int4` quantizes them (modeling.quantize_int4).
+`medusa-build --weights int4` quantizes them (quant.quantize_int4).
 
     python benchmarks/investigations/bench_int4_rows.py [--checkpoint build/real/ckpt] [--threads 1,2] [--spin] [--block-size 32]
 """
@@ -23,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 from medusa_trt.quant import INT4_ACCURACY_LEVELS
-from medusa_trt.runtime.ort_backend import matmul_nbits_session
+from medusa_trt.runtime.ort.session import OrtSessionOptions, matmul_nbits_session
 
 ROWS = (1, 2, 3, 4, 8)
 # SmolLM2-135M (hidden 576, 9 query heads and 3 KV heads of 64, MLP 1536) when no checkpoint is named.
@@ -47,7 +47,7 @@ def layer_shapes(checkpoint: Path | None) -> dict[str, tuple[int, int]]:
 def matmul_session(k: int, n: int, block_size: int, level: int, threads: int, spinning: bool):
     """One MatMulNBits node over random int4 weights [N, K], in a session with the engine's options."""
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(n * 7 + k)) * 0.05
-    return matmul_nbits_session(w, block_size, level, threads, spinning)
+    return matmul_nbits_session(w, block_size, level, OrtSessionOptions(threads=threads, spin=spinning))
 
 
 def best_us(session, rows: int, k: int, calls: int = 200, repeats: int = 5) -> float:

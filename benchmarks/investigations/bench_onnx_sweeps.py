@@ -36,7 +36,8 @@ def sweep_attention(paths: dict[str, Path], workdir: Path, rounds: int) -> dict:
     """The base-only model exported with each attention form, steps timed round-robin."""
     import shutil
 
-    from medusa_trt.engines.onnx_export import ATTENTION_FORMS, export_onnx
+    from medusa_trt.engines.onnx.attention import ATTENTION_FORMS
+    from medusa_trt.engines.onnx.export import export_onnx
     from medusa_trt.modeling import MedusaModel
 
     model = MedusaModel.from_checkpoint(paths["merged-base"])
@@ -62,7 +63,7 @@ def sweep_attention(paths: dict[str, Path], workdir: Path, rounds: int) -> dict:
 OPTION_VARIANTS = {  # name -> session_options() keyword arguments, or "binding": the IOBinding path
     "default": {},
     "threads=1": {"threads": 1},
-    "spinning": {"spinning": True},
+    "spinning": {"spin": True},
     "opt=extended": {"level": "extended"},
     "opt=basic": {"level": "basic"},
     "IOBinding (torch buffers bound by pointer)": {"binding": True},
@@ -92,12 +93,16 @@ def measure_variant(name: str, engine_dir: Path) -> dict:
     """In a child process: one variant's median step time per case (ms)."""
     import onnxruntime as ort
 
-    from medusa_trt.runtime.ort_backend import session_options
+    from medusa_trt.runtime.ort.cache import BoundCache
+    from medusa_trt.runtime.ort.session import OrtSessionOptions, session_options
 
     kwargs = dict(OPTION_VARIANTS[name])
     backend = ort_backend(engine_dir, THREADS)
-    backend.use_binding = kwargs.pop("binding", False)
-    so = session_options(kwargs.pop("threads", THREADS), **kwargs)
+    if kwargs.pop("binding", False):
+        backend.cache_mode = BoundCache  # made at the next start()
+        backend.start(1, 1)
+    options = OrtSessionOptions(threads=kwargs.pop("threads", THREADS), spin=kwargs.pop("spin", False))
+    so = session_options(options, **kwargs)
     backend.session = ort.InferenceSession(str(engine_dir / "model.onnx"), so, providers=["CPUExecutionProvider"])
     out = {}
     for b, s, past in OPTION_CASES:

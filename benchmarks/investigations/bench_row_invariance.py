@@ -30,6 +30,7 @@ from common import read_prompts  # noqa: E402  (the held-out prompts as the peer
 
 from medusa_trt.runtime.decoding import GenerationConfig, decode, prefill  # noqa: E402
 from medusa_trt.runtime.loading import load_backend, load_tokenizer, stop_tokens  # noqa: E402
+from medusa_trt.runtime.ort.session import OrtSessionOptions  # noqa: E402
 
 ASSETS = Path(__file__).resolve().parents[2] / "medusa_trt" / "assets" / "smollm2"
 
@@ -41,7 +42,7 @@ def row_difference(backend, prompts) -> dict:
     for q in prompts:
         ids = q.ids
         backend.start(1, len(ids) + 4)
-        many, _ = prefill(backend, [ids])
+        many, _, _ = prefill(backend, [ids])
         backend.start(1, len(ids) + 4)
         prefill(backend, [ids[:-1]])
         one, _ = backend.forward(torch.tensor([[ids[-1]]]), backend.lengths[:, None],
@@ -67,7 +68,7 @@ def divergence(backend, prompts, tree, stops) -> dict:
             continue
         i = next((k for k in range(min(len(p), len(m))) if p[k] != m[k]), min(len(p), len(m)))
         backend.start(1, len(q.ids) + len(p) + 4)
-        logits, _ = prefill(backend, [q.ids + p[:i]])
+        logits, _, _ = prefill(backend, [q.ids + p[:i]])
         top = logits[0].topk(2).values
         margins.append(float(top[0] - top[1]))
     return {"prompts": len(prompts), "equal_to_plain": len(prompts) - len(margins),
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     report = {}
     for engine in args.engines:
-        backend, tok = load_backend(engine, threads=1), load_tokenizer(engine)
+        backend, tok = load_backend(engine, ort_options=OrtSessionOptions(threads=1)), load_tokenizer(engine)
         prompts = read_prompts(ASSETS / "prompts_heldout.jsonl", tok, max(args.prompts, args.diverge))
         report[str(engine)] = row_difference(backend, prompts[: args.prompts])
         if args.diverge:

@@ -20,7 +20,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared helpers
 from common import step_call  # noqa: E402
 
-from medusa_trt.runtime.ort_backend import OrtBackend  # noqa: E402
+from medusa_trt.runtime.ort.backend import OrtBackend  # noqa: E402
+from medusa_trt.runtime.ort.session import OrtSessionOptions  # noqa: E402
 
 SHAPES = [(1, 1), (1, 4), (4, 1), (4, 4)]  # (batch, slots)
 
@@ -31,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=9)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    engines = {k: OrtBackend(v, threads=1) for k, v in (a.split("=", 1) for a in args.engines)}
+    engines = {k: OrtBackend(v, options=OrtSessionOptions(threads=1)) for k, v in (a.split("=", 1) for a in args.engines)}
     calls = {(n, b, s): step_call(be, b, s, 128, 512) for n, be in engines.items() for b, s in SHAPES}
     for f in calls.values():
         f()

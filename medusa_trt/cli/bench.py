@@ -24,6 +24,7 @@ from medusa_trt.cli.common import (
     add_threads_arg,
     add_tree_arg,
     new_parser,
+    ort_session_options,
     run_cli,
     sampling_options,
 )
@@ -87,7 +88,7 @@ def _main(argv: list[str] | None = None) -> int:
             except BenchError as e:  # the engine still benchmarks; only the baseline is missing
                 hf_note = str(e)
                 print(f"{PROG}: warning: skipping the transformers baseline: {e}", file=sys.stderr)
-        backend = load_backend(args.engine, threads=args.threads, spin=args.spin)
+        backend = load_backend(args.engine, ort_options=ort_session_options(args))
         tok = load_tokenizer(args.engine)
         _, prompts = load_prompts(args.prompts, tok, args.limit)
         stops = stop_tokens(args.engine, tok)
@@ -109,7 +110,7 @@ def _main(argv: list[str] | None = None) -> int:
         "engine": str(args.engine), "backend": type(backend).__name__, "prompts": str(args.prompts),
         "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "repeat": args.repeat,
         "medusa_choices": str(args.medusa_choices), "threads": args.threads or len(os.sched_getaffinity(0)),
-        "fused_step": getattr(backend, "fused_step_topk", None) is not None and args.acceptance == "greedy",
+        "fused_step": backend.fused_step_topk is not None and args.acceptance == "greedy",
         "acceptance": args.acceptance, "temperature": args.temperature if args.acceptance != "greedy" else None,
         "plain": result["modes"]["plain"], "medusa": {**result["modes"]["medusa"], **result["medusa"]},
         "hf_generate": hf, "per_prompt": result["per_prompt"],

@@ -8,15 +8,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from medusa_trt.cli.common import add_quiet_arg, run_cli
-from medusa_trt.engines.build import (
-    BUILDERS,
-    DEVICES,
-    DTYPES,
-    INT4_DEFAULT_ACCURACY_LEVEL,
-    INT4_DEFAULT_BLOCK_SIZE,
-    BuildOptions,
-    build_engine,
-)
+from medusa_trt.engine_dir import DEVICES, DTYPES
+from medusa_trt.engines.build import BUILDERS, build_engine
+from medusa_trt.engines.onnx.attention import ATTENTION_FORMS
+from medusa_trt.engines.options import BackendOptions, BuildError, BuildOptions
+from medusa_trt.engines.ort.build import INT4_DEFAULT_ACCURACY_LEVEL, INT4_DEFAULT_BLOCK_SIZE, OrtOptions
+from medusa_trt.engines.trt.build import TrtOptions
+from medusa_trt.engines.trtllm.build import TrtllmOptions
 
 PROG = "medusa-build"
 
@@ -35,8 +33,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-draft-len", type=int, help="largest Medusa tree, root excluded (default: the "
                    "checkpoint's max_draft_len)")
     p.add_argument("--opset", type=int, help="ONNX opset (default 23)")
-    p.add_argument("--attention", choices=["attention23", "split", "concat", "mha", "row_exact", "row_exact_f32",
-                                           "chain_f32"],
+    p.add_argument("--attention", choices=list(ATTENTION_FORMS),
                    help="ONNX attention form (default: chain_f32 for --weights int4, whose Medusa greedy then "
                         "equals its plain greedy for chain trees, the runtime running any other tree as its main "
                         "chain; row_exact_f32 keeps branching trees exact too, ~4%% slower a step; row_exact does "
@@ -79,20 +76,27 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def backend_options(args: argparse.Namespace) -> BackendOptions:
+    """The options dataclass of args.backend, from the flags that belong to it."""
+    if args.backend == "onnxruntime":
+        return OrtOptions(weights=args.weights, int4_block_size=args.int4_block_size,
+                          int4_accuracy_level=args.int4_accuracy_level, int4_offsets=args.int4_offsets,
+                          int4_lm_head_bits=args.int4_lm_head_bits, cache_in_place=args.cache_in_place,
+                          fused_step=args.fused_step, prepack_weights=args.prepack_weights)
+    if args.weights != "float":
+        raise BuildError(f"--weights {args.weights}: only --backend onnxruntime builds int4 engines")
+    if args.backend == "tensorrt":
+        return TrtOptions(trt_attention=args.trt_attention, keep_onnx=args.keep_onnx)
+    return TrtllmOptions(max_input_len=args.max_input_len or None)
+
+
 def _main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     opts = BuildOptions(
         checkpoint=args.checkpoint, out=args.out, backend=args.backend, dtype=args.dtype,
         max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, max_draft_len=args.max_draft_len,
         opset=args.opset, device=args.device, attention=args.attention, force=args.force,
-        progress=not args.quiet,
-        extra={k: v for k, v in (("trt_attention", args.trt_attention), ("keep_onnx", args.keep_onnx),
-                                 ("max_input_len", args.max_input_len)) if v} | {"fused_step": args.fused_step,
-                                                                       "prepack_weights": args.prepack_weights,
-                                                                       "cache_in_place": args.cache_in_place}
-        | ({"weights": "int4", "int4_block_size": args.int4_block_size,
-            "int4_accuracy_level": args.int4_accuracy_level, "int4_offsets": args.int4_offsets,
-            "int4_lm_head_bits": args.int4_lm_head_bits} if args.weights == "int4" else {}),
+        progress=not args.quiet, backend_options=backend_options(args),
     )
     result = build_engine(opts)
     if args.triton_repo:

@@ -25,8 +25,12 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from medusa_trt.errors import MedusaTrtError
+
+if TYPE_CHECKING:
+    from medusa_trt.runtime.ort.session import OrtSessionOptions
 
 EXIT_BAD_INPUT = 2
 
@@ -199,10 +203,17 @@ def add_device_arg(p: argparse.ArgumentParser, *,
 
 
 def add_spin_arg(p: argparse.ArgumentParser) -> None:
-    """For commands that decode on an ONNX Runtime engine (load_backend's `spin`)."""
+    """For commands that decode on an ONNX Runtime engine (ort_session_options)."""
     p.add_argument("--spin", action="store_true", help="ONNX Runtime worker threads spin between ops instead of "
                    "sleeping: faster with 2+ threads on cores the engine has to itself, much slower on a "
                    "shared machine (default: off)")
+
+
+def ort_session_options(args: argparse.Namespace) -> OrtSessionOptions:
+    """--threads and --spin as the one value load_backend hands every session of an ONNX Runtime engine."""
+    from medusa_trt.runtime.ort.session import OrtSessionOptions
+
+    return OrtSessionOptions(threads=args.threads, spin=args.spin)
 
 
 PROMPTS_HELP = ".txt (one prompt a line) or .jsonl with 'text'"

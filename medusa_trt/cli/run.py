@@ -16,6 +16,7 @@ from medusa_trt.cli.common import (
     add_threads_arg,
     add_tree_arg,
     new_parser,
+    ort_session_options,
     read_prompts,
     run_cli,
     sampling_options,
@@ -60,7 +61,8 @@ def _main(argv: list[str] | None = None) -> int:
         check_number(args.max_new_tokens, "--max-new-tokens", positive=True)
         check_number(args.threads, "--threads", positive=True)
         directory = args.engine or args.checkpoint
-        backend = load_backend(directory, dtype=args.dtype, device=args.device, threads=args.threads, spin=args.spin)
+        backend = load_backend(directory, dtype=args.dtype, device=args.device,
+                               ort_options=ort_session_options(args))
         tok = load_tokenizer(directory)
         extra = {"medusa_choices": args.medusa_choices} if args.medusa_choices is not None else {}
         cfg = GenerationConfig(

@@ -18,6 +18,7 @@ from medusa_trt.cli.common import (
     add_spin_arg,
     add_threads_arg,
     new_parser,
+    ort_session_options,
     run_cli,
 )
 from medusa_trt.tools import tune_tree as tt
@@ -63,7 +64,7 @@ def _main(argv: list[str] | None = None) -> int:
                 raise BenchError(f"--{name.replace('_', '-')} {getattr(args, name)}: expected >= 1")
         if not args.engine.is_dir():
             raise BenchError(f"{args.engine}: --engine directory not found")
-        backend = load_backend(args.engine, device=args.device, threads=args.threads, spin=args.spin)
+        backend = load_backend(args.engine, device=args.device, ort_options=ort_session_options(args))
         tok = load_tokenizer(args.engine)
         _, calib = load_prompts(args.prompts, tok, args.limit)
         stops = stop_tokens(args.engine, tok)

@@ -1,15 +1,17 @@
 """What medusa-build's backends share with its dispatcher: the options, their error, the engine
 limits they resolve to and the progress bar.
 
-engines/build.py dispatches to the backends (its own ONNX Runtime builder, engines/tensorrt.py,
-engines/trtllm.py); the backends import this module, never build.py, so imports run one way.
+engines/build.py dispatches to the backends (engines/ort, engines/trt, engines/trtllm, each a
+`build.py` with its options dataclass beside its builder); the backends import this module, never
+engines/build.py, so imports run one way.
 """
 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar, TypeVar
 
 from medusa_trt.checkpoint import DEFAULT_MAX_DRAFT_LEN
 from medusa_trt.errors import MedusaTrtError
@@ -17,6 +19,15 @@ from medusa_trt.errors import MedusaTrtError
 
 class BuildError(MedusaTrtError):
     """Bad input to medusa-build (a checkpoint, an option, a missing tool); the CLI exits 2."""
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    """One backend's own options, a typed dataclass next to its builder: OrtOptions
+    (engines/ort/build.py), TrtOptions (engines/trt/build.py), TrtllmOptions (engines/trtllm/build.py).
+    Each checks its own values where its builder starts."""
+
+    backend: ClassVar[str] = ""  # the --backend these options belong to
 
 
 @dataclass
@@ -33,7 +44,21 @@ class BuildOptions:
     attention: str | None = None  # None: the backend's default attention form
     force: bool = False
     progress: bool = True
-    extra: dict = field(default_factory=dict)  # backend-specific options
+    # The backend's own options (BackendOptions of opts.backend); None: that backend's defaults.
+    backend_options: BackendOptions | None = None
+
+
+Options = TypeVar("Options", bound=BackendOptions)
+
+
+def backend_options(opts: BuildOptions, kind: type[Options]) -> Options:
+    """opts.backend_options as the `kind` a builder takes: kind's defaults when None."""
+    given = opts.backend_options
+    if given is None:
+        return kind()
+    if not isinstance(given, kind):
+        raise BuildError(f"--backend {opts.backend}: backend options {type(given).__name__}, expected {kind.__name__}")
+    return given
 
 
 @dataclass(frozen=True)

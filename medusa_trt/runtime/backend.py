@@ -1,4 +1,5 @@
-"""The one interface every engine implements for the decoding loop, and the PyTorch backend.
+"""The one interface every backend implements for the decoding loop (Backend, ModelInfo), and the
+cache helpers the engine backends share.
 
 A backend owns the KV cache and the committed length of each sequence; the decoding loop only says
 what to run and which of the new tokens to keep. Cache layout (shared by all backends): per
@@ -10,12 +11,8 @@ follow each committed prefix. That keeps one dense [L, B, Hkv, P, D] past tensor
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
-
-from medusa_trt.checkpoint import DEFAULT_MAX_DRAFT_LEN
-from medusa_trt.modeling import MedusaModel
 
 
 @dataclass(frozen=True)
@@ -25,18 +22,29 @@ class ModelInfo:
     max_seq_len: int  # positions the model supports (prompt + generated + tree depth)
     max_draft_len: int  # largest tree (nodes, root excluded) the engine was built for
     # A tree step's slots must stay inside one key_block-aligned block of the cache (the
-    # row_exact_f32 attention, engines/onnx_export.py); None: any tree is exact.
+    # row_exact_f32 attention, engines/onnx/attention.py); None: any tree is exact.
     key_block: int | None = None
     # Only chain trees are exact (chain_f32 attention): the decoding loop verifies a tree's main chain.
     chains_only: bool = False
 
 
-class Backend(Protocol):
+class Backend:
+    """The interface every backend implements (a fixed runner interface, as Polygraphy's): the
+    decoding loop calls only these members. The five required methods raise here; the optional
+    capabilities are declared with the value that means "absent", so callers read them directly
+    and never probe (decoding.step_plan decides from them which step runs)."""
+
     info: ModelInfo
     lengths: torch.Tensor  # [B] int64 committed length of each sequence
+    # The per-head top-k of the fused greedy step's candidates (tree.candidate_topk); None: no fused step.
+    fused_step_topk: int | None = None
+    # Torch threads for the decoding loop's own small ops while this backend computes (decoding.generate);
+    # None: leave torch's setting alone.
+    host_threads: int | None = None
 
     def start(self, batch: int, capacity: int) -> None:
         """Empties the cache for `batch` sequences of at most `capacity` cached positions."""
+        raise NotImplementedError
 
     def forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, new_mask: torch.Tensor,
@@ -46,30 +54,42 @@ class Backend(Protocol):
         new tokens; each also sees its sequence's committed prefix). Returns float32 logits
         [B, K, V] and medusa logits [H, B, K, V] (K = S, or the given [B, K] positions), or None
         for the latter with `with_heads=False`. The new tokens' KV stays pending until `commit`."""
+        raise NotImplementedError
 
-    def heads(self, rows: torch.Tensor) -> torch.Tensor:
-        """Medusa logits [H, B, V] at row rows[b] (of K) of the last forward, for each sequence: the
-        decoding loop needs them only at the last accepted node, known after verification."""
+    def draft(self, rows: torch.Tensor, counts: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+        """The drafter's seam (medusa_trt/drafters/): its logits [H, B, V] for the next tree, once a
+        step, after `commit`. rows [B, A]: the rows (of K) of the last forward that sequence b just
+        committed, the first counts[b] of them, in order; next_tokens [B, A]: the token chosen after
+        each (the last one: the next tree's root). A drafter that reads hidden states alone (Medusa)
+        drafts at each sequence's last committed row; one with a cache of its own appends every
+        committed row to it (and never rolls back). After a prefill the rows are the one the
+        prefill's forward kept, each prompt's last token."""
+        raise NotImplementedError
 
     def commit(self, slots: torch.Tensor, counts: torch.Tensor) -> None:
         """Keeps, for sequence b, pending tokens slots[b, :counts[b]] (in order) after its prefix."""
+        raise NotImplementedError
 
     def keep(self, rows: torch.Tensor) -> None:
         """Drops every sequence not in `rows` (finished sequences stop costing work)."""
+        raise NotImplementedError
 
-    # Optional, for greedy decoding in one call per step (OrtBackend): `fused_step_topk` (int, the
-    # per-head top-k its candidates come from; None or absent: no fused step) and
-    # fused_step(input_ids, position_ids, new_mask, retrieve, candidate_index) -> (best path [B],
-    # accepted [B], next tree tokens [B, 1 + C]), the math of medusa_trt/acceptance.py.
-    # Optional, for plain greedy decoding in one call per step (OrtBackend, in-place engines):
-    # `plain_greedy_step` (None or absent: none), tokens [B] -> next tokens [B], the same as
-    # forward(tokens[:, None], lengths[:, None], ones, zeros) + commit(zeros, ones) + argmax.
-    # Optional, for greedy Medusa decoding in one call per step (OrtBackend, in-place engines):
-    # `greedy_tree_step` (None or absent: none), (tokens [B, >= T], tree: decoding.StepTree) ->
-    # (best path [B], accepted [B], next tree tokens [B, 1 + C]), the same as fused_step at each
-    # sequence's length + the tree's offsets followed by the commit of each accepted path.
-    # Optional, for backends that open their graphs on first use (OrtBackend): open_sessions() opens
-    # them all now, as a server does at load so that no request pays for it.
+    def fused_step(self, input_ids: torch.Tensor, position_ids: torch.Tensor, new_mask: torch.Tensor,
+                   retrieve: torch.Tensor, candidate_index: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Greedy decoding in one call per step, where fused_step_topk is set: verifies the tree,
+        accepts and drafts the next tree (the math of medusa_trt/acceptance.py). Returns best path
+        [B], accepted draft tokens [B] and the next tree's tokens [B, 1 + C]; the new tokens' KV
+        stays pending until `commit`."""
+        raise NotImplementedError(f"{type(self).__name__} has no fused step (fused_step_topk is None)")
+
+    def open_sessions(self) -> None:
+        """Opens now whatever the backend would open on first use, as a server does at load so that
+        no request pays for it. Nothing to open by default."""
+
+
+def last_rows(rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """[B] each sequence's last committed row of a `draft` call: rows[b, counts[b] - 1]."""
+    return rows[torch.arange(len(rows)), counts - 1]
 
 
 def full_attention_mask(lengths: torch.Tensor, past: int, new_mask: torch.Tensor) -> torch.Tensor:
@@ -108,12 +128,12 @@ def scatter_pending(keys: torch.Tensor, values: torch.Tensor, pending: tuple | N
     if pending is None:
         raise RuntimeError("commit() without a forward() since the last commit")
     new_k, new_v = pending
-    if len(counts) == 1:  # batch 1, the latency case: two slice copies, a third of the indexed path's time
+    if len(counts) == 1:  # batch 1, the latency case: two slice copies, cheaper than the indexed path
         c, start = int(counts[0]), int(lengths[0])
         if keys.is_cpu and keys.dtype != torch.bfloat16:
             # Through numpy views, with as few calls as possible: a commit follows every step, when the
-            # engine's run has evicted the host code's caches and each small call costs 10-30 us
-            # (BENCHMARKS.md, issue 13 host overhead).
+            # engine's run has evicted the host code's caches and each small call is costly
+            # (docs/benchmarks/issue-13-int4.md, host overhead).
             src = slots[0, :c].tolist()
             run = slice(src[0], src[0] + c) if src == list(range(src[0], src[0] + c)) else src  # a chain: no gather
             keys.numpy()[:, 0, :, start : start + c] = new_k.numpy()[:, 0][:, :, run]
@@ -150,54 +170,3 @@ def commit_indices(lengths: torch.Tensor, past: int, slots: torch.Tensor, counts
     src = past + slots[keep]
     dst = (lengths[:, None] + torch.arange(slots.shape[1])[None, :])[keep]
     return batch, src, dst
-
-
-class TorchBackend:
-    """The PyTorch reference model behind the backend interface, cache preallocated once per batch."""
-
-    def __init__(self, model: MedusaModel, max_draft_len: int = DEFAULT_MAX_DRAFT_LEN):
-        self.model = model
-        # The model's device (cpu or cuda) holds the cache and runs the math; the decoding loop's
-        # small int tensors stay on the host and logits come back there, as from every backend.
-        self.device = model.inv_freq.device
-        cfg = model.cfg
-        self.info = ModelInfo(cfg.vocab_size, cfg.num_medusa_heads, cfg.max_position_embeddings, max_draft_len)
-        self.start(1, 0)
-
-    def start(self, batch: int, capacity: int) -> None:
-        self.keys, self.values = self.model.empty_cache(batch, capacity, self.device)  # [L, B, Hkv, cap, D]
-        self.lengths = torch.zeros(batch, dtype=torch.long)
-        self._past = 0  # P: where the pending tokens of the last forward were written
-
-    @torch.inference_mode()
-    def forward(self, input_ids, position_ids, new_mask, logit_positions=None, with_heads=True):
-        past = int(self.lengths.max()) if len(self.lengths) else 0
-        s = input_ids.shape[1]
-        if past + s > self.keys.shape[3]:
-            raise ValueError(f"KV cache overflow: {past} + {s} positions > capacity {self.keys.shape[3]}")
-        mask = full_attention_mask(self.lengths, past, new_mask)
-        dev = self.device  # .to() of a tensor already there is free: nothing moves on the CPU
-        logits, self._hidden, new_k, new_v = self.model.forward_hidden(
-            input_ids.to(dev), position_ids.to(dev), mask.to(dev), self.keys[..., :past, :],
-            self.values[..., :past, :], None if logit_positions is None else logit_positions.to(dev)
-        )
-        self.keys[..., past : past + s, :] = new_k
-        self.values[..., past : past + s, :] = new_v
-        self._past = past
-        return logits.cpu(), self.model.draft(self._hidden).cpu() if with_heads else None
-
-    @torch.inference_mode()
-    def heads(self, rows: torch.Tensor) -> torch.Tensor:
-        h = self._hidden[torch.arange(len(rows), device=self.device), rows.to(self.device)]  # [B, d]
-        return self.model.draft(h[:, None])[:, :, 0].cpu()
-
-    def commit(self, slots: torch.Tensor, counts: torch.Tensor) -> None:
-        b, src, dst = (i.to(self.device) for i in commit_indices(self.lengths, self._past, slots, counts))
-        # Gather before scatter: destinations may overlap sources of the same commit.
-        self.keys[:, b, :, dst] = self.keys[:, b, :, src].clone()
-        self.values[:, b, :, dst] = self.values[:, b, :, src].clone()
-        self.lengths = self.lengths + counts
-
-    def keep(self, rows: torch.Tensor) -> None:
-        self.keys, self.values = self.keys[:, rows.to(self.device)], self.values[:, rows.to(self.device)]
-        self.lengths = self.lengths[rows]

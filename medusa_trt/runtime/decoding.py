@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -26,7 +26,7 @@ from medusa_trt.acceptance import (
     typical_accept,
 )
 from medusa_trt.runtime.backend import Backend
-from medusa_trt.tree import DEFAULT_TREE, TreeBuffers, build_tree, candidate_index, candidate_topk
+from medusa_trt.tree import DEFAULT_TREE, StepTree, build_tree
 
 
 @dataclass
@@ -152,7 +152,7 @@ def generate(backend: Backend, prompts: list[list[int]], cfg: GenerationConfig,
     filled in place when given. `seeds` (one per prompt, `sample` only) replaces cfg.seed + i."""
     # An engine computes on its own threads; the loop's torch ops are tiny, and more torch threads
     # only contend with the engine for the same cores, which slows its steps several times.
-    threads = getattr(backend, "host_threads", None)
+    threads = backend.host_threads
     saved = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
@@ -160,6 +160,52 @@ def generate(backend: Backend, prompts: list[list[int]], cfg: GenerationConfig,
         yield from _generate(backend, prompts, cfg, stats, seeds)
     finally:
         torch.set_num_threads(saved)
+
+
+@dataclass
+class Carry:
+    """What one step hands the next, a row per active sequence: the next root token [B] and the
+    drafter's logits there [H, B, V] (two-call and plain steps), or the next tree's tokens [B, T]
+    (fused steps, whose root is the next token)."""
+
+    root: torch.Tensor | None = None
+    medusa: torch.Tensor | None = None
+    tokens: torch.Tensor | None = None
+
+    def keep(self, rows: torch.Tensor) -> Carry:
+        return Carry(None if self.root is None else self.root[rows],
+                     None if self.medusa is None else self.medusa[:, rows],
+                     None if self.tokens is None else self.tokens[rows])
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """The step a decode runs, chosen once per request by step_plan, as plain callables over the
+    backend. The loop runs prefill(prompts, sampler) -> Carry, then step(this step's tree, carry,
+    sampler) -> (emitted tokens per sequence, accepted draft tokens [B] or None, carry). `compute`
+    (tokens [B, T], positions [B, T], tree) is a step's backend work alone, the call the step
+    makes before acceptance and commit: what tools/tune_tree times."""
+
+    kind: str  # "fused" (verify, accept and draft in one backend call), "two_call" (forward, then draft) or "plain"
+    prefill: Callable[..., Carry]
+    step: Callable[..., tuple[list[list[int]], torch.Tensor | None, Carry]]
+    compute: Callable[..., object]
+
+
+def step_plan(backend: Backend, cfg: GenerationConfig, tree: StepTree | None) -> StepPlan:
+    """The one place that decides which step a decode of `tree` (None: plain decoding) runs on
+    `backend`: the decoding loop, medusa-tune-tree's step timings and medusa-bench's timer all go
+    through it. A backend with a fused greedy step verifies, accepts and drafts the next tree in
+    one call; its graph has argmax acceptance and the top-k of its own `fused_step_topk` built in,
+    so `sample` and typical acceptance, and trees that need another top-k, take the two-call path."""
+    if tree is None:
+        return StepPlan("plain", functools.partial(_prefill, backend, heads=False), functools.partial(_plain_step, backend),
+                        functools.partial(_plain_compute, backend))
+    if _greedy(cfg) and backend.fused_step_topk == tree.topk:
+        return StepPlan("fused", functools.partial(_fused_prefill, backend, tree),
+                        functools.partial(_fused_tree_step, backend), functools.partial(_fused_compute, backend))
+    return StepPlan("two_call", functools.partial(_prefill, backend, heads=True),
+                    functools.partial(_two_call_step, backend, cfg), functools.partial(_tree_compute, backend))
 
 
 def _generate(backend: Backend, prompts: list[list[int]], cfg: GenerationConfig,
@@ -171,9 +217,7 @@ def _generate(backend: Backend, prompts: list[list[int]], cfg: GenerationConfig,
         raise ValueError("this model has no Medusa heads; decode with use_medusa=False")
     tree = StepTree.of(build_tree(cfg.medusa_choices, info.num_medusa_heads, info.max_draft_len, info.chains_only),
                        info.vocab_size) if cfg.use_medusa else None
-    # A backend with a fused greedy step verifies, accepts and drafts the next tree in one call. Its
-    # graph has argmax acceptance built in: `sample` (and typical) take the two-call path.
-    fused = (tree is not None and _greedy(cfg) and getattr(backend, "fused_step_topk", None) == tree.topk)
+    plan = step_plan(backend, cfg, tree)
     depth = tree.max_depth if tree else 0
     longest = max(len(p) for p in prompts)
     if longest + cfg.max_new_tokens + depth > info.max_seq_len:
@@ -188,12 +232,7 @@ def _generate(backend: Backend, prompts: list[list[int]], cfg: GenerationConfig,
     backend.start(n, longest + cfg.max_new_tokens + width + 1)
 
     t0 = time.perf_counter()
-    root = medusa = tokens = None
-    if fused:
-        tokens = _fused_prefill(backend, prompts, tree)  # [B, T] the first tree, its root the next token
-    else:
-        logits, medusa = prefill(backend, prompts, heads=tree is not None)  # [B, V], [H, B, V]
-        root = sampler.draw(logits) if sampler else argmax(logits)  # [B] the next token, emitted by the step
+    carry = plan.prefill(prompts, sampler)
     for s in stats:
         s.prefill_s = time.perf_counter() - t0
         s.accepted_per_depth = [0] * depth
@@ -204,12 +243,7 @@ def _generate(backend: Backend, prompts: list[list[int]], cfg: GenerationConfig,
     while len(active):
         t_step = time.perf_counter()
         step = tree.within_block(backend.lengths, info.key_block) if tree is not None else None
-        if fused:
-            emitted, accepted, tokens = _fused_tree_step(backend, step, tokens)
-        elif tree is None:
-            emitted, root = _plain_step(backend, root, sampler)
-        else:
-            emitted, accepted, root, medusa = tree_step(backend, step, root, medusa, cfg, sampler)
+        emitted, accepted, carry = plan.step(step, carry, sampler)
         if tree is not None:
             _count_accepted(stats, active, step, accepted)
         elapsed = time.perf_counter() - t_step
@@ -235,11 +269,9 @@ def _generate(backend: Backend, prompts: list[list[int]], cfg: GenerationConfig,
             rows = torch.tensor(still, dtype=torch.long)
             backend.keep(rows)
             active = active[rows]
-            root = root[rows] if root is not None else None
+            carry = carry.keep(rows)
             if sampler:
                 sampler.keep(rows)
-            medusa = medusa[:, rows] if medusa is not None else None
-            tokens = tokens[rows] if tokens is not None else None
 
 
 def decode(backend: Backend, prompts: list[list[int]], cfg: GenerationConfig) -> GenerationResult:
@@ -258,7 +290,7 @@ def _pad_prompts(prompts: list[list[int]]) -> tuple[torch.Tensor, ...]:
     the slots to commit [B, S] (the first `lens` of each row are the prompt's) and lens [B]. Every
     prefill pads the same way: the fused step needs every last token in slot S-1, and a row's keys
     then sit at the same offsets whichever graph computes its prompt (an int4 engine's attention is
-    exact only with keys at equal offsets; engines/onnx_export.py: row_exact_f32_attention)."""
+    exact only with keys at equal offsets; engines/onnx/attention.py: row_exact_f32_attention)."""
     lens = torch.tensor([len(p) for p in prompts])
     s = int(lens.max())
     first = s - lens  # [B] slot of each prompt's first token
@@ -272,37 +304,49 @@ def _pad_prompts(prompts: list[list[int]]) -> tuple[torch.Tensor, ...]:
     return ids, pos, mask, (first[:, None] + slot).clamp(max=s - 1), lens
 
 
-def prefill(backend: Backend, prompts: list[list[int]], heads: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """All prompts in one left-padded forward, committed to the cache; returns the logits [B, V]
-    and Medusa logits [H, B, V] (None without `heads`) at each prompt's last token (slot S-1).
+def prefill(backend: Backend, prompts: list[list[int]], heads: bool = True, pick: Callable | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """All prompts in one left-padded forward, committed to the cache; returns the logits [B, V] at
+    each prompt's last token (slot S-1), the first root there (`pick` of the logits: argmax by
+    default) and, with `heads`, the drafter's logits [H, B, V] for the first tree (None without).
     medusa-check drives it too."""
     ids, pos, mask, slots, lens = _pad_prompts(prompts)
     last = torch.full((len(prompts), 1), ids.shape[1] - 1, dtype=torch.long)
     logits, _ = backend.forward(ids, pos, mask, last, with_heads=False)
-    medusa = backend.heads(torch.zeros(len(prompts), dtype=torch.long)) if heads else None
     backend.commit(slots, lens)
-    return logits[:, 0], medusa
+    logits = logits[:, 0]
+    root = (pick or argmax)(logits)
+    # The forward kept one row, the prompt's last; the token chosen after it is the root.
+    medusa = backend.draft(torch.zeros(len(prompts), 1, dtype=torch.long), torch.ones(len(prompts), dtype=torch.long),
+                           root[:, None]) if heads else None
+    return logits, root, medusa
 
 
-def _fused_prefill(backend, prompts: list[list[int]], tree: StepTree) -> torch.Tensor:
+def _prefill(backend: Backend, prompts: list[list[int]], sampler: _Sampler | None, heads: bool) -> Carry:
+    """prefill, and the first root: the base model's pick at each prompt's last token."""
+    _, root, medusa = prefill(backend, prompts, heads=heads, pick=sampler.draw if sampler else None)
+    return Carry(root=root, medusa=medusa)
+
+
+def _fused_prefill(backend: Backend, tree: StepTree, prompts: list[list[int]], sampler: None = None) -> Carry:
     """The prompts through the fused step graph, so a greedy Medusa decode never opens the decoder
-    and heads graphs (one packed copy of the weights per process; BENCHMARKS.md, issue 13 memory).
-    The graph takes one `retrieve` for the batch, so prompts are left-padded: every last token sits
-    in slot S-1, the root of a path without drafts, and the graph's argmax there and its heads' top-k
-    there are the first tree's tokens [B, T]. The graph computes logits at its last
+    and heads graphs (one packed copy of the weights per process; docs/benchmarks/issue-13-int4.md,
+    memory). The graph takes one `retrieve` for the batch, so prompts are left-padded: every last
+    token sits in slot S-1, the root of a path without drafts, and the graph's argmax there and its
+    heads' top-k there are the first tree's tokens [B, T]. The graph computes logits at its last
     1 + len(candidate_index) slots only (a tree's width), not over the whole prompt."""
     ids, pos, mask, slots, lens = _pad_prompts(prompts)
     retrieve = torch.full((1, tree.retrieve.shape[1]), -1, dtype=torch.long)
     retrieve[0, 0] = ids.shape[1] - 1
     _, _, tokens = backend.fused_step(ids, pos, mask, retrieve, tree.candidate_index)
     backend.commit(slots, lens)
-    return tokens
+    return Carry(tokens=tokens)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """Greedy picks over the last axis, the first maximum on ties (as torch.argmax). Host logits
-    take numpy's argmax: torch's costs ~29 us a call over a 49152-wide row on this CPU (setting up
-    the reduction), numpy's ~2 us, and a plain step of a 135M int4 engine is ~7 ms."""
+    take numpy's argmax: torch's sets up a reduction per call, which costs a noticeable share of a
+    small int4 engine's plain step; numpy's does not (docs/benchmarks/issue-13-int4.md)."""
     if not logits.is_cpu or logits.dtype == torch.bfloat16:  # numpy has no bfloat16
         return logits.argmax(-1)
     return torch.from_numpy(logits.detach().numpy().argmax(-1))
@@ -317,75 +361,32 @@ def _plain_step_inputs(batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Te
             torch.ones(batch, dtype=torch.long))
 
 
-def _plain_step(backend: Backend, root: torch.Tensor, sampler: _Sampler | None):
+def _plain_compute(backend: Backend, tokens: torch.Tensor, positions: torch.Tensor, tree: None = None) -> torch.Tensor:
+    """A plain step's backend work: logits [B, 1, V] of one new token per sequence."""
+    mask, slots, _ = _plain_step_inputs(len(tokens))
+    logits, _ = backend.forward(tokens, positions, mask, slots, with_heads=False)
+    return logits
+
+
+def _plain_step(backend: Backend, tree: None, carry: Carry, sampler: _Sampler | None):
+    root = carry.root
     emitted = [[t] for t in root.tolist()]
-    greedy = None if sampler else getattr(backend, "plain_greedy_step", None)
-    if greedy is not None:  # forward, commit and argmax in one call (OrtBackend, in-place engines)
-        return emitted, greedy(root)
-    mask, slots, counts = _plain_step_inputs(len(root))
-    logits, _ = backend.forward(root[:, None], backend.lengths[:, None], mask, slots, with_heads=False)
+    _, slots, counts = _plain_step_inputs(len(root))
+    logits = _plain_compute(backend, root[:, None], backend.lengths[:, None])
     backend.commit(slots, counts)
-    return emitted, sampler.draw(logits[:, 0]) if sampler else argmax(logits[:, 0])
+    return emitted, None, Carry(root=sampler.draw(logits[:, 0]) if sampler else argmax(logits[:, 0]))
 
 
-@dataclass(frozen=True)
-class StepTree:
-    """The tree buffers the loop reads every step, as torch tensors (converted once per request)."""
+def _tree_compute(backend: Backend, tokens: torch.Tensor, positions: torch.Tensor, tree: StepTree) -> torch.Tensor:
+    """A two-call tree step's verification: logits [B, T, V] over the tree's slots (the drafter comes
+    after acceptance, at the committed slots)."""
+    logits, _ = backend.forward(tokens, positions, tree.mask[None].expand(len(tokens), -1, -1), with_heads=False)
+    return logits
 
-    num_slots: int
-    max_depth: int
-    topk: int  # top-k taken of each head's logits (tree.candidate_topk)
-    candidate_index: torch.Tensor  # [T-1] each non-root slot's token in the heads' flat top-k (tree.candidate_index)
-    position_offsets: torch.Tensor  # [T]
-    mask: torch.Tensor  # [T, T] bool
-    retrieve: torch.Tensor  # [N, D+1] -1 padded
-    # within_block's cut trees by slot count, made once per request (at most one per size).
-    _cuts: dict[int, StepTree] = field(default_factory=dict, init=False, compare=False, repr=False)
 
-    @classmethod
-    def of(cls, t: TreeBuffers, vocab_size: int) -> StepTree:
-        k = candidate_topk(vocab_size, t)
-        return cls(t.num_slots, t.max_depth, k, torch.tensor(candidate_index(t, k)), torch.tensor(t.position_offsets),
-                   torch.tensor(t.attention_mask), torch.tensor(t.retrieve_indices))
-
-    @functools.cached_property
-    def paths(self) -> list[list[int]]:
-        """retrieve's rows as lists, -1 padding as slot 0 (commit reads only the accepted part)."""
-        return [[max(i, 0) for i in row] for row in self.retrieve.tolist()]
-
-    @functools.cached_property
-    def is_chain(self) -> bool:
-        """Every slot at the offset of its depth: its ancestors are the slots before it. Computed
-        once: within_block asks every step."""
-        return bool((self.position_offsets == torch.arange(self.num_slots)).all())
-
-    def cut(self, slots: int) -> StepTree:
-        """The tree of the first `slots` slots (parents come before children, so it is a tree). The
-        paths keep the full depth (-1 padded): the fused step drafts the next full tree with as many
-        heads as retrieve is deep, from the full candidate_index."""
-        paths = [tuple(i for i in row if 0 <= i < slots) for row in self.retrieve.tolist()]
-        leaves = [p for p in dict.fromkeys(paths) if not any(q != p and q[: len(p)] == p for q in paths)]
-        retrieve = torch.full((len(leaves), self.retrieve.shape[1]), -1, dtype=self.retrieve.dtype)
-        for row, path in zip(retrieve, leaves, strict=True):
-            row[: len(path)] = torch.tensor(path)
-        return StepTree(slots, int(self.position_offsets[:slots].max()), self.topk, self.candidate_index,
-                        self.position_offsets[:slots], self.mask[:slots, :slots], retrieve)
-
-    def within_block(self, lengths: torch.Tensor, block: int | None) -> StepTree:
-        """This step's tree on an engine whose attention is exact only while a tree's slots share
-        one `block`-aligned block of the cache with the committed prefix (row_exact_f32,
-        engines/onnx_export.py): a branching tree that would cross a block edge after any
-        sequence's prefix is cut to the slots before it (the root at least). Chains never need a
-        cut: each slot sits at its own position, as in plain decoding. About one step in
-        `block / tree width` is cut per sequence."""
-        if block is None or self.num_slots == 1 or self.is_chain:
-            return self
-        room = min(block - n % block for n in lengths.tolist())
-        if room >= self.num_slots:
-            return self
-        if room not in self._cuts:
-            self._cuts[room] = self.cut(room)
-        return self._cuts[room]
+def _two_call_step(backend: Backend, cfg: GenerationConfig, tree: StepTree, carry: Carry, sampler: _Sampler | None):
+    emitted, accepted, root, medusa = tree_step(backend, tree, carry.root, carry.medusa, cfg, sampler)
+    return emitted, accepted, Carry(root=root, medusa=medusa)
 
 
 def tree_step(backend: Backend, tree: StepTree, root: torch.Tensor, medusa: torch.Tensor, cfg: GenerationConfig,
@@ -396,8 +397,7 @@ def tree_step(backend: Backend, tree: StepTree, root: torch.Tensor, medusa: torc
     logits [H, B, V]. medusa-check drives it too."""
     b = len(root)
     tokens = tree_candidates(root, medusa, tree.candidate_index, tree.topk)[:, : tree.num_slots]  # [B, T]
-    pos = backend.lengths[:, None] + tree.position_offsets[None]
-    logits, _ = backend.forward(tokens, pos, tree.mask[None].expand(b, -1, -1), with_heads=False)  # [B, T, V]
+    logits = _tree_compute(backend, tokens, backend.lengths[:, None] + tree.position_offsets[None], tree)  # [B, T, V]
     if sampler:
         best, accepted, picks = sample_accept(tree.retrieve, tokens, sampler.probs(logits), sampler.uniforms(tree.num_slots))
     else:
@@ -407,23 +407,29 @@ def tree_step(backend: Backend, tree: StepTree, root: torch.Tensor, medusa: torc
         else:
             best, accepted = typical_accept(tree.retrieve, tokens, logits, cfg.temperature,
                                             cfg.posterior_threshold, cfg.posterior_alpha)
-    emitted, last = _commit_path(backend, tree, tokens, best, accepted)
-    return emitted, accepted, picks[torch.arange(b), last], backend.heads(last)
+    emitted, rows, last = _commit_path(backend, tree, tokens, best, accepted)
+    root = picks[torch.arange(b), last]
+    # The drafter reads the committed rows and the token chosen after each: the next accepted one,
+    # then the new root (lists: right after an engine step each torch call costs more than a list op).
+    width = rows.shape[1]
+    after = [e[1:] + [r] + [0] * (width - len(e)) for e, r in zip(emitted, root.tolist(), strict=True)]
+    return emitted, accepted, root, backend.draft(rows, accepted + 1, torch.tensor(after))
 
 
-def _fused_tree_step(backend, tree: StepTree, tokens):
-    """One backend call verifies `tokens` (the first tree.num_slots: a cut tree verifies fewer),
-    accepts greedily and drafts the next tree's tokens."""
-    one_call = getattr(backend, "greedy_tree_step", None)
-    if one_call is not None:  # fused step and commit in one call (OrtBackend, in-place engines)
-        best, accepted, next_tokens = one_call(tokens, tree)
-        return _emitted(tree, tokens, best, accepted)[0], accepted, next_tokens
-    tokens = tokens[:, : tree.num_slots]
-    pos = backend.lengths[:, None] + tree.position_offsets[None]
-    mask = tree.mask[None].expand(len(tokens), -1, -1)
-    best, accepted, next_tokens = backend.fused_step(tokens, pos, mask, tree.retrieve, tree.candidate_index)
-    emitted, _ = _commit_path(backend, tree, tokens, best, accepted)
-    return emitted, accepted, next_tokens
+def _fused_compute(backend: Backend, tokens: torch.Tensor, positions: torch.Tensor, tree: StepTree):
+    """A fused step's one backend call: best path [B], accepted [B] and the next tree's tokens."""
+    return backend.fused_step(tokens, positions, tree.mask[None].expand(len(tokens), -1, -1), tree.retrieve,
+                              tree.candidate_index)
+
+
+def _fused_tree_step(backend: Backend, tree: StepTree, carry: Carry, sampler: None = None):
+    """One backend call verifies the carried tokens (the first tree.num_slots: a cut tree verifies
+    fewer), accepts greedily and drafts the next tree's tokens; then the accepted path's commit."""
+    tokens = carry.tokens[:, : tree.num_slots]
+    best, accepted, next_tokens = _fused_compute(backend, tokens, backend.lengths[:, None] + tree.position_offsets[None],
+                                                 tree)
+    emitted, _, _ = _commit_path(backend, tree, tokens, best, accepted)
+    return emitted, accepted, Carry(tokens=next_tokens)
 
 
 def _emitted(tree: StepTree, tokens, best, accepted) -> tuple[list[list[int]], list[list[int]], list[int]]:
@@ -437,11 +443,12 @@ def _emitted(tree: StepTree, tokens, best, accepted) -> tuple[list[list[int]], l
 
 
 def _commit_path(backend, tree: StepTree, tokens, best, accepted):
-    """Commits each sequence's accepted path; returns the emitted tokens and the slot whose logits
-    continue."""
+    """Commits each sequence's accepted path; returns the emitted tokens, the path's slots [B, D+1]
+    (the rows committed, the first accepted + 1 of each) and the slot whose logits continue [B]."""
     emitted, rows, kept = _emitted(tree, tokens, best, accepted)
-    backend.commit(torch.tensor(rows), accepted + 1)
-    return emitted, torch.tensor([row[a] for row, a in zip(rows, kept, strict=True)])
+    slots = torch.tensor(rows)
+    backend.commit(slots, accepted + 1)
+    return emitted, slots, torch.tensor([row[a] for row, a in zip(rows, kept, strict=True)])
 
 
 def _count_accepted(stats: list[SequenceStats], active: torch.Tensor, tree: StepTree, accepted: torch.Tensor) -> None:

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from medusa_trt.engine_dir import ENGINE_JSON, EngineError, read_engine, read_json_object
-from medusa_trt.runtime.backend import Backend, TorchBackend
+from medusa_trt.engine_dir import ENGINE_JSON, EngineError, read_engine
+from medusa_trt.errors import read_json_object
+from medusa_trt.runtime.backend import Backend
+from medusa_trt.runtime.ort.session import OrtSessionOptions
+from medusa_trt.runtime.torch_backend import TorchBackend
 
 
 def _merged_config(directory: Path) -> dict:
@@ -16,12 +19,13 @@ def _merged_config(directory: Path) -> dict:
 
 
 def load_backend(directory: str | Path, dtype: str | None = None, device: str | None = None,
-                 threads: int | None = None, spin: bool = False) -> Backend:
+                 ort_options: OrtSessionOptions | None = None) -> Backend:
     """An engine dir (engine.json) opens its engine; a merged checkpoint opens the PyTorch reference
-    (on `device`: cpu by default, or cuda). `threads`: ONNX Runtime intra-op threads (default: one
-    per core this process may use); `spin`: its worker threads spin between ops (for cores the
-    engine has to itself; see ort_backend.session_options)."""
+    (on `device`: cpu by default, or cuda). `ort_options`: an ONNX Runtime engine's intra-op threads
+    (default: one per core this process may use) and spinning (for cores the engine has to itself;
+    see runtime/ort/session.py: session_options), for every one of its sessions."""
     directory = Path(directory)
+    threads = ort_options.threads if ort_options else None
     if threads is not None and threads < 1:
         raise EngineError(f"threads {threads}: expected a positive number (or none: one per core)")
     if not directory.is_dir():
@@ -29,11 +33,11 @@ def load_backend(directory: str | Path, dtype: str | None = None, device: str | 
     if (directory / ENGINE_JSON).exists():
         kind = read_engine(directory)["backend"]
         if kind == "onnxruntime":
-            from medusa_trt.runtime.ort_backend import OrtBackend
+            from medusa_trt.runtime.ort.backend import OrtBackend
 
-            return OrtBackend(directory, device=device, threads=threads, spinning=spin)
+            return OrtBackend(directory, device=device, options=ort_options)
         if kind == "tensorrt":
-            from medusa_trt.runtime.trt_backend import TensorRTBackend
+            from medusa_trt.runtime.trt.backend import TensorRTBackend
 
             return TensorRTBackend(directory)
         raise EngineError(f"{directory / ENGINE_JSON}: backend {kind!r} has no Python runtime here "

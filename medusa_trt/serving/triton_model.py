@@ -106,8 +106,7 @@ def load_service(settings: ModelSettings, decoupled: bool = False) -> Service:
 
         torch.set_num_threads(settings.intra_op_threads)
     backend = load_backend(settings.engine_dir, dtype=settings.dtype, device=settings.device)
-    if hasattr(backend, "open_sessions"):  # optional in the Backend protocol (runtime/backend.py)
-        backend.open_sessions()
+    backend.open_sessions()  # a no-op for backends that open nothing on first use (runtime/backend.py)
     tokenizer = load_tokenizer(settings.engine_dir)
     return Service(backend, tokenizer, settings, stop_tokens(settings.engine_dir, tokenizer), decoupled)
 

@@ -33,11 +33,12 @@ class BenchError(MedusaTrtError):
     """Bad input to medusa-bench / medusa-tune-tree (a file, a directory, an option); exit 2."""
 
 
-class ForwardTimer:
-    """A backend whose compute calls (forward, and heads, fused_step, plain_greedy_step and
-    greedy_tree_step where the backend has them) are timed; everything else in a step is host
-    overhead (candidate selection, acceptance, KV compaction, Python). Calls before the first commit
-    belong to the prefill. Delegates the rest."""
+class ForwardTimer(Backend):
+    """A backend whose compute calls (forward, heads, fused_step: the calls the steps of
+    decoding.step_plan make) are timed; everything else in a step is host overhead (candidate
+    selection, acceptance, KV compaction, Python). Calls before the first commit belong to the
+    prefill. Every other member of the interface goes to the wrapped backend as it is, so the
+    decoding loop plans the same steps on both."""
 
     def __init__(self, backend: Backend):
         self.backend = backend
@@ -54,13 +55,6 @@ class ForwardTimer:
         finally:
             self.calls.append((self._commits, time.perf_counter() - t0))
 
-    def forward(self, *args, **kwargs):
-        return self._timed(self.backend.forward, *args, **kwargs)
-
-    def commit(self, *args, **kwargs):
-        self._commits += 1
-        return self.backend.commit(*args, **kwargs)
-
     @property
     def seconds(self) -> float:
         return sum(dt for _, dt in self.calls)
@@ -69,15 +63,45 @@ class ForwardTimer:
     def prefill_seconds(self) -> float:
         return sum(dt for commits, dt in self.calls if commits == 0)
 
+    # -- the Backend interface: compute timed, commits counted, the rest passed on -----------
+
+    @property
+    def info(self):
+        return self.backend.info
+
     @property
     def lengths(self) -> torch.Tensor:
         return self.backend.lengths
 
-    def __getattr__(self, name):  # info, start, keep, and backend-specific attributes
-        attr = getattr(self.backend, name)
-        if name in ("heads", "fused_step", "plain_greedy_step", "greedy_tree_step") and attr is not None:  # compute, timed like forward
-            return lambda *args, **kwargs: self._timed(attr, *args, **kwargs)
-        return attr
+    @property
+    def fused_step_topk(self) -> int | None:
+        return self.backend.fused_step_topk
+
+    @property
+    def host_threads(self) -> int | None:
+        return self.backend.host_threads
+
+    def start(self, batch: int, capacity: int) -> None:
+        self.backend.start(batch, capacity)
+
+    def forward(self, *args, **kwargs):
+        return self._timed(self.backend.forward, *args, **kwargs)
+
+    def draft(self, rows: torch.Tensor, counts: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+        return self._timed(self.backend.draft, rows, counts, next_tokens)
+
+    def fused_step(self, *args, **kwargs):
+        return self._timed(self.backend.fused_step, *args, **kwargs)
+
+    def commit(self, slots: torch.Tensor, counts: torch.Tensor) -> None:
+        self._commits += 1
+        self.backend.commit(slots, counts)
+
+    def keep(self, rows: torch.Tensor) -> None:
+        self.backend.keep(rows)
+
+    def open_sessions(self) -> None:
+        self.backend.open_sessions()
 
 
 @dataclass

@@ -33,11 +33,13 @@ def _reusable(engine_dir: Path) -> bool:
 
 def run_demo(args) -> int:
     """The demo with the options of medusa_trt.cli.demo's parser; 0 when Medusa output equals plain."""
-    from medusa_trt.converter import convert
     from medusa_trt.converter.gguf import fetch_smollm2
-    from medusa_trt.engines.build import BuildOptions, build_engine
+    from medusa_trt.converter.merge import convert
+    from medusa_trt.engines.build import build_engine
+    from medusa_trt.engines.options import BuildOptions
     from medusa_trt.runtime.decoding import GenerationConfig, generate
     from medusa_trt.runtime.loading import load_backend, load_tokenizer, stop_tokens
+    from medusa_trt.runtime.ort.session import OrtSessionOptions
     from medusa_trt.tools.bench import ForwardTimer, timed_decode
 
     work = args.workdir
@@ -55,7 +57,7 @@ def run_demo(args) -> int:
         print(f"1-2/3 reusing {engine_dir} (delete {work} to rebuild)")
     print(f"    setup took {time.perf_counter() - t0:.0f} s")
 
-    backend = load_backend(engine_dir, threads=args.threads, spin=args.spin)
+    backend = load_backend(engine_dir, ort_options=OrtSessionOptions(threads=args.threads, spin=args.spin))
     tok = load_tokenizer(engine_dir)
     stops = stop_tokens(engine_dir, tok)
     tree = args.medusa_choices or (str(args.heads.parent / "tree.json")

@@ -45,7 +45,7 @@ INT4_NOISE_PER_LAYER x layers (scaled with the peak like the tolerances: 1.7 the
 Greedy tokens may then part from the reference's at a near-tie: a plain decode passes when the
 reference's top-2 margin at the first differing token is within that p90 bound (the row says so).
 What int4 must keep exactly is the engine's own consistency: its Medusa greedy decode must equal its
-own plain greedy decode token for token (engines/onnx_export.py, row_exact attention).
+own plain greedy decode token for token (engines/onnx/attention.py, row_exact attention).
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ from pathlib import Path
 import torch
 
 from medusa_trt.errors import MedusaTrtError
+from medusa_trt.runtime.backend import Backend, last_rows
 
 TOLERANCES = {"float32": 1e-4, "float16": 5e-2, "bfloat16": 2.5e-1}
 LOGIT_SCALE = 10.0  # the logit magnitude TOLERANCES are stated for (see the module docstring)
@@ -124,8 +125,8 @@ def run_check(engine_dir: str | Path, checkpoint: str | Path | None = None, prom
     from medusa_trt.engine_dir import sha256_file, verify_artifacts
     from medusa_trt.errors import CheckpointError
     from medusa_trt.modeling import MedusaModel
-    from medusa_trt.runtime.backend import TorchBackend
     from medusa_trt.runtime.loading import load_backend
+    from medusa_trt.runtime.torch_backend import TorchBackend
 
     engine_dir = Path(engine_dir)
     if atol is not None and not (atol >= 0 and math.isfinite(atol)):
@@ -219,7 +220,7 @@ def _read_engine(engine_dir: Path) -> dict:
         raise CheckInputError(str(e)) from None
 
 
-class _Observed:
+class _Observed(Backend):
     """The Backend the decoding loop's own steps run on in medusa-check: every call goes to the
     engine and to the reference with the same inputs, and the loop carries on with the reference's
     outputs, so both sides see the same tokens and commit the same cache entries. Each forward asks
@@ -253,8 +254,8 @@ class _Observed:
         self._medusa = medusa
         return logits, medusa if with_heads else None
 
-    def heads(self, rows: torch.Tensor) -> torch.Tensor:
-        return self._medusa[:, torch.arange(len(rows)), rows]
+    def draft(self, rows: torch.Tensor, counts: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+        return self._medusa[:, torch.arange(len(rows)), last_rows(rows, counts)]
 
     def commit(self, slots: torch.Tensor, counts: torch.Tensor) -> None:
         for b in self.sides:
@@ -274,8 +275,8 @@ def _compare_steps(report: CheckReport, subject, reference, prompts: list[list[i
     from polygraphy.comparator import Comparator, IterationResult, RunResults
     from polygraphy.logger import G_LOGGER
 
-    from medusa_trt.runtime.decoding import GenerationConfig, StepTree, prefill, tree_step
-    from medusa_trt.tree import tree_for_engine
+    from medusa_trt.runtime.decoding import GenerationConfig, prefill, tree_step
+    from medusa_trt.tree import StepTree, tree_for_engine
 
     info = reference.info
     tree = tree_for_engine(info.num_medusa_heads, info.max_draft_len) if info.num_medusa_heads else None
@@ -284,10 +285,9 @@ def _compare_steps(report: CheckReport, subject, reference, prompts: list[list[i
     both = _Observed(subject, reference)
     both.start(len(prompts), max(len(p) for p in prompts) + steps * width + 1)
     stages = ["prefill" + label]
-    logits, medusa = prefill(both, prompts)  # [B, V], [H, B, V]
+    logits, root, medusa = prefill(both, prompts)  # [B, V], [B], [H, B, V]
     if tree is not None:
         step_tree, greedy = StepTree.of(tree, info.vocab_size), GenerationConfig()
-        root = logits.argmax(-1)
         for step in range(steps):
             stages.append(f"tree step {step + 1}" + label)
             _, _, root, medusa = tree_step(both, step_tree, root, medusa, greedy)
@@ -382,5 +382,5 @@ def _top2_margin(reference, ids: list[int]) -> float:
     from medusa_trt.runtime.decoding import prefill
 
     reference.start(1, len(ids) + 1)
-    top = prefill(reference, [ids])[0][0].topk(2).values
+    top = prefill(reference, [ids], heads=False)[0][0].topk(2).values
     return float(top[0] - top[1])

@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from medusa_trt.tools.train_heads import rank_hits
-from medusa_trt.tree import CANDIDATE_TOPK, DEFAULT_TREE
+from medusa_trt.tree import CANDIDATE_TOPK, DEFAULT_TREE, StepTree
 
 # Ranks measured per head default to CANDIDATE_TOPK, so a tuned tree keeps the runtime's shared top-k
 # (and the fused step graph); DEFAULT_TREE is what the tuned tree is compared with.
@@ -247,47 +247,36 @@ def non_decreasing(values: Sequence[float]) -> list[float]:
     return out
 
 
-def separate_heads(backend) -> bool:
-    """Whether the backend computes Medusa heads in a separate call (`heads`, at the accepted rows
-    only) rather than at every row of every forward."""
-    return callable(getattr(backend, "heads", None))
-
-
 def measure_forward_ms(backend, context: list[int], max_tokens: int, reps: int = 7, seed: int = 0,
                        progress: bool = True) -> tuple[list[float], float]:
     """Median ms of the backend compute of one decoding step after a committed `context` (a
-    realistic cache length), issued as the decoding loop issues it: a tree step of T = 1..max_tokens
-    tokens, and a plain step. Each repetition runs every size once, as a short block of steps, in
-    a shuffled order so drift on a shared machine spreads evenly. Returns (tree step ms per T,
-    plain step ms)."""
+    realistic cache length), the calls the decoding loop's own step makes (decoding.step_plan): a
+    greedy tree step of T = 1..max_tokens tokens, and a plain step. Each repetition runs every size
+    once, as a short block of steps, in a shuffled order so drift on a shared machine spreads
+    evenly. Returns (tree step ms per T, plain step ms)."""
     from tqdm import tqdm
 
-    split = separate_heads(backend)
-    fused_k = getattr(backend, "fused_step_topk", None)  # greedy steps go through the fused step
+    from medusa_trt.runtime.decoding import GenerationConfig, step_plan
+
     backend.start(1, len(context) + max_tokens + 1)
     n = len(context)
     pos = torch.arange(n)[None]
     backend.forward(torch.tensor([context]), pos, torch.ones(n, n, dtype=torch.bool).tril()[None],
                     torch.tensor([[n - 1]]))
     backend.commit(pos, torch.tensor([n]))
-    first_row = torch.zeros(1, dtype=torch.long)
+    first_row, one = torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long)
+    trees = {t: _timing_tree(t, backend.info.num_medusa_heads, backend.fused_step_topk or CANDIDATE_TOPK)
+             for t in range(1, max_tokens + 1)}
+    plans = {t: step_plan(backend, GenerationConfig(), tree) for t, tree in trees.items()}
+    plans[0] = step_plan(backend, GenerationConfig(use_medusa=False), None)
 
     def step(t: int, tree: bool) -> float:
         ids = torch.tensor([(context * (t // n + 1))[:t]])
-        mask = torch.ones(t, t, dtype=torch.bool).tril()[None]
-        fused = tree and fused_k and t > 1  # the fused graph takes trees of at least one node
-        if fused:  # t slots, one path as deep as the heads allow; the candidates' values do not change the cost
-            depth = min(t - 1, backend.info.num_medusa_heads)
-            retrieve, index = torch.arange(depth + 1)[None], torch.arange(t - 1) % (depth * fused_k)
+        plan = plans[t if tree else 0]
         t0 = time.perf_counter()
-        if fused:
-            backend.fused_step(ids, n + torch.arange(t)[None], mask, retrieve, index)
-        elif not split:
-            backend.forward(ids, n + torch.arange(t)[None], mask)
-        else:  # verify without heads; heads only at the accepted row (none on a plain step)
-            backend.forward(ids, n + torch.arange(t)[None], mask, with_heads=False)
-            if tree:
-                backend.heads(first_row)
+        plan.compute(ids, n + torch.arange(t)[None], trees[t] if tree else None)
+        if plan.kind == "two_call":  # the drafter after acceptance, at the committed row
+            backend.draft(first_row, one, ids[:, :1])
         return time.perf_counter() - t0
 
     rng = random.Random(seed)
@@ -302,6 +291,17 @@ def measure_forward_ms(backend, context: list[int], max_tokens: int, reps: int =
             times[t].extend(block[1:])
     med = {t: 1e3 * statistics.median(v) for t, v in times.items()}
     return [med[t] for t in range(1, max_tokens + 1)], med[0]
+
+
+def _timing_tree(t: int, heads: int, topk: int) -> StepTree:
+    """A tree of t slots to time steps with, causal like a chain: one path as deep as the heads
+    allow; the candidates' values do not change the cost. One slot is a tree cut to its root, as
+    the decoding loop runs it (StepTree.within_block): the full-depth path -1 padded."""
+    depth = max(min(t - 1, heads), 1)
+    retrieve = torch.full((1, depth + 1), -1, dtype=torch.long)
+    retrieve[0, : min(depth, t - 1) + 1] = torch.arange(min(depth, t - 1) + 1)
+    index = torch.arange(max(t - 1, 1)) % (depth * topk)
+    return StepTree(t, t - 1, topk, index, torch.arange(t), torch.ones(t, t, dtype=torch.bool).tril(), retrieve)
 
 
 # -- the choice ----------------------------------------------------------------------------------
@@ -451,7 +451,7 @@ def tune(backend, calib: list[list[int]], *, max_nodes: int = 64, max_new_tokens
     """Measures accuracy and step times, chooses the tree; returns the tree.json content."""
     # Engines compute on their own threads; the few torch ops here would only contend with them
     # (the decoding loop does the same for its own ops).
-    threads, saved = getattr(backend, "host_threads", None), torch.get_num_threads()
+    threads, saved = backend.host_threads, torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
     try:
@@ -508,8 +508,8 @@ def _tune(backend, calib, max_nodes, max_new_tokens, stop_token_ids, topk, reps,
         "head_accuracy": {"rank_accuracy": [[round(a, 5) for a in row] for row in acc.accuracy],
                           "top1": [round(a, 4) for a in acc.top1], "positions": acc.positions,
                           "base_agreement": round(acc.base_agreement, 4)},
-        "step_time_ms": {"heads_separate": separate_heads(backend),
-                         "fused_step": getattr(backend, "fused_step_topk", None) is not None,
+        "step_time_ms": {"heads_separate": True,  # every backend runs its heads at the accepted rows only
+                         "fused_step": backend.fused_step_topk is not None,
                          "plain_forward": round(steps.plain_forward_ms, 4),
                          "forward": [round(v, 4) for v in steps.forward_ms],
                          "forward_raw": [round(v, 4) for v in steps.raw_forward_ms],

@@ -27,7 +27,8 @@ from medusa_trt.checkpoint import (
     validate_checkpoint,
 )
 from medusa_trt.cli.convert import main
-from medusa_trt.converter import ConvertError, convert
+from medusa_trt.converter.hf_base import ConvertError
+from medusa_trt.converter.merge import convert
 from medusa_trt.safetensors_io import SafetensorsFile
 
 ARCHS = ["llama", "mistral", "qwen2"]

@@ -15,8 +15,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from medusa_trt.checkpoint import load_checkpoint, rank_file, validate_checkpoint
 from medusa_trt.cli.convert import main as convert_main
-from medusa_trt.converter import convert
 from medusa_trt.converter.hf_base import TensorSource, find_weight_files
+from medusa_trt.converter.merge import convert
 from medusa_trt.converter.quantize import QuantOptions
 from medusa_trt.modeling import MedusaModel
 from medusa_trt.quant import FP8Linear
@@ -332,7 +332,8 @@ ROWS_WITHIN = 0.9
 
 @pytest.fixture(scope="module")
 def fp8_engine(fp8, tmp_path_factory):
-    from medusa_trt.engines.build import BuildOptions, build_engine
+    from medusa_trt.engines.build import build_engine
+    from medusa_trt.engines.options import BuildOptions
 
     ckpt = fp8(kv_cache_dtype="fp8", quantize_heads=True)
     out = tmp_path_factory.mktemp("fp8-engine") / "engine"
@@ -368,7 +369,7 @@ def test_engine_matches_fp8_reference(fp8_engine):
     reference on identical inputs: base logits, hidden state, new K/V, and the heads graph's logits."""
     import numpy as np
 
-    from medusa_trt.runtime.ort_backend import make_session
+    from medusa_trt.runtime.ort.session import make_session
     from medusa_trt.tree import build_tree
 
     ckpt, engine_dir = fp8_engine
@@ -418,9 +419,9 @@ def test_onnx_qdq_is_the_reference_arithmetic(tmp_path):
     on identical inputs: saturation past 448, round-to-nearest-even ties, subnormals, zero."""
     import numpy as np
 
-    from medusa_trt.engines.onnx_export import _export_dequant, _export_fake_quant, _fp8_translations
+    from medusa_trt.engines.onnx.ops import export_dequant, export_fake_quant, fp8_translations
     from medusa_trt.quant import fake_quant_fp8
-    from medusa_trt.runtime.ort_backend import make_session
+    from medusa_trt.runtime.ort.session import make_session
 
     scale = torch.tensor([0.01])
     grid = torch.tensor([0.0, 1.0, 1.125, 1.0625, 1.1875, 448.0, 464.0, 480.0, 2.0**-9, 2.0**-10, 3 * 2.0**-10])
@@ -434,9 +435,9 @@ def test_onnx_qdq_is_the_reference_arithmetic(tmp_path):
             self.register_buffer("scale", scale)
 
         def forward(self, x):
-            return _export_fake_quant(x, self.scale), _export_dequant(self.q, self.scale, torch.float32)
+            return export_fake_quant(x, self.scale), export_dequant(self.q, self.scale, torch.float32)
 
-    program = torch.onnx.export(QDQ(), (x,), dynamo=True, opset_version=23, custom_translation_table=_fp8_translations(),
+    program = torch.onnx.export(QDQ(), (x,), dynamo=True, opset_version=23, custom_translation_table=fp8_translations(),
                                 input_names=["x"], output_names=["y", "w"], verbose=False)
     program.save(tmp_path / "qdq.onnx")
     y, w = make_session(tmp_path / "qdq.onnx").run(None, {"x": x.numpy()})

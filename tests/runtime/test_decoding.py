@@ -14,12 +14,12 @@ from synthetic import EOS
 from transformers import AutoModelForCausalLM
 
 from medusa_trt.cli.run import main as run_main
-from medusa_trt.converter import convert
+from medusa_trt.converter.merge import convert
 from medusa_trt.drafters.medusa import OUTSIDE_DRAFT_LOGIT
 from medusa_trt.modeling import MedusaModel
 from medusa_trt.quant import quantize_model_int4
-from medusa_trt.runtime.backend import TorchBackend
 from medusa_trt.runtime.decoding import GenerationConfig, decode, generate
+from medusa_trt.runtime.torch_backend import TorchBackend
 from medusa_trt.tools.train_heads import greedy_continuations, save_heads, train_heads
 from medusa_trt.tree import PRESETS
 
@@ -200,8 +200,9 @@ def test_fused_greedy_step_equals_the_unfused_loop(distilled, tmp_path):
     the same path as the loop's own acceptance: same tokens and statistics, batch 4, ragged prompts,
     one sequence ending early on a stop id; a tree shallower than the heads (the graph drafts with as
     many heads as the tree is deep); a tree with a rank beyond the graph's top-k falls back."""
-    from medusa_trt.engines.build import BuildOptions, build_engine
-    from medusa_trt.runtime.ort_backend import OrtBackend
+    from medusa_trt.engines.build import build_engine
+    from medusa_trt.engines.options import BuildOptions
+    from medusa_trt.runtime.ort.backend import OrtBackend
 
     m = distilled("llama")
     build_engine(BuildOptions(checkpoint=m.ckpt, out=tmp_path / "engine", progress=False))
@@ -237,8 +238,10 @@ def test_draft_vocabulary_heads(distilled, tmp_path):
     import shutil
 
     from medusa_trt.cli.check import main as check_main
-    from medusa_trt.engines.build import BuildOptions, build_engine
-    from medusa_trt.runtime.ort_backend import OrtBackend
+    from medusa_trt.engines.build import build_engine
+    from medusa_trt.engines.options import BuildOptions
+    from medusa_trt.engines.ort.build import OrtOptions
+    from medusa_trt.runtime.ort.backend import OrtBackend
 
     m = distilled("llama")
     heads = tmp_path / "heads"
@@ -276,7 +279,7 @@ def test_draft_vocabulary_heads(distilled, tmp_path):
 
     # int4 engines hold the draft matrix as MatMulNBits too; the reference mirrors it (medusa-check).
     build_engine(BuildOptions(checkpoint=tmp_path / "ckpt", out=tmp_path / "engine_int4", progress=False,
-                              extra={"weights": "int4", "int4_block_size": 32}))
+                              backend_options=OrtOptions(weights="int4", int4_block_size=32)))
     info = json.loads((tmp_path / "engine_int4" / "engine.json").read_text())
     assert info["weights"]["draft_int4"]
     int4 = OrtBackend(tmp_path / "engine_int4")
@@ -314,8 +317,7 @@ def test_tree_cut_and_key_block():
     """StepTree.cut keeps the first slots as a tree (paths to its leaves, full depth); within_block
     cuts a branching tree where its slots would cross a block edge after some sequence's prefix,
     and never a chain."""
-    from medusa_trt.runtime.decoding import StepTree
-    from medusa_trt.tree import build_tree
+    from medusa_trt.tree import StepTree, build_tree
 
     tree = StepTree.of(build_tree([[0], [1], [0, 0], [1, 0]], 2, 8), 1000)
     cut = tree.cut(3)  # root, [0], [1]

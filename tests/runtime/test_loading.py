@@ -14,10 +14,11 @@ from transformers import AutoTokenizer
 from medusa_trt.engine_dir import ENGINE_JSON, EngineError
 from medusa_trt.errors import CheckpointError, MedusaTrtError
 from medusa_trt.modeling import MedusaModel
-from medusa_trt.runtime.backend import TorchBackend
 from medusa_trt.runtime.decoding import GenerationConfig, decode
 from medusa_trt.runtime.loading import load_backend, load_tokenizer, stop_tokens, tokenizer_model_type
-from medusa_trt.runtime.ort_backend import OrtBackend
+from medusa_trt.runtime.ort.backend import OrtBackend
+from medusa_trt.runtime.ort.session import OrtSessionOptions
+from medusa_trt.runtime.torch_backend import TorchBackend
 
 PROMPTS = [[5, 9, 33, 7], [40, 3]]
 TEXT = "Hello, World 42! it's a-ok?"
@@ -64,7 +65,7 @@ def test_merged_checkpoint_on_a_device(tiny_merged):
 
 def test_engine_dir_opens_its_engine(ort_engine, tiny_merged):
     engine = ort_engine("llama")
-    backend = load_backend(engine, threads=1)
+    backend = load_backend(engine, ort_options=OrtSessionOptions(threads=1))
     assert isinstance(backend, OrtBackend)
     assert backend.session.get_session_options().intra_op_num_threads == 1
     assert greedy(backend) == greedy(load_backend(tiny_merged("llama")))
@@ -75,7 +76,8 @@ def test_each_mode_opens_only_its_session(ort_engine):
     prefill of ragged prompts too) and plain decoding on the decoder graph alone, so a process doing
     one holds one packed copy of the weights (issue 13). Both give plain greedy's tokens."""
     engine = ort_engine("llama")
-    medusa, plain = load_backend(engine, threads=1), load_backend(engine, threads=1)
+    one_thread = OrtSessionOptions(threads=1)
+    medusa, plain = load_backend(engine, ort_options=one_thread), load_backend(engine, ort_options=one_thread)
     assert medusa.open_session_names == plain.open_session_names == frozenset()
     tokens = decode(medusa, PROMPTS, GenerationConfig(max_new_tokens=12, medusa_choices=[[0], [0, 0], [1]])).tokens
     assert medusa.open_session_names == {"step_session"}
@@ -86,11 +88,13 @@ def test_each_mode_opens_only_its_session(ort_engine):
 
 
 def test_spin_reaches_every_session(ort_engine):
-    """`spin` (medusa-run --spin) sets ONNX Runtime's intra-op spinning on all of an engine's sessions;
-    the default stays off (a shared machine), and the tokens do not depend on it."""
+    """`spin` (medusa-run --spin, carried in OrtSessionOptions) sets ONNX Runtime's intra-op spinning
+    on all of an engine's sessions; the default stays off (a shared machine), and the tokens do not
+    depend on it."""
     engine = ort_engine("llama")
     key = "session.intra_op.allow_spinning"
-    quiet, spinning = load_backend(engine, threads=2), load_backend(engine, threads=2, spin=True)
+    quiet = load_backend(engine, ort_options=OrtSessionOptions(threads=2))
+    spinning = load_backend(engine, ort_options=OrtSessionOptions(threads=2, spin=True))
     for backend, want in ((quiet, "0"), (spinning, "1")):
         sessions = [backend.session, backend.heads_session, backend.step_session]
         assert all(s is not None for s in sessions)
@@ -100,7 +104,7 @@ def test_spin_reaches_every_session(ort_engine):
 
 def test_bad_directories(tmp_path, tiny_base, ort_engine):
     with pytest.raises(EngineError, match=r"threads 0: expected a positive number"):
-        load_backend(tmp_path, threads=0)
+        load_backend(tmp_path, ort_options=OrtSessionOptions(threads=0))
     with pytest.raises(EngineError, match=r"nope: not a directory; expected an engine directory or a merged"):
         load_backend(tmp_path / "nope")
     (tmp_path / "file").write_text("x")

@@ -10,11 +10,13 @@ import pytest
 import torch
 
 from medusa_trt.cli import run as run_cli
+from medusa_trt.engine_dir import EngineError
 from medusa_trt.modeling import MedusaModel
-from medusa_trt.runtime.backend import TorchBackend
 from medusa_trt.runtime.decoding import GenerationConfig, decode
 from medusa_trt.runtime.loading import load_backend, load_tokenizer
-from medusa_trt.runtime.ort_backend import EngineError, OrtBackend
+from medusa_trt.runtime.ort.backend import OrtBackend
+from medusa_trt.runtime.ort.cache import BoundCache, ReturnedCache
+from medusa_trt.runtime.torch_backend import TorchBackend
 
 PROMPTS = ("The quick brown fox", "Medusa heads draft a tree of candidates", "Hi")
 NEW_TOKENS = 48
@@ -64,7 +66,7 @@ def test_interface_matches_torch_backend(ort_engine, tiny_merged, use_binding):
     """Random forward/commit/keep sequences give the same logits on both backends, through the
     CPU path and through the IOBinding path CUDA uses (exercised here on the CPU)."""
     ort = OrtBackend(ort_engine("llama"))
-    ort.use_binding = use_binding
+    ort.cache_mode = BoundCache if use_binding else ReturnedCache
     ref = TorchBackend(MedusaModel.from_checkpoint(tiny_merged("llama")))
     g = torch.Generator().manual_seed(3)
     for b in (ort, ref):
@@ -170,7 +172,8 @@ def test_medusa_run_engine(ort_engine, capsys):
 def test_engine_without_heads(tmp_path, tiny_merged):
     """A base-only checkpoint builds and decodes plainly (its medusa_logits output has 0 heads)."""
     from medusa_trt.checkpoint import load_checkpoint, write_checkpoint
-    from medusa_trt.engines.build import BuildOptions, build_engine
+    from medusa_trt.engines.build import build_engine
+    from medusa_trt.engines.options import BuildOptions
 
     config, weights = load_checkpoint(tiny_merged("llama"))
     write_checkpoint(tmp_path / "ckpt", {**config, "num_medusa_heads": 0},

@@ -24,11 +24,11 @@ from transformers import AutoModelForCausalLM
 
 from medusa_trt.acceptance import greedy_accept, sample_accept, sample_tokens, sampling_probs, typical_accept
 from medusa_trt.cli.run import main as run_main
-from medusa_trt.converter import convert
+from medusa_trt.converter.merge import convert
 from medusa_trt.modeling import MedusaModel
 from medusa_trt.runtime import decoding
-from medusa_trt.runtime.backend import TorchBackend
 from medusa_trt.runtime.decoding import GenerationConfig, decode
+from medusa_trt.runtime.torch_backend import TorchBackend
 from medusa_trt.tools.train_heads import greedy_continuations, save_heads, train_heads
 from medusa_trt.tree import build_tree
 
@@ -294,7 +294,7 @@ def test_temperature_to_zero_is_greedy(small):
 def test_same_seed_same_tokens_on_onnx_runtime(ort_engine, tiny_merged):
     """The reference and the ONNX Runtime engine of one checkpoint draw the same tokens from one seed
     (the engine has the fused greedy step; `sample` takes the two-call path on it)."""
-    from medusa_trt.runtime.ort_backend import OrtBackend
+    from medusa_trt.runtime.ort.backend import OrtBackend
 
     engine = OrtBackend(ort_engine("llama"))
     assert engine.fused_step_topk

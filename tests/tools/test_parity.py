@@ -42,7 +42,7 @@ def test_perturbed_weights_fail(ort_engine, tmp_path, capsys):
     parity fails (exit 1)."""
     engine = tmp_path / "engine"
     shutil.copytree(ort_engine("llama"), engine)
-    # The weights live in the shared weights.bin (engines/onnx_weights.py): nudge one matrix in place.
+    # The weights live in the shared weights.bin (engines/ort/weights.py): nudge one matrix in place.
     model = onnx.load(engine / "model.onnx", load_external_data=False)
     target = max(model.graph.initializer, key=lambda t: np.prod(t.dims))  # an embedding or lm_head matrix
     info = {e.key: int(e.value) for e in target.external_data if e.key in ("offset", "length")}
@@ -142,7 +142,7 @@ PROMPTS = [[3, 30, 38, 51, 183, 33], [8, 8, 1, 123, 159, 107, 5, 74, 232, 66, 26
 
 def _torch_backend(tiny_merged, perturb_heads: bool = False):
     from medusa_trt.modeling import MedusaModel
-    from medusa_trt.runtime.backend import TorchBackend
+    from medusa_trt.runtime.torch_backend import TorchBackend
 
     model = MedusaModel.from_checkpoint(tiny_merged("llama", heads_kwargs={"trivial": True}), dtype="float32")
     if perturb_heads:  # a fault in the Medusa heads only: the base logits stay exact

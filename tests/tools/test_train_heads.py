@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from medusa_trt.cli import train_heads as train_cli
-from medusa_trt.converter import convert
+from medusa_trt.converter.merge import convert
 from medusa_trt.data import read_samples
 from medusa_trt.modeling import MedusaModel
-from medusa_trt.runtime.backend import TorchBackend
 from medusa_trt.runtime.decoding import GenerationConfig, decode
+from medusa_trt.runtime.torch_backend import TorchBackend
 from medusa_trt.tools.train_heads import greedy_continuations
 
 WORDS = "def return class import self value items print range list dict open with for in if else".split()
@@ -80,8 +80,9 @@ def test_shared_lm_head_writes_v2_heads_that_the_engine_runs_as_one_matmul(tiny_
     import onnx
     from safetensors.torch import load_file
 
-    from medusa_trt.engines.build import BuildOptions, build_engine
-    from medusa_trt.runtime.ort_backend import OrtBackend
+    from medusa_trt.engines.build import build_engine
+    from medusa_trt.engines.options import BuildOptions
+    from medusa_trt.runtime.ort.backend import OrtBackend
 
     base = tiny_base("llama")
     data = write_data(tmp_path / "data.jsonl")

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from medusa_trt.cli import tune_tree as tune_cli
 from medusa_trt.tools import tune_tree as ts
+from medusa_trt.tools.train_heads import rank_hits
 from medusa_trt.tools.tune_tree import (
     StepTimes,
     choose_tree,
@@ -23,7 +24,6 @@ from medusa_trt.tools.tune_tree import (
     greedy_tree,
     joint_tree,
     non_decreasing,
-    rank_hits,
     simulate,
 )
 from medusa_trt.tree import build_tree, parse_medusa_choices

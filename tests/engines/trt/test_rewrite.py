@@ -28,19 +28,20 @@ onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnx_graphsurgeon")
 pytest.importorskip("onnxruntime_extensions")
 
-from medusa_trt.engines.onnx_export import export_onnx  # noqa: E402
-from medusa_trt.engines.onnx_rewrite import (  # noqa: E402
+from medusa_trt.engines.onnx.export import export_onnx  # noqa: E402
+from medusa_trt.engines.trt.rewrite import (  # noqa: E402
     PACKED_MASK,
     PAST_LENS,
     RewriteError,
     reference_session,
     rewrite_onnx_file,
 )
-from medusa_trt.engines.tree_attention import kernel  # noqa: E402
-from medusa_trt.engines.tree_attention.plugin import PLUGIN_NAME, PLUGIN_NAMESPACE  # noqa: E402
+from medusa_trt.engines.trt.tree_attention import kernel  # noqa: E402
+from medusa_trt.engines.trt.tree_attention.plugin import PLUGIN_NAME, PLUGIN_NAMESPACE  # noqa: E402
 from medusa_trt.modeling import MedusaModel  # noqa: E402
 from medusa_trt.runtime.decoding import GenerationConfig, decode  # noqa: E402
-from medusa_trt.runtime.ort_backend import OrtBackend, make_session  # noqa: E402
+from medusa_trt.runtime.ort.backend import OrtBackend  # noqa: E402
+from medusa_trt.runtime.ort.session import make_session  # noqa: E402
 from medusa_trt.tree import build_tree, pack_mask  # noqa: E402
 
 TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [2, 0, 0, 0]]  # 9 nodes, depth 4
@@ -207,7 +208,7 @@ def test_medusa_decode_through_rewritten_graph(ort_engine, rewritten):
 
 @pytest.fixture(scope="module")
 def fp8_checkpoint(tmp_path_factory, tiny_base, tiny_heads):
-    from medusa_trt.converter import convert
+    from medusa_trt.converter.merge import convert
     from medusa_trt.converter.quantize import QuantOptions
 
     work = tmp_path_factory.mktemp("fp8-rewrite")
@@ -282,7 +283,7 @@ def test_errors(tiny_merged, rewritten, tmp_path):
     m = onnx.load(str(src))
     node = next(n for n in m.graph.node if n.op_type == "Attention")
     node.input[3] = "new_mask"
-    from medusa_trt.engines.onnx_rewrite import rewrite_attention
+    from medusa_trt.engines.trt.rewrite import rewrite_attention
 
     with pytest.raises(RewriteError, match="attn_mask 'new_mask'"):
         rewrite_attention(m)

@@ -22,7 +22,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from medusa_trt.engines.tree_attention.kernel import TUNING_CONFIGS, TileConfig, head_block, jit_kernel
+from medusa_trt.engines.trt.tree_attention.kernel import TUNING_CONFIGS, TileConfig, head_block, jit_kernel
 
 PLUGIN_NAMESPACE = "medusa"
 PLUGIN_NAME = "tree_attention"

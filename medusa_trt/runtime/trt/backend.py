@@ -1,6 +1,6 @@
 """A TensorRT engine directory (medusa-build --backend tensorrt) behind the runtime's Backend interface.
 
-Same graph interface and cache layout as the ONNX Runtime engine (`ort_backend`): the KV cache is
+Same graph interface and cache layout as the ONNX Runtime engine (runtime/ort/backend.py): the KV cache is
 one torch CUDA tensor per K and V, [L, B, Hkv, capacity, D], allocated once per `start`; each
 layer's slice is bound to the engine by pointer (`set_tensor_address`) as it is, the graph masks
 entries past each sequence's committed length, and `commit` scatters the kept new K/V after each
@@ -23,7 +23,14 @@ from pathlib import Path
 import torch
 
 from medusa_trt.engine_dir import EngineError, check_artifacts, read_engine_json
-from medusa_trt.runtime.backend import ModelInfo, check_forward, scatter_pending, zero_cache
+from medusa_trt.runtime.backend import (
+    Backend,
+    ModelInfo,
+    check_forward,
+    last_rows,
+    scatter_pending,
+    zero_cache,
+)
 
 _EXTRA_HINT = "pip install 'medusa-trt[tensorrt]'"
 _INPUTS = ("input_ids", "position_ids", "past_lengths", "new_mask", "logit_positions")
@@ -47,7 +54,7 @@ class _Engine:
         data = path.read_bytes()
         engine = runtime.deserialize_cuda_engine(data)
         if engine is None and uses_plugin:
-            from medusa_trt.engines.tree_attention.plugin import register_plugin
+            from medusa_trt.engines.trt.tree_attention.plugin import register_plugin
 
             register_plugin()
             engine = runtime.deserialize_cuda_engine(data)
@@ -93,7 +100,7 @@ class _Engine:
         return outputs
 
 
-class TensorRTBackend:
+class TensorRTBackend(Backend):
     """A TensorRT engine directory behind the Backend interface (see the module docstring)."""
 
     host_threads = 1  # the engine computes on the GPU; the loop's torch ops are tiny (decoding.generate)
@@ -167,11 +174,11 @@ class TensorRTBackend:
         return logits, self._run_heads(hidden.reshape(-1, hidden.shape[-1])).reshape(-1, *hidden.shape[:2], self.vocab_size)
 
     @torch.inference_mode()
-    def heads(self, rows: torch.Tensor) -> torch.Tensor:
+    def draft(self, rows: torch.Tensor, counts: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
         if self._hidden is None:
-            raise RuntimeError("heads() without a forward()")
-        b = self._hidden.shape[0]
-        index = torch.arange(b, device=self.device), rows.to(self.device)
+            raise RuntimeError("draft() without a forward()")
+        b = self._hidden.shape[0]  # the heads engine is a Medusa drafter's: the last committed row only
+        index = torch.arange(b, device=self.device), last_rows(rows, counts).to(self.device)
         return self._run_heads(self._hidden[index].contiguous())
 
     def _run_heads(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """The exported decoder graph, rewritten for TensorRT: attention nodes become tree-attention plugin nodes.
 
-`onnx_export` writes each layer's attention (form "attention23") as
+`engines/onnx/export.py` writes each layer's attention (form "attention23") as
 
     Attention(q, Concat(past_key_i, k), Concat(past_value_i, v), Unsqueeze(mask, [1]))
 
@@ -50,7 +50,7 @@ from pathlib import Path
 
 import numpy as np
 
-from medusa_trt.engines.tree_attention.plugin import (
+from medusa_trt.engines.trt.tree_attention.plugin import (
     INPUT_NAMES,
     PLUGIN_NAME,
     PLUGIN_NAMESPACE,
@@ -114,7 +114,7 @@ def _rewrite(gs, model, scale):
     for name in (_LENGTHS_INPUT, _MASK_INPUT):
         if name not in inputs:
             raise RewriteError(f"graph input {name!r} not found (inputs: {sorted(inputs)}); expected a decoder "
-                               "graph exported by medusa_trt.engines.onnx_export")
+                               "graph exported by medusa_trt.engines.onnx.export")
     attention = [n for n in graph.nodes if n.op == "Attention" and n.domain in _ONNX_DOMAINS]
     if not attention:
         ops = sorted({n.op for n in graph.nodes})
@@ -286,7 +286,7 @@ def _check_attention(node, inputs: dict) -> float | None:
         concat = _producer(node.inputs[index])
         past = concat.inputs[0] if concat is not None and concat.inputs else None
         sliced = _producer(past) if past is not None else None
-        if sliced is not None and sliced.op == "Slice":  # the committed prefix of the past (onnx_export)
+        if sliced is not None and sliced.op == "Slice":  # the committed prefix of the past (onnx/export.py)
             past = sliced.inputs[0]
         ok = (concat is not None and concat.op == "Concat" and len(concat.inputs) == 2
               and _attr_int(concat, "axis") in (2, -2)
@@ -340,7 +340,7 @@ def _register_ort_op() -> str:
     def tree_attention_op(q, k, v, past_lens, packed_mask, **attrs):
         import torch
 
-        from medusa_trt.engines.tree_attention.kernel import reference_tree_attention, tree_attention
+        from medusa_trt.engines.trt.tree_attention.kernel import reference_tree_attention, tree_attention
 
         fn = tree_attention if _ort_impl["impl"] == "kernel" else reference_tree_attention
         scale = float(attrs.get(SCALE_ATTR, 0.0)) or None  # 0.0: 1/sqrt(D), as in the plugin
@@ -363,7 +363,7 @@ def reference_session(onnx_path: str | Path, impl: str = "reference", threads: i
     so = ort.SessionOptions()
     so.register_custom_ops_library(library)
     so.intra_op_num_threads = threads
-    # As ort_backend.session_options: ONNX Runtime's QDQ fusions turn an FP8 graph's DequantizeLinear ->
+    # As runtime/ort/session.py's session_options: ONNX Runtime's QDQ fusions turn an FP8 graph's DequantizeLinear ->
     # MatMul into kernels without float8 inputs; float graphs have no Q/DQ, so nothing changes for them.
     so.add_session_config_entry("session.disable_quant_qdq", "1")
     so.log_severity_level = 3

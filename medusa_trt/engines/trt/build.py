@@ -1,7 +1,7 @@
-"""medusa-build --backend tensorrt: the exported ONNX graphs built into TensorRT engines.
+"""medusa-build --backend tensorrt: the exported ONNX graphs built into TensorRT engines (options: TrtOptions).
 
-Steps: export the decoder and heads graphs (`onnx_export`, attention form "attention23"), replace
-the attention nodes by tree-attention plugin nodes (`onnx_rewrite`), register the plugin with
+Steps: export the decoder and heads graphs (`engines/onnx/export.py`, attention form "attention23"), replace
+the attention nodes by tree-attention plugin nodes (`rewrite.py`), register the plugin with
 TensorRT's Python plugin API, parse the rewritten graph from its file (so external weight files
 resolve), and build a strongly typed network with one optimization profile:
 
@@ -39,9 +39,18 @@ import logging
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from medusa_trt.engine_dir import DTYPES
-from medusa_trt.engines.options import BuildError, BuildOptions, Limits, limits_for, progress_bar
+from medusa_trt.engines.options import (
+    BackendOptions,
+    BuildError,
+    BuildOptions,
+    Limits,
+    backend_options,
+    limits_for,
+    progress_bar,
+)
 
 log = logging.getLogger(__name__)
 
@@ -53,13 +62,32 @@ DEFAULT_ATTENTION_MODE = "plugin"
 EXTRA_HINT = "pip install 'medusa-trt[tensorrt]'"
 
 
+@dataclass(frozen=True)
+class TrtOptions(BackendOptions):
+    """medusa-build's TensorRT options (the flags marked "--backend tensorrt" in its --help)."""
+
+    backend: ClassVar[str] = "tensorrt"
+
+    trt_attention: str | None = None  # --trt-attention: ATTENTION_MODES; None: DEFAULT_ATTENTION_MODE
+    keep_onnx: bool = False  # --keep-onnx: keep the exported (and rewritten) graphs in <out>/onnx
+
+    @property
+    def mode(self) -> str:
+        return self.trt_attention or DEFAULT_ATTENTION_MODE
+
+    def check(self) -> None:
+        """Raises BuildError for a value the builder cannot use, naming its flag."""
+        if self.mode not in ATTENTION_MODES:
+            raise BuildError(f"--trt-attention {self.mode!r}: expected one of {', '.join(ATTENTION_MODES)}")
+
+
 Shape = tuple[int, ...]
 Profile = dict[str, tuple[Shape, Shape, Shape]]  # input name -> (min, opt, max)
 
 
 def decoder_profile(limits: Limits, num_layers: int, num_kv_heads: int, head_dim: int) -> Profile:
-    """Optimization-profile shapes of every decoder input (names from onnx_export)."""
-    from medusa_trt.engines.onnx_export import past_names
+    """Optimization-profile shapes of every decoder input (names from engine_dir)."""
+    from medusa_trt.engine_dir import past_names
 
     b, tree, seq = limits.max_batch_size, limits.tree, limits.max_seq_len
     opt_new = min(tree, seq)
@@ -85,7 +113,7 @@ def decoder_profile(limits: Limits, num_layers: int, num_kv_heads: int, head_dim
 def heads_profile(limits: Limits, hidden_size: int) -> Profile:
     """The heads engine runs one row per sequence in a decoding step; the runtime splits larger
     requests (every row of a prefill) into chunks of the max."""
-    from medusa_trt.engines.onnx_export import HEADS_INPUT
+    from medusa_trt.engine_dir import HEADS_INPUT
 
     b = limits.max_batch_size
     rows = b * limits.tree
@@ -157,9 +185,10 @@ def build_serialized(trt, onnx_path: Path, profile: Profile, *, tf32: bool):
 
 
 def check_attention_options(opts: BuildOptions) -> str:
-    mode = opts.extra.get("trt_attention") or DEFAULT_ATTENTION_MODE
-    if mode not in ATTENTION_MODES:
-        raise BuildError(f"--trt-attention {mode!r}: expected one of {', '.join(ATTENTION_MODES)}")
+    """The attention mode, after checking it against the common options (--attention, --opset)."""
+    trt = backend_options(opts, TrtOptions)
+    trt.check()
+    mode = trt.mode
     if mode == "plugin" and opts.attention not in (None, "attention23"):
         raise BuildError(f"--attention {opts.attention} with --trt-attention plugin: the plugin replaces the "
                          "attention23 form's Attention nodes; drop --attention or use --trt-attention native")
@@ -182,7 +211,7 @@ class TrtOnnx:
 
     decoder: Path  # the graph rank0.engine is built from (rewritten for the plugin, or as exported)
     heads: Path | None
-    exported: object  # onnx_export.ExportResult
+    exported: object  # onnx.export.ExportResult
     plugin_nodes: int  # 0 with --trt-attention native
     num_layers: int
     num_kv_heads: int
@@ -192,8 +221,8 @@ class TrtOnnx:
 
 def export_for_tensorrt(opts: BuildOptions, mode: str, dtype: str, onnx_dir: Path) -> TrtOnnx:
     """Exports the checkpoint's decoder and heads graphs into `onnx_dir` and, for the plugin, rewrites
-    the decoder's attention nodes (onnx_rewrite). Needs no TensorRT: runs on any machine."""
-    from medusa_trt.engines.onnx_export import DEFAULT_OPSET, export_onnx
+    the decoder's attention nodes (rewrite.py). Needs no TensorRT: runs on any machine."""
+    from medusa_trt.engines.onnx.export import DEFAULT_OPSET, export_onnx
     from medusa_trt.modeling import MedusaModel
 
     model = MedusaModel.from_checkpoint(opts.checkpoint, dtype=dtype)
@@ -206,7 +235,7 @@ def export_for_tensorrt(opts: BuildOptions, mode: str, dtype: str, onnx_dir: Pat
     del model
     decoder, plugin_nodes = exported.path, 0
     if mode == "plugin":
-        from medusa_trt.engines.onnx_rewrite import RewriteError, rewrite_onnx_file
+        from medusa_trt.engines.trt.rewrite import RewriteError, rewrite_onnx_file
 
         try:
             rewritten = rewrite_onnx_file(exported.path)
@@ -237,7 +266,7 @@ def build_tensorrt(opts: BuildOptions, config: dict, workdir: Path) -> dict:
     steps = ["export ONNX", "register plugin", "build decoder", "build heads"]
     bar = progress_bar(len(steps), opts.progress, "medusa-build")
     onnx_dir = workdir / ONNX_DIR
-    keep_onnx = bool(opts.extra.get("keep_onnx"))
+    keep_onnx = backend_options(opts, TrtOptions).keep_onnx
     try:
         bar.set_postfix_str(steps[0])
         graphs = export_for_tensorrt(opts, mode, dtype, onnx_dir)
@@ -245,14 +274,18 @@ def build_tensorrt(opts: BuildOptions, config: dict, workdir: Path) -> dict:
         bar.set_postfix_str(steps[1])
         plugin_info = None
         if mode == "plugin":
-            from medusa_trt.engines.tree_attention.plugin import PLUGIN_ID, PLUGIN_VERSION, register_plugin
+            from medusa_trt.engines.trt.tree_attention.plugin import (
+                PLUGIN_ID,
+                PLUGIN_VERSION,
+                register_plugin,
+            )
 
             try:
                 register_plugin()
             except (ImportError, RuntimeError) as e:
                 raise BuildError(str(e)) from None
             plugin_info = {"id": PLUGIN_ID, "version": PLUGIN_VERSION, "aot": True, "nodes": graphs.plugin_nodes,
-                           "packed_mask": "computed in the graph from new_mask (onnx_rewrite)"}
+                           "packed_mask": "computed in the graph from new_mask (engines/trt/rewrite.py)"}
         bar.update()
         bar.set_postfix_str(steps[2])
         tf32 = dtype != "float32"

@@ -1,6 +1,6 @@
-"""ONNX Runtime contrib-op fusions of medusa-build's graphs (engines/onnx_fusions.py, issue 13): every
+"""ONNX Runtime contrib-op fusions of medusa-build's graphs (engines/ort/fusions.py, issue 13): every
 pattern of every layer is rewritten, and a fused engine decodes as the plain one does (greedy tokens
-equal; logits within float32 rounding)."""
+equal; logits within float32 rounding); the in-place cache rewrite (write_cache_in_place)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,16 @@ import onnx
 import pytest
 import torch
 
-from medusa_trt.engines.build import BuildError, BuildOptions, build_engine
-from medusa_trt.engines.onnx_fusions import FUSIONS
+from medusa_trt.engines.build import build_engine
+from medusa_trt.engines.options import BuildError, BuildOptions
+from medusa_trt.engines.ort.build import OrtOptions
+from medusa_trt.engines.ort.fusions import FUSIONS
 from medusa_trt.modeling import MedusaModel
-from medusa_trt.runtime.decoding import GenerationConfig, decode
-from medusa_trt.runtime.ort_backend import OrtBackend
+from medusa_trt.runtime.decoding import GenerationConfig, decode, prefill
+from medusa_trt.runtime.ort.backend import OrtBackend
+from medusa_trt.runtime.ort.session import OrtSessionOptions
+from tests.engines.onnx.test_attention import one_row_logits
+from tests.engines.ort.test_ort_build import INT4, int4_engine
 
 
 def _ops(path) -> collections.Counter:
@@ -24,7 +29,7 @@ def _ops(path) -> collections.Counter:
 
 @pytest.mark.parametrize("weights", ["float", "int4"])
 def test_fused_graphs(ort_engine, tiny_merged, weights):
-    engine = ort_engine(extra={"weights": weights})
+    engine = ort_engine(backend_options=OrtOptions(weights=weights))
     layers = MedusaModel.from_checkpoint(tiny_merged("llama")).cfg.num_layers
     info = json.loads((engine / "engine.json").read_text())["onnx"]
     # Query and key rotated per layer; each layer's two norms and the final one follow a residual Add
@@ -40,9 +45,11 @@ def test_fused_graphs(ort_engine, tiny_merged, weights):
 
 @pytest.mark.parametrize("weights", ["float", "int4"])
 def test_fused_engine_decodes_as_plain_graph(ort_engine, weights):
-    fused, plain = ort_engine(extra={"weights": weights}), ort_engine(extra={"weights": weights, "fusions": []})
+    fused = ort_engine(backend_options=OrtOptions(weights=weights))
+    plain = ort_engine(backend_options=OrtOptions(weights=weights, fusions=()))
     assert json.loads((plain / "engine.json").read_text())["onnx"]["fusions"] == {}
-    a, b = OrtBackend(fused, threads=1), OrtBackend(plain, threads=1)
+    one = OrtSessionOptions(threads=1)
+    a, b = OrtBackend(fused, options=one), OrtBackend(plain, options=one)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, a.vocab_size, (2, 9), generator=g)
     pos, mask = torch.arange(9).expand(2, 9), torch.ones(2, 9, 9, dtype=torch.bool).tril()
@@ -61,7 +68,7 @@ def test_fused_engine_decodes_as_plain_graph(ort_engine, weights):
 def test_unknown_fusion_is_refused(tiny_merged, tmp_path):
     with pytest.raises(BuildError, match="fusions"):
         build_engine(BuildOptions(checkpoint=tiny_merged("llama"), out=tmp_path / "e", progress=False,
-                                  extra={"fusions": ["rotary", "gelu"]}))
+                                  backend_options=OrtOptions(fusions=("rotary", "gelu"))))
     assert not (tmp_path / "e").exists()
     assert set(FUSIONS) == {"rotary", "skip_norm", "gate_up"}
 
@@ -90,7 +97,7 @@ def test_add_before_split_is_bitwise_the_pairwise_adds(extra_reader):
     import numpy as np
     import onnxruntime as ort
 
-    from medusa_trt.engines.onnx_fusions import _add_before_split
+    from medusa_trt.engines.ort.fusions import _add_before_split
 
     model = _two_splits_added(extra_reader)
     rng = np.random.default_rng(0)
@@ -105,3 +112,50 @@ def test_add_before_split_is_bitwise_the_pairwise_adds(extra_reader):
     assert (ops["Split"], ops["Add"]) == ((2, 3) if extra_reader else (1, 1))
     for x, y in zip(before, run(model), strict=True):
         assert np.array_equal(x, y)
+
+
+def test_int4_cache_is_written_in_place(ort_engine):
+    """int4 engines write each step's new K/V into the cache buffers the runtime binds (TensorScatter,
+    engines/ort/fusions.py: write_cache_in_place), nothing scattered after the step: the same
+    tokens and logit bits as the same engine built without it, on both greedy paths of a branching
+    tree (whose accepted paths the commit moves into place) and a ragged batch."""
+    import onnx
+
+    inplace = int4_engine(ort_engine, 4)
+    copied = ort_engine("llama", backend_options=OrtOptions(**INT4, int4_accuracy_level=4, cache_in_place=False))
+    engine = json.loads((inplace / "engine.json").read_text())
+    assert engine["onnx"]["cache_in_place"] is True and engine["onnx"]["opset"] >= 24
+    assert json.loads((copied / "engine.json").read_text())["onnx"]["cache_in_place"] is False
+    layers = engine["model"]["num_layers"]
+    for name in ("model.onnx", "model_step.onnx"):
+        graph = onnx.load(inplace / name, load_external_data=False).graph
+        ops = [n.op_type for n in graph.node]
+        assert ops.count("TensorScatter") == 2 * layers and "ScatterElements" not in ops
+        assert [o.name for o in graph.output][-2 * layers:] == [
+            f"present_{kind}_{i}" for i in range(layers) for kind in ("key", "value")]
+    a, b = OrtBackend(inplace), OrtBackend(copied)
+    assert a.in_place and not b.in_place
+    ids = [7, 3, 19, 40, 2, 11, 5, 60, 33, 21, 9, 14]
+    torch.testing.assert_close(one_row_logits(a, ids, 6), one_row_logits(b, ids, 6), rtol=0, atol=0)
+    prompts = [[5, 9, 17, 33], [3, 4], list(range(20, 40))]
+    tree = [[0], [1], [0, 0], [1, 0], [0, 1]]
+    for use_medusa in (False, True):
+        cfg = GenerationConfig(max_new_tokens=24, use_medusa=use_medusa, medusa_choices=tree)
+        want = decode(b, prompts, cfg)
+        assert decode(a, prompts, cfg).tokens == want.tokens
+    a.step_session, a.fused_step_topk = None, None  # the two-call path: forward, then commit
+    assert decode(a, prompts, cfg).tokens == want.tokens
+    # Random heads are rarely right, so a commit that moves slots is made here: a tree of root, two
+    # children and a grandchild under the second child, its path root -> 2 -> 3 kept, then a step.
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)[None]
+    after = []
+    for backend in (a, b):
+        backend.start(1, 32)
+        prefill(backend, [ids[:6]])
+        backend.forward(torch.tensor([[4, 8, 9, 10]]), backend.lengths[:, None] + torch.tensor([[0, 1, 1, 2]]), mask,
+                        with_heads=False)
+        backend.commit(torch.tensor([[0, 2, 3]]), torch.tensor([3]))
+        after.append(backend.forward(torch.tensor([[12]]), backend.lengths[:, None], torch.ones(1, 1, 1, dtype=torch.bool),
+                                     with_heads=False)[0])
+    assert a.lengths.tolist() == b.lengths.tolist() == [9]
+    torch.testing.assert_close(after[0], after[1], rtol=0, atol=0)

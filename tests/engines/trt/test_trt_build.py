@@ -15,14 +15,8 @@ import pytest
 import torch
 
 from medusa_trt.cli import build as build_cli
-from medusa_trt.engines.build import BuildError, BuildOptions
-from medusa_trt.engines.tensorrt import (
-    Limits,
-    check_attention_options,
-    decoder_profile,
-    heads_profile,
-    limits_for,
-)
+from medusa_trt.engines.options import BuildError, BuildOptions, Limits, limits_for
+from medusa_trt.engines.trt.build import TrtOptions, check_attention_options, decoder_profile, heads_profile
 
 
 def _main(ckpt, out, *args) -> int:
@@ -63,10 +57,10 @@ def test_option_errors_come_before_tensorrt(tiny_merged, tmp_path, capsys):
     assert "--opset 21" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # argparse refuses unknown modes
         _main(ckpt, tmp_path / "e", "--trt-attention", "flash")
-    opts = BuildOptions(checkpoint=ckpt, out=tmp_path / "e", backend="tensorrt", extra={"trt_attention": "x"})
+    opts = BuildOptions(checkpoint=ckpt, out=tmp_path / "e", backend="tensorrt", backend_options=TrtOptions(trt_attention="x"))
     with pytest.raises(BuildError, match="--trt-attention 'x'"):
         check_attention_options(opts)
-    native = BuildOptions(checkpoint=ckpt, out=tmp_path / "e", attention="split", extra={"trt_attention": "native"})
+    native = BuildOptions(checkpoint=ckpt, out=tmp_path / "e", attention="split", backend_options=TrtOptions(trt_attention="native"))
     assert check_attention_options(native) == "native"
 
 
@@ -105,11 +99,11 @@ def test_onnx_stage_of_the_build(tiny_merged, tmp_path, mode, dtype):
     engine interface its profile describes, in the engine dtype."""
     import onnx
 
-    from medusa_trt.engines.tensorrt import export_for_tensorrt
-    from medusa_trt.engines.tree_attention.plugin import PLUGIN_NAME
+    from medusa_trt.engines.trt.build import export_for_tensorrt
+    from medusa_trt.engines.trt.tree_attention.plugin import PLUGIN_NAME
 
     opts = BuildOptions(checkpoint=tiny_merged("llama"), out=tmp_path / "e", backend="tensorrt",
-                        extra={"trt_attention": mode})
+                        backend_options=TrtOptions(trt_attention=mode))
     graphs = export_for_tensorrt(opts, check_attention_options(opts), dtype, tmp_path / "onnx")
     onnx.checker.check_model(str(graphs.decoder))
     decoder = onnx.load(str(graphs.decoder))
@@ -150,7 +144,7 @@ def trt_engine(tmp_path_factory, tiny_merged):
             out = tmp_path_factory.mktemp(f"trt-{arch}-{mode}-{dtype}") / "engine"
             build_engine(BuildOptions(checkpoint=tiny_merged(arch), out=out, backend="tensorrt", dtype=dtype,
                                       max_batch_size=4, max_seq_len=256, max_draft_len=32, progress=False,
-                                      extra={"trt_attention": mode}))
+                                      backend_options=TrtOptions(trt_attention=mode)))
             cache[key] = out
         return cache[key]
 
@@ -162,9 +156,9 @@ def trt_engine(tmp_path_factory, tiny_merged):
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_engine_matches_torch_backend(trt_engine, tiny_merged, mode, arch):
     from medusa_trt.modeling import MedusaModel
-    from medusa_trt.runtime.backend import TorchBackend
     from medusa_trt.runtime.loading import load_backend
-    from medusa_trt.runtime.trt_backend import TensorRTBackend
+    from medusa_trt.runtime.torch_backend import TorchBackend
+    from medusa_trt.runtime.trt.backend import TensorRTBackend
     from medusa_trt.tree import build_tree
 
     engine_dir = trt_engine(arch, mode)
@@ -195,8 +189,8 @@ def test_engine_matches_torch_backend(trt_engine, tiny_merged, mode, arch):
         got, want = trt.forward(ids, pos, new_mask, logit_positions), ref.forward(ids, pos, new_mask, logit_positions)
         torch.testing.assert_close(got[0], want[0], atol=2e-3, rtol=0)  # float32 without TF32
         torch.testing.assert_close(got[1], want[1], atol=2e-3, rtol=0)
-        rows = torch.tensor([0, 1, 0])
-        torch.testing.assert_close(trt.heads(rows), ref.heads(rows), atol=2e-3, rtol=0)
+        rows, counts, after = torch.tensor([[0, 1], [1, 0], [0, 0]]), torch.tensor([1, 1, 2]), torch.zeros(3, 2, dtype=torch.long)
+        torch.testing.assert_close(trt.draft(rows, counts, after), ref.draft(rows, counts, after), atol=2e-3, rtol=0)
         for b in (trt, ref):
             b.commit(slots, counts)
     for b in (trt, ref):
@@ -209,7 +203,7 @@ def test_engine_matches_torch_backend(trt_engine, tiny_merged, mode, arch):
 @gpu
 def test_medusa_greedy_decode_equals_plain(trt_engine):
     from medusa_trt.runtime.decoding import GenerationConfig, decode
-    from medusa_trt.runtime.trt_backend import TensorRTBackend
+    from medusa_trt.runtime.trt.backend import TensorRTBackend
 
     backend = TensorRTBackend(trt_engine("llama", "plugin"))
     prompts = [[1, 5, 9, 14, 3], [1, 40], [1, 7, 7, 8, 30, 31, 2]]
@@ -222,8 +216,8 @@ def test_medusa_greedy_decode_equals_plain(trt_engine):
 @gpu
 def test_float16_engine(trt_engine, tiny_merged):
     from medusa_trt.modeling import MedusaModel
-    from medusa_trt.runtime.backend import TorchBackend
-    from medusa_trt.runtime.trt_backend import TensorRTBackend
+    from medusa_trt.runtime.torch_backend import TorchBackend
+    from medusa_trt.runtime.trt.backend import TensorRTBackend
 
     backend = TensorRTBackend(trt_engine("llama", "plugin", "float16"))
     ref = TorchBackend(MedusaModel.from_checkpoint(tiny_merged("llama"), dtype="float32"))
@@ -237,8 +231,8 @@ def test_float16_engine(trt_engine, tiny_merged):
 
 def test_tensorrt_version_floor():
     """The opset-23 graphs need RMSNormalization (TensorRT 10.15) and Attention (10.14): older is refused."""
-    from medusa_trt.engines.build import BuildError
-    from medusa_trt.engines.tensorrt import check_tensorrt_version
+    from medusa_trt.engines.options import BuildError
+    from medusa_trt.engines.trt.build import check_tensorrt_version
 
     for ok in ("10.15.1.29", "10.16.0", "11.0.0"):
         check_tensorrt_version(ok)

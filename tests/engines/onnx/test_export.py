@@ -1,21 +1,19 @@
-"""ONNX export and medusa-build: the engine's graph against the PyTorch reference, and the build CLI."""
+"""ONNX export (engines/onnx/export.py): the engine's graphs against the PyTorch reference, every
+attention form, and the exporter's option errors."""
 
 from __future__ import annotations
-
-import json
-import shutil
 
 import numpy as np
 import onnx
 import pytest
 import torch
 
-from medusa_trt.cli import build as build_cli
-from medusa_trt.engines.build import BuildError, BuildOptions, build_engine, sha256_file
-from medusa_trt.engines.onnx_export import ATTENTION_FORMS, DEFAULT_ATTENTION, export_onnx, past_names
+from medusa_trt.engine_dir import past_names
+from medusa_trt.engines.onnx.attention import ATTENTION_FORMS, DEFAULT_ATTENTION
+from medusa_trt.engines.onnx.export import export_onnx
 from medusa_trt.modeling import MedusaModel
 from medusa_trt.runtime.backend import full_attention_mask
-from medusa_trt.runtime.ort_backend import make_session
+from medusa_trt.runtime.ort.session import make_session
 from medusa_trt.tree import DEFAULT_TREE, build_tree
 
 ARCHS = ("llama", "mistral", "qwen2")
@@ -71,7 +69,7 @@ def make_inputs(model: MedusaModel, batch: int, past: int, mask_kind: str, seed:
     feeds = {"input_ids": ids.numpy(), "position_ids": pos.numpy(), "past_lengths": lengths.numpy(),
              "new_mask": new_mask.numpy(), "logit_positions": logit_positions.numpy()}
     # The runtime's buffers have room for the new tokens after the longest prefix; the row_exact_f32
-    # attention writes them there (engines/onnx_export.py: PlacedMask), the other forms ignore it.
+    # attention writes them there (engines/onnx/attention.py: PlacedMask), the other forms ignore it.
     room = torch.zeros(batch, cfg.num_kv_heads, s, cfg.head_dim)
     for i, name in enumerate(past_names(cfg.num_layers)):
         feeds[name] = torch.cat([(keys if i % 2 == 0 else values)[i // 2], room], dim=2).numpy()
@@ -182,86 +180,19 @@ def test_export_rejects_bad_options(tmp_path, reference):
         export_onnx(model, tmp_path / "m.onnx", opset=12)
 
 
-# -- medusa-build -----------------------------------------------------------------------------
-
-
-def test_engine_json(ort_engine, tiny_merged):
-    engine_dir = ort_engine("llama")
-    engine = json.loads((engine_dir / "engine.json").read_text())
-    config = json.loads((tiny_merged("llama") / "config.json").read_text())
-    assert engine["backend"] == "onnxruntime" and engine["device"] == "cpu" and engine["dtype"] == "float32"
-    assert engine["model"]["num_layers"] == config["num_hidden_layers"]
-    assert engine["model"]["num_kv_heads"] == config["num_key_value_heads"]
-    assert engine["medusa"] == {"num_heads": config["num_medusa_heads"], "num_layers": config["num_medusa_layers"],
-                                "max_draft_len": config["max_draft_len"]}
-    assert engine["limits"]["max_seq_len"] == config["max_position_embeddings"]
-    assert engine["onnx"]["opset"] == 23 and engine["onnx"]["attention"] == DEFAULT_ATTENTION
-    assert engine["eos_token_id"] == config["eos_token_id"]
-    assert engine["checkpoint"]["path"] == str(tiny_merged("llama").resolve())
-    assert {"torch", "onnx", "onnxruntime", "onnxscript", "medusa-trt"} <= set(engine["tools"])
-    files = {p.name for p in engine_dir.iterdir()}
-    assert files == set(engine["artifacts"]) | {"engine.json"}
-    assert {"model.onnx", "tokenizer.json"} <= files and "config.json" not in files
-    for name, info in engine["artifacts"].items():
-        assert sha256_file(engine_dir / name) == info["sha256"]
-
-
-def test_build_cli_bad_inputs(tmp_path, tiny_merged, capsys):
-    ckpt = tiny_merged("llama")
-    missing = tmp_path / "nothing"
-    assert build_cli.main(["--checkpoint", str(missing), "--out", str(tmp_path / "e"), "--quiet"]) == 2
-    assert "config.json" in capsys.readouterr().err
-
-    broken = tmp_path / "broken"
-    shutil.copytree(ckpt, broken)
-    (broken / "rank0.safetensors").write_bytes(b"\0" * 16)
-    assert build_cli.main(["--checkpoint", str(broken), "--out", str(tmp_path / "e"), "--quiet"]) == 2
-    assert "rank0.safetensors" in capsys.readouterr().err
-
-    for backend, needle in [("tensorrt", "tensorrt"), ("tensorrt-llm", "tensorrt")]:
-        assert build_cli.main(["--checkpoint", str(ckpt), "--out", str(tmp_path / "e"), "--backend", backend,
-                               "--quiet"]) == 2
-        assert needle in capsys.readouterr().err
-
-    assert build_cli.main(["--checkpoint", str(ckpt), "--out", str(tmp_path / "e"), "--dtype", "bfloat16",
-                           "--quiet"]) == 2
-    assert "bfloat16" in capsys.readouterr().err
-    assert build_cli.main(["--checkpoint", str(ckpt), "--out", str(tmp_path / "e"), "--max-seq-len", "99999",
-                           "--quiet"]) == 2
-    assert "max_position_embeddings" in capsys.readouterr().err
-    assert not any(tmp_path.glob(".e.tmp-*")) and not (tmp_path / "e").exists()
-
-    existing = tmp_path / "existing"
-    existing.mkdir()
-    (existing / "keep.txt").write_text("mine")
-    assert build_cli.main(["--checkpoint", str(ckpt), "--out", str(existing), "--quiet"]) == 2
-    assert "--force" in capsys.readouterr().err
-    assert (existing / "keep.txt").read_text() == "mine"
-
-
-def test_build_is_atomic(tmp_path, tiny_merged, monkeypatch):
-    """A failing export leaves --out as it was and no temp dir behind."""
-    from medusa_trt.engines import build
-
-    out = tmp_path / "engine"
-    out.mkdir()
-    (out / "engine.json").write_text("{}")
-
-    def explode(*args, **kwargs):
-        raise RuntimeError("export failed")
-
-    monkeypatch.setitem(build.BUILDERS, "onnxruntime", explode)
-    with pytest.raises(RuntimeError, match="export failed"):
-        build_engine(BuildOptions(checkpoint=tiny_merged("llama"), out=out, force=True, progress=False))
-    assert (out / "engine.json").read_text() == "{}"
-    assert [p.name for p in tmp_path.iterdir()] == ["engine"]
-
-
-def test_build_rejects_quantized(tmp_path, tiny_merged):
-    ckpt = tmp_path / "ckpt"
-    shutil.copytree(tiny_merged("llama"), ckpt)
-    config = json.loads((ckpt / "config.json").read_text())
-    config["quantization"]["kv_cache_quant_algo"] = "FP8"
-    (ckpt / "config.json").write_text(json.dumps(config))
-    with pytest.raises(BuildError):
-        build_engine(BuildOptions(checkpoint=ckpt, out=tmp_path / "e", progress=False))
+def test_step_is_capacity_independent(ort_engine, tiny_merged):
+    """Attention reads only the committed prefix: the same step with the cache in a buffer 5x larger
+    (tail filled with garbage) gives bit-identical outputs."""
+    model = MedusaModel.from_checkpoint(tiny_merged("llama"))
+    feeds, _ = make_inputs(model, 3, 9, "tree")
+    sess = make_session(ort_engine("llama") / "model.onnx")
+    small = sess.run(None, feeds)
+    for name in past_names(model.cfg.num_layers):
+        cache = feeds[name]
+        big = np.full((*cache.shape[:2], cache.shape[2] + 45, cache.shape[3]), 1e4, dtype=cache.dtype)
+        big[:, :, :9] = cache[:, :, :9]
+        for b, n in enumerate(feeds["past_lengths"]):
+            big[b, :, n:9] = 1e4
+        feeds[name] = big
+    for a, b in zip(sess.run(None, feeds), small, strict=True):
+        np.testing.assert_array_equal(a, b)

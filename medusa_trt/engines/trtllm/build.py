@@ -1,4 +1,5 @@
-"""medusa-build --backend tensorrt-llm: `trtllm-build` on the merged checkpoint, engine.json around it.
+"""medusa-build --backend tensorrt-llm: `trtllm-build` on the merged checkpoint, engine.json around it
+(options: TrtllmOptions).
 
 The merged checkpoint already is a TensorRT-LLM checkpoint (MedusaForCausalLM, docs/formats.md section
 2), so the build is one `trtllm-build` run. `trtllm_build_command` decides its flags from the
@@ -22,7 +23,7 @@ checkpoint config and the medusa-build options (a pure function, tested without 
   checkpoint's quantization block, not from a flag.
 - tensor parallelism: trtllm-build writes one `rank{N}.engine` per rank of the checkpoint's
   mapping (world_size = tp_size * pp_size); `--workers` builds that many in parallel when the
-  machine has the GPUs (opts.extra["workers"], default 1). Running it takes `mpirun -n world_size`.
+  machine has the GPUs (TrtllmOptions.workers, default 1). Running it takes `mpirun -n world_size`.
 
 The engine directory is trtllm-build's --output_dir itself: `config.json` and `rank{N}.engine` at
 its top, which is where tensorrtllm_backend's `gpt_model_path` (medusa_trt.serving.triton_repo)
@@ -37,10 +38,12 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from medusa_trt.checkpoint import CONFIG_DTYPES
-from medusa_trt.engines.options import BuildError, BuildOptions
+from medusa_trt.engines.options import BackendOptions, BuildError, BuildOptions, backend_options
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +52,19 @@ EXTRA_HINT = "pip install 'medusa-trt[tensorrt-llm]'"
 DEFAULT_MAX_NUM_TOKENS = 8192  # trtllm-build's default --max_num_tokens
 FP8_GEMM_PLUGIN_MAX_BATCH = 4  # the tuning guide's "small batch" for --gemm_plugin fp8
 CHECKPOINT_DTYPES = tuple(CONFIG_DTYPES)
+
+
+@dataclass(frozen=True)
+class TrtllmOptions(BackendOptions):
+    """medusa-build's TensorRT-LLM options (--max-input-len; the others for callers of build_engine)."""
+
+    backend: ClassVar[str] = "tensorrt-llm"
+
+    max_input_len: int | None = None  # --max-input-len; None: max_seq_len minus one tree
+    fp8_context_fmha: bool = True  # --use_fp8_context_fmha for FP8 linears with an FP8 KV cache
+    workers: int = 1  # trtllm-build --workers (at most the checkpoint's world size)
+    trtllm_args: tuple[str, ...] = ()  # passed to trtllm-build after the flags chosen here
+    trtllm_build: str | None = None  # the trtllm-build executable; None: trtllm-build on PATH
 
 
 def trtllm_build_command(checkpoint_dir: str | Path, out_dir: str | Path, config: dict, opts: BuildOptions,
@@ -72,8 +88,9 @@ def trtllm_build_command(checkpoint_dir: str | Path, out_dir: str | Path, config
         raise BuildError(f"--max-draft-len {opts.max_draft_len} differs from the checkpoint's max_draft_len {draft} "
                          f"({path}), which TensorRT-LLM's Medusa model reads too; reconvert with medusa-convert "
                          f"--max-draft-len {opts.max_draft_len}")
+    llm = backend_options(opts, TrtllmOptions)
     max_seq_len = opts.max_seq_len or int(config["max_position_embeddings"])
-    max_input_len = opts.extra.get("max_input_len") or max(1, max_seq_len - (draft + 1))
+    max_input_len = llm.max_input_len or max(1, max_seq_len - (draft + 1))
     if not 1 <= max_input_len <= max_seq_len:
         raise BuildError(f"--max-input-len {max_input_len}: expected 1..{max_seq_len} (--max-seq-len)")
     quant = config.get("quantization") or {}
@@ -97,12 +114,12 @@ def trtllm_build_command(checkpoint_dir: str | Path, out_dir: str | Path, config
         cmd += ["--gemm_plugin", dtype]
     elif opts.max_batch_size <= FP8_GEMM_PLUGIN_MAX_BATCH:
         cmd += ["--gemm_plugin", "fp8"]
-    if fp8 and fp8_kv and opts.extra.get("fp8_context_fmha", True):
+    if fp8 and fp8_kv and llm.fp8_context_fmha:
         cmd += ["--use_fp8_context_fmha", "enable"]
-    workers = int(opts.extra.get("workers") or 1)
+    workers = int(llm.workers or 1)
     if workers > 1:
         cmd += ["--workers", str(min(workers, world_size(config)))]
-    cmd += [str(a) for a in opts.extra.get("trtllm_args") or ()]
+    cmd += [str(a) for a in llm.trtllm_args or ()]
     return cmd
 
 
@@ -113,10 +130,10 @@ def world_size(config: dict) -> int:
 
 
 def find_trtllm_build(opts: BuildOptions) -> str:
-    given = opts.extra.get("trtllm_build")
+    given = backend_options(opts, TrtllmOptions).trtllm_build
     found = shutil.which(given or TRTLLM_BUILD)
     if found is None:
-        what = f"{given!r} (opts.extra['trtllm_build'])" if given else f"'{TRTLLM_BUILD}' on PATH"
+        what = f"{given!r} (TrtllmOptions.trtllm_build)" if given else f"'{TRTLLM_BUILD}' on PATH"
         raise BuildError(f"--backend tensorrt-llm runs trtllm-build, but {what} was not found: {EXTRA_HINT} "
                          "on a machine with an NVIDIA GPU (or put trtllm-build on PATH)")
     return found

@@ -264,7 +264,7 @@ def _fuse_gate_up(model) -> int:
 def _add_before_split(model) -> int:
     """Split(a) and Split(b) whose outputs are only added pairwise, part i of a to part i of b,
     -> Split(a + b): one Add and one Split instead of one Add per part and two Splits. An exact
-    int4 engine adds its offsets' correction MatMul to each MatMulNBits (modeling.Int4Linear), so
+    int4 engine adds its offsets' correction MatMul to each MatMulNBits (quant.Int4Linear), so
     after the fusion above the MLP's gate and up each had an Add of two split halves. Elementwise
     the same sums, so the same bits."""
     from onnx import helper, numpy_helper
@@ -326,7 +326,7 @@ def _cache_in_place(model, write_indices: str, present: dict[str, str]) -> int:
     TensorScatter(past, new K/V, past_lengths) -> Slice: the new keys go into the cache buffer itself
     (a graph output, `present[past]`), and attention reads the same first max(past_lengths) + S
     keys. Only for attention forms that place new keys at each sequence's own length
-    (onnx_export.AttentionForm.places_new_keys), whose scatter indices are past_lengths[b] + slot."""
+    (onnx/attention.py: AttentionForm.places_new_keys), whose scatter indices are past_lengths[b] + slot."""
     from onnx import helper
 
     graph = model.graph
@@ -377,7 +377,7 @@ def write_cache_in_place(path: Path, num_layers: int, drop_outputs: tuple[str, .
     """Rewrites the graph at `path` to write new K/V into its cache inputs (_cache_in_place): outputs
     present_key_{i}/present_value_{i} replace `drop_outputs` (the stacked new K/V). ONNX Runtime's
     TensorScatter (opset 24) writes in place when the runtime binds each present output to its past
-    input's memory (runtime/ort_backend.py), so a step copies no part of the cache it does not read
+    input's memory (runtime/ort/backend.py), so a step copies no part of the cache it does not read
     and the runtime scatters nothing after it. Returns the number of caches rewritten (0: the graph
     has no such pattern and is left as it was)."""
     import onnx

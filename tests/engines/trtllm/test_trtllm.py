@@ -22,10 +22,11 @@ import torch
 
 from medusa_trt.checkpoint import expected_tensors, rank_file, rank_shape, read_config
 from medusa_trt.cli import build as build_cli
-from medusa_trt.converter import convert
+from medusa_trt.converter.merge import convert
 from medusa_trt.converter.quantize import QuantOptions
-from medusa_trt.engines.build import BuildError, BuildOptions, build_engine
-from medusa_trt.engines.trtllm import trtllm_build_command
+from medusa_trt.engines.build import build_engine
+from medusa_trt.engines.options import BuildError, BuildOptions
+from medusa_trt.engines.trtllm.build import TrtllmOptions, trtllm_build_command
 from medusa_trt.safetensors_io import SafetensorsFile
 
 CALIB = "the quick brown fox jumps over a lazy dog\nMedusa heads guess what comes next\n42 times, really\n"
@@ -63,8 +64,7 @@ def checkpoint(tmp_path_factory, tiny_base, tiny_heads):
 
 
 def _cmd(ckpt, tmp_path, **options) -> list[str]:
-    extra = options.pop("extra", {})
-    opts = BuildOptions(checkpoint=ckpt, out=tmp_path / "engine", backend="tensorrt-llm", extra=extra, **options)
+    opts = BuildOptions(checkpoint=ckpt, out=tmp_path / "engine", backend="tensorrt-llm", **options)
     return trtllm_build_command(ckpt, tmp_path / "engine", read_config(ckpt), opts)
 
 
@@ -90,7 +90,7 @@ def test_command_fp16(checkpoint, tmp_path):
 
 def test_command_bf16_tp2_limits(checkpoint, tmp_path):
     ckpt = checkpoint("bf16-tp2")
-    flags = _flags(_cmd(ckpt, tmp_path, max_batch_size=16, max_seq_len=256, extra={"max_input_len": 100, "workers": 8}))
+    flags = _flags(_cmd(ckpt, tmp_path, max_batch_size=16, max_seq_len=256, backend_options=TrtllmOptions(max_input_len=100, workers=8)))
     assert flags["--gpt_attention_plugin"] == flags["--gemm_plugin"] == "bfloat16"
     assert (flags["--max_batch_size"], flags["--max_seq_len"], flags["--max_input_len"]) == ("16", "256", "100")
     assert flags["--workers"] == "2"  # one engine per rank: no more workers than the world size
@@ -118,7 +118,7 @@ def test_command_fp8(checkpoint, tmp_path):
     assert large["--gpt_attention_plugin"] == "float16"
     small = _flags(_cmd(ckpt, tmp_path, max_batch_size=4))
     assert small["--gemm_plugin"] == "fp8"
-    off = _flags(_cmd(ckpt, tmp_path, extra={"fp8_context_fmha": False}))
+    off = _flags(_cmd(ckpt, tmp_path, backend_options=TrtllmOptions(fp8_context_fmha=False)))
     assert "--use_fp8_context_fmha" not in off
     # FP8 linears with a float KV cache: no FP8 context attention.
     tp2 = _flags(_cmd(checkpoint("fp8-tp2"), tmp_path, max_batch_size=2))
@@ -136,12 +136,12 @@ def test_command_long_context_and_errors(checkpoint, tmp_path):
     assert flags["--max_input_len"] == flags["--max_num_tokens"] == str(32768 - 64)
     extra = ["--use_paged_context_fmha", "enable"]
     cmd = trtllm_build_command(ckpt, tmp_path / "e", config, BuildOptions(
-        checkpoint=ckpt, out=tmp_path / "e", extra={"trtllm_args": extra}))
+        checkpoint=ckpt, out=tmp_path / "e", backend_options=TrtllmOptions(trtllm_args=tuple(extra))))
     assert cmd[-2:] == extra
     with pytest.raises(BuildError, match="TensorRT-LLM builds the checkpoint's dtype"):
         _cmd(ckpt, tmp_path, dtype="bfloat16")
     with pytest.raises(BuildError, match="--max-input-len 600: expected 1..512"):
-        _cmd(ckpt, tmp_path, extra={"max_input_len": 600})
+        _cmd(ckpt, tmp_path, backend_options=TrtllmOptions(max_input_len=600))
     no_heads = dict(config, num_medusa_heads=0)
     with pytest.raises(BuildError, match="num_medusa_heads 0"):
         trtllm_build_command(ckpt, tmp_path / "e", no_heads, opts)
@@ -313,7 +313,7 @@ def test_build_failure_and_missing_tool(checkpoint, stand_in, tmp_path, monkeypa
     monkeypatch.setenv("STAND_IN_FAIL", "1")
     with pytest.raises(BuildError, match=r"exited with status 3: \[TRT-LLM\] \[E\] out of memory"):
         build_engine(BuildOptions(checkpoint=ckpt, out=out, backend="tensorrt-llm", progress=False,
-                                  extra={"trtllm_build": str(stand_in)}))
+                                  backend_options=TrtllmOptions(trtllm_build=str(stand_in))))
     assert not out.exists() and not list(tmp_path.glob(".engine.tmp-*"))
     assert "out of memory" in (tmp_path / "engine.trtllm-build.log").read_text()
 

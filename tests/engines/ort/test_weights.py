@@ -11,12 +11,13 @@ import numpy as np
 import onnx
 import torch
 
-from medusa_trt.engine_dir import read_engine
-from medusa_trt.engines.onnx_export import example_inputs, export_onnx, past_names, step_example_inputs
-from medusa_trt.engines.onnx_weights import ALIGNMENT, WEIGHTS_FILE, share_weights
+from medusa_trt.engine_dir import past_names, read_engine
+from medusa_trt.engines.onnx.export import example_inputs, export_onnx, step_example_inputs
+from medusa_trt.engines.ort.weights import ALIGNMENT, WEIGHTS_FILE, share_weights
 from medusa_trt.modeling import MedusaModel
 from medusa_trt.runtime.decoding import GenerationConfig, decode
-from medusa_trt.runtime.ort_backend import OrtBackend, make_session
+from medusa_trt.runtime.ort.backend import OrtBackend
+from medusa_trt.runtime.ort.session import OrtSessionOptions, make_session
 
 
 def _feeds(inputs: dict, num_layers: int) -> dict:
@@ -112,7 +113,8 @@ def test_no_prepack_engine_decodes_the_same(ort_engine, tmp_path):
     engine = json.loads(path.read_text())
     engine["onnx"]["prepack_weights"] = False
     path.write_text(json.dumps(engine))
-    packed, mapped = OrtBackend(ort_engine("llama"), threads=1), OrtBackend(engine_dir, threads=1)
+    one = OrtSessionOptions(threads=1)
+    packed, mapped = OrtBackend(ort_engine("llama"), options=one), OrtBackend(engine_dir, options=one)
     assert packed._weights is None and mapped._weights is not None
     prompts = [[1, 5, 9, 2, 7], [3, 4]]
     for use_medusa in (True, False):

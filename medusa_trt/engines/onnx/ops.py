@@ -1,0 +1,153 @@
+"""Quantized weights in the exported graphs: FP8 as QuantizeLinear/DequantizeLinear, int4 as MatMulNBits.
+
+While export.export_onnx traces, FP8Module and Int4Linear call the custom ops here instead of
+their eager arithmetic (export_fake_quant, export_dequant, export_int4_matmul), and the exporter's
+translation table (fp8_translations, int4_translations) turns each op into the ONNX nodes a
+backend reads as quantized; traced as plain ops they would be Div/Clip/Cast or unpack-and-
+dequantize chains and a float MatMul.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from medusa_trt.modeling import MedusaModel
+from medusa_trt.quant import FP8Module, Int4Linear, dequantize_fp8, fake_quant_fp8, nbits_matmul
+
+# -- FP8 as explicit QuantizeLinear/DequantizeLinear ------------------------------------------------
+
+
+@functools.cache
+def _fp8_ops() -> tuple[Callable, Callable]:
+    """Custom ops standing for FP8 quantize-dequantize and weight dequantization, translated to ONNX
+    Q/DQ (traced as plain ops they would become Div/Clip/Cast chains no backend reads as FP8).
+    Scales are scalars: per-tensor quantization in ONNX."""
+
+    @torch.library.custom_op("medusa_trt::fp8_quantize_dequantize", mutates_args=())
+    def qdq(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return fake_quant_fp8(x, scale)
+
+    @qdq.register_fake
+    def _(x, scale):
+        return torch.empty_like(x)
+
+    @torch.library.custom_op("medusa_trt::fp8_dequantize", mutates_args=())
+    def dq(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return dequantize_fp8(q, scale)
+
+    @dq.register_fake
+    def _(q, scale):
+        return torch.empty(q.shape, dtype=torch.float32, device=q.device)
+
+    return qdq, dq
+
+
+def export_fake_quant(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return _fp8_ops()[0](x, scale.reshape(()))
+
+
+def export_dequant(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return _fp8_ops()[1](q, scale.reshape(())).to(dtype)
+
+
+def _fp8_zero_point():
+    from onnxscript import ir
+    from onnxscript import opset19 as op
+
+    # The zero point's type selects the quantized type: float8e4m3fn, value 0 (symmetric).
+    return op.Constant(value=ir.tensor(np.zeros((), dtype=np.uint8), dtype=ir.DataType.FLOAT8E4M3FN))
+
+
+def _qdq_translation(x, scale):
+    from onnxscript import ir
+    from onnxscript import opset19 as op
+
+    zp = _fp8_zero_point()
+    xf = x if x.dtype == ir.DataType.FLOAT else op.Cast(x, to=ir.DataType.FLOAT)
+    y = op.DequantizeLinear(op.QuantizeLinear(xf, scale, zp, saturate=1), scale, zp)
+    return y if x.dtype == ir.DataType.FLOAT else op.CastLike(y, x)
+
+
+def _dequantize_translation(q, scale):
+    from onnxscript import opset19 as op
+
+    return op.DequantizeLinear(q, scale, _fp8_zero_point())
+
+
+def fp8_translations() -> dict:
+    _fp8_ops()  # registers torch.ops.medusa_trt.fp8_*
+    return {torch.ops.medusa_trt.fp8_quantize_dequantize.default: _qdq_translation,
+            torch.ops.medusa_trt.fp8_dequantize.default: _dequantize_translation}
+
+
+# -- int4 weights as com.microsoft MatMulNBits ------------------------------------------------------
+
+
+@functools.cache
+def _int4_op() -> Callable:
+    """A custom op standing for Int4Linear's matmul, translated to one MatMulNBits node (traced as
+    plain ops it would be an unpack-and-dequantize chain and a float MatMul)."""
+
+    @torch.library.custom_op("medusa_trt::matmul_nbits", mutates_args=())
+    def op(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
+           accuracy_level: int, bits: int) -> torch.Tensor:
+        return nbits_matmul(x, packed, scales, zero_points, accuracy_level, bits)
+
+    @op.register_fake
+    def _(x, packed, scales, zero_points, accuracy_level, bits):
+        return x.new_empty((*x.shape[:-1], packed.shape[0]))
+
+    return op
+
+
+def export_int4_matmul(x, packed, scales, zero_points, accuracy_level, bits):
+    return _int4_op()(x, packed, scales, zero_points, accuracy_level, bits)
+
+
+@functools.cache
+def _matmul_nbits_schema():
+    """The inputs of ONNX Runtime's contrib MatMulNBits this exporter writes (onnx has no schema)."""
+    import onnx
+
+    p = onnx.defs.OpSchema.FormalParameter
+    optional = onnx.defs.OpSchema.FormalParameterOption.Optional
+    attr = onnx.defs.OpSchema.Attribute
+    return onnx.defs.OpSchema(
+        "MatMulNBits", "com.microsoft", 1,
+        inputs=[p("A", "T1"), p("B", "T2"), p("scales", "T1"), p("zero_points", "T2", param_option=optional)],
+        outputs=[p("Y", "T1")],
+        type_constraints=[("T1", ["tensor(float)", "tensor(float16)"], ""), ("T2", ["tensor(uint8)"], "")],
+        attributes=[attr(name, onnx.defs.OpSchema.AttrType.INT, "", required=True)
+                    for name in ("K", "N", "bits", "block_size", "accuracy_level")],
+    )
+
+
+def _matmul_nbits_translation(x, packed, scales, zero_points, accuracy_level, bits):
+    from onnxscript import opset23 as op
+    from onnxscript.values import Op, Opset
+
+    n, blocks, blob = (int(d) for d in packed.shape)
+    block_size = blob * 8 // int(bits)
+    mm = Op(Opset("com.microsoft", 1), "MatMulNBits", _matmul_nbits_schema())
+    # scales [N, blocks] -> [N * blocks], the layout the kernel reads (folded at load: an initializer).
+    # Without zero points the node has three inputs: the kernel's implicit 2^(bits - 1).
+    args = [x, packed, op.Reshape(scales, op.Constant(value_ints=[-1]))] + ([] if zero_points is None else [zero_points])
+    return mm(*args, K=blocks * block_size, N=n, bits=int(bits), block_size=block_size,
+              accuracy_level=int(accuracy_level))
+
+
+def int4_translations() -> dict:
+    _int4_op()  # registers torch.ops.medusa_trt.matmul_nbits
+    return {torch.ops.medusa_trt.matmul_nbits.default: _matmul_nbits_translation}
+
+
+def has_int4(model: MedusaModel) -> bool:
+    return any(isinstance(m, Int4Linear) for m in model.modules())
+
+
+def has_fp8(model: MedusaModel) -> bool:
+    return any(isinstance(m, FP8Module) for m in model.modules())

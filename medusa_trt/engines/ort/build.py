@@ -1,0 +1,254 @@
+"""medusa-build --backend onnxruntime: the ONNX Runtime engine builder and its options (OrtOptions).
+
+The pipeline, in build_onnxruntime's order: load the checkpoint (quantized in place for --weights
+int4), pick the attention form (onnx/attention.py), export the decoder, heads and fused step graphs
+(onnx/export.py), rewrite them with ONNX Runtime's fused ops (fusions.py) and, where the attention
+form allows it, to write the cache in place, then store one copy of their weights (weights.py).
+Returns the engine.json part of the backend: dtype, "weights", "onnx" and, for FP8 checkpoints,
+"quantization".
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+from medusa_trt.engine_dir import DTYPES, OUTPUT_NAMES, graph_outputs
+from medusa_trt.engines.options import BackendOptions, BuildError, BuildOptions, backend_options, progress_bar
+
+log = logging.getLogger(__name__)
+
+
+# ONNX Runtime (1.31) fuses DequantizeLinear -> MatMul at its extended optimization levels into
+# MatMulIntegerToFloat, whose kernel has no float8 input: an FP8 graph fails to load. Turning off the
+# QDQ fusions (and only them) keeps every other fusion of the default level; ONNX Runtime then folds
+# the weights' DequantizeLinear into float initializers at load, and the activations' Q/DQ run as
+# written. medusa_trt.runtime.ort.session.session_options sets it for every engine (a float graph
+# has no Q/DQ, so nothing changes there); engine.json records it for FP8 engines.
+FP8_SESSION_CONFIG = {"session.disable_quant_qdq": "1"}
+
+# -- int4 weights (medusa-build --weights int4; engine.json "weights" section) ----------------------
+# Chosen on a 2-core AVX-512 VNNI CPU with ONNX Runtime 1.31 (docs/benchmarks/issue-13-int4.md):
+# accuracy level 4 (int8 activations per block) runs SmolLM2-135M-sized MatMuls several times faster
+# than level 0, which is slower than float32 below the lm_head's size; block 32 was fastest at one row.
+INT4_DEFAULT_BLOCK_SIZE = 32
+INT4_DEFAULT_ACCURACY_LEVEL = 4
+# Zero points by default: per-block float offsets (--int4-offsets) and an 8-bit lm_head keep a GGUF's
+# Q4_1 / Q8_0 weights exactly (top-1 agreement with float32 much closer on SmolLM2) but cost a slower
+# step on the AVX2 CPU (docs/benchmarks/issue-13-int4.md (p)), and the peers measured run
+# zero-anchored grids.
+
+# fusions.py; each measured alone on SmolLM2-135M (docs/benchmarks/issue-13-int4.md).
+ORT_DEFAULT_FUSIONS = ("rotary", "skip_norm", "gate_up")
+
+
+@dataclass(frozen=True)
+class OrtOptions(BackendOptions):
+    """medusa-build's ONNX Runtime options (the flags marked "onnxruntime" in its --help)."""
+
+    backend: ClassVar[str] = "onnxruntime"
+
+    weights: str = "float"  # "int4": 4-bit weight-only MatMulNBits (--weights); "float": the engine dtype
+    int4_block_size: int = INT4_DEFAULT_BLOCK_SIZE  # --int4-block-size; read with weights "int4" only
+    int4_accuracy_level: int = INT4_DEFAULT_ACCURACY_LEVEL  # --int4-accuracy-level
+    int4_offsets: bool = False  # --int4-offsets: a float offset per block instead of a zero point
+    int4_lm_head_bits: int = 4  # --int4-lm-head-bits
+    fusions: tuple[str, ...] = ORT_DEFAULT_FUSIONS  # fusions.FUSIONS to apply; () for the plain graphs
+    cache_in_place: bool = True  # off: --no-cache-in-place
+    fused_step: bool = True  # off: --no-fused-step
+    prepack_weights: bool = True  # off: --no-prepack
+
+    def check(self) -> None:
+        """Raises BuildError for a value the builder cannot use, naming its flag."""
+        from medusa_trt.engines.ort.fusions import FUSIONS
+        from medusa_trt.quant import INT4_ACCURACY_LEVELS, INT4_BLOCK_SIZES, LM_HEAD_BITS
+
+        if self.weights == "int4":
+            for flag, value, allowed in (("--int4-block-size", self.int4_block_size, INT4_BLOCK_SIZES),
+                                         ("--int4-accuracy-level", self.int4_accuracy_level, INT4_ACCURACY_LEVELS),
+                                         ("--int4-lm-head-bits", self.int4_lm_head_bits, LM_HEAD_BITS)):
+                if value not in allowed:
+                    raise BuildError(f"{flag} {value}: expected one of {', '.join(map(str, allowed))}")
+        unknown = sorted(set(self.fusions) - set(FUSIONS))
+        if unknown:
+            raise BuildError(f"fusions {unknown}: expected some of {', '.join(FUSIONS)}")
+
+
+def _quantization_part(config: dict) -> dict | None:
+    quant = config.get("quantization") or {}
+    if not (quant.get("quant_algo") or quant.get("kv_cache_quant_algo")):
+        return None
+    return {
+        "quant_algo": quant.get("quant_algo"),
+        "kv_cache_quant_algo": quant.get("kv_cache_quant_algo"),
+        "exclude_modules": quant.get("exclude_modules"),
+        "onnx": "per-tensor float8e4m3fn QuantizeLinear/DequantizeLinear: weights as float8 initializers "
+                "behind DequantizeLinear, Linear inputs (and new K/V with an FP8 KV cache) quantized-"
+                "dequantized with the calibrated scales, in float32",
+        "session_config": FP8_SESSION_CONFIG,
+        "session_config_why": "ONNX Runtime 1.31 fuses DequantizeLinear->MatMul into MatMulIntegerToFloat at "
+                              "the extended/all levels, which rejects float8 inputs; disabling the QDQ fusions "
+                              "keeps the other optimizations (ORT_ENABLE_BASIC would also work, without them)",
+    }
+
+
+def gguf_blocks_hint(config: dict, offsets: bool, lm_head_bits: int) -> str | None:
+    """What --weights int4 without the GGUF-exact options gives up on a checkpoint converted from a
+    GGUF whose blocks those options would keep (its tensor types, as medusa-convert records them):
+    the default re-rounds Q4_1 blocks onto zero-point grids and a Q8_0 lm_head onto 4 bits, a
+    second rounding as large as the first. None when there is nothing to keep."""
+    types = ((config.get("medusa_trt") or {}).get("gguf") or {}).get("tensor_types") or {}
+    missing = [f for f, kept in (("--int4-offsets", "Q4_1" not in types or offsets),
+                                 ("--int4-lm-head-bits 8", "Q8_0" not in types or lm_head_bits == 8)) if not kept]
+    if not missing:
+        return None
+    blocks = " and ".join(f"{t} ({types[t]} tensor{'s' * (types[t] != 1)})" for t in ("Q4_1", "Q8_0") if t in types)
+    return (f"the base came from a GGUF of {blocks}; {' '.join(missing)} would keep those blocks exactly "
+            "(SmolLM2-135M: top-1 agreement with float32 0.97 against 0.66, a step ~1.2x; BENCHMARKS.md, "
+            "issue 13 (p)), this build re-quantizes them")
+
+
+def _quantize_int4(opts: BuildOptions, ort: OrtOptions, config: dict, model) -> dict:
+    """Quantizes `model` in place for --weights int4; returns engine.json's "weights" section."""
+    from medusa_trt.quant import quantize_model_int4
+
+    if (config.get("quantization") or {}).get("quant_algo"):
+        raise BuildError(f"{opts.checkpoint / 'config.json'}: an FP8 checkpoint cannot be built with --weights "
+                         "int4; convert the base without --quantize fp8")
+    block, level = ort.int4_block_size, ort.int4_accuracy_level
+    offsets, lm_head_bits = ort.int4_offsets, ort.int4_lm_head_bits
+    hint = gguf_blocks_hint(config, offsets, lm_head_bits)
+    if hint:
+        log.warning("%s: %s", opts.checkpoint / "config.json", hint)
+    skipped = quantize_model_int4(model, block, level, draft=True, offsets=offsets, lm_head_bits=lm_head_bits)
+    for name in skipped:
+        log.warning("--weights int4: %s stays %s: its input size is not a multiple of --int4-block-size %d",
+                    name, model.dtype, block)
+    return {"format": "int4", "op": "com.microsoft.MatMulNBits", "bits": 4, "block_size": block,
+            "accuracy_level": level, "symmetric": False, "offsets": offsets, "lm_head": "lm_head" not in skipped,
+            "lm_head_bits": lm_head_bits,
+            "heads_use_lm_head": bool(model.drafter.uses_base_lm_head), "draft_int4": model.drafter.draft_int4 is not None,
+            "float_linears": skipped}
+
+
+def _ort_fusions(opts: BuildOptions, ort: OrtOptions, config: dict, model, graphs: list) -> dict[str, int]:
+    """Rewrites the decoder and step graphs with ONNX Runtime's fused ops (ort.fusions); returns how
+    many patterns each fusion replaced per graph."""
+    from medusa_trt.engines.ort.fusions import fuse_onnx_file, rotary_caches
+
+    if not ort.fusions:
+        return {}
+    positions = opts.max_seq_len or int(config["max_position_embeddings"])  # the runtime keeps positions below
+    cos, sin = rotary_caches(model.inv_freq, positions, model.dtype)
+    counts: dict[str, int] = {}
+    for path in graphs:
+        if path is not None:
+            for name, n in fuse_onnx_file(path, list(ort.fusions), cos, sin).items():
+                counts[name] = max(counts.get(name, 0), n)
+    return counts
+
+
+def _cache_in_place(config: dict, result) -> None:
+    """Rewrites the decoder and step graphs to write new K/V into the cache buffers in place
+    (fusions.py: write_cache_in_place). Both graphs or neither: the runtime binds one way for the
+    whole engine."""
+    from medusa_trt.engines.ort.fusions import STACKED_KV, write_cache_in_place
+
+    layers = config["num_hidden_layers"]
+    graphs = [p for p in (result.path, result.step_path) if p is not None]
+    done = [write_cache_in_place(p, layers, STACKED_KV) for p in graphs]
+    if any(n != 2 * layers for n in done):
+        raise BuildError(f"{', '.join(map(str, graphs))}: the cache writes of {done} caches were rewritten in "
+                         f"place, expected {2 * layers} per graph (an exporter change the rewrite does not know)")
+
+
+def build_onnxruntime(opts: BuildOptions, config: dict, workdir: Path) -> dict:
+    """The BUILDERS entry for --backend onnxruntime (see the module docstring)."""
+    from medusa_trt.engines.onnx.attention import default_attention, engine_attention
+    from medusa_trt.engines.onnx.export import DEFAULT_OPSET, export_onnx
+    from medusa_trt.engines.ort.fusions import TENSOR_SCATTER_OPSET
+    from medusa_trt.engines.ort.weights import share_weights
+    from medusa_trt.modeling import MedusaModel
+
+    ort = backend_options(opts, OrtOptions)
+    opset = opts.opset or DEFAULT_OPSET
+    dtype = resolve_dtype(opts, config)
+    ort.check()
+    steps = ["load checkpoint", "export ONNX"]
+    bar = progress_bar(len(steps), opts.progress, "medusa-build")
+    try:
+        bar.set_postfix_str(steps[0])
+        model = MedusaModel.from_checkpoint(opts.checkpoint, dtype=dtype)
+        weights = {"format": "float"}
+        if ort.weights == "int4":
+            weights = _quantize_int4(opts, ort, config, model)
+        attention = opts.attention or default_attention(opset, weights)
+        bar.update()
+        bar.set_postfix_str(steps[1])
+        try:
+            result = export_onnx(model, workdir / "model.onnx", attention=attention, opset=opset,
+                                 fused_step=ort.fused_step)
+        except ValueError as e:  # an option the exporter refuses (opset, attention form)
+            raise BuildError(str(e)) from None
+        fusions = _ort_fusions(opts, ort, config, model, [result.path, result.step_path])
+        form = engine_attention(result.attention, opts.device, ort.cache_in_place)
+        if form.cache_in_place:
+            _cache_in_place(config, result)
+        # One copy of the weights for all graphs (weights.py): the step graph and the heads graph
+        # would otherwise each repeat the decoder's weights.
+        shared = share_weights([p for p in (result.path, result.heads_path, result.step_path) if p is not None])
+        log.info("%s: %.0f MB of graph weights stored as %.0f MB (%d tensors)", shared.path,
+                 shared.graph_bytes / 1e6, shared.file_bytes / 1e6, shared.tensors)
+        bar.update()
+    finally:
+        bar.close()
+    in_place = form.cache_in_place
+    part = {
+        "dtype": dtype,
+        "weights": weights,
+        "onnx": {"file": result.path.name, "opset": max(result.opset, TENSOR_SCATTER_OPSET) if in_place else result.opset,
+                 "attention": result.attention,
+                 # Tree steps stay inside one block of this many keys (onnx/attention.py: KEY_BLOCK).
+                 **({"key_block": form.key_block} if form.key_block else {}),
+                 # Only chain trees are exact: the runtime verifies a tree's main chain (tree.main_chain).
+                 **({"chains_only": True} if form.chains_only else {}),
+                 "external_data": True, "weights_file": shared.path.name,
+                 # Off (--no-prepack): the sessions share one mapping of weights_file (runtime/ort/backend.py).
+                 "prepack_weights": bool(ort.prepack_weights),
+                 "inputs": list(result.input_names),
+                 "outputs": graph_outputs(OUTPUT_NAMES, config["num_hidden_layers"], in_place),
+                 # New K/V written into the cache inputs, returned as present_* outputs that the runtime
+                 # binds to the same memory (fusions.py: write_cache_in_place).
+                 "cache_in_place": in_place,
+                 "heads_file": result.heads_path.name if result.heads_path else None,
+                 "shared_lm_head": result.shared_lm_head,
+                 # The fused greedy step graph (onnx/export.py), used for greedy decoding of trees
+                 # whose ranks are all below step_topk.
+                 "step_file": result.step_path.name if result.step_path else None,
+                 "step_topk": result.step_topk,
+                 # ONNX Runtime contrib ops written in place of plain ones (fusions.py).
+                 "fusions": fusions},
+    }
+    quant = _quantization_part(config)
+    if quant:
+        part["quantization"] = quant
+    return part
+
+
+def resolve_dtype(opts: BuildOptions, config: dict) -> str:
+    """The engine's compute dtype. CPU engines default to float32: float16 graphs run on ONNX
+    Runtime's CPU provider with casts around ops it has no float16 kernel for, which measured slower
+    than float32 on a 10M model (and less exact). bfloat16 is refused: numpy, through which the
+    runtime hands buffers to ONNX Runtime, has no bfloat16."""
+    dtype = opts.dtype or ("float32" if opts.device == "cpu" else config["dtype"])
+    if dtype == "bfloat16":
+        hint = "float32" if opts.device == "cpu" else "float16"
+        raise BuildError(f"dtype bfloat16{' (the checkpoint dtype)' if not opts.dtype else ''}: ONNX Runtime "
+                         f"engines run float32 or float16; pass --dtype {hint}")
+    if dtype not in DTYPES:
+        raise BuildError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    if dtype != config["dtype"]:
+        log.info("checkpoint dtype %s, engine dtype %s (weights cast at export)", config["dtype"], dtype)
+    return dtype

@@ -1,0 +1,1 @@
+"""medusa-build --backend tensorrt-llm: trtllm-build on the merged checkpoint."""

@@ -1,0 +1,280 @@
+"""The ONNX Runtime engine behind the runtime's Backend interface.
+
+The KV cache is one preallocated torch tensor per K and V, [L, B, Hkv, capacity, D], on the
+engine's device, allocated once per `start`. The runtime hands each layer's buffer to the graph as
+it is (no slice, copy or transfer on the host side); inside the graph, the default attention form
+slices it to the longest committed length and concatenates the new K/V after that prefix, so every
+layer copies the committed prefix once per step and a step costs the committed length, not the
+capacity (engines/onnx/export.py). How the graph's K/V reach the cache is the cache mode, one
+small object per mode (runtime/ort/cache.py): K/V returned and scattered by `commit` (CPU), bound
+in device memory (CUDA), or written in place by the graph (in-place int4 CPU engines). Returned
+tensors are new every step, so a caller may keep them.
+
+Every graph call goes through one boundary (OrtBackend._feeds): the rows as the kernel needs them
+(pad_one_row), the checks against the cache, and the host feeds.
+
+Sessions open on first use. ONNX Runtime packs every constant MatMul weight into a buffer of its own
+per session, so each open session holds a copy of the decoder's weights: a greedy Medusa decode on
+the CPU runs on the fused step graph alone (its prefill too, runtime/decoding.py), plain decoding on
+the decoder graph alone, and only a process doing both, or sampling, holds two copies
+(docs/benchmarks/issue-13-int4.md, memory). The graphs' inputs and outputs are checked against
+engine.json at load, from the files.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from medusa_trt.checkpoint import CONFIG_DTYPES
+from medusa_trt.engine_dir import (
+    HEADS_INPUT,
+    HEADS_OUTPUT,
+    INPUT_NAMES,
+    OUTPUT_NAMES,
+    STEP_INPUT_NAMES,
+    STEP_OUTPUT_NAMES,
+    EngineError,
+    check_artifacts,
+    check_graph,
+    check_weight_format,
+    graph_outputs,
+    past_names,
+    read_engine_json,
+)
+from medusa_trt.runtime.backend import Backend, ModelInfo, check_forward, last_rows, zero_cache
+from medusa_trt.runtime.ort.cache import BoundCache, InPlaceCache, ReturnedCache
+from medusa_trt.runtime.ort.session import (
+    OrtSessionOptions,
+    SharedWeights,
+    execution_provider,
+    make_session,
+    one_row_kernel_differs,
+)
+
+
+class _Session:
+    """An OrtBackend attribute holding one of its graphs' sessions, opened on first read (None when
+    the engine has no such graph); assigning replaces it (tests and benchmarks wrap sessions)."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, backend, owner=None):
+        return self if backend is None else self.open(backend)
+
+    def open(self, backend):
+        if self.name not in backend._sessions:
+            graph = backend._graphs[self.name]
+            backend._sessions[self.name] = None if graph is None else make_session(
+                backend.engine_dir / graph, backend.device, backend.options, backend._prepack, backend._weights)
+        return backend._sessions[self.name]
+
+    def __set__(self, backend, session) -> None:
+        backend._sessions[self.name] = session  # an in-place cache binds a new session anew
+
+
+class OrtBackend(Backend):
+    """An ONNX Runtime engine directory behind the Backend interface (see module docstring)."""
+
+    host_threads = 1  # torch threads for the decoding loop's own small ops (see decoding.generate)
+    session, heads_session, step_session = _Session(), _Session(), _Session()  # decoder, heads, fused step
+
+    def __init__(self, engine_dir: str | Path, device: str | None = None, options: OrtSessionOptions | None = None):
+        self.engine_dir = Path(engine_dir)
+        self.options = options = options or OrtSessionOptions()  # every session's threads and spinning
+        if options.threads is not None and options.threads < 1:
+            raise EngineError(f"threads {options.threads}: expected >= 1 (or None: one per core)")
+        self.engine = engine = read_engine_json(self.engine_dir)
+        self.device = device or engine.get("device", "cpu")
+        model, limits, onnx_info = engine["model"], engine["limits"], engine["onnx"]
+        onnx_path = self.engine_dir / onnx_info["file"]
+        if not onnx_path.is_file():
+            raise EngineError(f"{onnx_path}: missing; the engine directory is incomplete (rebuild it)")
+        check_artifacts(self.engine_dir, engine)
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise EngineError("device 'cuda' keeps the KV cache in torch CUDA tensors, but this torch "
+                              f"{torch.__version__} has no CUDA device")
+        execution_provider(self.device)  # at load, though sessions open on first use
+        # Sessions over one shared weights file (engines/ort/weights.py) map it rather than copy it,
+        # unless they prepack: then each session holds its own packed copy (engine.json says which).
+        self._prepack = onnx_info.get("prepack_weights", True)
+        weights_file = onnx_info.get("weights_file")
+        # The sessions keep references to the mapped tensors; self keeps the mapping alive as long.
+        # Only without prepacking: a prepacking session keeps its packed copy and lets ONNX Runtime
+        # release the file's pages, which a shared initializer would pin (docs/benchmarks/issue-13-int4.md, memory).
+        shared = weights_file and not self._prepack and self.device == "cpu"
+        self._weights = SharedWeights(self.engine_dir / weights_file) if shared else None
+        # The fused greedy step (one call per step) on the CPU; on CUDA greedy steps take the
+        # forward + heads path, whose outputs stay bound in device memory.
+        step_file = onnx_info.get("step_file") if self.device == "cpu" else None
+        self._graphs = {"session": onnx_info["file"], "heads_session": onnx_info.get("heads_file"),
+                        "step_session": step_file}
+        self._sessions: dict = {}
+        # In-place engines (engine.json onnx.cache_in_place): the graphs write new K/V into the cache
+        # buffers they are bound to (runtime/ort/cache.py).
+        self.in_place = onnx_info.get("cache_in_place", False)
+        if self.in_place and self.device != "cpu":
+            raise EngineError(f"{self.engine_dir / 'engine.json'}: onnx.cache_in_place engines run on the CPU; "
+                              f"device {self.device!r} needs an engine built with --device {self.device}")
+        # The cache mode, one object per cache (start, keep). IOBinding is required on CUDA; on the
+        # CPU session.run on numpy views is as fast (runtime/ort/cache.py), and a test may pick BoundCache.
+        self.cache_mode = InPlaceCache if self.in_place else ReturnedCache if self.device == "cpu" else BoundCache
+        # Where this CPU's MatMulNBits runs a single row on a kernel of its own (ONNX Runtime's AVX2
+        # build: a one-row GEMV that rounds otherwise than its multi-row GEMM), a one-token step at
+        # batch 1 runs as two rows, the second a throwaway copy, and a lone logits row is computed
+        # twice, so a plain step's logits are the bits a Medusa step computes for that row and Medusa
+        # greedy stays equal to plain greedy (docs/benchmarks/issue-13-int4.md (l), with its cost).
+        # Where the kernels agree, nothing changes. Applied in one place: _feeds.
+        weights = engine.get("weights") or {}
+        self.pad_one_row = bool(self.device == "cpu" and weights.get("format") == "int4"
+                                and one_row_kernel_differs(weights["block_size"], weights["accuracy_level"]))
+        self.fused_step_topk = onnx_info.get("step_topk") if step_file else None
+        self._check_graphs(engine)
+        self.num_layers, self.num_kv_heads = model["num_layers"], model["num_kv_heads"]
+        self.head_dim, self.num_medusa_heads = model["head_dim"], engine["medusa"]["num_heads"]
+        self.vocab_size, self.hidden_size = model["vocab_size"], model["hidden_size"]
+        self.dtype = CONFIG_DTYPES[engine["dtype"]]
+        self.max_batch_size = limits["max_batch_size"]
+        self.info = ModelInfo(self.vocab_size, self.num_medusa_heads, limits["max_seq_len"], limits["max_draft_len"],
+                              onnx_info.get("key_block"), onnx_info.get("chains_only", False))
+        self._past_names = past_names(self.num_layers)
+        self._np_dtype = {torch.float32: np.float32, torch.float16: np.float16}.get(self.dtype)
+        if self._np_dtype is None:  # numpy has no bfloat16; ONNX Runtime's CPU kernels mostly lack it too
+            raise EngineError(f"{self.engine_dir / 'engine.json'}: dtype {engine['dtype']} cannot be bound "
+                              "from Python; rebuild with --dtype float32 or float16")
+        self.start(1, 1)
+
+    def open_sessions(self) -> None:
+        """Opens every graph's session now: a server decodes in every mode, and its first requests
+        should not pay for opening one (each holds its own packed copy of the weights)."""
+        for graph in (OrtBackend.session, OrtBackend.heads_session, OrtBackend.step_session):
+            graph.open(self)
+
+    @property
+    def open_session_names(self) -> frozenset[str]:
+        """The graphs whose sessions are open ("session", "heads_session", "step_session"): each
+        open one holds its own packed copy of the weights."""
+        return frozenset(self._sessions)
+
+    def _check_graphs(self, engine: dict) -> None:
+        """The graphs' inputs and outputs against engine.json (layer count, vocabulary), read from the
+        files (the sessions open later, on first use)."""
+        import onnx
+
+        def io(graph) -> tuple[dict, dict]:
+            initializers = {t.name for t in graph.initializer}
+
+            def shapes(values) -> dict:
+                return {v.name: [d.dim_value if d.HasField("dim_value") else d.dim_param
+                                 for d in v.type.tensor_type.shape.dim] for v in values if v.name not in initializers}
+            return shapes(graph.input), shapes(graph.output)
+
+        layers = engine["model"]["num_layers"]
+        past = past_names(layers)
+        expected = {"session": ([*INPUT_NAMES, *past], graph_outputs(OUTPUT_NAMES, layers, self.in_place), ("logits",)),
+                    "heads_session": ([HEADS_INPUT], [HEADS_OUTPUT], (HEADS_OUTPUT,)),
+                    "step_session": ([*STEP_INPUT_NAMES, *past], graph_outputs(STEP_OUTPUT_NAMES, layers, self.in_place),
+                                     ())}
+        for name, file in self._graphs.items():
+            if file is None:
+                continue
+            path = self.engine_dir / file
+            graph = onnx.load(str(path), load_external_data=False).graph
+            writes = any(o.name.startswith("present_key_") for o in graph.output)
+            if name != "heads_session" and writes != self.in_place:
+                raise EngineError(f"{path}: the graph {'writes' if writes else 'does not write'} the cache in place "
+                                  f"(present_key_* outputs), engine.json records onnx.cache_in_place {self.in_place} "
+                                  "(engine.json and the graph disagree: rebuild the engine)")
+            check_graph(engine, path, *io(graph), *expected[name])
+            if name == "session":
+                check_weight_format(engine, path, {n.op_type for n in graph.node})
+
+    # -- Backend interface ---------------------------------------------------------------------
+
+    def start(self, batch: int, capacity: int) -> None:
+        if batch > self.max_batch_size:
+            raise ValueError(f"batch {batch} exceeds the engine's max_batch_size {self.max_batch_size} "
+                             f"({self.engine_dir / 'engine.json'}); rebuild with a larger --max-batch-size")
+        self.keys, self.values = zero_cache(self.num_layers, batch, self.num_kv_heads, capacity, self.head_dim,
+                                            self.dtype, self.device)
+        self.lengths = torch.zeros(batch, dtype=torch.long)
+        self.cache = self.cache_mode(self.keys, self.values, self._past_names)
+
+    def forward(self, input_ids, position_ids, new_mask, logit_positions=None, with_heads=True):
+        feeds, kept = self._feeds(input_ids, position_ids, new_mask, logit_positions)
+        b, k = feeds["logit_positions"].shape
+        logits, hidden = self.cache.run(self.session, feeds, {"logits": ((b, k, self.vocab_size), np.float32),
+                                                              "hidden": ((b, k, self.hidden_size), self._np_dtype)})
+        logits, hidden = logits[:, :kept], hidden[:, :kept]
+        self._hidden = hidden  # [B, K, d] host tensor: the heads run on the rows the loop picks
+        if not with_heads:
+            return logits, None
+        return logits, self._run_heads(hidden.reshape(-1, hidden.shape[-1])).reshape(-1, *hidden.shape[:2], self.vocab_size)
+
+    def fused_step(self, input_ids, position_ids, new_mask, retrieve, candidate_index):
+        """Verifies a tree, accepts greedily and drafts the next tree's tokens in one call (the step
+        graph, engines/onnx/export.py). Returns best path [B], accepted draft tokens [B] and the next
+        input_ids [B, 1 + C]; the new tokens' KV stays pending until `commit`."""
+        feeds, _ = self._feeds(input_ids, position_ids, new_mask, retrieve=retrieve, candidate_index=candidate_index)
+        b = len(input_ids)
+        return tuple(self.cache.run(self.step_session, feeds, {
+            "best_path": ((b,), np.int64), "accepted": ((b,), np.int64),
+            "next_tokens": ((b, 1 + len(candidate_index)), np.int64)}))
+
+    def _feeds(self, input_ids, position_ids, new_mask, logit_positions=None, **step_inputs):
+        """A graph call's host feeds, with the rows as the kernel needs them: where pad_one_row, a lone
+        token (a plain step, a one-token prompt, a tree cut to its root) runs as two rows, the second
+        a copy written one slot further that attends the first and is never read, committed or
+        named by retrieve; and a lone logits row is asked for twice and kept once (the lm_head's
+        MatMulNBits would take it to the one-row kernel too), so the logits of a plain step and of a
+        prefill are the bits a tree step computes for that row. Checks the call against the cache.
+        `step_inputs`: the step graph's (retrieve, candidate_index); without them the call is the
+        decoder's, which takes logit_positions. Returns the feeds and the logits rows to keep."""
+        decoder = not step_inputs
+        if self.pad_one_row and input_ids.numel() == 1 and self._room_for_two_rows(int(self.lengths.max())):
+            input_ids, position_ids = input_ids.repeat(1, 2), torch.cat([position_ids, position_ids + 1], dim=1)
+            new_mask = torch.ones(1, 2, 2, dtype=torch.bool).tril()
+            logit_positions = torch.zeros(1, 1, dtype=torch.long) if decoder else None
+        logit_positions = check_forward(self.keys, self.lengths, input_ids, position_ids, logit_positions,
+                                        self.info.max_seq_len, self.engine_dir / "engine.json")
+        if not decoder:
+            return _host_feeds(input_ids=input_ids, position_ids=position_ids, past_lengths=self.lengths,
+                               new_mask=new_mask, **step_inputs), 0
+        kept = logit_positions.shape[1]
+        if self.pad_one_row and logit_positions.numel() == 1:
+            logit_positions = logit_positions.repeat(1, 2)
+        return _host_feeds(input_ids=input_ids, position_ids=position_ids, past_lengths=self.lengths,
+                           new_mask=new_mask, logit_positions=logit_positions), kept
+
+    def _room_for_two_rows(self, longest: int) -> bool:
+        """Whether a padded one-token step's throwaway row (position and slot longest + 1) fits."""
+        return longest + 1 < min(self.keys.shape[3], self.info.max_seq_len)
+
+    def draft(self, rows: torch.Tensor, counts: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+        # The heads graph is a Medusa drafter's (engines/onnx/drafters.py): the last committed row only.
+        return self._run_heads(self._hidden[torch.arange(len(rows)), last_rows(rows, counts)])
+
+    def _run_heads(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, d] -> medusa logits [H, N, V] (the engine's heads graph; a few KB in and out)."""
+        if self.heads_session is None:
+            return torch.zeros(0, hidden.shape[0], self.vocab_size)
+        (out,) = self.heads_session.run(None, {"hidden": np.ascontiguousarray(hidden.numpy())})
+        return torch.from_numpy(out)
+
+    def commit(self, slots: torch.Tensor, counts: torch.Tensor) -> None:
+        self.lengths = self.cache.commit(self.lengths, slots, counts)
+
+    def keep(self, rows: torch.Tensor) -> None:
+        on_device = rows.to(self.device)
+        self.keys, self.values = self.keys[:, on_device], self.values[:, on_device]
+        self.lengths = self.lengths[rows]
+        self.cache = self.cache_mode(self.keys, self.values, self._past_names)
+
+
+def _host_feeds(**tensors: torch.Tensor) -> dict[str, np.ndarray]:
+    """The graphs' small host inputs as contiguous numpy arrays: new_mask bool, the rest int64."""
+    return {name: np.ascontiguousarray(t.numpy(), dtype=np.bool_ if name == "new_mask" else np.int64)
+            for name, t in tensors.items()}

@@ -1,0 +1,171 @@
+"""ONNX Runtime sessions as the engines need them: the session options (threads and spinning as
+one OrtSessionOptions value, from the CLI flags through load_backend to every session), sessions on
+exactly one provider, one shared mapping of an engine's weights, and the probe for the one-row
+MatMulNBits kernel (OrtBackend.pad_one_row)."""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from medusa_trt.engine_dir import EngineError
+
+_PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+
+
+@dataclass(frozen=True)
+class OrtSessionOptions:
+    """How an engine's sessions use the CPU (medusa-run/bench/tune-tree/demo --threads and --spin),
+    handed as one value from the flags through load_backend to every session of the engine.
+    `threads`: intra-op threads (None: one per core this process may use); `spin`: worker threads
+    spin between ops instead of sleeping (see session_options)."""
+
+    threads: int | None = None
+    spin: bool = False
+
+
+def session_options(options: OrtSessionOptions | None = None, *, level: str = "all", prepack: bool = True):
+    """Options measured on a 2-core CPU for decoding (benchmarks/bench_onnx.py --sweep-options): all
+    graph optimizations (they fuse RMSNorm, SiLU and MatMul+Transpose), one intra-op thread per core
+    this process may use, sequential execution (the graph is a chain), and no spinning by default: a
+    spinning worker burns a core that another process may need, and on a shared machine steps get
+    much slower. On cores the engine has to itself, `options.spin` (ONNX Runtime's own default) saves
+    a thread wake-up per op, which is what a second thread gains in a short int4 step
+    (docs/benchmarks/issue-13-int4.md).
+
+    QDQ fusions are off: at the extended level ONNX Runtime 1.31 rewrites DequantizeLinear -> MatMul
+    into MatMulIntegerToFloat, which rejects the float8 inputs of FP8 engines (engine.json's
+    quantization block says so too); float engines have no Q/DQ, so nothing changes for them."""
+    import onnxruntime as ort
+
+    options = options or OrtSessionOptions()
+    levels = {"basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+              "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+              "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}
+    so = ort.SessionOptions()
+    so.graph_optimization_level = levels[level]
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.intra_op_num_threads = options.threads or len(os.sched_getaffinity(0))
+    so.inter_op_num_threads = 1
+    so.add_session_config_entry("session.intra_op.allow_spinning", "1" if options.spin else "0")
+    so.add_session_config_entry("session.disable_quant_qdq", "1")
+    if not prepack:  # engine.json onnx.prepack_weights (engines/build.py says when and why)
+        so.add_session_config_entry("session.disable_prepacking", "1")
+    so.log_severity_level = 3  # warnings about unused initializers are noise to users
+    return so
+
+
+class SharedWeights:
+    """One read-only mapping of an engine's shared weights file (engines/ort/weights.py), handed to
+    every session as its initializers (SessionOptions.add_initializer): ONNX Runtime then computes
+    from these pages instead of mapping or copying the file once per session, so a loaded engine's
+    weights are resident once (docs/benchmarks/issue-13-int4.md). Tensors are built once per (offset, dtype,
+    shape) and shared by every graph that refers to them."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._file = np.memmap(path, dtype=np.uint8, mode="r")
+        self._values: dict[tuple, object] = {}
+
+    def initializers(self, onnx_path: Path) -> dict[str, object]:
+        """OrtValues over the mapping for the graph's initializers stored in this file."""
+        import onnx
+        import onnxruntime as ort
+        from onnx.helper import tensor_dtype_to_np_dtype
+
+        graph = onnx.load(str(onnx_path), load_external_data=False).graph
+        out = {}
+        for t in graph.initializer:
+            info = {e.key: e.value for e in t.external_data}
+            if t.data_location != onnx.TensorProto.EXTERNAL or info.get("location") != self.path.name:
+                continue
+            offset, length = int(info.get("offset", 0)), int(info["length"])
+            key = (offset, length, t.data_type, tuple(t.dims))
+            if key not in self._values:
+                if offset + length > len(self._file):
+                    raise EngineError(f"{onnx_path}: initializer {t.name!r} reads bytes {offset}..{offset + length} "
+                                      f"of {self.path}, which has {len(self._file)}; rebuild the engine")
+                array = self._file[offset:offset + length].view(tensor_dtype_to_np_dtype(t.data_type))
+                self._values[key] = ort.OrtValue.ortvalue_from_numpy(array.reshape(tuple(t.dims)))
+            out[t.name] = self._values[key]
+        return out
+
+
+def execution_provider(device: str) -> str:
+    """ONNX Runtime's provider for `device`, checked to be in this onnxruntime (no CPU fall back)."""
+    import onnxruntime as ort
+
+    if device not in _PROVIDERS:
+        raise EngineError(f"device {device!r} is not supported; expected one of {sorted(_PROVIDERS)}")
+    provider = _PROVIDERS[device]
+    available = ort.get_available_providers()
+    if provider not in available:
+        hint = " (install the 'gpu' extra: pip install 'medusa-trt[gpu]')" if device == "cuda" else ""
+        raise EngineError(f"device {device!r} needs ONNX Runtime's {provider}, which this onnxruntime "
+                          f"{ort.__version__} lacks{hint}; available: {', '.join(available)}")
+    return provider
+
+
+def make_session(onnx_path: str | Path, device: str = "cpu", options: OrtSessionOptions | None = None,
+                 prepack: bool = True, weights: SharedWeights | None = None):
+    """An InferenceSession on exactly `device`: a missing provider is an error, never a CPU fall back.
+    `weights`: the engine's shared weights file, mapped once for all its sessions."""
+    import onnxruntime as ort
+
+    provider = execution_provider(device)
+    providers = [provider] if device == "cpu" else [provider, "CPUExecutionProvider"]  # CPU only for shape ops
+    so = session_options(options, prepack=prepack)
+    if weights is not None:
+        for name, value in weights.initializers(Path(onnx_path)).items():
+            so.add_initializer(name, value)
+    try:
+        session = ort.InferenceSession(str(onnx_path), so, providers=providers)
+    except Exception as e:  # onnxruntime raises its own exception types, one per failure kind
+        raise EngineError(f"{onnx_path}: onnxruntime {ort.__version__} cannot load it ({e}); an older "
+                          "onnxruntime may lack the engine's opset: rebuild with a lower --opset") from None
+    if session.get_providers()[0] != provider:
+        raise EngineError(f"{onnx_path}: ONNX Runtime did not enable {provider} (got {session.get_providers()})")
+    return session
+
+
+def matmul_nbits_session(w: torch.Tensor, block_size: int, accuracy_level: int,
+                         options: OrtSessionOptions | None = None):
+    """A session of one MatMulNBits node, input "A" [M, K] -> "Y" [M, N], over w [N, K] quantized the
+    way int4 engines hold it (quant.quantize_int4), with the engines' session options."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from medusa_trt.quant import quantize_int4
+
+    n, k = w.shape
+    packed, scales, zero_points = (t.numpy() for t in quantize_int4(w, block_size))
+    node = helper.make_node("MatMulNBits", ["A", "B", "S", "Z"], ["Y"], domain="com.microsoft", K=k, N=n, bits=4,
+                            block_size=block_size, accuracy_level=accuracy_level)
+    graph = helper.make_graph(
+        [node], "matmul_nbits", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", k])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", n])],
+        [numpy_helper.from_array(packed, "B"), numpy_helper.from_array(scales.reshape(-1), "S"),
+         numpy_helper.from_array(zero_points, "Z")])
+    model = helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 21),
+                                                                   helper.make_opsetid("com.microsoft", 1)])
+    return ort.InferenceSession(model.SerializeToString(), session_options(options or OrtSessionOptions(threads=1)),
+                                providers=["CPUExecutionProvider"])
+
+
+@functools.cache
+def one_row_kernel_differs(block_size: int, accuracy_level: int) -> bool:
+    """Whether this CPU's MatMulNBits (4-bit, `block_size`, `accuracy_level`) computes a lone row to
+    other bits than the same row among others: ONNX Runtime's AVX2 build has a one-row kernel of its
+    own for blocks of 32 and more, its AVX-512 build does not (docs/benchmarks/issue-13-int4.md (l)). Answered
+    once per process by one small graph run on one row, then on that row among three."""
+    g = torch.Generator().manual_seed(0)
+    session = matmul_nbits_session(torch.randn(64, 4 * block_size, generator=g), block_size, accuracy_level)
+    rows = torch.randn(3, 4 * block_size, generator=g).numpy()
+    (one,) = session.run(None, {"A": rows[:1]})
+    (three,) = session.run(None, {"A": rows})
+    return not np.array_equal(one[0], three[0])
