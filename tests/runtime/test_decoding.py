@@ -290,7 +290,7 @@ def test_draft_vocabulary_heads(distilled, tmp_path):
         with torch.no_grad():
             want = ref.draft(h[None])[:, 0]
         diff = (int4.heads_session.run(None, {"hidden": h.numpy()})[0] - want.numpy())[..., vocab]
-        # level 4's criterion (tests/engines/test_int4.py): p90 within 1e-4; unmirrored it is ~0.05
+        # level 4's criterion (tests/runtime/test_int4_decoding.py): p90 within 1e-4; unmirrored it is ~0.05
         assert (np.quantile(np.abs(diff), 0.9) <= 1e-4) == mirrored
     plain = decode(int4, ps, GenerationConfig(max_new_tokens=NEW, use_medusa=False, stop_token_ids=(EOS,)))
     assert decode(int4, ps, greedy([[0], [0, 0], [1]])).tokens == plain.tokens
