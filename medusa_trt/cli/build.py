@@ -36,9 +36,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--attention", choices=list(ATTENTION_FORMS),
                    help="ONNX attention form (default: chain_f32 for --weights int4, whose Medusa greedy then "
                         "equals its plain greedy for chain trees, the runtime running any other tree as its main "
-                        "chain; row_exact_f32 keeps branching trees exact too, ~4%% slower a step; row_exact does "
-                        "it in float64, ~10%% slower; otherwise attention23, the fastest measured on CPU; split "
-                        "below opset 23)")
+                        "chain; row_exact_f32 keeps branching trees exact too, at a slower step; row_exact does "
+                        "it in float64, slower still; otherwise attention23, the fastest measured on CPU; split "
+                        "below opset 23; BENCHMARKS.md has the step costs)")
     p.add_argument("--trt-attention", choices=["plugin", "native"],
                    help="--backend tensorrt: the tree-attention plugin (default) or TensorRT's own attention "
                    "with a dense mask, for comparison")
@@ -48,7 +48,7 @@ def parser() -> argparse.ArgumentParser:
                    help="--backend tensorrt-llm: longest prompt (default: max-seq-len minus one tree)")
     p.add_argument("--no-prepack", dest="prepack_weights", action="store_false",
                    help="onnxruntime: sessions compute from one shared mapping of the weights instead of "
-                        "each prepacking its own copy (less memory, slower steps; BENCHMARKS.md, issue 13)")
+                        "each prepacking its own copy (less memory, slower steps; BENCHMARKS.md)")
     p.add_argument("--no-fused-step", dest="fused_step", action="store_false",
                    help="onnxruntime: skip the fused greedy step graph (its session's packed copy of the "
                         "weights in memory; greedy decoding then takes two engine calls and host work per step)")
@@ -65,7 +65,7 @@ def parser() -> argparse.ArgumentParser:
                         "0 = float compute")
     p.add_argument("--int4-offsets", action="store_true",
                    help="--weights int4: a float offset per block instead of a 4-bit zero point (exact on a "
-                        "GGUF's Q4_1 weights, near float32 quality; a step 1.15-1.23x slower)")
+                        "GGUF's Q4_1 weights, near float32 quality, at a slower step; BENCHMARKS.md, int4 quality)")
     p.add_argument("--int4-lm-head-bits", type=int, default=4, choices=[4, 8],
                    help="--weights int4: the lm_head's bits (8: exact on a GGUF's Q8_0 embedding; default 4)")
     p.add_argument("--device", default="cpu", choices=list(DEVICES), help="device the engine runs on by default")

@@ -39,7 +39,7 @@ dequantized weights; at accuracy level 4 the activations rounded to int8 per blo
 rounding of an activation is such a boundary, and the flips compound with depth: on SmolLM2-135M
 (30 layers, logit peak ~38 on the default prompts) a right engine is p90 0.39 / max 2.3 from its
 reference, against p90 >= 3.9 / max >= 14 for one quantized with another block size and >= 5.5 /
-15 for float32 weights (BENCHMARKS.md, issue 13). So an int4 output passes when its p90 is within
+15 for float32 weights (docs/benchmarks/issue-13-int4.md). So an int4 output passes when its p90 is within
 INT4_NOISE_PER_LAYER x layers (scaled with the peak like the tolerances: 1.7 there, 0.03 on a
 2-layer test model) and its maximum within INT4_MAX_FACTOR times that. Errors below that noise (one layer's weights 2% off: p90 0.41) pass.
 Greedy tokens may then part from the reference's at a near-tie: a plain decode passes when the

@@ -5,7 +5,7 @@ and the reference share one implementation. What differs from eager was chosen b
 a 2-core CPU with 10M and 100M-parameter models (benchmarks/bench_onnx.py):
 
 - one past input per layer and per K/V: a stacked [L, ...] input costs ONNX Runtime a Gather copy
-  of every layer's cache per step (BENCHMARKS.md, issue 4);
+  of every layer's cache per step (docs/benchmarks/engine-and-serving.md);
 - the past may be the runtime's whole cache buffer (capacity T >= every committed length): the
   graph slices it to max(past_lengths) and builds the prefix mask from `past_lengths`, so a step
   costs the committed length, not the capacity (docs/benchmarks/issue-13-int4.md). The runtime passes the

@@ -106,8 +106,7 @@ def gguf_blocks_hint(config: dict, offsets: bool, lm_head_bits: int) -> str | No
         return None
     blocks = " and ".join(f"{t} ({types[t]} tensor{'s' * (types[t] != 1)})" for t in ("Q4_1", "Q8_0") if t in types)
     return (f"the base came from a GGUF of {blocks}; {' '.join(missing)} would keep those blocks exactly "
-            "(SmolLM2-135M: top-1 agreement with float32 0.97 against 0.66, a step ~1.2x; BENCHMARKS.md, "
-            "issue 13 (p)), this build re-quantizes them")
+            "(near float32 quality at a slower step: BENCHMARKS.md, int4 quality), this build re-quantizes them")
 
 
 def _quantize_int4(opts: BuildOptions, ort: OrtOptions, config: dict, model) -> dict:

@@ -3,7 +3,7 @@ the mode once, at load, and makes one object per cache, at `start` and `keep`):
 
 - ReturnedCache (CPU): the cache goes to `session.run` as numpy views, which ONNX Runtime reads in
   place; the graph returns the new tokens' K/V, and `commit` scatters the kept ones after each
-  committed prefix. On a 2-core CPU that measured as fast as IOBinding or faster (BENCHMARKS.md,
+  committed prefix. On a 2-core CPU that measured as fast as IOBinding or faster (docs/benchmarks/engine-and-serving.md,
   issue 4): run() hands its own output buffers to numpy without a copy, and binding costs a dozen
   calls per step.
 - BoundCache (CUDA): the cache and the new K/V stay in device memory, bound by pointer
