@@ -62,6 +62,60 @@ def medusa_lm_head(head: int) -> str:
 
 
 @dataclass(frozen=True)
+class ModelConfig:
+    """What the reference model, its drafter and the quantizers read of a merged checkpoint's config."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # {"type": "llama3"|"linear", "factor", ...} or None
+    norm_eps: float = 1e-6
+    max_position_embeddings: int = 2048
+    qkv_bias: bool = False
+    num_medusa_heads: int = 0
+    num_medusa_layers: int = 1
+    sliding_window: int | None = None
+    dtype: str = "float32"
+    quantization: dict | None = None  # the checkpoint's block: quant_algo, kv_cache_quant_algo, exclude_modules
+    # Token ids the heads draft from (their logits elsewhere are drafters.medusa.OUTSIDE_DRAFT_LOGIT):
+    # a vocabulary subset set by head training makes a step's head logits cost V'/V of the full lm_head.
+    draft_vocab: tuple[int, ...] | None = None
+    drafter: str = "medusa"  # the drafter's kind (medusa_trt/drafters/: DRAFTERS)
+
+    @classmethod
+    def from_checkpoint_config(cls, cfg: dict) -> ModelConfig:
+        """Reads the merged checkpoint's config.json (TensorRT-LLM key names)."""
+        heads = cfg["num_attention_heads"]
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_size") or cfg["hidden_size"] // heads,
+            rope_theta=float(cfg.get("rotary_base", 10000.0)),
+            rope_scaling=cfg.get("rotary_scaling"),
+            norm_eps=float(cfg.get("norm_epsilon", 1e-6)),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            qkv_bias=bool(cfg.get("attn_bias", cfg.get("model_type") == "qwen2")),
+            num_medusa_heads=cfg.get("num_medusa_heads", 0),
+            num_medusa_layers=cfg.get("num_medusa_layers", 1),
+            sliding_window=cfg.get("sliding_window"),
+            dtype=cfg.get("dtype", "float32"),
+            quantization=cfg.get("quantization"),
+            draft_vocab=tuple(cfg["medusa_trt"]["draft_vocab"]) if (cfg.get("medusa_trt") or {}).get("draft_vocab")
+            else None,
+            drafter=(cfg.get("medusa_trt") or {}).get("drafter", "medusa"),
+        )
+
+
+@dataclass(frozen=True)
 class TensorSpec:
     name: str
     shape: tuple[int, ...]  # unsharded; vocab rows padded to a multiple of tp_size

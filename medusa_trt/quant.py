@@ -19,17 +19,11 @@ arithmetic on the same packed bytes the engine holds.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from medusa_trt.checkpoint import is_fp8_module, layer_prefix, medusa_linear_prefix
-
-if TYPE_CHECKING:
-    from medusa_trt.modeling import MedusaModel, ModelConfig
-
+from medusa_trt.checkpoint import ModelConfig, is_fp8_module, layer_prefix, medusa_linear_prefix
 
 # -- FP8 numbers (per-tensor, symmetric float8_e4m3fn): scale = amax / 448, dequantized x = q * scale --
 
@@ -172,7 +166,7 @@ def _fp8_heads(cfg: ModelConfig) -> bool:
     return flags == {True}
 
 
-def load_fp8(model: MedusaModel, weights: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> None:
+def load_fp8(model: nn.Module, weights: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> None:
     """Swaps into `model` the modules of an FP8 checkpoint's quantization block, and adds the tensors
     they hold to `state` (module names, what MedusaModel.from_weights loads): FP8Linear for each
     quantized decoder Linear, FP8KVCache in each layer with an FP8 KV cache, FP8HeadLinears in place
@@ -347,7 +341,7 @@ class Int4Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def quantize_model_int4(model: MedusaModel, block_size: int, accuracy_level: int, lm_head: bool = True,
+def quantize_model_int4(model: nn.Module, block_size: int, accuracy_level: int, lm_head: bool = True,
                         draft: bool = False, offsets: bool = False, lm_head_bits: int = 4) -> list[str]:
     """Replaces the decoder's Linears (and the lm_head with `lm_head`) by Int4Linear in place: what
     medusa-build --weights int4 exports and what medusa-check runs as the reference. Deterministic,

@@ -8,9 +8,10 @@ import dataclasses
 import pytest
 import torch
 
+from medusa_trt.checkpoint import ModelConfig
 from medusa_trt.drafters import DRAFTERS, make_drafter
 from medusa_trt.drafters.medusa import MedusaHeads
-from medusa_trt.modeling import MedusaModel, ModelConfig
+from medusa_trt.modeling import MedusaModel
 from medusa_trt.runtime.decoding import GenerationConfig, decode
 from medusa_trt.runtime.torch_backend import TorchBackend
 

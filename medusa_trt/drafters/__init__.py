@@ -25,13 +25,9 @@ named in docs/formats.md, and its graph form.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from medusa_trt.checkpoint import ModelConfig
 from medusa_trt.drafters.base import Drafter
 from medusa_trt.drafters.medusa import MedusaHeads
-
-if TYPE_CHECKING:
-    from medusa_trt.modeling import ModelConfig
 
 DRAFTERS: dict[str, type[Drafter]] = {MedusaHeads.kind: MedusaHeads}
 

@@ -12,16 +12,14 @@ draft-vocabulary matrices); the heads only call them.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from medusa_trt.checkpoint import ModelConfig
 from medusa_trt.drafters.base import Drafter
-
-if TYPE_CHECKING:
-    from medusa_trt.modeling import ModelConfig
 
 # Head logit of a token outside the draft vocabulary: far below any real logit (they stay within
 # +-100), and small enough that statistics over whole logit tensors (medusa-check's comparator
