@@ -147,7 +147,7 @@ def _torch_backend(tiny_merged, perturb_heads: bool = False):
     model = MedusaModel.from_checkpoint(tiny_merged("llama", heads_kwargs={"trivial": True}), dtype="float32")
     if perturb_heads:  # a fault in the Medusa heads only: the base logits stay exact
         with torch.no_grad():
-            next(p for name, p in model.named_parameters() if name.startswith("medusa")).add_(0.05)
+            next(p for name, p in model.named_parameters() if name.startswith("drafter.")).add_(0.05)
     return TorchBackend(model, max_draft_len=63)
 
 
