@@ -45,7 +45,7 @@ from medusa_trt.engine_dir import (
     read_engine_json,
 )
 from medusa_trt.runtime.backend import Backend, ModelInfo, check_forward, last_rows, zero_cache
-from medusa_trt.runtime.ort.cache import BoundCache, InPlaceCache, ReturnedCache
+from medusa_trt.runtime.ort.cache import NP_DTYPES, BoundCache, InPlaceCache, ReturnedCache
 from medusa_trt.runtime.ort.session import (
     OrtSessionOptions,
     SharedWeights,
@@ -141,7 +141,7 @@ class OrtBackend(Backend):
         self.info = ModelInfo(self.vocab_size, self.num_medusa_heads, limits["max_seq_len"], limits["max_draft_len"],
                               onnx_info.get("key_block"), onnx_info.get("chains_only", False))
         self._past_names = past_names(self.num_layers)
-        self._np_dtype = {torch.float32: np.float32, torch.float16: np.float16}.get(self.dtype)
+        self._np_dtype = NP_DTYPES.get(self.dtype)
         if self._np_dtype is None:  # numpy has no bfloat16; ONNX Runtime's CPU kernels mostly lack it too
             raise EngineError(f"{self.engine_dir / 'engine.json'}: dtype {engine['dtype']} cannot be bound "
                               "from Python; rebuild with --dtype float32 or float16")

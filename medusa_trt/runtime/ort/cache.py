@@ -61,7 +61,7 @@ class BoundCache(ReturnedCache):
     def run(self, session, feeds: dict[str, np.ndarray], outputs: Outputs) -> list[torch.Tensor]:
         layers, b, heads, _, head_dim = self.keys.shape
         s = feeds["input_ids"].shape[1]
-        np_dtype = _NP_DTYPES[self.keys.dtype]
+        np_dtype = NP_DTYPES[self.keys.dtype]
         device = self.keys.device.type
         new_k = torch.empty(layers, b, heads, s, head_dim, dtype=self.keys.dtype, device=self.keys.device)
         new_v = torch.empty_like(new_k)
@@ -121,7 +121,8 @@ class InPlaceCache:
         return compact_in_place(self.keys, self.values, lengths, slots, counts)
 
 
-_NP_DTYPES = {torch.float32: np.float32, torch.float16: np.float16}
+# The cache dtypes Python can bind (numpy has no bfloat16; ONNX Runtime's CPU kernels mostly lack it too).
+NP_DTYPES = {torch.float32: np.float32, torch.float16: np.float16}
 
 
 def _bind_host_outputs(io, outputs: Outputs) -> list[np.ndarray]:
