@@ -82,10 +82,11 @@ class ModelConfig:
     sliding_window: int | None = None
     dtype: str = "float32"
     quantization: dict | None = None  # the checkpoint's block: quant_algo, kv_cache_quant_algo, exclude_modules
-    # Token ids the heads draft from (their logits elsewhere are drafters.medusa.OUTSIDE_DRAFT_LOGIT):
+    # Token ids the heads draft from (their logits elsewhere are drafters.base.OUTSIDE_DRAFT_LOGIT):
     # a vocabulary subset set by head training makes a step's head logits cost V'/V of the full lm_head.
     draft_vocab: tuple[int, ...] | None = None
     drafter: str = "medusa"  # the drafter's kind (medusa_trt/drafters/: DRAFTERS)
+    drafter_options: dict | None = None  # its own config block (medusa_trt.<kind>), e.g. Amphista's shape
 
     @classmethod
     def from_checkpoint_config(cls, cfg: dict) -> ModelConfig:
@@ -112,6 +113,7 @@ class ModelConfig:
             draft_vocab=tuple(cfg["medusa_trt"]["draft_vocab"]) if (cfg.get("medusa_trt") or {}).get("draft_vocab")
             else None,
             drafter=(cfg.get("medusa_trt") or {}).get("drafter", "medusa"),
+            drafter_options=(cfg.get("medusa_trt") or {}).get((cfg.get("medusa_trt") or {}).get("drafter", "medusa")),
         )
 
 
@@ -184,6 +186,12 @@ def expected_tensors(config: dict) -> list[TensorSpec]:
         linear(f"{p}.mlp.proj", (d, inter), False)
     specs.append(TensorSpec(LN_F, (d,), dtype))
     specs.append(TensorSpec(LM_HEAD, (padded_vocab(config), d), dtype))
+    if (config.get("medusa_trt") or {}).get("drafter", "medusa") != "medusa":
+        # Another drafter's tensors are its module's own parameters, named in docs/formats.md; they
+        # stay in the model dtype in an FP8 checkpoint and are replicated on every TP rank.
+        from medusa_trt.drafters import drafter_tensors
+
+        return specs + [TensorSpec(name, shape, dtype) for name, shape in drafter_tensors(config)]
     for h in range(int(config.get("num_medusa_heads", 0))):
         for layer in range(int(config.get("num_medusa_layers", 0))):
             linear(medusa_linear_prefix(h, layer), (d, d), True)

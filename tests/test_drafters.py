@@ -10,6 +10,7 @@ import torch
 
 from medusa_trt.checkpoint import ModelConfig
 from medusa_trt.drafters import DRAFTERS, make_drafter
+from medusa_trt.drafters.amphista import Amphista
 from medusa_trt.drafters.medusa import MedusaHeads
 from medusa_trt.modeling import MedusaModel
 from medusa_trt.runtime.decoding import GenerationConfig, decode
@@ -20,14 +21,14 @@ CFG = ModelConfig(vocab_size=80, hidden_size=32, intermediate_size=64, num_layer
 
 
 def test_the_checkpoint_names_its_drafter_and_an_unknown_kind_is_refused():
-    assert DRAFTERS == {"medusa": MedusaHeads}
+    assert DRAFTERS == {"medusa": MedusaHeads, "amphista": Amphista}
     assert ModelConfig.from_checkpoint_config({
         "vocab_size": 80, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
         "num_attention_heads": 4}).drafter == "medusa"  # checkpoints without the key hold Medusa heads
     drafter = make_drafter(CFG)
     assert isinstance(drafter, MedusaHeads) and drafter.num_heads == 3 and not drafter.reads_tokens
-    with pytest.raises(ValueError, match="drafter 'amphista': expected one of medusa"):
-        make_drafter(dataclasses.replace(CFG, drafter="amphista"))
+    with pytest.raises(ValueError, match="drafter 'eagle': expected one of medusa, amphista"):
+        make_drafter(dataclasses.replace(CFG, drafter="eagle"))
 
 
 def test_the_model_drafts_through_its_drafter_alone(tiny_merged):

@@ -26,10 +26,23 @@ named in docs/formats.md, and its graph form.
 from __future__ import annotations
 
 from medusa_trt.checkpoint import ModelConfig
+from medusa_trt.drafters.amphista import Amphista
 from medusa_trt.drafters.base import Drafter
 from medusa_trt.drafters.medusa import MedusaHeads
 
-DRAFTERS: dict[str, type[Drafter]] = {MedusaHeads.kind: MedusaHeads}
+DRAFTERS: dict[str, type[Drafter]] = {MedusaHeads.kind: MedusaHeads, Amphista.kind: Amphista}
+
+
+def drafter_tensors(config: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every tensor a non-Medusa drafter stores in a merged checkpoint: its module's
+    parameters, prefixed with its kind (`amphista.fc1.weight`, ...). Medusa heads keep TensorRT-LLM's
+    names (checkpoint.expected_tensors)."""
+    import torch
+
+    cfg = ModelConfig.from_checkpoint_config(config)
+    with torch.device("meta"):
+        drafter = make_drafter(cfg)
+    return [(f"{cfg.drafter}.{name}", tuple(p.shape)) for name, p in drafter.named_parameters()]
 
 
 def make_drafter(cfg: ModelConfig) -> Drafter:

@@ -24,9 +24,30 @@ class Drafter(nn.Module):
     has_cache: ClassVar[bool] = False
     num_heads: int
 
-    def forward(self, hidden: torch.Tensor, next_tokens: torch.Tensor | None, lm_head: nn.Module) -> torch.Tensor:
-        """hidden [B, S, d] (the base model's final normed hidden states), next_tokens [B, S] (the
-        token chosen after each row; None for a drafter that does not read them), the base model's
-        lm_head (drafters may share it) -> float32 logits [H, B, S, V]: head k at row t scores the
-        token t + 2 + k."""
+    def forward(self, hidden: torch.Tensor, next_tokens: torch.Tensor | None, lm_head: nn.Module,
+                embed: nn.Module | None = None) -> torch.Tensor:
+        """hidden [B, S, d] (the base model's final normed hidden states of whole sequences, rows
+        0..S-1), next_tokens [B, S] (the token chosen after each row; None for a drafter that does
+        not read them), the base model's lm_head and input embedding (drafters may share them) ->
+        float32 logits [H, B, S, V]: head k at row t scores the token t + 2 + k."""
         raise NotImplementedError
+
+    def append(self, hidden: torch.Tensor, next_tokens: torch.Tensor, lm_head: nn.Module, embed: nn.Module,
+               past: tuple[torch.Tensor, ...] | None) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """A drafter with a cache (`has_cache`), one sequence: appends its newly committed rows
+        (hidden [1, c, d], the tokens after them [1, c]) to `past` (None: empty) and returns the
+        drafts at the last row, logits [H, V], with the grown cache."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no cache")
+
+
+# Head logit of a token outside the draft vocabulary: far below any real logit (they stay within
+# +-100), and small enough that statistics over whole logit tensors (medusa-check's comparator
+# squares them) do not overflow float32.
+OUTSIDE_DRAFT_LOGIT = -1e4
+
+
+def scatter_full_vocab(sub: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Logits over a draft vocabulary [..., V'] (token ids `ids`) -> [..., V], OUTSIDE_DRAFT_LOGIT
+    elsewhere (top-k then never picks a token outside it)."""
+    out = torch.full((*sub.shape[:-1], vocab_size), OUTSIDE_DRAFT_LOGIT, dtype=sub.dtype, device=sub.device)
+    return out.scatter(-1, ids.expand(*sub.shape[:-1], -1), sub)

@@ -19,12 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from medusa_trt.checkpoint import ModelConfig
-from medusa_trt.drafters.base import Drafter
-
-# Head logit of a token outside the draft vocabulary: far below any real logit (they stay within
-# +-100), and small enough that statistics over whole logit tensors (medusa-check's comparator
-# squares them) do not overflow float32.
-OUTSIDE_DRAFT_LOGIT = -1e4
+from medusa_trt.drafters.base import Drafter, scatter_full_vocab
 
 HeadLinear = Callable[[torch.Tensor, int], torch.Tensor]  # (x, layer) -> W_layer x + b_layer
 
@@ -94,7 +89,8 @@ class MedusaHeads(Drafter):
         self.register_buffer("draft_ids", ids_t, persistent=False)
         self.register_buffer("draft_lm_heads", self.lm_heads.detach()[:, ids_t].clone(), persistent=False)
 
-    def forward(self, hidden: torch.Tensor, next_tokens: torch.Tensor | None, lm_head: nn.Module) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, next_tokens: torch.Tensor | None, lm_head: nn.Module,
+                embed: nn.Module | None = None) -> torch.Tensor:
         x = hidden.unsqueeze(0).expand(self.num_heads, *hidden.shape)  # [H, B, S, d]
         x = resblocks(x, stacked_linear(self.w, self.b, self.fp8), range(self.num_layers))
         if self.draft_int4 is not None:
@@ -108,5 +104,4 @@ class MedusaHeads(Drafter):
     def full_vocab(self, sub: torch.Tensor) -> torch.Tensor:
         """Logits over the draft vocabulary [..., V'] -> [..., V], OUTSIDE_DRAFT_LOGIT elsewhere
         (top-k then never picks a token outside it)."""
-        out = torch.full((*sub.shape[:-1], self.vocab_size), OUTSIDE_DRAFT_LOGIT, dtype=sub.dtype, device=sub.device)
-        return out.scatter(-1, self.draft_ids.expand(*sub.shape[:-1], -1), sub)
+        return scatter_full_vocab(sub, self.draft_ids, self.vocab_size)

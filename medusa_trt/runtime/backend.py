@@ -26,6 +26,9 @@ class ModelInfo:
     key_block: int | None = None
     # Only chain trees are exact (chain_f32 attention): the decoding loop verifies a tree's main chain.
     chains_only: bool = False
+    # The drafter keeps a cache over every committed row (drafters.base.Drafter.has_cache): the
+    # prefill hands `draft` all of each prompt's rows, not only the last.
+    drafter_cache: bool = False
 
 
 class Backend:
@@ -62,8 +65,9 @@ class Backend:
         committed, the first counts[b] of them, in order; next_tokens [B, A]: the token chosen after
         each (the last one: the next tree's root). A drafter that reads hidden states alone (Medusa)
         drafts at each sequence's last committed row; one with a cache of its own appends every
-        committed row to it (and never rolls back). After a prefill the rows are the one the
-        prefill's forward kept, each prompt's last token."""
+        committed row to it (and never rolls back). After a prefill the rows are the ones the
+        prefill's forward kept: each prompt's last token, or with `info.drafter_cache` every prompt
+        row (row j of sequence b is its prompt's token j, counts = the prompt lengths)."""
         raise NotImplementedError
 
     def commit(self, slots: torch.Tensor, counts: torch.Tensor) -> None:

@@ -311,6 +311,18 @@ def prefill(backend: Backend, prompts: list[list[int]], heads: bool = True, pick
     default) and, with `heads`, the drafter's logits [H, B, V] for the first tree (None without).
     medusa-check drives it too."""
     ids, pos, mask, slots, lens = _pad_prompts(prompts)
+    if heads and backend.info.drafter_cache:
+        # The drafter's cache takes every prompt row: the forward keeps row j = the prompt's token j
+        # (slots), and the token after each is the prompt's next, then the root.
+        logits, _ = backend.forward(ids, pos, mask, slots, with_heads=False)
+        logits = logits[torch.arange(len(prompts)), lens - 1]
+        backend.commit(slots, lens)
+        root = (pick or argmax)(logits)
+        after = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):
+            after[i, : len(p)] = torch.tensor(list(p[1:]) + [int(root[i])])
+        rows = torch.arange(ids.shape[1]).expand(len(prompts), -1)
+        return logits, root, backend.draft(rows, lens, after)
     last = torch.full((len(prompts), 1), ids.shape[1] - 1, dtype=torch.long)
     logits, _ = backend.forward(ids, pos, mask, last, with_heads=False)
     backend.commit(slots, lens)

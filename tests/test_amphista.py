@@ -1,0 +1,126 @@
+"""The Amphista drafter's reference (medusa_trt/drafters/amphista.py): its math, its cache rule and
+decoding with it on the reference backend."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from medusa_trt.checkpoint import ModelConfig
+from medusa_trt.drafters.amphista import Amphista, AmphistaConfig, stage_of
+from medusa_trt.modeling import MedusaModel
+from medusa_trt.runtime.decoding import GenerationConfig, decode
+from medusa_trt.runtime.torch_backend import TorchBackend
+
+CFG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                  head_dim=8, num_medusa_heads=4, drafter="amphista",
+                  drafter_options={"num_heads": 4, "sal_intermediate_size": 48, "aeb_intermediate_size": 40})
+
+
+def _model(seed: int = 0, cfg: ModelConfig = CFG) -> MedusaModel:
+    torch.manual_seed(seed)
+    model = MedusaModel(cfg)
+    with torch.no_grad():  # a drafter away from its identity start: every part matters
+        for p in model.drafter.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    return model.eval()
+
+
+def test_staged_split_and_the_config_block():
+    assert [stage_of(k, 4) for k in range(4)] == [0, 0, 1, 1]
+    assert [stage_of(k, 3) for k in range(3)] == [0, 0, 1]
+    assert AmphistaConfig.from_dict(None) == AmphistaConfig()
+    with pytest.raises(ValueError, match="unknown key"):
+        AmphistaConfig.from_dict({"heads": 4})
+    with pytest.raises(ValueError, match="lm_head 'mine'"):
+        AmphistaConfig.from_dict({"lm_head": "mine"})
+    with pytest.raises(ValueError, match="num_heads 0"):
+        AmphistaConfig.from_dict({"num_heads": 0})
+
+
+def test_the_identity_start_drafts_the_next_token_at_every_head():
+    model = _model()
+    model.drafter.reset_identity()
+    h = torch.randn(2, 7, 32)
+    tokens = torch.randint(0, 96, (2, 7))
+    with torch.no_grad():
+        got = model.draft(h, tokens)
+        want = model.lm_head(h).float()
+    assert got.shape == (4, 2, 7, 96)
+    for k in range(4):
+        torch.testing.assert_close(got[k], want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_token_after_each_row_and_the_other_heads_change_the_drafts():
+    model = _model()
+    h = torch.randn(1, 6, 32)
+    a, b = torch.randint(0, 96, (1, 6)), torch.randint(0, 96, (1, 6))
+    b[0, :5] = a[0, :5]
+    with torch.no_grad():
+        da, db = model.draft(h, a), model.draft(h, b)
+    assert torch.equal(da[:, :, :5], db[:, :, :5])  # causal: rows before the change are untouched
+    assert not torch.allclose(da[:, :, 5], db[:, :, 5])
+    # The slots see each other (the auto-embedding block): the second stage's change reaches head 0.
+    with torch.no_grad():
+        before = model.draft(h, a)
+        model.drafter.sal2.proj.weight.add_(1.0)
+        after = model.draft(h, a)
+    assert not torch.allclose(before[0], after[0])
+
+
+def test_the_cached_steps_equal_the_whole_sequence_forward():
+    model = _model(1)
+    h = torch.randn(1, 11, 32)
+    tokens = torch.randint(0, 96, (1, 11))
+    with torch.no_grad():
+        want = model.draft(h, tokens)[:, 0]  # [K, S, V]
+        past, start = None, 0
+        for c in (4, 1, 3, 2, 1):  # a prefill then steps committing 1-3 rows
+            got, past = model.drafter.append(h[:, start : start + c], tokens[:, start : start + c], model.lm_head,
+                                             model.vocab_embedding, past)
+            start += c
+            torch.testing.assert_close(got, want[:, start - 1], rtol=1e-5, atol=1e-5)
+    assert past[0].shape == (2, 1, 2, 11, 8)  # [layers, B, Hkv, rows, D]: every committed row, no more
+
+
+class _Recorder(TorchBackend):
+    """The reference backend, recording each draft call's output and the committed lengths then."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.calls: list[tuple[torch.Tensor, list[int]]] = []
+
+    def draft(self, rows, counts, next_tokens):
+        out = super().draft(rows, counts, next_tokens)
+        # The drafter's cache holds exactly the committed rows of every sequence.
+        assert [p[0].shape[3] for p in self.drafter_past] == self.lengths.tolist()
+        self.calls.append((out, self.lengths.tolist()))
+        return out
+
+
+@pytest.mark.parametrize("acceptance", ["greedy", "sample"])
+def test_decoding_with_amphista_keeps_the_output_and_drafts_from_committed_rows(acceptance):
+    model = _model(2)
+    prompts = [[5, 9, 17, 33, 2, 40], [7, 1, 3]]
+    cfg = GenerationConfig(max_new_tokens=20, acceptance=acceptance, temperature=0.8, seed=3,
+                           medusa_choices="[[0], [0, 0], [1], [0, 1], [0, 0, 0]]")
+    spec = decode(_Recorder(model), prompts, cfg)  # a ragged batch
+    if acceptance == "greedy":  # (sampling's distribution: tests/runtime statistical tests)
+        plain = decode(TorchBackend(model), prompts, dataclasses.replace(cfg, use_medusa=False))
+        assert spec.tokens == plain.tokens
+
+    backend = _Recorder(model)
+    tokens = decode(backend, prompts[:1], cfg).tokens[0]
+    seq = prompts[0] + tokens
+    ids = torch.tensor([seq])
+    mask = torch.ones(1, len(seq), len(seq), dtype=torch.bool).tril()
+    keys, values = model.empty_cache(1)
+    with torch.no_grad():
+        _, hidden, _, _ = model.forward_hidden(ids, torch.arange(len(seq))[None], mask, keys, values)
+        whole = model.draft(hidden[:, :-1], ids[:, 1:])[:, 0]  # [K, S-1, V]: drafts at every row
+    checked = [(out, n) for out, (n,) in backend.calls if n < len(seq)]  # the last root is past the output
+    assert len(checked) >= 3
+    for out, n in checked:  # each step's drafts: the whole-sequence forward's at row n - 1
+        torch.testing.assert_close(out[:, 0], whole[:, n - 1], rtol=1e-4, atol=1e-4)
