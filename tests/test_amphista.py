@@ -16,7 +16,7 @@ from medusa_trt.runtime.torch_backend import TorchBackend
 
 CFG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                   head_dim=8, num_medusa_heads=4, drafter="amphista",
-                  drafter_options={"num_heads": 4, "sal_intermediate_size": 48, "aeb_intermediate_size": 40})
+                  drafter_options={"num_heads": 4, "sal_intermediate_size": 48})
 
 
 def _model(seed: int = 0, cfg: ModelConfig = CFG) -> MedusaModel:

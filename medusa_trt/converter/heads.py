@@ -29,7 +29,8 @@ from medusa_trt.converter.hf_base import (
 log = logging.getLogger("medusa_trt.converter")
 
 HEAD_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt", "medusa_lm_head.pth", "medusa_lm_head.bin")
-HEAD_FORMATS = ("medusa_v1", "medusa_v2", "medusa2_full", "modelopt")
+HEAD_FORMATS = ("medusa_v1", "medusa_v2", "medusa2_full", "modelopt", "amphista")
+AMPHISTA_FILE = "amphista.safetensors"  # this project's Amphista format (docs/formats.md)
 # Key prefix inside full-model directories -> format name.
 _PREFIXES = {"medusa_heads.": "modelopt", "medusa_head.": "medusa2_full"}
 
@@ -50,6 +51,7 @@ class MedusaHeads:
     keys: dict[tuple[int, int | None, str], str]
     config: dict
     config_path: Path | None
+    amphista: dict | None = None  # an Amphista drafter's shape (drafters.amphista.AmphistaConfig)
 
     def close(self) -> None:
         if self.owns_source:
@@ -74,6 +76,8 @@ def find_heads(heads_path: Path | None, base: BaseModel) -> MedusaHeads:
                            f"pass one source of heads")
     if not heads_path.exists():
         raise ConvertError(f"{heads_path}: --heads not found")
+    if (heads_path / AMPHISTA_FILE).is_file() if heads_path.is_dir() else heads_path.name == AMPHISTA_FILE:
+        return _amphista(heads_path if heads_path.is_dir() else heads_path.parent, base)
     if heads_path.is_dir():
         # A heads file when there is one (safetensors preferred), else a full-model directory.
         files = [heads_path / n for n in HEAD_FILES if (heads_path / n).is_file()][:1]
@@ -155,6 +159,49 @@ def _parse(source: TensorSource, owns: bool, path: Path, config: dict, config_pa
     _check_config_counts(heads)
     _check_shapes(heads, base)
     return heads
+
+
+def _amphista(path: Path, base: BaseModel) -> MedusaHeads:
+    """An Amphista drafter directory: amphista.safetensors + config.json (drafter, amphista shape,
+    hidden_size, optional draft_vocab), checked against the base: every tensor the drafter's shape
+    names, no other, each with its shape."""
+    from medusa_trt.drafters.amphista import AmphistaConfig
+
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise ConvertError(f"{path}: an Amphista drafter needs its config.json beside {AMPHISTA_FILE}")
+    config = read_json(config_path)
+    if config.get("drafter") != "amphista":
+        raise ConvertError(f"{config_path}: drafter {config.get('drafter')!r}; expected \"amphista\" beside "
+                           f"{AMPHISTA_FILE}")
+    try:
+        shape = AmphistaConfig.from_dict(config.get("amphista"), str(config_path))
+    except (TypeError, ValueError) as e:
+        raise ConvertError(str(e).replace("medusa_trt.amphista", "amphista")) from None
+    d = base.hf_config.get("hidden_size")
+    if config.get("hidden_size") != d:
+        raise ConvertError(f"{config_path}: hidden_size {config.get('hidden_size')!r} does not match the base "
+                           f"hidden_size {d} ({base.config_path})")
+    source = TensorSource.open([path / AMPHISTA_FILE])
+    heads = MedusaHeads("amphista", path, source, True, shape.num_heads, 0, shape.lm_head == "own",
+                        {(0, None, n): n for n in source.names()}, config, config_path)
+    heads.amphista = shape.to_dict()
+    return heads
+
+
+def amphista_pieces(heads: MedusaHeads, config: dict) -> dict[str, Piece]:
+    """Output name -> Piece for every tensor of an Amphista drafter (the merged config names its
+    shape): a missing, extra or misshapen tensor is one error naming it."""
+    from medusa_trt.drafters import drafter_tensors
+
+    want = dict(drafter_tensors(config))
+    have = set(heads.source.names())
+    names = {n.removeprefix("amphista."): n for n in want}
+    extra = sorted(have - set(names))
+    if extra:
+        raise ConvertError(f"{heads.source.where[extra[0]]}: tensor {extra[0]!r} is not part of an Amphista "
+                           f"drafter of this shape ({heads.config_path})")
+    return {full: Piece(heads.source, (short,), (want[full],)) for short, full in names.items()}
 
 
 def _where(source: TensorSource, keys: dict) -> Path:

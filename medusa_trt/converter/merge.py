@@ -20,7 +20,14 @@ from medusa_trt.checkpoint import (
     expected_tensors,
 )
 from medusa_trt.converter.gguf import find_gguf, read_gguf_base
-from medusa_trt.converter.heads import MedusaHeads, draft_vocab, find_heads, head_keys_in, head_pieces
+from medusa_trt.converter.heads import (
+    MedusaHeads,
+    amphista_pieces,
+    draft_vocab,
+    find_heads,
+    head_keys_in,
+    head_pieces,
+)
 from medusa_trt.converter.hf_base import (
     BaseModel,
     ConvertError,
@@ -110,6 +117,9 @@ def build_config(base: BaseModel, heads: MedusaHeads, *, dtype: str, tp_size: in
             **({"gguf": base.gguf} if base.gguf else {}),
         },
     })
+    if heads.amphista is not None:  # its shape beside the base's (drafters.make_drafter reads it)
+        config["num_medusa_layers"] = 0
+        config["medusa_trt"].update(drafter="amphista", amphista=heads.amphista)
     vocab = draft_vocab(heads, config["vocab_size"])
     if vocab is not None:
         config["medusa_trt"]["draft_vocab"] = vocab
@@ -166,7 +176,8 @@ def convert(base: str | Path, heads: str | Path | None, out: str | Path, *, dtyp
         except CheckpointError as e:
             raise ConvertError(f"--tp-size {tp_size}: {e} ({base_model.config_path})") from None
         pieces = base_pieces(base_model, config, head_keys_in(base_model.weights))
-        pieces.update(head_pieces(medusa, base_model, config))
+        pieces.update(amphista_pieces(medusa, config) if medusa.amphista is not None
+                      else head_pieces(medusa, base_model, config))
         for name, piece in pieces.items():
             piece.check(name)
         planned = {s.name for s in expected_tensors(config)}

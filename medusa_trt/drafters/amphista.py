@@ -15,8 +15,8 @@ after each, and is never rolled back (drafters/__init__.py).
 Choices the paper leaves open, made here (and written down in docs/formats.md): the SAL layers are
 decoder layers of the base's shape (heads, KV heads, RoPE, SwiGLU, RMSNorm); fc1/fc2 have a bias;
 e() is the base model's own input embedding (frozen, shared); the per-head MLP is a Medusa ResBlock;
-the AEB is pre-norm (attention, then a SwiGLU MLP) with the base's head count; the slots go to the
-logits projection without a final norm. With fc = [I, 0], zero output projections and zero
+the AEB is the paper's self-attention alone (pre-norm, residual, the base's head count, no MLP);
+the slots go to the logits projection without a final norm. With fc = [I, 0], zero output projections and zero
 ResBlocks, the drafter is the identity on h_t (every head predicts the next token), the
 initialization training starts from.
 """
@@ -44,8 +44,7 @@ class AmphistaConfig:
 
     num_heads: int = 4
     sal_intermediate_size: int = 0  # 0: the base's intermediate_size
-    aeb_layers: int = 1
-    aeb_intermediate_size: int = 0  # 0: the base's hidden_size
+    aeb_layers: int = 1  # self-attention layers across the head slots (Amphista-alpha: 2)
     lm_head: str = "base"  # "base": the base model's lm_head; "own": a [V, d] matrix per head
 
     @classmethod
@@ -61,7 +60,7 @@ class AmphistaConfig:
             v = getattr(out, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{where}: medusa_trt.amphista.{name} {v!r}: expected an integer >= 1")
-        for name in ("sal_intermediate_size", "aeb_intermediate_size"):
+        for name in ("sal_intermediate_size",):
             v = getattr(out, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{where}: medusa_trt.amphista.{name} {v!r}: expected an integer >= 0 "
@@ -82,30 +81,24 @@ def stage_of(head: int, num_heads: int) -> int:
 
 
 class AutoEmbeddingLayer(nn.Module):
-    """One pre-norm encoder layer over the K head slots: bidirectional attention, then SwiGLU."""
+    """Bidirectional self-attention across the K head slots (the paper's eq. 5), pre-norm, residual."""
 
-    def __init__(self, d: int, heads: int, inter: int, eps: float):
+    def __init__(self, d: int, heads: int, eps: float):
         super().__init__()
         from medusa_trt.modeling import RMSNorm
 
         self.heads = heads
-        self.norm1 = RMSNorm(d, eps)
+        self.norm = RMSNorm(d, eps)
         self.qkv = nn.Linear(d, 3 * d, bias=False)
         self.out = nn.Linear(d, d, bias=False)
-        self.norm2 = RMSNorm(d, eps)
-        self.fc = nn.Linear(d, inter, bias=False)
-        self.gate = nn.Linear(d, inter, bias=False)
-        self.proj = nn.Linear(inter, d, bias=False)
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
         *lead, k, d = z.shape  # z [..., K, d]
-        q, kk, v = self.qkv(self.norm1(z)).view(*lead, k, 3, self.heads, d // self.heads).unbind(-3)
+        q, kk, v = self.qkv(self.norm(z)).view(*lead, k, 3, self.heads, d // self.heads).unbind(-3)
         q, kk, v = (t.transpose(-2, -3) for t in (q, kk, v))  # [..., heads, K, hd]
         scores = (q.float() @ kk.float().transpose(-1, -2)) / math.sqrt(d // self.heads)
         att = (torch.softmax(scores, dim=-1).to(v.dtype) @ v).transpose(-2, -3).reshape(*lead, k, d)
-        z = z + self.out(att)
-        h = self.norm2(z)
-        return z + self.proj(F.silu(self.fc(h)) * self.gate(h))
+        return z + self.out(att)
 
 
 class Amphista(Drafter):
@@ -129,10 +122,9 @@ class Amphista(Drafter):
         self.w = nn.Parameter(torch.zeros(a.num_heads, d, d))  # per-head ResBlock [K, out, in]
         self.b = nn.Parameter(torch.zeros(a.num_heads, d))
         self.pos_embed = nn.Parameter(torch.zeros(a.num_heads, d))
-        self.aeb = nn.ModuleList(AutoEmbeddingLayer(d, cfg.num_heads, a.aeb_intermediate_size or d, cfg.norm_eps)
-                                 for _ in range(a.aeb_layers))
+        self.aeb = nn.ModuleList(AutoEmbeddingLayer(d, cfg.num_heads, cfg.norm_eps) for _ in range(a.aeb_layers))
         self.lm_heads = nn.Parameter(torch.zeros(a.num_heads, v, d)) if a.lm_head == "own" else None
-        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self._rope = (rope_inv_freq, cfg)  # inv_freq made where it is used: the model may be built on meta
         self.register_buffer("draft_ids", None, persistent=False)
         self.num_kv_heads, self.head_dim = cfg.num_kv_heads, cfg.head_dim
 
@@ -153,7 +145,6 @@ class Amphista(Drafter):
                 layer.proj.weight.zero_()
             for layer in self.aeb:
                 layer.out.weight.zero_()
-                layer.proj.weight.zero_()
             self.w.zero_()
             self.b.zero_()
             self.pos_embed.zero_()
@@ -166,7 +157,8 @@ class Amphista(Drafter):
         [B, S], mask [B, S, P+S] over the past [2, B, Hkv, P, D] (K, V of both layers) then the new
         rows. Returns (h1, h2) [B, S, d] and the new rows' K, V [2, B, Hkv, S, D] each."""
         e = embed(next_tokens).to(hidden.dtype)
-        freqs = positions[..., None].float() * self.inv_freq
+        inv_freq, cfg = self._rope
+        freqs = positions[..., None].float() * inv_freq(cfg).to(hidden.device)
         emb = torch.cat([freqs, freqs], dim=-1)[:, None]
         cos, sin = emb.cos().to(hidden.dtype), emb.sin().to(hidden.dtype)
         if past is None:
@@ -177,8 +169,9 @@ class Amphista(Drafter):
         h2, k2, v2 = self.sal2(self.fc2(torch.cat([h1, e], -1)), cos, sin, mask, past[0][1], past[1][1])
         return h1, h2, torch.stack([k1, k2]), torch.stack([v1, v2])
 
-    def heads(self, h1: torch.Tensor, h2: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
-        """Logits [K, ..., V] float32 from the adapted states [..., d] of the rows to draft at."""
+    def features(self, h1: torch.Tensor, h2: torch.Tensor) -> torch.Tensor:
+        """The K head slots [K, ..., d] after the auto-embedding block, from the adapted states [..., d]
+        of the rows to draft at (what the logits projection reads)."""
         k = self.num_heads
         r = torch.stack([h1 if stage_of(i, k) == 0 else h2 for i in range(k)])  # [K, ..., d]
         bias = self.b.reshape(k, *(1,) * (r.dim() - 2), -1)
@@ -186,7 +179,11 @@ class Amphista(Drafter):
         z = z.movedim(0, -2) + self.pos_embed  # [..., K, d]
         for layer in self.aeb:
             z = layer(z)
-        z = z.movedim(-2, 0)  # [K, ..., d]
+        return z.movedim(-2, 0)
+
+    def heads(self, h1: torch.Tensor, h2: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        """Logits [K, ..., V] float32 from the adapted states [..., d] of the rows to draft at."""
+        z = self.features(h1, h2)
         if self.lm_heads is not None:
             w = self.lm_heads if self.draft_ids is None else self.lm_heads[:, self.draft_ids]
             logits = torch.einsum("k...i,kvi->k...v", z, w).float()

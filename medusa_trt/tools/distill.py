@@ -97,10 +97,14 @@ def distill_batch(rec: HiddenRecorder, prompts: list[list[int]], new_tokens: int
 
 def distill(engine: str | Path, prompts: list[list[int]], out_dir: str | Path, *, kinds: list[str] | None = None,
             new_tokens: int = 128, stop_ids: tuple[int, ...] = (), batch: int = 16, chunk: int = 256,
-            threads: int | None = None, desc: str = "distilling") -> list[Path]:
+            threads: int | None = None, desc: str = "distilling", starts: list[int] | None = None) -> list[Path]:
     """Decodes every prompt on the engine (plain greedy) in chunks of `chunk` prompts, each saved to
     out_dir/chunk_NNNNN.pt (a list of Sample fields) as it completes; existing chunks are kept and
-    skipped. Returns the chunk files in order."""
+    skipped. Returns the chunk files in order.
+
+    `starts` (per prompt): where its drafting rows begin, when that is not the prompt's end. With
+    new_tokens=1 a prompt holding a whole answer is teacher-forced text: one prefill gives every
+    row's state (several times cheaper per row than decoding), its answer's rows start at `starts`."""
     from medusa_trt.runtime.loading import load_backend
     from medusa_trt.runtime.ort.session import OrtSessionOptions
 
@@ -116,12 +120,15 @@ def distill(engine: str | Path, prompts: list[list[int]], out_dir: str | Path, *
     produced, t0 = 0, time.perf_counter()
     for c in todo:
         ids, ks = prompts[c * chunk : (c + 1) * chunk], kinds[c * chunk : (c + 1) * chunk]
+        firsts = starts[c * chunk : (c + 1) * chunk] if starts is not None else None
         order = sorted(range(len(ids)), key=lambda i: len(ids[i]))  # similar lengths pad little
         samples: list[Sample | None] = [None] * len(ids)
         for j in range(0, len(order), batch):
             idx = order[j : j + batch]
             for i, s in zip(idx, distill_batch(rec, [ids[i] for i in idx], new_tokens, stop_ids, [ks[i] for i in idx]),
                             strict=True):
+                if firsts is not None:
+                    s.prompt_len = firsts[i]
                 samples[i] = s
                 produced += len(s.tokens) - s.prompt_len
             bar.update(len(idx))
