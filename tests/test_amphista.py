@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from medusa_trt.checkpoint import ModelConfig
-from medusa_trt.drafters.amphista import Amphista, AmphistaConfig, stage_of
+from medusa_trt.drafters.amphista import AmphistaConfig, stage_of
 from medusa_trt.modeling import MedusaModel
 from medusa_trt.runtime.decoding import GenerationConfig, decode
 from medusa_trt.runtime.torch_backend import TorchBackend
