@@ -28,7 +28,7 @@ ENGINE_FORMAT_VERSION = 8
 # those it uses, and a reader refuses one that requires a feature it does not know, rather than
 # ignoring its keys and running it wrong. A new optional feature is a new name here, not a new
 # ENGINE_FORMAT_VERSION.
-KNOWN_FEATURES = ("key_block", "cache_in_place", "chains_only", "int4_offsets", "lm_head_bits")
+KNOWN_FEATURES = ("key_block", "cache_in_place", "chains_only", "int4_offsets", "lm_head_bits", "drafter_graph")
 ENGINE_JSON = "engine.json"
 BACKENDS = ("onnxruntime", "tensorrt", "tensorrt-llm")
 SECTIONS = {"onnxruntime": "onnx", "tensorrt": "tensorrt", "tensorrt-llm": "tensorrt_llm"}
@@ -44,6 +44,10 @@ OUTPUT_NAMES = ("logits", "hidden", "present_keys", "present_values")
 HEADS_INPUT, HEADS_OUTPUT = "hidden", "medusa_logits"
 STEP_INPUT_NAMES = ("input_ids", "position_ids", "past_lengths", "new_mask", "retrieve", "candidate_index")
 STEP_OUTPUT_NAMES = ("best_path", "accepted", "next_tokens", "present_keys", "present_values")
+# A drafter with a cache of its own (Amphista): its graph appends committed rows and drafts at the
+# last (engines/onnx/export.py, drafter graph); its past inputs are past_names(2) (two layers).
+DRAFTER_INPUT_NAMES = ("hidden", "next_tokens", "position_ids", "past_lengths", "new_mask", "last")
+DRAFTER_OUTPUT_NAMES = ("medusa_logits", "present_keys", "present_values")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -77,6 +81,7 @@ def required_features(engine: dict) -> list[str]:
         "chains_only": bool(onnx.get("chains_only")),  # only a tree's main chain is verified
         "int4_offsets": bool(weights.get("offsets")),  # int4 blocks with float offsets, no zero points
         "lm_head_bits": weights.get("lm_head_bits", 4) != 4,  # an lm_head of other than 4 bits
+        "drafter_graph": bool(onnx.get("drafter_file")),  # a drafter with its own cache and graph (Amphista)
     }
     return [name for name in KNOWN_FEATURES if used[name]]
 

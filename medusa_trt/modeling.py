@@ -233,7 +233,7 @@ class MedusaModel(nn.Module):
         model.load_state_dict(state, assign=True, strict=True)
         model.inv_freq = rope_inv_freq(cfg)
         if cfg.draft_vocab:
-            model.drafter.set_draft_vocab(cfg.draft_vocab)
+            model.drafter.set_draft_vocab(cfg.draft_vocab, model.lm_head.weight)
         return model.to(torch_dtype).eval()
 
     @classmethod

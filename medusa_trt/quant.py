@@ -358,10 +358,12 @@ def quantize_model_int4(model: nn.Module, block_size: int, accuracy_level: int, 
     if lm_head_bits not in LM_HEAD_BITS:
         raise ValueError(f"lm_head bits {lm_head_bits}: expected one of {LM_HEAD_BITS}")
     names = [f"layers.{i}.{n}" for i in range(len(model.layers)) for n in ("qkv", "dense", "fc", "gate", "proj")]
-    if lm_head:
+    medusa = model.cfg.drafter == "medusa"  # another drafter keeps its float weights (it is small)
+    if lm_head and medusa:
         h = model.cfg.num_medusa_heads
         model.drafter.uses_base_lm_head = bool(h) and all(
             torch.equal(model.drafter.lm_heads[k], model.lm_head.weight) for k in range(h))
+    if lm_head:
         names.append("lm_head")
     skipped = []
     for name in names:
@@ -375,7 +377,7 @@ def quantize_model_int4(model: nn.Module, block_size: int, accuracy_level: int, 
             continue
         bits = lm_head_bits if name == "lm_head" else 4
         setattr(owner, attr, Int4Linear(linear, block_size, accuracy_level, offsets, bits))
-    if draft and model.cfg.draft_vocab and model.cfg.num_medusa_heads:
+    if draft and medusa and model.cfg.draft_vocab and model.cfg.num_medusa_heads:
         # The draft matrix is the heads' largest float32 read per step ([V', d] a head;
         # docs/benchmarks/issue-13-int4.md).
         if model.cfg.hidden_size % block_size:

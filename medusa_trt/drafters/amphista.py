@@ -126,11 +126,16 @@ class Amphista(Drafter):
         self.lm_heads = nn.Parameter(torch.zeros(a.num_heads, v, d)) if a.lm_head == "own" else None
         self._rope = (rope_inv_freq, cfg)  # inv_freq made where it is used: the model may be built on meta
         self.register_buffer("draft_ids", None, persistent=False)
+        self.register_buffer("draft_lm", None, persistent=False)
         self.num_kv_heads, self.head_dim = cfg.num_kv_heads, cfg.head_dim
 
-    def set_draft_vocab(self, ids) -> None:
-        self.register_buffer("draft_ids", torch.tensor(ids, dtype=torch.long, device=self.pos_embed.device),
-                             persistent=False)
+    def set_draft_vocab(self, ids, base_lm_head: torch.Tensor | None = None) -> None:
+        """Drafts over the token ids `ids` alone; with the base's lm_head, its rows for them are kept
+        as the draft matrix [V', d] (the base lm_head may later be quantized; this stays float)."""
+        ids_t = torch.tensor(ids, dtype=torch.long, device=self.pos_embed.device)
+        self.register_buffer("draft_ids", ids_t, persistent=False)
+        rows = None if base_lm_head is None or self.lm_heads is not None else base_lm_head.detach()[ids_t].clone()
+        self.register_buffer("draft_lm", rows, persistent=False)
 
     def reset_identity(self) -> None:
         """The identity drafter (module docstring): where training starts."""
@@ -188,7 +193,8 @@ class Amphista(Drafter):
             w = self.lm_heads if self.draft_ids is None else self.lm_heads[:, self.draft_ids]
             logits = torch.einsum("k...i,kvi->k...v", z, w).float()
         elif self.draft_ids is not None:
-            logits = (z @ lm_head.weight[self.draft_ids].T).float()
+            w = self.draft_lm if self.draft_lm is not None else lm_head.weight[self.draft_ids]
+            logits = (z @ w.T).float()
         else:
             return lm_head(z).float()
         return logits if self.draft_ids is None else scatter_full_vocab(logits, self.draft_ids, self.vocab_size)

@@ -83,7 +83,7 @@ class MedusaHeads(Drafter):
     # quant gave it (quant.quantize_model_int4 sets this).
     uses_base_lm_head = False
 
-    def set_draft_vocab(self, ids: list[int] | tuple[int, ...]) -> None:
+    def set_draft_vocab(self, ids: list[int] | tuple[int, ...], base_lm_head: torch.Tensor | None = None) -> None:
         """Heads that compute their logits over the token ids `ids` alone (config draft_vocab)."""
         ids_t = torch.tensor(ids, dtype=torch.long, device=self.lm_heads.device)
         self.register_buffer("draft_ids", ids_t, persistent=False)

@@ -68,6 +68,8 @@ from torch import nn
 
 from medusa_trt.acceptance import candidates_from_topk, greedy_accept
 from medusa_trt.engine_dir import (
+    DRAFTER_INPUT_NAMES,
+    DRAFTER_OUTPUT_NAMES,
     HEADS_INPUT,
     HEADS_OUTPUT,
     INPUT_NAMES,
@@ -117,7 +119,8 @@ class _ExportModule(nn.Module):
         self.committed_prefix = committed_prefix
         self.places_new_keys = places_new_keys
         # The drafter's exported form (drafters/): the heads graph and the fused step draft through it.
-        self.draft = graph_form(model.drafter, model.lm_head)
+        # A drafter with a cache of its own exports as the drafter graph instead (_DrafterModule).
+        self.draft = None if model.drafter.has_cache else graph_form(model.drafter, model.lm_head)
 
     def forward(self, input_ids, position_ids, past_lengths, new_mask, logit_positions, past):
         b, s = input_ids.shape
@@ -155,6 +158,46 @@ class _HeadsModule(nn.Module):
 
     def forward(self, hidden):
         return self.decoder.draft.rows(hidden).permute(1, 0, 2)
+
+
+class _DrafterModule(nn.Module):
+    """The drafter graph of a drafter with a cache of its own (Amphista): appends each sequence's
+    newly committed rows to the drafter's cache and drafts at the last of them.
+
+      inputs   hidden [batch, new, d], next_tokens [batch, new] (the token after each row),
+               position_ids [batch, new], past_lengths [batch] (the drafter cache's committed rows),
+               new_mask [batch, new, new], last [batch] (each sequence's last new row),
+               past_key_{i}, past_value_{i} [batch, kv_heads, past, head_dim] for its 2 layers
+      outputs  medusa_logits [heads, batch, vocab] float32, present_keys/values [2, batch, kv_heads, new, head_dim]
+    """
+
+    def __init__(self, model: MedusaModel):
+        super().__init__()
+        self.model = model
+
+    def forward(self, hidden, next_tokens, position_ids, past_lengths, new_mask, last, past):
+        model, drafter = self.model, self.model.drafter
+        b, c = next_tokens.shape
+        t = past[0].shape[2]
+        prefix = torch.arange(t, device=hidden.device)[None, None, :] < past_lengths[:, None, None]
+        mask = torch.cat([prefix.expand(b, c, t), new_mask], dim=-1)
+        cache = (torch.stack([past[0], past[2]]), torch.stack([past[1], past[3]]))
+        h1, h2, new_k, new_v = drafter.adapt(hidden, next_tokens, model.vocab_embedding, position_ids, mask, cache)
+        rows = last[:, None, None].expand(b, 1, h1.shape[-1])
+        logits = drafter.heads(h1.gather(1, rows)[:, 0], h2.gather(1, rows)[:, 0], model.lm_head)
+        return logits, new_k, new_v
+
+
+def drafter_example_inputs(model: MedusaModel) -> dict:
+    cfg = model.cfg
+    cache = torch.zeros(2, cfg.num_kv_heads, 5, cfg.head_dim, dtype=model.dtype)
+    return {"hidden": torch.zeros(2, 3, cfg.hidden_size, dtype=model.dtype),
+            "next_tokens": torch.zeros(2, 3, dtype=torch.long),
+            "position_ids": torch.arange(3).repeat(2, 1) + 5,
+            "past_lengths": torch.full((2,), 5, dtype=torch.long),
+            "new_mask": torch.ones(2, 3, 3, dtype=torch.bool).tril(),
+            "last": torch.full((2,), 2, dtype=torch.long),
+            "past": tuple(cache.clone() for _ in range(4))}
 
 
 class _FusedStepModule(nn.Module):
@@ -272,6 +315,7 @@ class ExportResult:
     step_path: Path | None  # the fused greedy step graph; None without heads or when not asked for
     step_topk: int  # its per-head top-k
     shared_lm_head: bool  # heads use the base lm_head, as one MatMul
+    drafter_path: Path | None = None  # the drafter graph of a drafter with a cache (_DrafterModule)
 
 
 def export_onnx(
@@ -308,6 +352,9 @@ def export_onnx(
 
     path = Path(path)
     cfg = model.cfg
+    cached_drafter = model.drafter.has_cache
+    if cached_drafter:
+        fused_step = False  # its drafts need the drafter graph's cache: the two-call step
     wrapper = _ExportModule(model, committed_prefix, form.places_new_keys).eval()
     inputs = example_inputs(model)
     batch, new, past, logits = Dim("batch"), Dim("new_tokens"), Dim("past"), Dim("num_logits")
@@ -337,8 +384,19 @@ def export_onnx(
             output_names=list(OUTPUT_NAMES), opset_version=opset, dynamo=True, custom_translation_table=table or None,
             optimize=True, verbose=False,
         )
-        heads_program = None
-        if cfg.num_medusa_heads:
+        heads_program = drafter_program = None
+        if cached_drafter:
+            d_inputs = drafter_example_inputs(model)
+            b, new, dpast = Dim("batch"), Dim("new_rows"), Dim("drafter_past")
+            d_shapes = {"hidden": {0: b, 1: new}, "next_tokens": {0: b, 1: new}, "position_ids": {0: b, 1: new},
+                        "past_lengths": {0: b}, "new_mask": {0: b, 1: new, 2: new}, "last": {0: b},
+                        "past": tuple({0: b, 2: dpast} for _ in range(4))}
+            drafter_program = torch.onnx.export(
+                _DrafterModule(model).eval(), (), kwargs=d_inputs, dynamic_shapes=d_shapes,
+                input_names=[*DRAFTER_INPUT_NAMES, *past_names(2)], output_names=list(DRAFTER_OUTPUT_NAMES),
+                opset_version=opset, dynamo=True, custom_translation_table=table or None, optimize=True, verbose=False,
+            )
+        elif cfg.num_medusa_heads:
             hidden = torch.zeros(3, cfg.hidden_size, dtype=model.dtype)
             heads_program = torch.onnx.export(
                 _HeadsModule(wrapper).eval(), (hidden,), dynamic_shapes=({0: Dim("rows")},),
@@ -364,13 +422,17 @@ def export_onnx(
     if heads_program is not None:
         heads_path = path.with_name(path.stem + "_heads.onnx")
         heads_program.save(heads_path, external_data=external_data)
+    drafter_path = None
+    if drafter_program is not None:
+        drafter_path = path.with_name(path.stem + "_drafter.onnx")
+        drafter_program.save(drafter_path, external_data=external_data)
     step_path = None
     if step_program is not None:
         step_path = path.with_name(path.stem + "_step.onnx")
         step_program.save(step_path, external_data=external_data)
-    files = [p for p in (path, heads_path, step_path) if p is not None]
+    files = [p for p in (path, heads_path, step_path, drafter_path) if p is not None]
     if external_data:
         files += sorted(p for p in path.parent.glob(path.stem + "*.data"))
     return ExportResult(path, tuple(files), opset, attention, bool(external_data),
                         (*INPUT_NAMES, *past_names(cfg.num_layers)), OUTPUT_NAMES, heads_path, step_path,
-                        step_topk(model), wrapper.draft.shared_lm_head)
+                        step_topk(model), bool(wrapper.draft and wrapper.draft.shared_lm_head), drafter_path)

@@ -197,7 +197,8 @@ def build_onnxruntime(opts: BuildOptions, config: dict, workdir: Path) -> dict:
             _cache_in_place(config, result)
         # One copy of the weights for all graphs (weights.py): the step graph and the heads graph
         # would otherwise each repeat the decoder's weights.
-        shared = share_weights([p for p in (result.path, result.heads_path, result.step_path) if p is not None])
+        shared = share_weights([p for p in (result.path, result.heads_path, result.step_path, result.drafter_path)
+                                if p is not None])
         log.info("%s: %.0f MB of graph weights stored as %.0f MB (%d tensors)", shared.path,
                  shared.graph_bytes / 1e6, shared.file_bytes / 1e6, shared.tensors)
         bar.update()
@@ -222,6 +223,9 @@ def build_onnxruntime(opts: BuildOptions, config: dict, workdir: Path) -> dict:
                  # binds to the same memory (fusions.py: write_cache_in_place).
                  "cache_in_place": in_place,
                  "heads_file": result.heads_path.name if result.heads_path else None,
+                 # A drafter with its own cache (Amphista): its graph, in place of the heads graph.
+                 **({"drafter": model.drafter.kind, "drafter_file": result.drafter_path.name}
+                    if result.drafter_path else {}),
                  "shared_lm_head": result.shared_lm_head,
                  # The fused greedy step graph (onnx/export.py), used for greedy decoding of trees
                  # whose ranks are all below step_topk.

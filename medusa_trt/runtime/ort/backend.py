@@ -30,6 +30,8 @@ import torch
 
 from medusa_trt.checkpoint import CONFIG_DTYPES
 from medusa_trt.engine_dir import (
+    DRAFTER_INPUT_NAMES,
+    DRAFTER_OUTPUT_NAMES,
     HEADS_INPUT,
     HEADS_OUTPUT,
     INPUT_NAMES,
@@ -44,7 +46,7 @@ from medusa_trt.engine_dir import (
     past_names,
     read_engine_json,
 )
-from medusa_trt.runtime.backend import Backend, ModelInfo, check_forward, last_rows, zero_cache
+from medusa_trt.runtime.backend import Backend, ModelInfo, check_forward, last_rows, scatter_pending, zero_cache
 from medusa_trt.runtime.ort.cache import NP_DTYPES, BoundCache, InPlaceCache, ReturnedCache
 from medusa_trt.runtime.ort.session import (
     OrtSessionOptions,
@@ -80,7 +82,8 @@ class OrtBackend(Backend):
     """An ONNX Runtime engine directory behind the Backend interface (see module docstring)."""
 
     host_threads = 1  # torch threads for the decoding loop's own small ops (see decoding.generate)
-    session, heads_session, step_session = _Session(), _Session(), _Session()  # decoder, heads, fused step
+    # decoder, heads, fused step, and the drafter graph of a drafter with a cache of its own (Amphista)
+    session, heads_session, step_session, drafter_session = _Session(), _Session(), _Session(), _Session()
 
     def __init__(self, engine_dir: str | Path, device: str | None = None, options: OrtSessionOptions | None = None):
         self.engine_dir = Path(engine_dir)
@@ -111,7 +114,7 @@ class OrtBackend(Backend):
         # forward + heads path, whose outputs stay bound in device memory.
         step_file = onnx_info.get("step_file") if self.device == "cpu" else None
         self._graphs = {"session": onnx_info["file"], "heads_session": onnx_info.get("heads_file"),
-                        "step_session": step_file}
+                        "step_session": step_file, "drafter_session": onnx_info.get("drafter_file")}
         self._sessions: dict = {}
         # In-place engines (engine.json onnx.cache_in_place): the graphs write new K/V into the cache
         # buffers they are bound to (runtime/ort/cache.py).
@@ -139,7 +142,8 @@ class OrtBackend(Backend):
         self.dtype = CONFIG_DTYPES[engine["dtype"]]
         self.max_batch_size = limits["max_batch_size"]
         self.info = ModelInfo(self.vocab_size, self.num_medusa_heads, limits["max_seq_len"], limits["max_draft_len"],
-                              onnx_info.get("key_block"), onnx_info.get("chains_only", False))
+                              onnx_info.get("key_block"), onnx_info.get("chains_only", False),
+                              drafter_cache=bool(onnx_info.get("drafter_file")))
         self._past_names = past_names(self.num_layers)
         self._np_dtype = NP_DTYPES.get(self.dtype)
         if self._np_dtype is None:  # numpy has no bfloat16; ONNX Runtime's CPU kernels mostly lack it too
@@ -150,7 +154,8 @@ class OrtBackend(Backend):
     def open_sessions(self) -> None:
         """Opens every graph's session now: a server decodes in every mode, and its first requests
         should not pay for opening one (each holds its own packed copy of the weights)."""
-        for graph in (OrtBackend.session, OrtBackend.heads_session, OrtBackend.step_session):
+        for graph in (OrtBackend.session, OrtBackend.heads_session, OrtBackend.step_session,
+                      OrtBackend.drafter_session):
             graph.open(self)
 
     @property
@@ -177,14 +182,16 @@ class OrtBackend(Backend):
         expected = {"session": ([*INPUT_NAMES, *past], graph_outputs(OUTPUT_NAMES, layers, self.in_place), ("logits",)),
                     "heads_session": ([HEADS_INPUT], [HEADS_OUTPUT], (HEADS_OUTPUT,)),
                     "step_session": ([*STEP_INPUT_NAMES, *past], graph_outputs(STEP_OUTPUT_NAMES, layers, self.in_place),
-                                     ())}
+                                     ()),
+                    "drafter_session": ([*DRAFTER_INPUT_NAMES, *past_names(2)], list(DRAFTER_OUTPUT_NAMES),
+                                        (HEADS_OUTPUT,))}
         for name, file in self._graphs.items():
             if file is None:
                 continue
             path = self.engine_dir / file
             graph = onnx.load(str(path), load_external_data=False).graph
             writes = any(o.name.startswith("present_key_") for o in graph.output)
-            if name != "heads_session" and writes != self.in_place:
+            if name in ("session", "step_session") and writes != self.in_place:
                 raise EngineError(f"{path}: the graph {'writes' if writes else 'does not write'} the cache in place "
                                   f"(present_key_* outputs), engine.json records onnx.cache_in_place {self.in_place} "
                                   "(engine.json and the graph disagree: rebuild the engine)")
@@ -202,6 +209,10 @@ class OrtBackend(Backend):
                                             self.dtype, self.device)
         self.lengths = torch.zeros(batch, dtype=torch.long)
         self.cache = self.cache_mode(self.keys, self.values, self._past_names)
+        if self.info.drafter_cache:  # the drafter's own cache: its 2 layers, committed rows only
+            self.drafter_keys, self.drafter_values = zero_cache(2, batch, self.num_kv_heads, capacity, self.head_dim,
+                                                                self.dtype, self.device)
+            self.drafter_lengths = torch.zeros(batch, dtype=torch.long)
 
     def forward(self, input_ids, position_ids, new_mask, logit_positions=None, with_heads=True):
         feeds, kept = self._feeds(input_ids, position_ids, new_mask, logit_positions)
@@ -254,8 +265,38 @@ class OrtBackend(Backend):
         return longest + 1 < min(self.keys.shape[3], self.info.max_seq_len)
 
     def draft(self, rows: torch.Tensor, counts: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+        if self.info.drafter_cache:
+            return self._run_drafter(rows, counts, next_tokens)
         # The heads graph is a Medusa drafter's (engines/onnx/drafters.py): the last committed row only.
         return self._run_heads(self._hidden[torch.arange(len(rows)), last_rows(rows, counts)])
+
+    def _run_drafter(self, rows: torch.Tensor, counts: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+        """The drafter graph (engines/onnx/export.py, _DrafterModule): each sequence's committed rows
+        appended to the drafter's cache, drafts at the last. Rows past counts[b] are padding: they
+        attend only themselves and are never committed."""
+        b, c = len(rows), int(counts.max())
+        j = torch.arange(c)
+        valid = j[None] < counts[:, None]  # [B, C]
+        idx = torch.where(valid, rows[:, :c], 0)
+        hidden = self._hidden[torch.arange(b)[:, None], idx]  # [B, C, d]
+        mask = (torch.ones(c, c, dtype=torch.bool).tril()[None] & valid[:, None, :]) | torch.eye(c, dtype=torch.bool)
+        past = int(self.drafter_lengths.max()) if b else 0
+        if past + c > self.drafter_keys.shape[3]:
+            raise ValueError(f"drafter cache overflow: {past} + {c} rows > capacity {self.drafter_keys.shape[3]}")
+        feeds = {"hidden": np.ascontiguousarray(hidden.numpy()),
+                 "next_tokens": np.ascontiguousarray(torch.where(valid, next_tokens[:, :c], 0).numpy(), dtype=np.int64),
+                 "position_ids": np.ascontiguousarray((self.drafter_lengths[:, None] + j).numpy(), dtype=np.int64),
+                 "past_lengths": np.ascontiguousarray(self.drafter_lengths.numpy(), dtype=np.int64),
+                 "new_mask": np.ascontiguousarray(mask.expand(b, c, c).numpy()),
+                 "last": np.ascontiguousarray((counts - 1).numpy(), dtype=np.int64)}
+        for i, name in enumerate(past_names(2)):
+            cache = self.drafter_keys if name.startswith("past_key") else self.drafter_values
+            feeds[name] = np.ascontiguousarray(cache[i // 2, :, :, :past].numpy())
+        logits, new_k, new_v = self.drafter_session.run(None, feeds)
+        self.drafter_lengths = scatter_pending(self.drafter_keys, self.drafter_values,
+                                               (torch.from_numpy(new_k), torch.from_numpy(new_v)), self.drafter_lengths,
+                                               j.expand(b, c), counts)
+        return torch.from_numpy(logits)
 
     def _run_heads(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, d] -> medusa logits [H, N, V] (the engine's heads graph; a few KB in and out)."""
@@ -272,6 +313,9 @@ class OrtBackend(Backend):
         self.keys, self.values = self.keys[:, on_device], self.values[:, on_device]
         self.lengths = self.lengths[rows]
         self.cache = self.cache_mode(self.keys, self.values, self._past_names)
+        if self.info.drafter_cache:
+            self.drafter_keys, self.drafter_values = self.drafter_keys[:, on_device], self.drafter_values[:, on_device]
+            self.drafter_lengths = self.drafter_lengths[rows]
 
 
 def _host_feeds(**tensors: torch.Tensor) -> dict[str, np.ndarray]:
