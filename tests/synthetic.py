@@ -21,7 +21,7 @@ ARCHS = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
          "mistral": ("MistralConfig", "MistralForCausalLM"),
          "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}
 WEIGHTS_FORMATS = ("safetensors", "sharded", "bin", "sharded_bin")
-HEAD_FORMATS = ("medusa_v1", "medusa_v2", "medusa2_full", "modelopt")
+HEAD_FORMATS = ("medusa_v1", "medusa_v2", "medusa2_full", "modelopt", "amphista")
 BOS, EOS = 1, 2
 
 
@@ -185,6 +185,8 @@ def make_heads(target: str | Path, fmt: str, base_dir: str | Path, *, num_heads:
     if fmt not in HEAD_FORMATS:
         raise ValueError(f"fmt {fmt!r}: expected one of {', '.join(HEAD_FORMATS)}")
     base_dir, target = Path(base_dir), Path(target)
+    if fmt == "amphista":
+        return make_amphista(target, base_dir, num_heads=num_heads, seed=seed)
     tensors = head_tensors(base_dir, num_heads=num_heads, num_layers=num_layers, seed=seed,
                            trivial=trivial, with_lm_head=fmt != "medusa_v2", dtype=dtype)
     said_heads = config_num_heads if config_num_heads is not None else num_heads
@@ -230,6 +232,32 @@ def make_heads(target: str | Path, fmt: str, base_dir: str | Path, *, num_heads:
         config["medusa"] = {"num_medusa_heads": said_heads, "num_medusa_layers": num_layers}
     _write_json(target / "config.json", config)
     return target
+
+
+def make_amphista(target: str | Path, base_dir: str | Path, *, num_heads: int = 4, seed: int = 1,
+                  draft_vocab: list[int] | None = None, sal_intermediate_size: int = 48) -> Path:
+    """An Amphista drafter for the base in this project's format (tools/train_drafter.save_amphista),
+    random weights away from its identity start so every part shows in its drafts."""
+    from medusa_trt.checkpoint import ModelConfig
+    from medusa_trt.drafters.amphista import Amphista
+    from medusa_trt.tools.train_drafter import save_amphista
+
+    cfg = _read_json(Path(base_dir) / "config.json")
+    heads = cfg["num_attention_heads"]
+    model_cfg = ModelConfig(vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+                            intermediate_size=cfg["intermediate_size"], num_layers=1, num_heads=heads,
+                            num_kv_heads=cfg.get("num_key_value_heads") or heads, head_dim=cfg["hidden_size"] // heads,
+                            drafter="amphista",
+                            drafter_options={"num_heads": num_heads, "sal_intermediate_size": sal_intermediate_size})
+    torch.manual_seed(seed)
+    drafter = Amphista(model_cfg)
+    drafter.reset_identity()
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    vocab = None if draft_vocab is None else torch.tensor(draft_vocab)
+    save_amphista(drafter, target, base=str(base_dir), vocab=vocab)
+    return Path(target)
 
 
 def _add_tensors(directory: Path, tensors: dict[str, torch.Tensor]) -> None:

@@ -23,6 +23,10 @@ class Drafter(nn.Module):
     reads_tokens: ClassVar[bool] = False
     has_cache: ClassVar[bool] = False
     num_heads: int
+    # What an int4 build records of a drafter (medusa_trt.quant sets them on Medusa heads): whether
+    # it reads the base lm_head module, and int4 draft matrices of its own (None: none).
+    uses_base_lm_head = False
+    draft_int4 = None
 
     def forward(self, hidden: torch.Tensor, next_tokens: torch.Tensor | None, lm_head: nn.Module,
                 embed: nn.Module | None = None) -> torch.Tensor:

@@ -46,7 +46,14 @@ from medusa_trt.engine_dir import (
     past_names,
     read_engine_json,
 )
-from medusa_trt.runtime.backend import Backend, ModelInfo, check_forward, last_rows, scatter_pending, zero_cache
+from medusa_trt.runtime.backend import (
+    Backend,
+    ModelInfo,
+    check_forward,
+    last_rows,
+    scatter_pending,
+    zero_cache,
+)
 from medusa_trt.runtime.ort.cache import NP_DTYPES, BoundCache, InPlaceCache, ReturnedCache
 from medusa_trt.runtime.ort.session import (
     OrtSessionOptions,

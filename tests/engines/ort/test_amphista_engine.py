@@ -1,0 +1,189 @@
+"""An Amphista drafter end to end on tiny real checkpoints: trained by the recipe's functions on the
+base's own greedy text, converted by medusa-convert, built into ONNX Runtime engines (float32, int4),
+decoded with output unchanged and drafts equal to the reference's; bad drafter files refused."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from synthetic import EOS
+from transformers import AutoModelForCausalLM
+
+from medusa_trt.checkpoint import ModelConfig
+from medusa_trt.cli.build import main as build_main
+from medusa_trt.cli.convert import main as convert_main
+from medusa_trt.converter.hf_base import ConvertError
+from medusa_trt.converter.merge import convert
+from medusa_trt.drafters.amphista import Amphista
+from medusa_trt.engines.build import build_engine
+from medusa_trt.engines.options import BuildOptions
+from medusa_trt.engines.ort.build import OrtOptions
+from medusa_trt.modeling import MedusaModel
+from medusa_trt.runtime.decoding import GenerationConfig, decode
+from medusa_trt.runtime.loading import load_backend
+from medusa_trt.runtime.torch_backend import TorchBackend
+from medusa_trt.tools.distill import Sample
+from medusa_trt.tools.train_drafter import TrainOptions, evaluate, save_amphista, train_drafter
+from medusa_trt.tools.train_heads import greedy_continuations, hidden_states
+from tests.runtime.test_decoding import oracle, prompts
+
+TREE = "[[0], [0, 0], [0, 0, 0], [1], [0, 1], [2]]"
+
+
+@pytest.fixture(scope="module")
+def amphista(tmp_path_factory, tiny_base):
+    """A tiny base with an Amphista drafter trained on its own greedy text, merged, and its engines."""
+    base = tiny_base("llama")
+    hf = AutoModelForCausalLM.from_pretrained(base).eval()
+    starts = prompts(7, lengths=[6] * 200)
+    seqs = greedy_continuations(hf, starts, 40)
+    hs = hidden_states(hf, seqs)
+    samples = [Sample(s, 6, h[: len(s) - 1]) for s, h in zip(seqs, hs, strict=True)]
+    root = tmp_path_factory.mktemp("amphista")
+    hc = hf.config
+    raw = json.loads((base / "config.json").read_text())
+    mc = ModelConfig(vocab_size=hc.vocab_size, hidden_size=hc.hidden_size, intermediate_size=hc.intermediate_size,
+                     num_layers=1, num_heads=hc.num_attention_heads, num_kv_heads=hc.num_key_value_heads,
+                     head_dim=hc.hidden_size // hc.num_attention_heads, rope_theta=float(raw.get("rope_theta") or (raw.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+                     drafter="amphista", drafter_options={"num_heads": 4, "sal_intermediate_size": 48})
+    drafter = Amphista(mc)
+    drafter.reset_identity()
+    lm_head = hf.lm_head.weight.detach()
+    embed = hf.get_input_embeddings()
+    vocab = torch.arange(hc.vocab_size)
+    before = evaluate(drafter, "amphista", samples[-16:], lm_head, embed, vocab)
+    train_drafter(drafter, "amphista", samples[:-16], lm_head, embed, vocab,
+                  TrainOptions(steps=200, lr=3e-3, batch_samples=16, seed=0), progress=False)
+    after = evaluate(drafter, "amphista", samples[-16:], lm_head, embed, vocab)
+    save_amphista(drafter, root / "drafter", base=str(base), vocab=None)
+    convert(base, root / "drafter", root / "ckpt", progress=False)
+    engines = {}
+    for name, ort in (("float32", OrtOptions()), ("int4", OrtOptions(weights="int4", int4_block_size=32))):
+        build_engine(BuildOptions(checkpoint=root / "ckpt", out=root / name, progress=False, max_batch_size=4,
+                                  backend_options=ort))
+        engines[name] = root / name
+    return SimpleNamespace(base=base, hf=hf, root=root, ckpt=root / "ckpt", engines=engines, before=before,
+                           after=after)
+
+
+def test_the_recipe_trains_the_drafter_to_predict_the_base(amphista):
+    # held-out top-1 against the base's own greedy tokens: well above the identity start
+    before, after = [a[0] for a in amphista.before], [a[0] for a in amphista.after]
+    assert after[0] > max(0.4, before[0] + 0.1) and sum(after) > sum(before) + 0.2, (before, after)
+
+
+def test_the_merged_checkpoint_holds_the_drafter_by_name(amphista):
+    config = json.loads((amphista.ckpt / "config.json").read_text())
+    assert config["medusa_trt"]["drafter"] == "amphista"
+    assert config["medusa_trt"]["amphista"]["num_heads"] == 4 and config["num_medusa_heads"] == 4
+    names = set(load_file(amphista.ckpt / "rank0.safetensors"))
+    assert "amphista.sal2.qkv.weight" in names and "amphista.pos_embed" in names
+    assert not any(n.startswith("medusa_heads.") for n in names)
+
+
+@pytest.mark.parametrize("engine", ["reference", "float32", "int4"])
+def test_greedy_with_amphista_equals_plain_greedy(amphista, engine):
+    ps = prompts(11)
+    backend = (TorchBackend(MedusaModel.from_checkpoint(amphista.ckpt)) if engine == "reference"
+               else load_backend(amphista.engines[engine]))
+    cfg = GenerationConfig(max_new_tokens=32, medusa_choices=TREE, stop_token_ids=(EOS,))
+    spec = decode(backend, ps, cfg)
+    plain = decode(backend, ps, GenerationConfig(max_new_tokens=32, use_medusa=False, stop_token_ids=(EOS,)))
+    assert spec.tokens == plain.tokens
+    if engine != "int4":  # float32: also transformers' greedy
+        assert spec.tokens == [oracle(amphista.hf, p, 32) for p in ps]
+    accepted = sum(s.accepted_draft_tokens for s in spec.stats)
+    steps = sum(s.steps for s in spec.stats)
+    assert accepted / steps > 0.5  # the trained drafter's drafts are taken
+
+
+def test_the_engine_drafts_what_the_reference_drafts(amphista):
+    ps = prompts(12, lengths=(7, 4, 9))
+    outs = {}
+    for name, backend in (("reference", TorchBackend(MedusaModel.from_checkpoint(amphista.ckpt))),
+                          ("float32", load_backend(amphista.engines["float32"]))):
+        calls = []
+        draft = backend.draft
+
+        def record(rows, counts, after, draft=draft, calls=calls):
+            out = draft(rows, counts, after)
+            calls.append(out)
+            return out
+
+        backend.draft = record
+        decode(backend, ps, GenerationConfig(max_new_tokens=24, medusa_choices=TREE))
+        outs[name] = calls
+    assert len(outs["reference"]) == len(outs["float32"]) > 5
+    for a, b in zip(outs["reference"], outs["float32"], strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+
+
+def test_sampling_with_amphista_runs_and_repeats_with_its_seed(amphista):
+    backend = load_backend(amphista.engines["float32"])
+    cfg = GenerationConfig(max_new_tokens=24, medusa_choices=TREE, acceptance="sample", temperature=0.7, seed=5)
+    a, b = decode(backend, prompts(13), cfg), decode(backend, prompts(13), cfg)
+    assert a.tokens == b.tokens
+
+
+def test_tensorrt_llm_refuses_an_amphista_checkpoint(amphista, tmp_path, capsys):
+    for backend in ("tensorrt-llm", "tensorrt"):
+        rc = build_main(["--checkpoint", str(amphista.ckpt), "--out", str(tmp_path / backend), "--backend", backend])
+        err = capsys.readouterr().err
+        assert rc == 2 and "drafter 'amphista'" in err and "--backend onnxruntime" in err, err
+        assert not (tmp_path / backend).exists()
+
+
+def _broken(amphista, tmp_path, edit) -> str:
+    """convert with a copy of the drafter changed by edit(tensors, config); returns the error line."""
+    src = amphista.root / "drafter"
+    bad = tmp_path / "drafter"
+    shutil.copytree(src, bad)
+    tensors = load_file(bad / "amphista.safetensors")
+    config = json.loads((bad / "config.json").read_text())
+    edit(tensors, config)
+    save_file(tensors, bad / "amphista.safetensors")
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConvertError) as e:
+        convert(amphista.base, bad, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+    return str(e.value)
+
+
+@pytest.mark.parametrize("case, expect", [
+    ("missing", "'sal1.qkv.weight' not found"),
+    ("extra", "'sal3.qkv.weight' is not part of an Amphista drafter"),
+    ("misshapen", "'fc2.weight' has shape [64, 64], expected [64, 128]"),
+    ("hidden", "hidden_size 32 does not match the base hidden_size 64"),
+    ("heads", "num_heads 0: expected an integer >= 1"),
+    ("nan", "NaN"),
+])
+def test_a_bad_drafter_is_one_clear_error_and_nothing_is_written(amphista, tmp_path, case, expect):
+    def edit(t, c):
+        if case == "missing":
+            del t["sal1.qkv.weight"]
+        elif case == "extra":
+            t["sal3.qkv.weight"] = torch.zeros(3)
+        elif case == "misshapen":
+            t["fc2.weight"] = torch.zeros(64, 64)
+        elif case == "hidden":
+            c["hidden_size"] = 32
+        elif case == "heads":
+            c["amphista"]["num_heads"] = 0
+        elif case == "nan":
+            t["pos_embed"][0, 0] = float("nan")
+
+    msg = _broken(amphista, tmp_path, edit)
+    assert expect in msg, msg
+
+
+def test_convert_cli_exit_2_on_a_bad_drafter(amphista, tmp_path, capsys):
+    bad = tmp_path / "drafter"
+    shutil.copytree(amphista.root / "drafter", bad)
+    (bad / "config.json").write_text(json.dumps({"drafter": "eagle"}))
+    rc = convert_main(["--base", str(amphista.base), "--heads", str(bad), "--out", str(tmp_path / "out")])
+    assert rc == 2 and "drafter 'eagle'" in capsys.readouterr().err
