@@ -230,7 +230,11 @@ class _Observed(Backend):
     def __init__(self, subject, reference):
         self.sides = (subject, reference)
         self.info = reference.info
-        self.outputs: list[tuple[OrderedDict, OrderedDict]] = []  # per forward: engine's, reference's
+        # A drafter with a cache of its own (Amphista) drafts from the rows the loop commits, so its
+        # drafts are compared where the loop asks for them (`draft`), each call a stage of its own.
+        self.cached = reference.info.drafter_cache
+        self.outputs: list[tuple[OrderedDict, OrderedDict]] = []  # per call: engine's, reference's
+        self.kinds: list[str] = []  # per call: "forward" or "drafts"
         self._medusa: torch.Tensor | None = None  # [H, B, K, V] the reference's, at the rows asked for
 
     @property
@@ -244,10 +248,18 @@ class _Observed(Backend):
     def forward(self, input_ids, position_ids, new_mask, logit_positions=None, with_heads=True):
         outs = []
         for b in self.sides:
+            if self.cached:  # the rows the loop keeps, which its draft() call then names
+                logits, _ = b.forward(input_ids, position_ids, new_mask, logit_positions, with_heads=False)
+                outs.append(OrderedDict(logits=logits.float().numpy().copy()))
+                continue
             logits, medusa = b.forward(input_ids, position_ids, new_mask)
             outs.append(OrderedDict(logits=logits.float().numpy().copy(), medusa_logits=medusa.float().numpy().copy()))
         self.outputs.append((outs[0], outs[1]))
-        logits, medusa = torch.from_numpy(outs[1]["logits"]), torch.from_numpy(outs[1]["medusa_logits"])
+        self.kinds.append("forward")
+        logits = torch.from_numpy(outs[1]["logits"])
+        if self.cached:
+            return logits, None
+        medusa = torch.from_numpy(outs[1]["medusa_logits"])
         if logit_positions is not None:
             rows = torch.arange(len(input_ids))[:, None]
             logits, medusa = logits[rows, logit_positions], medusa[:, rows, logit_positions]
@@ -255,7 +267,12 @@ class _Observed(Backend):
         return logits, medusa if with_heads else None
 
     def draft(self, rows: torch.Tensor, counts: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
-        return self._medusa[:, torch.arange(len(rows)), last_rows(rows, counts)]
+        if not self.cached:
+            return self._medusa[:, torch.arange(len(rows)), last_rows(rows, counts)]
+        outs = [b.draft(rows, counts, next_tokens) for b in self.sides]
+        self.outputs.append(tuple(OrderedDict(medusa_logits=o.float().numpy().copy()) for o in outs))
+        self.kinds.append("drafts")
+        return outs[1]
 
     def commit(self, slots: torch.Tensor, counts: torch.Tensor) -> None:
         for b in self.sides:
@@ -291,10 +308,13 @@ def _compare_steps(report: CheckReport, subject, reference, prompts: list[list[i
         for step in range(steps):
             stages.append(f"tree step {step + 1}" + label)
             _, _, root, medusa = tree_step(both, step_tree, root, medusa, greedy)
+    if both.cached:  # a stage per call: each forward, then the drafts from its committed rows
+        stages = [f"{stage}{' drafts' * (kind == 'drafts')}" for stage, kind in
+                  zip([s for s in stages for _ in range(2)], both.kinds, strict=True)]
     ours = [IterationResult(engine, runner_name="engine") for engine, _ in both.outputs]
     refs = [IterationResult(ref, runner_name="reference") for _, ref in both.outputs]
 
-    peak = max(float(abs(r["logits"]).max()) for r in refs)
+    peak = max(float(abs(r["logits"]).max()) for r in refs if "logits" in r)
     scale = max(1.0, peak / LOGIT_SCALE) if scale_tol else 1.0  # rounding error is relative to the logits
     tol *= scale
     max_bound = FP8_FLIP_BOUND
@@ -310,6 +330,8 @@ def _compare_steps(report: CheckReport, subject, reference, prompts: list[list[i
     per_iteration = next(iter(accuracy.values()))
     for stage, outputs in zip(stages, per_iteration, strict=True):
         for name in COMPARED_OUTPUTS:
+            if name not in outputs:  # a drafter with a cache: logits and drafts in separate stages
+                continue
             result = outputs[name]
             if quantized:  # the percentile is within tol (checked by polygraphy), the max within the flip bound
                 passed = bool(result) and float(result.max_absdiff) <= max_bound

@@ -187,3 +187,20 @@ def test_convert_cli_exit_2_on_a_bad_drafter(amphista, tmp_path, capsys):
     (bad / "config.json").write_text(json.dumps({"drafter": "eagle"}))
     rc = convert_main(["--base", str(amphista.base), "--heads", str(bad), "--out", str(tmp_path / "out")])
     assert rc == 2 and "drafter 'eagle'" in capsys.readouterr().err
+
+
+def test_medusa_check_compares_the_drafts_and_catches_a_wrong_drafter(amphista, tmp_path):
+    from medusa_trt.tools.parity import run_check
+
+    report = run_check(amphista.engines["float32"], amphista.ckpt, ["a b c", "hello world again"])
+    drafts = [r for r in report.rows if r.stage.endswith("drafts")]
+    assert report.passed and len(drafts) >= 3 and all(r.output == "medusa_logits" for r in drafts)
+    # The same engine against a checkpoint whose drafter differs in one tensor: the drafts fail.
+    bad = tmp_path / "ckpt"
+    shutil.copytree(amphista.ckpt, bad)
+    tensors = load_file(bad / "rank0.safetensors")
+    tensors["amphista.pos_embed"] = tensors["amphista.pos_embed"] + 0.5
+    save_file(tensors, bad / "rank0.safetensors")
+    report = run_check(amphista.engines["float32"], bad, ["a b c", "hello world again"])
+    failed = [r for r in report.rows if not r.passed]
+    assert not report.passed and failed and all(r.output in ("medusa_logits", "tokens") for r in failed)
