@@ -79,6 +79,22 @@ class Conversation:
         return next((text for role, text in self.turns if role == "human" and text.strip()), None)
 
 
+def sharegpt_shaped(path: str | Path) -> bool:
+    """Whether a data file holds ShareGPT records (a .json array, or JSON Lines whose first object has
+    "conversations") rather than text samples; a .json file is always read as ShareGPT."""
+    path = Path(path)
+    if path.suffix == ".json":
+        return True
+    if path.suffix != ".jsonl":
+        return False
+    try:
+        with open(path, encoding="utf-8") as f:
+            first = next((line for line in f if line.strip()), "")
+        return isinstance(obj := json.loads(first), dict) and "conversations" in obj
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False  # read_samples names the problem
+
+
 def read_sharegpt(path: str | Path) -> tuple[list[Conversation], bool]:
     """Conversations of a ShareGPT-shaped file: a JSON array of {"id", "conversations": [{"from",
     "value"}, ...]} (ShareGPT_V3_unfiltered_cleaned_split.json), or JSON Lines of such objects.

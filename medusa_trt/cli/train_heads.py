@@ -1,4 +1,5 @@
-"""medusa-train-heads: fit Medusa-1 heads to a frozen Hugging Face base, FasterDecoding output.
+"""medusa-train-heads: fit a drafter to a frozen Hugging Face base: Medusa-1 heads (FasterDecoding
+output) or an Amphista drafter (--arch amphista, this project's format).
 
 Two kinds of targets:
 - plain (default): the data's own next tokens, each sample cut into windows of --seq-len tokens;
@@ -11,8 +12,17 @@ with --shared-lm-head medusa_lm_head.safetensors + config.json with version "2" 
 logits through the base's frozen lm_head): the files FasterDecoding writes, so medusa-convert (and
 any other tool that reads those formats) takes them as they are.
 
-    medusa-train-heads --base DIR --data FILE --out DIR [--num-heads 4] [--num-layers 1] [--self-distill]
-                       [--shared-lm-head]
+--arch amphista trains the drafter of Amphista (staged adaptation layers with their own cache, an
+auto-embedding block across the heads; docs/formats.md) against the base's own distributions (soft
+labels from its hidden states, plus the data's tokens), over a draft vocabulary of the targets' most
+frequent tokens; the output directory holds amphista.safetensors + config.json, which medusa-convert
+merges. Data may also be ShareGPT JSON or JSON Lines (records with "conversations"): the first human
+turn of each conversation becomes a prompt (chat template applied when the tokenizer has one), and
+the project's held-out rule leaves out every conversation whose sha1(id) is 0 mod 10. With
+--cache DIR the self-distilled text and hidden states are kept in chunks, and a rerun resumes there.
+
+    medusa-train-heads --base DIR --data FILE --out DIR [--arch medusa|amphista] [--num-heads 4]
+                       [--num-layers 1] [--self-distill] [--shared-lm-head] [--cache DIR]
 """
 
 from __future__ import annotations
@@ -42,6 +52,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--data", required=True, type=Path,
                    help=".txt (one sample per line) or .jsonl (one {\"text\": ...} per line; text may hold newlines)")
     p.add_argument("--out", required=True, type=Path, help="directory for the head file + config.json")
+    p.add_argument("--arch", default="medusa", help="the drafter: medusa (default) or amphista")
+    p.add_argument("--cache", type=Path, help="--arch amphista: keep distilled chunks here and resume from them")
+    p.add_argument("--sal-intermediate", type=int, default=0,
+                   help="--arch amphista: the adaptation layers' MLP width (default: the base's)")
+    p.add_argument("--draft-vocab", type=int, default=4096,
+                   help="--arch amphista: draft vocabulary size (the targets' most frequent tokens; default 4096)")
     p.add_argument("--num-heads", type=int, default=4)
     p.add_argument("--num-layers", type=int, default=1, help="ResBlocks per head (default 1)")
     p.add_argument("--self-distill", action="store_true", help="targets = the base's greedy continuations")
@@ -68,6 +84,13 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _check(args) -> None:
+    from medusa_trt.tools.train_drafter import ARCHS
+
+    if args.arch not in ARCHS:
+        raise TrainError(f"--arch {args.arch!r}: expected one of {', '.join(ARCHS)}")
+    if args.arch == "amphista" and (args.shared_lm_head or args.num_layers != 1):
+        raise TrainError("--shared-lm-head and --num-layers are Medusa head options; an Amphista drafter "
+                         "drafts through the base lm_head over its draft vocabulary")
     for name in ("num_heads", "num_layers", "prompt_tokens", "max_new_tokens", "num_prompts", "seq_len", "steps",
                  "batch_tokens"):
         if getattr(args, name) < 1:
@@ -80,7 +103,7 @@ def _check(args) -> None:
         raise TrainError(f"{args.base}: no config.json; expected a Hugging Face model directory")
     if args.out.exists() and not args.out.is_dir():
         raise TrainError(f"{args.out}: exists and is not a directory")
-    for name in HEAD_FILES:
+    for name in (*HEAD_FILES, "amphista.safetensors"):
         if (args.out / name).exists() and not args.force:
             raise TrainError(f"{args.out / name}: exists; pass --force to replace it")
 
@@ -107,7 +130,29 @@ def load_base(base: Path, quiet: bool = False):
     return model, tok
 
 
-def build_sequences(args, samples: list[str], tok, model) -> tuple[list[list[int]], list[int]]:
+def training_texts(path: Path, tok, prompt_tokens: int) -> tuple[list[str], bool]:
+    """(texts, chat): a ShareGPT file's training-side questions, each cut to `prompt_tokens` tokens and
+    rendered with the tokenizer's chat template when it has one (chat True: whole prompts, not
+    windows), or a .txt/.jsonl file's samples."""
+    from medusa_trt.data import DataError, is_heldout, read_samples, read_sharegpt, sharegpt_shaped
+
+    if not sharegpt_shaped(path):
+        return read_samples(path), False
+    convs, _ = read_sharegpt(path)
+    questions = [q for c in convs if not is_heldout(c.id) and (q := c.first_human())]
+    if not questions:
+        raise DataError(f"{path}: no training-side conversation with a human turn (all {len(convs)} are held out "
+                        "or empty)")
+    texts = []
+    for q in questions:
+        ids = tok.encode(q, add_special_tokens=False)
+        q = tok.decode(ids[:prompt_tokens]) if len(ids) > prompt_tokens else q
+        texts.append(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                             add_generation_prompt=True) if tok.chat_template else q)
+    return texts, True
+
+
+def build_sequences(args, samples: list[str], tok, model, chat: bool = False) -> tuple[list[list[int]], list[int]]:
     """Token sequences to train on and, per sequence, the first position whose targets count."""
     rng = random.Random(args.seed)
     encoded = [ids for ids in (tok.encode(s) for s in samples) if ids]
@@ -127,6 +172,9 @@ def build_sequences(args, samples: list[str], tok, model) -> tuple[list[list[int
     prompts = []
     for _ in range(args.num_prompts):
         ids = encoded[rng.randrange(len(encoded))]
+        if chat:  # a chat prompt is used whole (its question was cut before the template)
+            prompts.append(ids)
+            continue
         start = rng.randrange(max(1, len(ids) - args.prompt_tokens + 1))
         prompts.append(ids[start : start + args.prompt_tokens])
     seqs = greedy_continuations(model, prompts, args.max_new_tokens, progress=not args.quiet)
@@ -140,7 +188,7 @@ def _main(argv: list[str] | None = None) -> int:
         _check(args)
         import torch
 
-        from medusa_trt.data import DataError, read_samples
+        from medusa_trt.data import DataError
         from medusa_trt.tools.train_heads import (
             head_accuracy,
             head_pairs,
@@ -151,12 +199,14 @@ def _main(argv: list[str] | None = None) -> int:
 
         if args.threads:
             torch.set_num_threads(args.threads)
+        model, tok = load_base(args.base, args.quiet)
         try:
-            samples = read_samples(args.data)
+            samples, chat = training_texts(args.data, tok, args.prompt_tokens)
         except DataError as e:
             raise TrainError(str(e)) from None
-        model, tok = load_base(args.base, args.quiet)
-        seqs, starts = build_sequences(args, samples, tok, model)
+        seqs, starts = build_sequences(args, samples, tok, model, chat)
+        if args.arch == "amphista":
+            return _train_amphista(args, model, seqs, starts, t0)
         # Held-out sequences (a seeded choice) measure the heads; the rest train them.
         order = list(range(len(seqs)))
         random.Random(args.seed).shuffle(order)
@@ -201,6 +251,96 @@ def _main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: held-out top-1 accuracy per head: " + ", ".join(f"{a:.3f}" for a in summary["heldout_top1"])
               + "; top-5: " + ", ".join(f"{a:.3f}" for a in summary["heldout_top5"]))
     return 0
+
+
+def _train_amphista(args, model, seqs: list[list[int]], starts: list[int], t0: float) -> int:
+    """--arch amphista: hidden states of every sequence (kept in --cache chunks), training against the
+    base's distributions, held-out accuracy, the drafter in this project's format."""
+    import dataclasses
+
+    import torch
+
+    from medusa_trt.checkpoint import ModelConfig
+    from medusa_trt.converter.hf_base import ConvertError, base_config, read_base
+    from medusa_trt.drafters.amphista import Amphista
+    from medusa_trt.tools.train_drafter import (
+        TrainOptions,
+        draft_vocabulary,
+        evaluate,
+        save_amphista,
+        train_drafter,
+    )
+
+    try:
+        cfg = ModelConfig.from_checkpoint_config(base_config(read_base(args.base)))
+    except ConvertError as e:
+        raise TrainError(str(e)) from None
+    samples = _cached_samples(args, model, seqs, starts)
+    order = list(range(len(samples)))
+    random.Random(args.seed).shuffle(order)
+    n_held = int(len(samples) * args.heldout) if len(samples) >= 20 else 0
+    held, train = [samples[i] for i in order[:n_held]], [samples[i] for i in order[n_held:]]
+    lm_head = model.get_output_embeddings().weight.detach().float()
+    embed = model.get_input_embeddings()
+    vocab, coverage = draft_vocabulary(train, args.draft_vocab, lm_head.shape[0])
+    cfg = dataclasses.replace(cfg, drafter="amphista", drafter_options={
+        "num_heads": args.num_heads, "sal_intermediate_size": args.sal_intermediate})
+    drafter = Amphista(cfg)
+    drafter.reset_identity()
+    opts = TrainOptions(steps=args.steps, lr=args.lr, batch_samples=max(1, args.batch_tokens // 256), seed=args.seed)
+    history = train_drafter(drafter, "amphista", train, lm_head, embed, vocab, opts, progress=not args.quiet)
+    dtype = getattr(torch, args.dtype) if args.dtype else (_saved_dtype(args.base) or torch.float32)
+    path = save_amphista(drafter, args.out, base=str(args.base), vocab=vocab, dtype=dtype)
+    accuracy = evaluate(drafter, "amphista", held, lm_head, embed, vocab) if held else None
+    tail = history[-min(50, len(history)):]
+    summary = {"out": str(path), "arch": "amphista", "targets": "self-distillation" if args.self_distill else "data",
+               "sequences": len(train), "rows": sum(len(s.hidden) for s in train), "steps": args.steps,
+               "draft_vocab": len(vocab), "target_coverage": round(coverage, 4),
+               "final_loss": round(sum(tail) / len(tail), 4), "dtype": str(dtype).removeprefix("torch."),
+               "seconds": round(time.perf_counter() - t0, 1)}
+    if accuracy is not None:
+        summary["heldout_top1"] = [a[0] for a in accuracy]
+        summary["heldout_top5"] = [a[-1] for a in accuracy]
+    (args.out / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"{PROG}: wrote {path} (Amphista, {args.num_heads} heads, draft vocabulary {len(vocab)} tokens covering "
+          f"{100 * coverage:.1f}% of targets, {summary['rows']} rows, final loss {summary['final_loss']:.3f}, "
+          f"{summary['seconds']:.0f} s)")
+    if accuracy is not None:
+        print(f"{PROG}: held-out top-1 accuracy per head: " + ", ".join(f"{a:.3f}" for a in summary["heldout_top1"])
+              + "; top-5: " + ", ".join(f"{a:.3f}" for a in summary["heldout_top5"]))
+    return 0
+
+
+CHUNK = 256  # sequences per --cache chunk
+
+
+def _cached_samples(args, model, seqs: list[list[int]], starts: list[int]) -> list:
+    """Every sequence with its hidden states (tools/distill.Sample), computed in chunks; with --cache
+    each chunk is saved as it completes and read back on a rerun with the same inputs."""
+    import hashlib
+
+    import torch
+    from tqdm import tqdm
+
+    from medusa_trt.tools.distill import Sample
+    from medusa_trt.tools.train_heads import hidden_states
+
+    key = hashlib.sha256(json.dumps([str(args.base), seqs, starts]).encode()).hexdigest()[:16]
+    out: list = []
+    for c in tqdm(range(0, len(seqs), CHUNK), desc="hidden states", disable=args.quiet, unit="chunk"):
+        path = args.cache / f"{key}_{c // CHUNK:05d}.pt" if args.cache else None
+        if path is not None and path.is_file():
+            out += [Sample(**d) for d in torch.load(path, weights_only=False)]
+            continue
+        part = seqs[c : c + CHUNK]
+        hs = hidden_states(model, part)
+        chunk = [Sample(s, st + 1, h[: len(s) - 1].half()) for s, st, h in zip(part, starts[c : c + CHUNK], hs, strict=True)]
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save([vars(s) for s in chunk], path.with_suffix(".tmp"))
+            path.with_suffix(".tmp").replace(path)
+        out += chunk
+    return out
 
 
 def _saved_dtype(base: Path):

@@ -213,3 +213,60 @@ def test_committed_demo_model(tmp_path):
     assert medusa.tokens == plain.tokens
     assert medusa.stats[0].tokens_per_step > 1.5
     assert summary["heads"]["num_heads"] == backend.info.num_medusa_heads
+
+
+def _sharegpt(path, n: int = 40, seed: int = 0):
+    """A ShareGPT-shaped file of n conversations (ids chosen so some fall in the held-out split)."""
+    rng = random.Random(seed)
+    words = ["alpha", "beta", "gamma", "delta", "loop", "list", "value", "code", "tree", "node"]
+    records = [{"id": f"conv{i}_0", "conversations": [
+        {"from": "human", "value": " ".join(rng.choice(words) for _ in range(rng.randint(4, 12)))},
+        {"from": "gpt", "value": " ".join(rng.choice(words) for _ in range(20))}]} for i in range(n)]
+    path.write_text(json.dumps(records))
+    return path
+
+
+def test_amphista_from_sharegpt_self_distilled_and_resumed_from_its_cache(tiny_base, tmp_path, capsys):
+    from medusa_trt.data import is_heldout, read_sharegpt
+
+    data = _sharegpt(tmp_path / "sharegpt.json")
+    assert any(is_heldout(c.id) for c in read_sharegpt(data)[0])  # the held-out rule has something to leave out
+    args = ["--base", str(tiny_base("llama")), "--data", str(data), "--arch", "amphista", "--self-distill",
+            "--num-prompts", "48", "--max-new-tokens", "24", "--steps", "30", "--sal-intermediate", "32",
+            "--cache", str(tmp_path / "cache"), "--quiet"]
+    assert train_cli.main([*args, "--out", str(tmp_path / "a")]) == 0
+    config = json.loads((tmp_path / "a" / "config.json").read_text())
+    assert config["drafter"] == "amphista" and config["amphista"]["sal_intermediate_size"] == 32
+    summary = json.loads((tmp_path / "a" / "training_summary.json").read_text())
+    assert summary["arch"] == "amphista" and len(summary["heldout_top1"]) == 4
+    chunks = sorted((tmp_path / "cache").glob("*.pt"))
+    stamps = [c.stat().st_mtime_ns for c in chunks]
+    assert chunks
+    assert train_cli.main([*args, "--out", str(tmp_path / "b")]) == 0  # resumes: the chunks are read, not redone
+    assert [c.stat().st_mtime_ns for c in chunks] == stamps
+    assert "held-out top-1" in capsys.readouterr().out
+    convert(tiny_base("llama"), tmp_path / "a", tmp_path / "ckpt", progress=False)  # medusa-convert takes it
+
+
+@pytest.mark.parametrize("case, expect", [
+    ("arch", "--arch 'eagle': expected one of amphista, medusa"),
+    ("empty", "no conversations"),
+    ("shape", "record 1 (x1): conversations[0]: expected {\"from\": str, \"value\": str}"),
+    ("id", "record 0: field 'id': expected a non-empty string"),
+])
+def test_amphista_bad_input_exits_2_and_writes_nothing(case, expect, tiny_base, tmp_path, capsys):
+    data = tmp_path / "data.json"
+    arch = "eagle" if case == "arch" else "amphista"
+    if case == "empty":
+        data.write_text("[]")
+    elif case == "shape":
+        data.write_text(json.dumps([{"id": "x0", "conversations": []}, {"id": "x1", "conversations": [{"from": 1}]}]))
+    elif case == "id":
+        data.write_text(json.dumps([{"conversations": []}]))
+    else:
+        _sharegpt(data)
+    rc = train_cli.main(["--base", str(tiny_base("llama")), "--data", str(data), "--out", str(tmp_path / "out"),
+                         "--arch", arch, "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == 2 and expect in err and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()
