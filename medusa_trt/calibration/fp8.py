@@ -149,7 +149,7 @@ def calibrate(model, data: CalibrationData, *, heads: bool = False, kv_cache: bo
                 mask = torch.ones(s, s, dtype=torch.bool).tril()[None].expand(b, -1, -1)
                 keys, values = model.empty_cache(b)
                 # Logits at the last position only: nobody reads the others, and [S, V] is the costliest product.
-                model(ids, pos, mask, keys, values, torch.full((b, 1), s - 1))
+                model.forward_hidden(ids, pos, mask, keys, values, torch.full((b, 1), s - 1))
                 if heads:
                     _record_heads(model, finals.pop(), record)
                 bar.update(len(idx))

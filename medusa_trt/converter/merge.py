@@ -168,6 +168,9 @@ def convert(base: str | Path, heads: str | Path | None, out: str | Path, *, dtyp
     try:
         base_config(base_model)  # validates every config.json field before the heads are matched to it
         medusa = find_heads(heads_path, base_model)
+        if medusa.amphista is not None and quant.quantize_heads:
+            raise ConvertError(f"{medusa.path}: --quantize-heads quantizes Medusa ResBlocks; an Amphista drafter "
+                               "stays in the model dtype in an FP8 checkpoint (drop --quantize-heads)")
         out_dtype = dtype or default_out_dtype(base_model)
         config = build_config(base_model, medusa, dtype=out_dtype, tp_size=tp_size,
                               max_draft_len=max_draft_len)

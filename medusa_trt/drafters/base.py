@@ -27,6 +27,7 @@ class Drafter(nn.Module):
     # it reads the base lm_head module, and int4 draft matrices of its own (None: none).
     uses_base_lm_head = False
     draft_int4 = None
+    fp8 = None  # FP8 forms of its weights (Medusa ResBlocks with --quantize-heads); other drafters stay float
 
     def forward(self, hidden: torch.Tensor, next_tokens: torch.Tensor | None, lm_head: nn.Module,
                 embed: nn.Module | None = None) -> torch.Tensor:

@@ -204,3 +204,26 @@ def test_medusa_check_compares_the_drafts_and_catches_a_wrong_drafter(amphista, 
     report = run_check(amphista.engines["float32"], bad, ["a b c", "hello world again"])
     failed = [r for r in report.rows if not r.passed]
     assert not report.passed and failed and all(r.output in ("medusa_logits", "tokens") for r in failed)
+
+
+def test_tensor_parallel_and_fp8_conversion_keep_the_drafter(amphista, tmp_path):
+    from medusa_trt.converter.quantize import QuantOptions
+
+    one = MedusaModel.from_checkpoint(amphista.ckpt)
+    convert(amphista.base, amphista.root / "drafter", tmp_path / "tp2", tp_size=2, progress=False)
+    two = MedusaModel.from_checkpoint(tmp_path / "tp2")  # replicated on both ranks, merged back
+    for name, p in one.drafter.named_parameters():
+        assert torch.equal(p, dict(two.drafter.named_parameters())[name]), name
+    calib = tmp_path / "calib.txt"
+    calib.write_text("\n".join(" ".join(map(str, range(i, i + 12))) for i in range(16)))
+    convert(amphista.base, amphista.root / "drafter", tmp_path / "fp8", progress=False,
+            quant=QuantOptions(quantize="fp8", calib_data=calib))
+    fp8 = MedusaModel.from_checkpoint(tmp_path / "fp8")
+    assert json.loads((tmp_path / "fp8" / "config.json").read_text())["quantization"]["quant_algo"] == "FP8"
+    assert torch.equal(fp8.drafter.w, one.drafter.w)  # the drafter stays in the model dtype
+    ps = prompts(14)
+    spec = decode(TorchBackend(fp8), ps, GenerationConfig(max_new_tokens=24, medusa_choices=TREE))
+    assert spec.tokens == decode(TorchBackend(fp8), ps, GenerationConfig(max_new_tokens=24, use_medusa=False)).tokens
+    with pytest.raises(ConvertError, match="--quantize-heads quantizes Medusa ResBlocks"):
+        convert(amphista.base, amphista.root / "drafter", tmp_path / "fp8h", progress=False,
+                quant=QuantOptions(quantize="fp8", calib_data=calib, quantize_heads=True))
