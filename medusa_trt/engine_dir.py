@@ -48,6 +48,19 @@ STEP_OUTPUT_NAMES = ("best_path", "accepted", "next_tokens", "present_keys", "pr
 # last (engines/onnx/export.py, drafter graph); its past inputs are past_names(2) (two layers).
 DRAFTER_INPUT_NAMES = ("hidden", "next_tokens", "position_ids", "past_lengths", "new_mask", "last")
 DRAFTER_OUTPUT_NAMES = ("medusa_logits", "present_keys", "present_values")
+# The fused step of such an engine also takes the drafter's cache, and returns the accepted path's
+# drafter K/V (before the base's: the cache modes read the base's K/V last).
+DRAFTER_STEP_INPUTS = ("drafter_past_lengths", *(f"drafter_{n}" for n in ("past_key_0", "past_value_0",
+                                                                             "past_key_1", "past_value_1")))
+DRAFTER_STEP_OUTPUTS = ("drafter_present_keys", "drafter_present_values")
+
+
+def step_outputs(cached_drafter: bool) -> tuple[str, ...]:
+    """The fused step graph's outputs (STEP_OUTPUT_NAMES, with the drafter's K/V for a drafter with its
+    own cache)."""
+    if not cached_drafter:
+        return STEP_OUTPUT_NAMES
+    return (*STEP_OUTPUT_NAMES[:-2], *DRAFTER_STEP_OUTPUTS, *STEP_OUTPUT_NAMES[-2:])
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 

@@ -186,6 +186,20 @@ class Amphista(Drafter):
             z = layer(z)
         return z.movedim(-2, 0)
 
+    def topk(self, h1: torch.Tensor, h2: torch.Tensor, lm_head: nn.Module, k: int) -> torch.Tensor:
+        """Token ids [B, K, k] of each head's k most likely drafts from the adapted states [B, d] (the
+        fused step graph's form: logits over the draft vocabulary only, never scattered)."""
+        z = self.features(h1, h2)  # [K, B, d]
+        if self.lm_heads is not None:
+            w = self.lm_heads if self.draft_ids is None else self.lm_heads[:, self.draft_ids]
+            logits = torch.einsum("kbi,kvi->kbv", z, w)
+        elif self.draft_lm is not None:
+            logits = z @ self.draft_lm.T
+        else:
+            logits = lm_head(z)
+        top = logits.float().topk(k, dim=-1).indices.transpose(0, 1)  # [B, K, k]
+        return top if self.draft_ids is None else self.draft_ids[top]
+
     def heads(self, h1: torch.Tensor, h2: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
         """Logits [K, ..., V] float32 from the adapted states [..., d] of the rows to draft at."""
         z = self.features(h1, h2)

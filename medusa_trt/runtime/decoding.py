@@ -202,7 +202,9 @@ def step_plan(backend: Backend, cfg: GenerationConfig, tree: StepTree | None) ->
         return StepPlan("plain", functools.partial(_prefill, backend, heads=False), functools.partial(_plain_step, backend),
                         functools.partial(_plain_compute, backend))
     if _greedy(cfg) and backend.fused_step_topk == tree.topk:
-        return StepPlan("fused", functools.partial(_fused_prefill, backend, tree),
+        # A drafter with its own cache reads every prompt row: the two-call prefill, then fused steps.
+        prefill = _cached_fused_prefill if backend.info.drafter_cache else _fused_prefill
+        return StepPlan("fused", functools.partial(prefill, backend, tree),
                         functools.partial(_fused_tree_step, backend), functools.partial(_fused_compute, backend))
     return StepPlan("two_call", functools.partial(_prefill, backend, heads=True),
                     functools.partial(_two_call_step, backend, cfg), functools.partial(_tree_compute, backend))
@@ -353,6 +355,13 @@ def _fused_prefill(backend: Backend, tree: StepTree, prompts: list[list[int]], s
     _, _, tokens = backend.fused_step(ids, pos, mask, retrieve, tree.candidate_index)
     backend.commit(slots, lens)
     return Carry(tokens=tokens)
+
+
+def _cached_fused_prefill(backend: Backend, tree: StepTree, prompts: list[list[int]], sampler: None = None) -> Carry:
+    """The prefill of a fused decode whose drafter keeps a cache of its own: the decoder and drafter
+    graphs (every prompt row into the drafter's cache), then the first tree's tokens from its drafts."""
+    _, root, medusa = prefill(backend, prompts)
+    return Carry(tokens=tree_candidates(root, medusa, tree.candidate_index, tree.topk))
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:

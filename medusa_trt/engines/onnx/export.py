@@ -70,6 +70,7 @@ from medusa_trt.acceptance import candidates_from_topk, greedy_accept
 from medusa_trt.engine_dir import (
     DRAFTER_INPUT_NAMES,
     DRAFTER_OUTPUT_NAMES,
+    DRAFTER_STEP_INPUTS,
     HEADS_INPUT,
     HEADS_OUTPUT,
     INPUT_NAMES,
@@ -77,6 +78,7 @@ from medusa_trt.engine_dir import (
     STEP_INPUT_NAMES,
     STEP_OUTPUT_NAMES,
     past_names,
+    step_outputs,
 )
 from medusa_trt.engines.onnx.attention import (
     ATTENTION_FORMS,
@@ -209,7 +211,8 @@ class _FusedStepModule(nn.Module):
         super().__init__()
         self.decoder, self.k = decoder, k
 
-    def forward(self, input_ids, position_ids, past_lengths, new_mask, retrieve, candidate_index, past):
+    def forward(self, input_ids, position_ids, past_lengths, new_mask, retrieve, candidate_index, past,
+                drafter_past_lengths=None, drafter_past=None):
         # Logits only at the last W = 1 + len(candidate_index) slots: all of a tree's slots, and at a
         # prefill through this graph (runtime/decoding.py: _fused_prefill, the prompt's last token in
         # the last slot) a tree's width instead of the whole prompt's lm_head.
@@ -228,8 +231,36 @@ class _FusedStepModule(nn.Module):
         depth = retrieve.shape[1] - 1
         torch._check(depth >= 1)
         torch._check(depth <= self.decoder.model.drafter.num_heads)
+        if drafter_past is not None:  # a drafter with its own cache: it takes the committed path first
+            top, dk, dv = self._cached_draft(retrieve[best], accepted, argmax, hidden, start, drafter_past_lengths,
+                                             drafter_past)
+            return (best, accepted, candidates_from_topk(root, top.narrow(1, 0, depth), candidate_index), dk, dv,
+                    new_k, new_v)
         top = self.decoder.draft.topk(h, self.k, depth)  # [B, D, k]
         return best, accepted, candidates_from_topk(root, top, candidate_index), new_k, new_v
+
+    def _cached_draft(self, path, accepted, argmax, hidden, start, past_lengths, past):
+        """The accepted path's rows [B, D+1] (the first accepted + 1 valid) appended to the drafter's
+        cache with the token chosen after each (the argmax at each node: the next accepted token, then
+        the new root), drafts at the last. Returns the top-k ids [B, K, k] and the rows' K/V [2, B,
+        Hkv, D+1, hd], which the runtime commits (accepted + 1 of them)."""
+        model = self.decoder.model
+        b, n = path.shape
+        j = torch.arange(n, device=path.device)
+        valid = j[None] <= accepted[:, None]  # [B, D+1]
+        slots = path.clamp(min=0)
+        after = argmax.gather(1, slots)
+        h = hidden.gather(1, (slots - start).clamp(min=0)[..., None].expand(-1, -1, hidden.shape[-1]))
+        t = past[0].shape[2]
+        prefix = torch.arange(t, device=path.device)[None, None, :] < past_lengths[:, None, None]
+        new = (torch.ones(n, n, dtype=torch.bool, device=path.device).tril()[None] & valid[:, None, :]) | torch.eye(
+            n, dtype=torch.bool, device=path.device)[None]
+        mask = torch.cat([prefix.expand(b, n, t), new], dim=-1)
+        cache = (torch.stack([past[0], past[2]]), torch.stack([past[1], past[3]]))
+        h1, h2, dk, dv = model.drafter.adapt(h, after, model.vocab_embedding, past_lengths[:, None] + j, mask, cache)
+        rows = accepted[:, None, None].expand(b, 1, h1.shape[-1])
+        top = model.drafter.topk(h1.gather(1, rows)[:, 0], h2.gather(1, rows)[:, 0], model.lm_head, self.k)
+        return top, dk, dv
 
 
 def step_example_inputs(model: MedusaModel) -> dict:
@@ -240,8 +271,13 @@ def step_example_inputs(model: MedusaModel) -> dict:
     past = inputs.pop("past")
     depth = min(model.cfg.num_medusa_heads, 3)  # the graph drafts with as many heads as the tree is deep
     retrieve = torch.tensor([[0, 1, 4, 5], [0, 2, -1, -1], [0, 3, -1, -1]])[:, :depth + 1]
-    return {**inputs, "retrieve": retrieve, "candidate_index": torch.arange(7) % (depth * step_topk(model)),
-            "past": past}
+    out = {**inputs, "retrieve": retrieve, "candidate_index": torch.arange(7) % (depth * step_topk(model)),
+           "past": past}
+    if model.drafter.has_cache:  # the drafter's cache: 2 layers, 4 committed rows
+        cache = torch.zeros(2, model.cfg.num_kv_heads, 4, model.cfg.head_dim, dtype=model.dtype)
+        out.update(drafter_past_lengths=torch.full((2,), 4, dtype=torch.long),
+                   drafter_past=tuple(cache.clone() for _ in range(4)))
+    return out
 
 
 def step_topk(model: MedusaModel) -> int:
@@ -353,8 +389,6 @@ def export_onnx(
     path = Path(path)
     cfg = model.cfg
     cached_drafter = model.drafter.has_cache
-    if cached_drafter:
-        fused_step = False  # its drafts need the drafter graph's cache: the two-call step
     wrapper = _ExportModule(model, committed_prefix, form.places_new_keys).eval()
     inputs = example_inputs(model)
     batch, new, past, logits = Dim("batch"), Dim("new_tokens"), Dim("past"), Dim("num_logits")
@@ -409,11 +443,16 @@ def export_onnx(
             step_shapes = {**{k: v for k, v in dynamic_shapes.items() if k != "logit_positions"},
                            "retrieve": {0: Dim("paths"), 1: Dim("path_length")},
                            "candidate_index": {0: Dim("candidates")}}
+            if cached_drafter:
+                step_shapes.update(drafter_past_lengths={0: batch},
+                                   drafter_past=tuple({0: batch, 2: Dim("drafter_past")} for _ in range(4)))
             step_shapes = {k: step_shapes[k] for k in step_inputs}  # the module's argument order
             step_program = torch.onnx.export(
                 _FusedStepModule(wrapper, step_topk(model)).eval(), (), kwargs=step_inputs,
-                dynamic_shapes=step_shapes, input_names=[*STEP_INPUT_NAMES, *past_names(cfg.num_layers)],
-                output_names=list(STEP_OUTPUT_NAMES), opset_version=opset, dynamo=True,
+                dynamic_shapes=step_shapes,
+                input_names=[*STEP_INPUT_NAMES, *past_names(cfg.num_layers),
+                             *(DRAFTER_STEP_INPUTS if cached_drafter else ())],
+                output_names=list(step_outputs(cached_drafter)), opset_version=opset, dynamo=True,
                 custom_translation_table=table or None, optimize=True, verbose=False,
             )
     path.parent.mkdir(parents=True, exist_ok=True)

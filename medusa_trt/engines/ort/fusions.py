@@ -102,7 +102,22 @@ def _traces_to(g: _Graph, name: str, op_type: str) -> bool:
     return False
 
 
-def _rotary_match(g: _Graph, add):
+def _computed_from(g: _Graph, name: str, graph_input: str) -> bool:
+    """Whether the value `name` is computed from the graph input `graph_input` (any path)."""
+    seen, todo = set(), [name]
+    while todo:
+        n = todo.pop()
+        if n == graph_input:
+            return True
+        node = g.producer.get(n)
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        todo.extend(i for i in node.input if i)
+    return False
+
+
+def _rotary_match(g: _Graph, add, position_ids: str | None = None):
     """(x, nodes to remove, cos name) when `add` is x * cos + cat(-x2, x1) * sin, x split in halves
     along its last axis, cos/sin from Cos/Sin nodes; else None."""
     if len(add.input) != 2:
@@ -129,6 +144,10 @@ def _rotary_match(g: _Graph, add):
             if len(others) != 1 or x not in m_cos.input or not _traces_to(g, others[0], "Cos") \
                     or not _traces_to(g, sin, "Sin"):
                 continue
+            # RotaryEmbedding reads the graph's position_ids: a rotation at other positions (the
+            # fused step's drafter cache, at its own lengths) keeps its plain ops.
+            if position_ids is not None and not _computed_from(g, others[0], position_ids):
+                continue
             nodes = [split, neg, cat, m_sin, m_cos]
             inner = [(split.output[0], (cat, neg)), (split.output[1], (neg,)), (neg.output[0], (cat,)),
                      (cat.output[0], (m_sin,)), (m_sin.output[0], (add,)), (m_cos.output[0], (add,))]
@@ -147,7 +166,7 @@ def _fuse_rotary(model, cos_cache: np.ndarray, sin_cache: np.ndarray, position_i
     for node in graph.node:
         if node.op_type != "Add":
             continue
-        match = _rotary_match(g, node)
+        match = _rotary_match(g, node, position_ids)
         if match is None:
             continue
         x, nodes = match

@@ -32,6 +32,7 @@ from medusa_trt.checkpoint import CONFIG_DTYPES
 from medusa_trt.engine_dir import (
     DRAFTER_INPUT_NAMES,
     DRAFTER_OUTPUT_NAMES,
+    DRAFTER_STEP_INPUTS,
     HEADS_INPUT,
     HEADS_OUTPUT,
     INPUT_NAMES,
@@ -45,6 +46,7 @@ from medusa_trt.engine_dir import (
     graph_outputs,
     past_names,
     read_engine_json,
+    step_outputs,
 )
 from medusa_trt.runtime.backend import (
     Backend,
@@ -186,10 +188,11 @@ class OrtBackend(Backend):
 
         layers = engine["model"]["num_layers"]
         past = past_names(layers)
+        cached = bool(engine["onnx"].get("drafter_file"))  # a drafter with its own cache
         expected = {"session": ([*INPUT_NAMES, *past], graph_outputs(OUTPUT_NAMES, layers, self.in_place), ("logits",)),
                     "heads_session": ([HEADS_INPUT], [HEADS_OUTPUT], (HEADS_OUTPUT,)),
-                    "step_session": ([*STEP_INPUT_NAMES, *past], graph_outputs(STEP_OUTPUT_NAMES, layers, self.in_place),
-                                     ()),
+                    "step_session": ([*STEP_INPUT_NAMES, *past, *(DRAFTER_STEP_INPUTS if cached else ())],
+                                     graph_outputs(step_outputs(cached), layers, self.in_place), ()),
                     "drafter_session": ([*DRAFTER_INPUT_NAMES, *past_names(2)], list(DRAFTER_OUTPUT_NAMES),
                                         (HEADS_OUTPUT,))}
         for name, file in self._graphs.items():
@@ -235,12 +238,28 @@ class OrtBackend(Backend):
     def fused_step(self, input_ids, position_ids, new_mask, retrieve, candidate_index):
         """Verifies a tree, accepts greedily and drafts the next tree's tokens in one call (the step
         graph, engines/onnx/export.py). Returns best path [B], accepted draft tokens [B] and the next
-        input_ids [B, 1 + C]; the new tokens' KV stays pending until `commit`."""
+        input_ids [B, 1 + C]; the new tokens' KV stays pending until `commit`. A drafter with its own
+        cache takes the accepted path in the same call; its rows are committed here."""
         feeds, _ = self._feeds(input_ids, position_ids, new_mask, retrieve=retrieve, candidate_index=candidate_index)
         b = len(input_ids)
-        return tuple(self.cache.run(self.step_session, feeds, {
-            "best_path": ((b,), np.int64), "accepted": ((b,), np.int64),
-            "next_tokens": ((b, 1 + len(candidate_index)), np.int64)}))
+        outputs = {"best_path": ((b,), np.int64), "accepted": ((b,), np.int64),
+                   "next_tokens": ((b, 1 + len(candidate_index)), np.int64)}
+        if not self.info.drafter_cache:
+            return tuple(self.cache.run(self.step_session, feeds, outputs))
+        past = int(self.drafter_lengths.max())
+        n = retrieve.shape[1]
+        if past + n > self.drafter_keys.shape[3]:
+            raise ValueError(f"drafter cache overflow: {past} + {n} rows > capacity {self.drafter_keys.shape[3]}")
+        feeds["drafter_past_lengths"] = np.ascontiguousarray(self.drafter_lengths.numpy(), dtype=np.int64)
+        for i, name in enumerate(DRAFTER_STEP_INPUTS[1:]):
+            cache = self.drafter_keys if "key" in name else self.drafter_values
+            feeds[name] = np.ascontiguousarray(cache[i // 2, :, :, :past].numpy())
+        shape = (2, b, self.num_kv_heads, n, self.head_dim)
+        outputs.update(drafter_present_keys=(shape, self._np_dtype), drafter_present_values=(shape, self._np_dtype))
+        best, accepted, tokens, new_k, new_v = self.cache.run(self.step_session, feeds, outputs)
+        self.drafter_lengths = scatter_pending(self.drafter_keys, self.drafter_values, (new_k, new_v),
+                                               self.drafter_lengths, torch.arange(n).expand(b, n), accepted + 1)
+        return best, accepted, tokens
 
     def _feeds(self, input_ids, position_ids, new_mask, logit_positions=None, **step_inputs):
         """A graph call's host feeds, with the rows as the kernel needs them: where pad_one_row, a lone

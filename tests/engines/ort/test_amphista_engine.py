@@ -105,8 +105,10 @@ def test_greedy_with_amphista_equals_plain_greedy(amphista, engine):
 def test_the_engine_drafts_what_the_reference_drafts(amphista):
     ps = prompts(12, lengths=(7, 4, 9))
     outs = {}
+    engine = load_backend(amphista.engines["float32"])
+    engine.fused_step_topk = None  # the two-call path, whose every step calls draft()
     for name, backend in (("reference", TorchBackend(MedusaModel.from_checkpoint(amphista.ckpt))),
-                          ("float32", load_backend(amphista.engines["float32"]))):
+                          ("float32", engine)):
         calls = []
         draft = backend.draft
 
@@ -121,6 +123,21 @@ def test_the_engine_drafts_what_the_reference_drafts(amphista):
     assert len(outs["reference"]) == len(outs["float32"]) > 5
     for a, b in zip(outs["reference"], outs["float32"], strict=True):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("engine", ["float32", "int4"])
+def test_the_fused_step_drafts_as_the_two_call_path_does(amphista, engine):
+    """One call per step (verify, accept, append the accepted path to the drafter's cache, draft the
+    next tree): the tokens and every sequence's accepted drafts equal the two-call path's."""
+    ps = prompts(15)
+    cfg = GenerationConfig(max_new_tokens=32, medusa_choices=TREE)
+    fused = load_backend(amphista.engines[engine])
+    assert fused.fused_step_topk is not None
+    two_call = load_backend(amphista.engines[engine])
+    two_call.fused_step_topk = None
+    a, b = decode(fused, ps, cfg), decode(two_call, ps, cfg)
+    assert a.tokens == b.tokens
+    assert [s.accepted_per_depth for s in a.stats] == [s.accepted_per_depth for s in b.stats]
 
 
 def test_sampling_with_amphista_runs_and_repeats_with_its_seed(amphista):
