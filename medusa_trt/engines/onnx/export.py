@@ -76,7 +76,6 @@ from medusa_trt.engine_dir import (
     INPUT_NAMES,
     OUTPUT_NAMES,
     STEP_INPUT_NAMES,
-    STEP_OUTPUT_NAMES,
     past_names,
     step_outputs,
 )

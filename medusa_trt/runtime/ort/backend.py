@@ -38,7 +38,6 @@ from medusa_trt.engine_dir import (
     INPUT_NAMES,
     OUTPUT_NAMES,
     STEP_INPUT_NAMES,
-    STEP_OUTPUT_NAMES,
     EngineError,
     check_artifacts,
     check_graph,
