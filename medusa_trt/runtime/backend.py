@@ -26,6 +26,13 @@ class ModelInfo:
     key_block: int | None = None
     # Only chain trees are exact (chain_f32 attention): the decoding loop verifies a tree's main chain.
     chains_only: bool = False
+    # The tree the engine records (engine.json medusa.tree, from medusa-build --tree) and where it came
+    # from: what a decode uses when its config names none (decoding.resolve_tree). None: none recorded.
+    tree: tuple[tuple[int, ...], ...] | None = None
+    tree_source: str | None = None
+    # Where a decode stops unless its config says otherwise: EOS of the model config, generation config
+    # and tokenizer, and the chat template's end-of-turn tokens (loading.stop_tokens, set by load_backend).
+    stop_token_ids: tuple[int, ...] = ()
 
 
 class Backend:

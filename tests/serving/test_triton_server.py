@@ -393,3 +393,4 @@ def test_medusa_serve_cli_prints_endpoints_and_stops_on_ctrl_c(served):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
