@@ -93,13 +93,13 @@ def _main(argv: list[str] | None = None) -> int:
                                ort_options=ort_session_options(args))
         tok = load_tokenizer(directory)
         tree, described = resolve_tree(backend.info, args.medusa_choices)
-        if not args.no_medusa:
-            print(f"medusa-run: tree {described}", file=sys.stderr)
         cfg = GenerationConfig(
             max_new_tokens=args.max_new_tokens, use_medusa=not args.no_medusa, medusa_choices=tree,
             stop_token_ids=stop_tokens(directory, tok), **sampling_options(args),
         )
         prompts = encode_prompts(tok, texts, args)
+        if not args.no_medusa:  # after every check: bad input stays one line
+            print(f"medusa-run: tree {described}", file=sys.stderr)
         stats = [SequenceStats() for _ in prompts]
         tokens: list[list[int]] = [[] for _ in prompts]
         stream = len(prompts) == 1 and not args.json

@@ -42,8 +42,10 @@ reference, against p90 >= 3.9 / max >= 14 for one quantized with another block s
 15 for float32 weights (docs/benchmarks/issue-13-int4.md). So an int4 output passes when its p90 is within
 INT4_NOISE_PER_LAYER x layers (scaled with the peak like the tolerances: 1.7 there, 0.03 on a
 2-layer test model) and its maximum within INT4_MAX_FACTOR times that. Errors below that noise (one layer's weights 2% off: p90 0.41) pass.
-Greedy tokens may then part from the reference's at a near-tie: a plain decode passes when the
-reference's top-2 margin at the first differing token is within that p90 bound (the row says so).
+Greedy tokens may then part from the reference's at a near-tie: a plain decode that does is shown
+as DIVERGES (not PASS), and is allowed when the reference's top-2 margin at the first differing
+token is within that p90 bound (the row gives the token and the margin). Every bound is rounded to
+three significant digits once and printed as applied (docs/design.md, "medusa-check: the rules").
 What int4 must keep exactly is the engine's own consistency: its Medusa greedy decode must equal its
 own plain greedy decode token for token (engines/onnx/attention.py, row_exact attention).
 """
