@@ -235,9 +235,8 @@ def test_medusa_check_int4_catches_one_broken_decoder_matrix(ort_engine, tmp_pat
     engine = tmp_path / "engine"
     shutil.copytree(int4_engine(ort_engine, 4), engine)
     model = onnx.load(engine / "model.onnx", load_external_data=False)
-    packed = [t for t in model.graph.initializer if t.data_type == onnx.TensorProto.UINT8 and "mlp" in t.name]
-    assert packed, [t.name for t in model.graph.initializer][:20]
-    target = packed[0]
+    # layer 0's MLP down projection (TensorRT-LLM names: mlp.proj), its packed 4-bit weights
+    target = next(t for t in model.graph.initializer if t.name == "model.layers.0.proj.packed")
     info = {e.key: int(e.value) for e in target.external_data if e.key in ("offset", "length")}
     data = np.fromfile(engine / "weights.bin", dtype=np.uint8)
     region = data[info["offset"]:info["offset"] + info["length"]]
