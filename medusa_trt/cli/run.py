@@ -24,7 +24,7 @@ from medusa_trt.cli.common import (
 )
 from medusa_trt.errors import MedusaTrtError, check_number, check_utf8
 from medusa_trt.runtime.chat import encode_chat, has_chat_template, is_rendered, messages_for
-from medusa_trt.runtime.decoding import GenerationConfig, SequenceStats, generate, resolve_tree
+from medusa_trt.runtime.decoding import GenerationConfig, SequenceStats, generate, resolve_tree, step_tree
 from medusa_trt.runtime.loading import load_backend, load_tokenizer, stop_tokens
 
 
@@ -79,7 +79,6 @@ def _main(argv: list[str] | None = None) -> int:
             texts = read_prompts(args.prompts)
         else:
             texts = [check_utf8(t, "--prompt") for t in args.prompt]
-        refuse_inapplicable_sampling(args)
         if args.no_medusa and args.medusa_choices is not None:
             raise MedusaTrtError(f"--medusa-choices {args.medusa_choices}: --no-medusa decodes without a tree; "
                                  "drop one of them")
@@ -88,6 +87,7 @@ def _main(argv: list[str] | None = None) -> int:
         check_number(args.posterior_alpha, "--posterior-alpha", nonnegative=True)
         check_number(args.max_new_tokens, "--max-new-tokens", positive=True)
         check_number(args.threads, "--threads", positive=True)
+        refuse_inapplicable_sampling(args)  # after the values' own checks: a bad value is named as such
         directory = args.engine or args.checkpoint
         backend = load_backend(directory, dtype=args.dtype, device=args.device,
                                ort_options=ort_session_options(args))
@@ -98,7 +98,8 @@ def _main(argv: list[str] | None = None) -> int:
             stop_token_ids=stop_tokens(directory, tok), **sampling_options(args),
         )
         prompts = encode_prompts(tok, texts, args)
-        if not args.no_medusa:  # after every check: bad input stays one line
+        if not args.no_medusa:  # after every check (the tree's too): bad input stays one line
+            step_tree(backend.info, tree)
             print(f"medusa-run: tree {described}", file=sys.stderr)
         stats = [SequenceStats() for _ in prompts]
         tokens: list[list[int]] = [[] for _ in prompts]

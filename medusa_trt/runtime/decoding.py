@@ -126,6 +126,13 @@ def resolve_tree(info: ModelInfo, medusa_choices: object = None) -> tuple[object
                    "medusa-tune-tree and rebuild with medusa-build --tree)")
 
 
+def step_tree(info: ModelInfo, medusa_choices: object = None) -> StepTree:
+    """The tree a decode of `medusa_choices` (resolve_tree) runs on this engine, checked against it
+    (heads, max_draft_len, vocabulary); a bad tree raises here, before any decoding."""
+    spec = resolve_tree(info, medusa_choices)[0]
+    return StepTree.of(build_tree(spec, info.num_medusa_heads, info.max_draft_len, info.chains_only), info.vocab_size)
+
+
 def _greedy(cfg: GenerationConfig) -> bool:
     return cfg.acceptance == "greedy" or (cfg.acceptance == "typical" and cfg.temperature == 0)
 
@@ -232,9 +239,7 @@ def _generate(backend: Backend, prompts: list[list[int]], cfg: GenerationConfig,
         raise ValueError("every prompt needs at least one token")
     if cfg.use_medusa and info.num_medusa_heads == 0:
         raise ValueError("this model has no Medusa heads; decode with use_medusa=False")
-    spec = resolve_tree(info, cfg.medusa_choices)[0] if cfg.use_medusa else None
-    tree = StepTree.of(build_tree(spec, info.num_medusa_heads, info.max_draft_len, info.chains_only),
-                       info.vocab_size) if cfg.use_medusa else None
+    tree = step_tree(info, cfg.medusa_choices) if cfg.use_medusa else None
     plan = step_plan(backend, cfg, tree)
     depth = tree.max_depth if tree else 0
     longest = max(len(p) for p in prompts)
