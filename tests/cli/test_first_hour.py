@@ -266,3 +266,24 @@ def test_make_serve_serves_what_make_demo_writes():
     assert Path(repo) == serving_repo(Path(workdir))
     args = demo_cli.parser().parse_args([])
     assert serving_repo(args.workdir) == Path(repo)
+
+
+# ---- progress that moves with the work -----------------------------------------------------------
+
+
+def test_build_and_check_progress_move_with_the_work(tiny_merged, ort_engine, tmp_path, capsys):
+    from medusa_trt.cli import check as check_cli
+
+    tiny_merged("llama")
+    capsys.readouterr()
+    assert build_cli.main(["--checkpoint", str(tiny_merged("llama")), "--out", str(tmp_path / "e")]) == 0
+    err = capsys.readouterr().err
+    stages = ["load checkpoint", "export decoder graph", "export heads graph", "export fused step graph",
+              "save graphs", "fuse ops", "share weights"]
+    seen = [s for s in stages if s in err]
+    assert seen == stages and "/7 [" in err  # a step per piece of work, in order
+    assert check_cli.main(["--engine", str(ort_engine("llama")), "--max-new-tokens", "4", "--tree-steps", "1"]) == 0
+    err = capsys.readouterr().err
+    for stage in ("loading the engine", "loading the reference", "prefill + 1 tree steps", "engine plain decode",
+                  "engine Medusa decode"):
+        assert stage in err, stage
