@@ -136,6 +136,12 @@ def validate_engine(engine: Any, path: Path, backend: str | None = None) -> dict
     medusa = require_section(engine, "medusa", file=path, error=EngineError)
     req(medusa, "num_heads", int, "medusa.", nonnegative=True)
     req(medusa, "num_layers", int, "medusa.", nonnegative=True)
+    tree = req(medusa, "tree", list, "medusa.", default=None)  # medusa-build --tree: the default tree
+    if tree is not None and not (tree and all(
+            isinstance(p, list) and p and all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in p)
+            for p in tree)):
+        raise EngineError(f"{path}: medusa.tree {str(tree)[:60]}; expected a non-empty list of paths such as [[0], [0, 0]]")
+    req(medusa, "tree_source", str, "medusa.", default=None)
     limits = require_section(engine, "limits", file=path, error=EngineError)
     for key in ("max_batch_size", "max_seq_len", "max_draft_len"):
         req(limits, key, int, "limits.", positive=True)

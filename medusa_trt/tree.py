@@ -49,6 +49,11 @@ def _presets() -> dict[str, list[list[int]]]:
     return json.loads(data)["presets"]
 
 
+def preset_names() -> list[str]:
+    """The preset tree names --medusa-choices takes, sorted (listed in every command's --help)."""
+    return sorted(_presets())
+
+
 def __getattr__(name: str) -> Any:
     # PRESETS is loaded on first use so importing this module never touches package data.
     if name == "PRESETS":
@@ -228,8 +233,7 @@ def validate_and_expand(choices: list, num_heads: int, max_draft_len: int | None
         given.add(key)
     nodes = {key[:d] for key in given for d in range(1, len(key) + 1)}
     if len(nodes) > len(given):
-        log.info("medusa_choices: added %d missing prefix nodes (%d given, %d total)",
-                 len(nodes) - len(given), len(given), len(nodes))
+        _warn_prefixes(tuple(sorted(nodes - given)), len(given))
     if max_draft_len is not None and len(nodes) > max_draft_len:
         raise TreeError(f"medusa_choices: tree has {len(nodes)} nodes after adding prefixes; "
                         f"expected at most max_draft_len={max_draft_len}")
@@ -322,6 +326,15 @@ def main_chain(nodes: list[list[int]]) -> list[list[int]]:
         chain.append(list(child))
         path = child
     return chain
+
+
+@functools.cache
+def _warn_prefixes(added: tuple[tuple[int, ...], ...], given: int) -> None:
+    """Once per tree and process: a node is verified only after its parent, so a path given without
+    its prefixes (such as [[0, 0]]) runs with them added; said, not done silently."""
+    log.warning("medusa_choices: %d of the paths' parents were not given and are added, %s (a node is verified "
+                "only after its parent): the tree runs with %d nodes, not %d", len(added), [list(p) for p in added],
+                given + len(added), given)
 
 
 @functools.cache

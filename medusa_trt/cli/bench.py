@@ -25,6 +25,7 @@ from medusa_trt.cli.common import (
     add_tree_arg,
     new_parser,
     ort_session_options,
+    refuse_inapplicable_sampling,
     run_cli,
     sampling_options,
 )
@@ -38,14 +39,13 @@ from medusa_trt.tools.bench import (
     hf_model_dir,
     load_prompts,
 )
-from medusa_trt.tree import DEFAULT_TREE
 
 
 def parser() -> argparse.ArgumentParser:
     p = new_parser(PROG, bench.__doc__, raw=True)
     add_source_args(p, engine_help=ENGINE_OR_CHECKPOINT_HELP)
     add_prompts_arg(p, required=True)
-    add_tree_arg(p, default=DEFAULT_TREE, help=f"tree for Medusa decoding (default {DEFAULT_TREE})")
+    add_tree_arg(p)
     add_max_new_tokens_arg(p, default=128)
     p.add_argument("--limit", type=int, help="use the first N prompts")
     p.add_argument("--repeat", type=int, default=1, help="measure each prompt N times (default 1)")
@@ -63,7 +63,7 @@ def parser() -> argparse.ArgumentParser:
 
 def _main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    from medusa_trt.runtime.decoding import GenerationConfig, decode
+    from medusa_trt.runtime.decoding import GenerationConfig, decode, resolve_tree
     from medusa_trt.runtime.loading import load_backend, load_tokenizer, stop_tokens
 
     if args.quiet:
@@ -88,13 +88,15 @@ def _main(argv: list[str] | None = None) -> int:
             except BenchError as e:  # the engine still benchmarks; only the baseline is missing
                 hf_note = str(e)
                 print(f"{PROG}: warning: skipping the transformers baseline: {e}", file=sys.stderr)
+        refuse_inapplicable_sampling(args)
         backend = load_backend(args.engine, ort_options=ort_session_options(args))
+        tree, described = resolve_tree(backend.info, args.medusa_choices)
         tok = load_tokenizer(args.engine)
         _, prompts = load_prompts(args.prompts, tok, args.limit)
         stops = stop_tokens(args.engine, tok)
         sampling = sampling_options(args)
         GenerationConfig(**sampling)  # bad values: one line, exit 2, before any work
-        result = compare(backend, prompts, args.medusa_choices, args.max_new_tokens, stops, args.repeat,
+        result = compare(backend, prompts, tree, args.max_new_tokens, stops, args.repeat,
                          progress=not args.quiet, sampling=sampling)
         hf = {"skipped": hf_note} if hf_note else None
         if hf_dir is not None:
@@ -109,9 +111,9 @@ def _main(argv: list[str] | None = None) -> int:
     report = {
         "engine": str(args.engine), "backend": type(backend).__name__, "prompts": str(args.prompts),
         "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "repeat": args.repeat,
-        "medusa_choices": str(args.medusa_choices), "threads": args.threads or len(os.sched_getaffinity(0)),
+        "medusa_choices": described, "threads": args.threads or len(os.sched_getaffinity(0)),
         "fused_step": backend.fused_step_topk is not None and args.acceptance == "greedy",
-        "acceptance": args.acceptance, "temperature": args.temperature if args.acceptance != "greedy" else None,
+        "acceptance": args.acceptance, "temperature": sampling["temperature"] if args.acceptance != "greedy" else None,
         "plain": result["modes"]["plain"], "medusa": {**result["modes"]["medusa"], **result["medusa"]},
         "hf_generate": hf, "per_prompt": result["per_prompt"],
     }

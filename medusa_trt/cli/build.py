@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from medusa_trt.cli.common import add_quiet_arg, run_cli
+from medusa_trt.cli.common import add_quiet_arg, new_parser, run_cli
 from medusa_trt.engine_dir import DEVICES, DTYPES
 from medusa_trt.engines.build import BUILDERS, build_engine
 from medusa_trt.engines.onnx.attention import ATTENTION_FORMS
@@ -20,8 +20,8 @@ PROG = "medusa-build"
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description="Build an engine directory (engine.json, backend "
-                                "artifacts, tokenizer) from a merged checkpoint written by medusa-convert.")
+    p = new_parser(PROG, "Build an engine directory (engine.json, backend artifacts, tokenizer) from a merged "
+                   "checkpoint written by medusa-convert.")
     p.add_argument("--checkpoint", required=True, type=Path, help="merged checkpoint directory")
     p.add_argument("--out", required=True, type=Path, help="engine directory to write")
     p.add_argument("--backend", default="onnxruntime", choices=list(BUILDERS), help="default: onnxruntime")
@@ -69,6 +69,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--int4-lm-head-bits", type=int, default=4, choices=[4, 8],
                    help="--weights int4: the lm_head's bits (8: exact on a GGUF's Q8_0 embedding; default 4)")
     p.add_argument("--device", default="cpu", choices=list(DEVICES), help="device the engine runs on by default")
+    p.add_argument("--tree", help="the tree the engine records, which medusa-run, the Python API, medusa-triton "
+                   "and medusa-bench then decode with by default: the tree.json medusa-tune-tree writes, a preset, "
+                   "a list of paths or the brace form (default: none; they then use mc_sim_7b_63 cut to the engine)")
     p.add_argument("--triton-repo", type=Path, help="also write a Triton Inference Server model repository "
                    "for the engine here (same as medusa-triton --engine OUT --out DIR)")
     p.add_argument("--force", action="store_true", help="replace an existing --out (and --triton-repo)")
@@ -96,7 +99,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
         checkpoint=args.checkpoint, out=args.out, backend=args.backend, dtype=args.dtype,
         max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, max_draft_len=args.max_draft_len,
         opset=args.opset, device=args.device, attention=args.attention, force=args.force,
-        progress=not args.quiet, backend_options=backend_options(args),
+        progress=not args.quiet, backend_options=backend_options(args), tree=args.tree,
     )
     result = build_engine(opts)
     if args.triton_repo:
@@ -114,8 +117,10 @@ def _main(argv: Sequence[str] | None = None) -> int:
     if not args.quiet:
         e = result.engine
         size = sum(a["bytes"] for a in e["artifacts"].values())
+        tree = e["medusa"].get("tree")
+        recorded = f", tree {e['medusa']['tree_source']} ({len(tree)} nodes)" if tree else ""
         print(f"{PROG}: wrote {result.out} ({e['backend']}, {e['dtype']}, {e['device']}, "
-              f"{size / 2**20:.1f} MiB, {result.seconds:.1f} s)")
+              f"{size / 2**20:.1f} MiB, {result.seconds:.1f} s{recorded})")
     return 0
 
 

@@ -123,8 +123,13 @@ class RawHelpFormatter(HelpFormatter, argparse.RawDescriptionHelpFormatter):
 
 
 def new_parser(prog: str, description: str | None, *, raw: bool = False) -> argparse.ArgumentParser:
-    return argparse.ArgumentParser(prog=prog, description=description,
-                                   formatter_class=RawHelpFormatter if raw else HelpFormatter)
+    """Every command's parser: the shared help formatter and --version (one place for both)."""
+    from medusa_trt import __version__
+
+    p = argparse.ArgumentParser(prog=prog, description=description,
+                                formatter_class=RawHelpFormatter if raw else HelpFormatter)
+    p.add_argument("--version", action="version", version=f"%(prog)s (medusa-trt) {__version__}")
+    return p
 
 
 def _add(group, name: str, old: Sequence[str] = (), **kwargs) -> argparse.Action:
@@ -156,8 +161,12 @@ def add_source_args(p: argparse.ArgumentParser, *, checkpoint: str | None = None
 
 
 def add_tree_arg(p: argparse.ArgumentParser, *, default: str | None = None,
-                 help: str = "preset name, list of paths, file or brace form") -> None:
-    p.add_argument("--medusa-choices", default=default, help=help)
+                 help: str = "tree: preset name, list of paths, file or brace form (default: the tree the engine "
+                             "records, medusa-build --tree)") -> None:
+    """--medusa-choices; its help names the presets, which are otherwise listed only in an error."""
+    from medusa_trt.tree import preset_names
+
+    p.add_argument("--medusa-choices", default=default, help=f"{help}; presets: {', '.join(preset_names())}")
 
 
 def add_max_new_tokens_arg(p: argparse.ArgumentParser, *, default: int, help: str | None = None,
@@ -175,19 +184,44 @@ def add_sampling_args(p: argparse.ArgumentParser, *, typical: bool = True, seed:
     from medusa_trt.runtime.decoding import ACCEPTANCE
 
     p.add_argument("--acceptance", choices=list(ACCEPTANCE), default="greedy", help=acceptance_help)
-    p.add_argument("--temperature", type=float, default=0.7, help="typical and sample acceptance temperature")
-    p.add_argument("--top-k", type=int, default=None, help="sample: keep the k most likely tokens")
-    p.add_argument("--top-p", type=float, default=1.0, help="sample: nucleus mass in (0, 1]")
-    p.add_argument("--seed", type=int, default=seed, help=seed_help)
+    # Defaults are None here and filled in by sampling_options, so a flag that cannot apply to the
+    # chosen acceptance is told apart from one left alone (refuse_inapplicable_sampling).
+    p.add_argument("--temperature", type=float, default=None,
+                   help=f"typical and sample acceptance temperature (default {SAMPLING_DEFAULTS['temperature']})")
+    p.add_argument("--top-k", type=int, default=None, help="sample: keep the k most likely tokens (default: all)")
+    p.add_argument("--top-p", type=float, default=None, help="sample: nucleus mass in (0, 1] (default 1)")
+    p.add_argument("--seed", type=int, default=None, help=seed_help)
+    p.set_defaults(seed_default=seed)
     if typical:
         p.add_argument("--posterior-threshold", type=float, default=0.09, help="typical acceptance epsilon")
         p.add_argument("--posterior-alpha", type=float, default=0.3, help="typical acceptance delta")
 
 
+SAMPLING_DEFAULTS = {"temperature": 0.7, "top_p": 1.0}
+
+
 def sampling_options(args: argparse.Namespace) -> dict:
-    """The GenerationConfig fields add_sampling_args set."""
+    """The GenerationConfig fields add_sampling_args set (defaults for the flags not given)."""
     keys = ("acceptance", "temperature", "top_k", "top_p", "seed", "posterior_threshold", "posterior_alpha")
-    return {k: getattr(args, k) for k in keys if hasattr(args, k)}
+    options = {k: getattr(args, k) for k in keys if hasattr(args, k)}
+    for key, default in SAMPLING_DEFAULTS.items():
+        if options.get(key) is None:
+            options[key] = default
+    if options.get("seed") is None:
+        options["seed"] = getattr(args, "seed_default", None)
+    return options
+
+
+def refuse_inapplicable_sampling(args: argparse.Namespace) -> None:
+    """A sampling flag the chosen --acceptance ignores is bad input (it would decode otherwise than
+    asked without a word): --top-k, --top-p and --seed need sample, --temperature typical or sample."""
+    needs = {"top_k": ("sample",), "top_p": ("sample",), "seed": ("sample",), "temperature": ("typical", "sample")}
+    for key, modes in needs.items():
+        value = getattr(args, key, None)
+        if value is not None and args.acceptance not in modes:
+            flag = "--" + key.replace("_", "-")
+            raise MedusaTrtError(f"{flag} {value}: applies to --acceptance {' or '.join(modes)} only, and this decode "
+                                 f"is {args.acceptance}; add --acceptance {modes[-1]} or drop {flag}")
 
 
 def add_threads_arg(p: argparse.ArgumentParser, *, default: int | None = None,

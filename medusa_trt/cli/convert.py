@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from medusa_trt.checkpoint import DEFAULT_MAX_DRAFT_LEN
-from medusa_trt.cli.common import add_quiet_arg, run_cli
+from medusa_trt.cli.common import add_quiet_arg, new_parser, run_cli
 from medusa_trt.converter.merge import convert
 from medusa_trt.converter.quantize import KV_CACHE_DTYPES, QUANTIZE_CHOICES, QuantOptions
 
@@ -15,10 +15,10 @@ PROG = "medusa-convert"
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=PROG,
-        description="Merge a Hugging Face Llama/Mistral/Qwen2 model and Medusa heads (FasterDecoding v1/v2, "
-                    "Medusa-2 full model, ModelOpt export) into a TensorRT-LLM MedusaForCausalLM checkpoint.")
+    p = new_parser(
+        PROG,
+        "Merge a Hugging Face Llama/Mistral/Qwen2 model and Medusa heads (FasterDecoding v1/v2, "
+        "Medusa-2 full model, ModelOpt export) into a TensorRT-LLM MedusaForCausalLM checkpoint.")
     p.add_argument("--base", required=True, help="Hugging Face model directory (config.json + weights)")
     p.add_argument("--heads", help="Medusa heads: a file (medusa_lm_head.pt/.safetensors) or directory; "
                                    "optional when the base directory holds the heads")

@@ -19,14 +19,15 @@ from medusa_trt.tools import demo
 
 def parser() -> argparse.ArgumentParser:
     p = new_parser("python -m medusa_trt.cli.demo", demo.__doc__, raw=True)
-    p.add_argument("--workdir", type=Path, default=Path("build/demo"))
+    p.add_argument("--workdir", type=Path, default=Path("build/demo"),
+                   help="the model download, checkpoint, engine and Triton repository (default build/demo)")
     p.add_argument("--gguf", type=Path, help="a GGUF base instead of SmolLM2 (its heads via --heads)")
     p.add_argument("--heads", type=Path, default=demo.ASSETS / "heads")
     add_prompts_arg(p, default=demo.ASSETS / "prompts_heldout.jsonl",
                     help=".jsonl with 'text' and 'kind' (chat or code) (default: the held-out SmolLM2 prompts)")
     p.add_argument("--num-prompts", type=int, default=4, help="held-out prompts to answer, half chat half code")
     add_max_new_tokens_arg(p, default=128)
-    add_tree_arg(p, help="tree (default: the tuned tree beside the heads)")
+    add_tree_arg(p, help="tree (default: the one the engine records, the tuned tree beside the heads)")
     add_threads_arg(p, help="ONNX Runtime intra-op threads")
     add_spin_arg(p)
     return p

@@ -18,11 +18,13 @@ from medusa_trt.cli.common import (
     new_parser,
     ort_session_options,
     read_prompts,
+    refuse_inapplicable_sampling,
     run_cli,
     sampling_options,
 )
 from medusa_trt.errors import MedusaTrtError, check_number, check_utf8
-from medusa_trt.runtime.decoding import GenerationConfig, SequenceStats, generate
+from medusa_trt.runtime.chat import encode_chat, has_chat_template, is_rendered, messages_for
+from medusa_trt.runtime.decoding import GenerationConfig, SequenceStats, generate, resolve_tree, step_tree
 from medusa_trt.runtime.loading import load_backend, load_tokenizer, stop_tokens
 
 
@@ -32,6 +34,11 @@ def parser() -> argparse.ArgumentParser:
     inp = p.add_mutually_exclusive_group(required=True)
     inp.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
     add_prompts_arg(inp, help="prompt file: .txt (one prompt a line) or .jsonl with 'text'", old=["--batch-file"])
+    chat = p.add_mutually_exclusive_group()
+    chat.add_argument("--chat", action="store_true", help="send each prompt as a user turn through the tokenizer's "
+                      "chat template (the default where the tokenizer has one and the prompt is plain text)")
+    chat.add_argument("--raw", action="store_true", help="send each prompt as it is, never as a chat turn")
+    p.add_argument("--system", help="chat: a system turn before each prompt")
     add_tree_arg(p)
     p.add_argument("--no-medusa", action="store_true", help="plain decoding on the same backend")
     add_sampling_args(p)
@@ -48,6 +55,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser().parse_args(argv)
 
 
+def encode_prompts(tok, texts: list[str], args: argparse.Namespace) -> list[list[int]]:
+    """Each prompt as chat (a user turn through the chat template) or as raw text: --chat, --raw, or
+    by default chat where the tokenizer has a template and the prompt is plain text, said once."""
+    template = has_chat_template(tok)
+    if args.chat and not template:
+        raise MedusaTrtError("--chat: this engine's tokenizer has no chat template; drop --chat to send the "
+                             "prompt as raw text")
+    if args.system is not None and (args.raw or not template):
+        why = "--raw sends the prompt as it is" if args.raw else "this engine's tokenizer has no chat template"
+        raise MedusaTrtError(f"--system: applies to chat prompts only, and {why}; drop --system")
+    chat = [not args.raw and template and (args.chat or not is_rendered(tok, t)) for t in texts]
+    if any(chat) and not args.chat:
+        print("medusa-run: the engine's tokenizer has a chat template: each prompt is sent as a user turn "
+              "(--raw sends it as it is)", file=sys.stderr)
+    return [encode_chat(tok, messages_for(t, args.system)) if c else tok.encode(t) for t, c in zip(texts, chat, strict=True)]
+
+
 def _main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -55,21 +79,28 @@ def _main(argv: list[str] | None = None) -> int:
             texts = read_prompts(args.prompts)
         else:
             texts = [check_utf8(t, "--prompt") for t in args.prompt]
+        if args.no_medusa and args.medusa_choices is not None:
+            raise MedusaTrtError(f"--medusa-choices {args.medusa_choices}: --no-medusa decodes without a tree; "
+                                 "drop one of them")
         check_number(args.temperature, "--temperature", nonnegative=True)
         check_number(args.posterior_threshold, "--posterior-threshold", nonnegative=True)
         check_number(args.posterior_alpha, "--posterior-alpha", nonnegative=True)
         check_number(args.max_new_tokens, "--max-new-tokens", positive=True)
         check_number(args.threads, "--threads", positive=True)
+        refuse_inapplicable_sampling(args)  # after the values' own checks: a bad value is named as such
         directory = args.engine or args.checkpoint
         backend = load_backend(directory, dtype=args.dtype, device=args.device,
                                ort_options=ort_session_options(args))
         tok = load_tokenizer(directory)
-        extra = {"medusa_choices": args.medusa_choices} if args.medusa_choices is not None else {}
+        tree, described = resolve_tree(backend.info, args.medusa_choices)
         cfg = GenerationConfig(
-            max_new_tokens=args.max_new_tokens, use_medusa=not args.no_medusa,
-            stop_token_ids=stop_tokens(directory, tok), **sampling_options(args), **extra,
+            max_new_tokens=args.max_new_tokens, use_medusa=not args.no_medusa, medusa_choices=tree,
+            stop_token_ids=stop_tokens(directory, tok), **sampling_options(args),
         )
-        prompts = [tok.encode(t) for t in texts]
+        prompts = encode_prompts(tok, texts, args)
+        if not args.no_medusa:  # after every check (the tree's too): bad input stays one line
+            step_tree(backend.info, tree)
+            print(f"medusa-run: tree {described}", file=sys.stderr)
         stats = [SequenceStats() for _ in prompts]
         tokens: list[list[int]] = [[] for _ in prompts]
         stream = len(prompts) == 1 and not args.json
@@ -91,8 +122,8 @@ def _main(argv: list[str] | None = None) -> int:
         if args.json:
             print(json.dumps({"prompt": text, "text": out, "output_ids": tokens[i], **stats[i].as_dict()}))
             continue
-        if not stream:
-            print(f"[{i}] {text}{out}")
+        if not stream:  # the continuation alone, as a streamed single prompt shows it
+            print(f"[{i}] {out}")
         s = stats[i]
         print(
             f"\n-- {s.new_tokens} tokens in {s.steps} steps ({s.tokens_per_step:.2f} tokens/step), "

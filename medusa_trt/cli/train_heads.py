@@ -21,6 +21,10 @@ turn of each conversation becomes a prompt (chat template applied when the token
 the project's held-out rule leaves out every conversation whose sha1(id) is 0 mod 10. With
 --cache DIR the self-distilled text and hidden states are kept in chunks, and a rerun resumes there.
 
+The loss printed (and written to training_summary.json as final_loss) is a sum over the heads: each
+head's cross-entropy weighted 0.8^k for head k (Medusa-1's weighting), so it grows with --num-heads
+and is not one head's loss; the held-out top-1 accuracy per head is the figure to compare.
+
     medusa-train-heads --base DIR --data FILE --out DIR [--arch medusa|amphista] [--num-heads 4]
                        [--num-layers 1] [--self-distill] [--shared-lm-head] [--cache DIR]
 """
@@ -58,7 +62,8 @@ def parser() -> argparse.ArgumentParser:
                    help="--arch amphista: the adaptation layers' MLP width (default: the base's)")
     p.add_argument("--draft-vocab", type=int, default=4096,
                    help="--arch amphista: draft vocabulary size (the targets' most frequent tokens; default 4096)")
-    p.add_argument("--num-heads", type=int, default=4)
+    p.add_argument("--num-heads", type=int, default=4, help="heads to train; head k predicts the token k+2 "
+                   "positions ahead (default 4)")
     p.add_argument("--num-layers", type=int, default=1, help="ResBlocks per head (default 1)")
     p.add_argument("--self-distill", action="store_true", help="targets = the base's greedy continuations")
     p.add_argument("--shared-lm-head", action="store_true",
@@ -69,15 +74,16 @@ def parser() -> argparse.ArgumentParser:
                            old=["--new-tokens"])
     p.add_argument("--num-prompts", type=int, default=1024, help="self-distill: snippets to continue (default 1024)")
     p.add_argument("--seq-len", type=int, default=256, help="plain: window length (default 256)")
-    p.add_argument("--steps", type=int, default=600)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--steps", type=int, default=600, help="optimizer steps (default 600)")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW peak learning rate, cosine schedule (default 3e-3)")
     p.add_argument("--batch-tokens", type=int, default=4096, help="positions per step (default 4096)")
     p.add_argument("--heldout", type=float, default=0.05, help="fraction of sequences kept for accuracy (default 0.05)")
     p.add_argument("--dtype", choices=DTYPES, help="dtype of the saved heads (default: the base's)")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast matmuls while training (faster on CPUs with "
                    "AVX512-BF16/AMX; master weights stay float32)")
     add_threads_arg(p, help="torch threads (default: torch's)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the data split, sampling and initialization "
+                   "(default 0)")
     p.add_argument("--force", action="store_true", help="replace existing heads in --out")
     add_quiet_arg(p)
     return p
@@ -245,7 +251,8 @@ def _main(argv: list[str] | None = None) -> int:
         summary["heldout_top5"] = [round(float(a), 4) for a in accuracy.sum(1)]
     (args.out / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(f"{PROG}: wrote {path} ({args.num_heads} heads x {args.num_layers} layer(s), {summary['dtype']}, "
-          f"{summary['targets']} targets, {summary['positions']} positions, final loss {summary['final_loss']:.3f}, "
+          f"{summary['targets']} targets, {summary['positions']} positions, final loss {summary['final_loss']:.3f} "
+          f"(summed over the heads, head k weighted 0.8^k), "
           f"{summary['seconds']:.0f} s)")
     if accuracy is not None:
         print(f"{PROG}: held-out top-1 accuracy per head: " + ", ".join(f"{a:.3f}" for a in summary["heldout_top1"])

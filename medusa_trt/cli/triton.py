@@ -16,8 +16,8 @@ from medusa_trt.cli.common import (
     new_parser,
     run_cli,
 )
-from medusa_trt.serving.triton_repo import write_triton_repo
-from medusa_trt.tree import DEFAULT_TREE
+from medusa_trt.runtime.decoding import ACCEPTANCE
+from medusa_trt.serving.triton_repo import default_tree, read_engine_info, write_triton_repo
 
 PROG = "medusa-triton"
 
@@ -29,15 +29,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, type=Path, help="model repository dir to write")
     p.add_argument("--model-name", default="medusa", help="Python-backend model name (default: medusa)")
     p.add_argument("--max-batch-size", type=int, help="largest dynamic batch (default: the engine's limit, or 8)")
-    add_tree_arg(p, help=f"default tree: preset name, list, JSON/YAML file or brace form (default: {DEFAULT_TREE})")
+    add_tree_arg(p, help="default tree: preset name, list, JSON/YAML file or brace form (default: the tree the "
+                 "engine records, medusa-build --tree)")
     p.add_argument("--decoupled", action="store_true", help="decoupled model: needed for streaming responses")
-    p.add_argument("--acceptance", choices=["greedy", "typical"], default="greedy", help="default acceptance")
+    p.add_argument("--acceptance", choices=list(ACCEPTANCE), default="greedy",
+                   help="default acceptance (default greedy; sample: lossless sampling, requests may send a seed)")
     p.add_argument("--max-input-len", type=int, help="longest prompt in tokens (default: all the engine allows)")
     p.add_argument("--max-output-len", type=int, help="largest max_tokens (default: all the engine allows)")
     p.add_argument("--max-queue-delay-us", type=int, default=1000, help="dynamic batcher delay (default 1000)")
     add_device_arg(p, help="device for the engine: cpu or cuda (default: the engine's own)")
-    add_threads_arg(p, default=0, help="torch intra-op threads per model instance (0: torch's default)",
-                    old=["--intra-op-threads"])
+    add_threads_arg(p, default=0, help="ONNX Runtime intra-op threads per model instance (the PyTorch reference's "
+                    "torch threads for a merged checkpoint; default 0: one per core)", old=["--intra-op-threads"])
     p.add_argument("--tokenizer-dir", type=Path, help="tokenizer for a TensorRT-LLM engine (default: --engine)")
     p.add_argument("--force", action="store_true", help="replace an existing --out")
     return p
@@ -53,6 +55,10 @@ def _main(argv: Sequence[str] | None = None) -> int:
         intra_op_threads=args.threads, tokenizer_dir=args.tokenizer_dir, force=args.force,
     )
     models = sorted(p.parent.name for p in out.glob("*/config.pbtxt"))
+    info = read_engine_info(args.engine)
+    if info.kind != "tensorrt-llm":
+        tree, source = default_tree(args.medusa_choices, info)
+        print(f"{PROG}: default tree {source} ({len(tree)} nodes; a request's medusa_choices replaces it)")
     print(f"{PROG}: wrote {out} (models: {', '.join(models)}); serve it with: medusa-serve --repo {out}")
     return 0
 

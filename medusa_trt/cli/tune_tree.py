@@ -39,8 +39,10 @@ def parser() -> argparse.ArgumentParser:
                    "engine's max_draft_len)")
     add_max_new_tokens_arg(p, default=128, help="greedy tokens per calibration prompt (default 128)")
     p.add_argument("--limit", type=int, default=32, help="calibration prompts used (default 32)")
-    p.add_argument("--topk", type=int, default=CANDIDATE_TOPK, help="ranks measured per head")
-    p.add_argument("--reps", type=int, default=5, help=f"step-time repetitions per tree size (blocks of {tt.BLOCK} steps)")
+    p.add_argument("--topk", type=int, default=CANDIDATE_TOPK,
+                   help=f"ranks measured per head (default {CANDIDATE_TOPK})")
+    p.add_argument("--reps", type=int, default=5,
+                   help=f"step-time repetitions per tree size, blocks of {tt.BLOCK} steps (default 5)")
     add_prompts_arg(p, name="--eval-prompts", old=["--eval-data"],
                     help="prompts for the measured comparison (default: --prompts)")
     p.add_argument("--eval-limit", type=int, default=8, help="prompts for the measured comparison (default 8)")

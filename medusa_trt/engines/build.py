@@ -104,12 +104,14 @@ def build_engine(opts: BuildOptions) -> BuildResult:
     """Validates the checkpoint, builds the engine in a temp dir and renames it to opts.out."""
     start = time.perf_counter()
     opts.checkpoint, opts.out = Path(opts.checkpoint), Path(opts.out)
+    _refuse_hf_model_dir(opts.checkpoint)
     try:
         validate_checkpoint(opts.checkpoint)
         config = read_config(opts.checkpoint)
     except CheckpointError as e:
         raise BuildError(str(e)) from None
     check_options(opts, config)
+    tree = recorded_tree(opts, config)
     check_output_dir(opts.out, opts.force, BuildError)
     if opts.out.resolve() == opts.checkpoint.resolve() or opts.checkpoint.resolve().is_relative_to(opts.out.resolve()):
         raise BuildError(f"{opts.out}: --out must not be or contain the checkpoint {opts.checkpoint}")
@@ -118,9 +120,44 @@ def build_engine(opts: BuildOptions) -> BuildResult:
         backend_part = BUILDERS[opts.backend](opts, config, tmp)
         _copy_tokenizer(opts.checkpoint, tmp)
         engine = engine_json(opts, config, backend_part, tmp, time.perf_counter() - start)
+        if tree is not None:
+            engine["medusa"].update(tree=tree[0], tree_source=tree[1])
         validate_engine(engine, opts.out / ENGINE_JSON)  # the writer obeys the schema its readers check
         (tmp / ENGINE_JSON).write_text(json.dumps(engine, indent=2) + "\n")
     return BuildResult(opts.out, engine, time.perf_counter() - start)
+
+
+def _refuse_hf_model_dir(checkpoint: Path) -> None:
+    """A Hugging Face model dir passed as --checkpoint: say what to run, rather than list the merged
+    checkpoint's keys it lacks (an HF config.json has `architectures`, a merged one `architecture`)."""
+    path = checkpoint / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return  # validate_checkpoint names what is wrong with it
+    if isinstance(config, dict) and "architecture" not in config and "architectures" in config:
+        raise BuildError(f"{checkpoint}: a Hugging Face model directory, not a merged checkpoint; run medusa-convert "
+                         f"first (medusa-convert --base {checkpoint} --heads HEADS --out merged/), then medusa-build "
+                         "--checkpoint merged/")
+
+
+def recorded_tree(opts: BuildOptions, config: dict) -> tuple[list[list[int]], str] | None:
+    """opts.tree as the engine records it: its nodes (prefixes added, checked against the heads and
+    max_draft_len before any work) and its source (a file's name, a preset's name or "given")."""
+    if opts.tree is None:
+        return None
+    from medusa_trt.tree import TreeError, parse_medusa_choices, validate_and_expand
+
+    heads = int(config.get("num_medusa_heads") or 0)
+    if heads == 0:
+        raise BuildError(f"--tree: {opts.checkpoint} has no Medusa heads to draft a tree with")
+    try:
+        nodes = validate_and_expand(parse_medusa_choices(opts.tree), heads, limits_for(opts, config).max_draft_len)
+    except TreeError as e:
+        raise BuildError(f"--tree: {e}") from None
+    spec = str(opts.tree) if isinstance(opts.tree, (str, Path)) else "given"
+    source = Path(spec).name if Path(spec).suffix in (".json", ".yaml", ".yml") else spec
+    return nodes, source if len(source) <= 80 else "given"
 
 
 def engine_json(opts: BuildOptions, config: dict, backend_part: dict, workdir: Path, seconds: float) -> dict:

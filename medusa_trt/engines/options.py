@@ -46,6 +46,10 @@ class BuildOptions:
     progress: bool = True
     # The backend's own options (BackendOptions of opts.backend); None: that backend's defaults.
     backend_options: BackendOptions | None = None
+    # The tree the engine records (engine.json medusa.tree): what medusa-run, the Python API, Triton
+    # and medusa-bench decode with by default. Anything tree.parse_medusa_choices takes, e.g. the
+    # tree.json medusa-tune-tree writes; None: the engine records none.
+    tree: object = None
 
 
 Options = TypeVar("Options", bound=BackendOptions)

@@ -29,6 +29,13 @@ class ModelInfo:
     # The drafter keeps a cache over every committed row (drafters.base.Drafter.has_cache): the
     # prefill hands `draft` all of each prompt's rows, not only the last.
     drafter_cache: bool = False
+    # The tree the engine records (engine.json medusa.tree, from medusa-build --tree) and where it came
+    # from: what a decode uses when its config names none (decoding.resolve_tree). None: none recorded.
+    tree: tuple[tuple[int, ...], ...] | None = None
+    tree_source: str | None = None
+    # Where a decode stops unless its config says otherwise: EOS of the model config, generation config
+    # and tokenizer, and the chat template's end-of-turn tokens (loading.stop_tokens, set by load_backend).
+    stop_token_ids: tuple[int, ...] = ()
 
 
 class Backend:

@@ -25,20 +25,23 @@ from medusa_trt.acceptance import (
     tree_candidates,
     typical_accept,
 )
-from medusa_trt.runtime.backend import Backend
-from medusa_trt.tree import DEFAULT_TREE, StepTree, build_tree
+from medusa_trt.runtime.backend import Backend, ModelInfo
+from medusa_trt.tree import DEFAULT_TREE, StepTree, build_tree, tree_for_engine
 
 
 @dataclass
 class GenerationConfig:
     max_new_tokens: int = 64
-    medusa_choices: object = DEFAULT_TREE  # anything tree.parse_medusa_choices accepts
+    # Anything tree.parse_medusa_choices accepts; None: the engine's own tree (resolve_tree).
+    medusa_choices: object = None
     use_medusa: bool = True
     acceptance: str = "greedy"  # "greedy" | "typical" | "sample" (lossless sampling, docs/sampling.md)
     temperature: float = 0.7  # typical and sample; typical with 0 means greedy, sample needs > 0
     posterior_threshold: float = 0.09  # epsilon
     posterior_alpha: float = 0.3  # delta
-    stop_token_ids: tuple[int, ...] = ()  # EOS and any other token that ends a sequence
+    # Tokens that end a sequence (emitted, then the sequence stops). None: the engine's own (EOS and
+    # the chat template's end-of-turn tokens, ModelInfo.stop_token_ids); () never stops early.
+    stop_token_ids: tuple[int, ...] | None = None
     top_k: int | None = None  # sample: keep the k most likely tokens (None: all)
     top_p: float = 1.0  # sample: nucleus mass in (0, 1]
     seed: int | None = None  # sample: sequence i draws from a torch.Generator seeded seed + i (None: random)
@@ -107,6 +110,27 @@ class StepOutput:
 class GenerationResult:
     tokens: list[list[int]]  # new tokens per sequence (stop token included when hit)
     stats: list[SequenceStats]
+
+
+def resolve_tree(info: ModelInfo, medusa_choices: object = None) -> tuple[object, str]:
+    """The tree a decode runs and a one-line description of it, for the commands to print: the one
+    given; else the one the engine records (medusa-build --tree); else DEFAULT_TREE cut to the engine."""
+    if medusa_choices is not None:
+        given = medusa_choices if isinstance(medusa_choices, str) else f"{len(medusa_choices)} paths given"
+        return medusa_choices, str(given)
+    if info.tree:
+        return [list(p) for p in info.tree], f"{info.tree_source or 'the tree'} ({len(info.tree)} nodes, recorded " \
+                                             "in the engine by medusa-build --tree)"
+    nodes = [list(p) for p in tree_for_engine(info.num_medusa_heads, info.max_draft_len).nodes]
+    return nodes, (f"{DEFAULT_TREE} cut to the engine ({len(nodes)} nodes; the engine records no tree: tune one with "
+                   "medusa-tune-tree and rebuild with medusa-build --tree)")
+
+
+def step_tree(info: ModelInfo, medusa_choices: object = None) -> StepTree:
+    """The tree a decode of `medusa_choices` (resolve_tree) runs on this engine, checked against it
+    (heads, max_draft_len, vocabulary); a bad tree raises here, before any decoding."""
+    spec = resolve_tree(info, medusa_choices)[0]
+    return StepTree.of(build_tree(spec, info.num_medusa_heads, info.max_draft_len, info.chains_only), info.vocab_size)
 
 
 def _greedy(cfg: GenerationConfig) -> bool:
@@ -217,8 +241,7 @@ def _generate(backend: Backend, prompts: list[list[int]], cfg: GenerationConfig,
         raise ValueError("every prompt needs at least one token")
     if cfg.use_medusa and info.num_medusa_heads == 0:
         raise ValueError("this model has no Medusa heads; decode with use_medusa=False")
-    tree = StepTree.of(build_tree(cfg.medusa_choices, info.num_medusa_heads, info.max_draft_len, info.chains_only),
-                       info.vocab_size) if cfg.use_medusa else None
+    tree = step_tree(info, cfg.medusa_choices) if cfg.use_medusa else None
     plan = step_plan(backend, cfg, tree)
     depth = tree.max_depth if tree else 0
     longest = max(len(p) for p in prompts)
@@ -241,13 +264,12 @@ def _generate(backend: Backend, prompts: list[list[int]], cfg: GenerationConfig,
 
     active = torch.arange(n)  # prompt index of each row still in the backend
     produced = [0] * n
-    stop = set(cfg.stop_token_ids)
+    stop = set(cfg.stop_token_ids if cfg.stop_token_ids is not None else info.stop_token_ids)
     while len(active):
         t_step = time.perf_counter()
         step = tree.within_block(backend.lengths, info.key_block) if tree is not None else None
         emitted, accepted, carry = plan.step(step, carry, sampler)
-        if tree is not None:
-            _count_accepted(stats, active, step, accepted)
+        kept = accepted.tolist() if tree is not None else None
         elapsed = time.perf_counter() - t_step
         out = [[] for _ in range(n)]
         finished = [False] * n
@@ -259,6 +281,8 @@ def _generate(backend: Backend, prompts: list[list[int]], cfg: GenerationConfig,
                 toks = toks[: hit + 1]
             produced[idx] += len(toks)
             out[idx] = toks
+            if tree is not None:  # the drafts it kept: none past a stop token or max_new_tokens
+                _count_accepted(stats[idx], step, min(kept[row], len(toks) - 1))
             st = stats[idx]
             st.steps += 1
             st.new_tokens += len(toks)
@@ -472,10 +496,8 @@ def _commit_path(backend, tree: StepTree, tokens, best, accepted):
     return emitted, slots, torch.tensor([row[a] for row, a in zip(rows, kept, strict=True)])
 
 
-def _count_accepted(stats: list[SequenceStats], active: torch.Tensor, tree: StepTree, accepted: torch.Tensor) -> None:
-    for idx, a in zip(active.tolist(), accepted.tolist(), strict=True):
-        st = stats[idx]
-        st.accepted_draft_tokens += a
-        st.draft_tokens += tree.num_slots - 1
-        for d in range(a):
-            st.accepted_per_depth[d] += 1
+def _count_accepted(st: SequenceStats, tree: StepTree, accepted: int) -> None:
+    st.accepted_draft_tokens += accepted
+    st.draft_tokens += tree.num_slots - 1
+    for d in range(accepted):
+        st.accepted_per_depth[d] += 1

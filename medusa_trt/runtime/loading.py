@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from medusa_trt.engine_dir import ENGINE_JSON, EngineError, read_engine
@@ -24,7 +25,20 @@ def load_backend(directory: str | Path, dtype: str | None = None, device: str | 
     (on `device`: cpu by default, or cuda). `ort_options`: an ONNX Runtime engine's intra-op threads
     (default: one per core this process may use) and spinning (for cores the engine has to itself;
     see runtime/ort/session.py: session_options), for every one of its sessions."""
+    backend = _open_backend(Path(directory), dtype, device, ort_options)
+    # What a decode defaults to (decoding.GenerationConfig): the engine's tree and stop tokens.
     directory = Path(directory)
+    tree, source = None, None
+    if (directory / ENGINE_JSON).exists():
+        medusa = read_engine(directory)["medusa"]
+        tree = tuple(tuple(p) for p in medusa["tree"]) if medusa.get("tree") else None
+        source = medusa.get("tree_source")
+    backend.info = replace(backend.info, tree=tree, tree_source=source, stop_token_ids=stop_tokens(directory))
+    return backend
+
+
+def _open_backend(directory: Path, dtype: str | None, device: str | None,
+                  ort_options: OrtSessionOptions | None) -> Backend:
     threads = ort_options.threads if ort_options else None
     if threads is not None and threads < 1:
         raise EngineError(f"threads {threads}: expected a positive number (or none: one per core)")
@@ -97,17 +111,58 @@ def load_tokenizer(directory: str | Path):
         raise EngineError(f"{directory}: cannot load the tokenizer ({' '.join(str(e).split())})") from e
 
 
-def stop_tokens(directory: str | Path, tokenizer) -> tuple[int, ...]:
-    """EOS ids from the model config (int or list) and the tokenizer."""
-    ids: set[int] = set()
+# Tokens chat templates end a turn with (ChatML, Llama 3, Phi-3, Gemma): a decode stops at the one its
+# model's template uses, or it runs on into turns of its own invention.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>")
+
+
+def _ids(value) -> list[int]:
+    """A config's eos_token_id: an id, a list of ids or null."""
+    values = value if isinstance(value, list) else [value]
+    return [v for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
+
+
+def _json_or_empty(path: Path) -> dict:
+    """A tokenizer or generation config file, {} where absent or unreadable (then it names no stops)."""
+    import json
+
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def chat_template_text(directory: str | Path) -> str:
+    """The chat template a model dir ships (tokenizer_config.json or chat_template.jinja), "" if none."""
     directory = Path(directory)
+    template = _json_or_empty(directory / "tokenizer_config.json").get("chat_template") or ""
+    if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
+        template = " ".join(str(t.get("template", "")) for t in template if isinstance(t, dict))
+    if not template and (directory / "chat_template.jinja").is_file():
+        template = (directory / "chat_template.jinja").read_text(encoding="utf-8", errors="replace")
+    return str(template)
+
+
+def stop_tokens(directory: str | Path, tokenizer=None) -> tuple[int, ...]:
+    """Where a decode of this model stops: the EOS ids of its config (int or list), of its
+    generation_config.json and of its tokenizer, and the end-of-turn token its chat template uses.
+    Read from the files alone (no tokenizer needed); `tokenizer` adds its eos_token_id."""
+    directory = Path(directory)
+    ids: set[int] = set()
     if (directory / ENGINE_JSON).exists():
-        eos = read_engine(directory).get("eos_token_id")
+        ids.update(_ids(read_engine(directory).get("eos_token_id")))
     elif (directory / "config.json").is_file():
-        eos = _merged_config(directory).get("eos_token_id")
-    else:
-        eos = None
-    ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    if tokenizer.eos_token_id is not None:
+        ids.update(_ids(_merged_config(directory).get("eos_token_id")))
+    ids.update(_ids(_json_or_empty(directory / "generation_config.json").get("eos_token_id")))
+    # Token strings -> ids through tokenizer.json's added tokens (the special tokens live there).
+    added = {t.get("content"): t.get("id") for t in _json_or_empty(directory / "tokenizer.json").get("added_tokens") or []
+             if isinstance(t, dict)}
+    eos = _json_or_empty(directory / "tokenizer_config.json").get("eos_token")
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    template = chat_template_text(directory)
+    for name in (eos, *(t for t in END_OF_TURN_TOKENS if t in template)):
+        ids.update(_ids(added.get(name)))
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return tuple(sorted(ids))

@@ -11,7 +11,13 @@ error response of its own; the rest of the batch is unaffected.
 
 Decoupled models stream: with `stream` true, a request gets one response per decoding step with
 the text and ids that step added (and the statistics so far), the last one flagged final; without
-it, one final response with everything. Non-decoupled models always answer once.
+it, one final response with everything. Non-decoupled models always answer once. `output_ids` is
+right-padded with -1 (to the longest row, and to at least MIN_OUTPUT_IDS values): one shape, a
+list, in every response, whichever endpoint renders it.
+
+The prompt is `text_input` (raw text) or `messages` (JSON chat turns, rendered with the model's
+chat template: runtime/chat.py); decoding stops at the engine's stop tokens (EOS and the chat
+template's end of turn) unless the request sends `end_id`.
 
 Everything but `TritonPythonModel` is plain Python over numpy arrays, so tests drive it directly;
 `triton_python_backend_utils` exists only inside Triton's stub and is imported there.
@@ -30,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from medusa_trt.errors import MedusaTrtError
+from medusa_trt.runtime.chat import ChatError, encode_chat, parse_messages
 from medusa_trt.runtime.decoding import ACCEPTANCE, GenerationConfig, SequenceStats, generate
 from medusa_trt.runtime.loading import load_backend, load_tokenizer, stop_tokens
 from medusa_trt.serving.triton_repo import MODEL_INPUTS
@@ -101,11 +108,15 @@ class Service:
 
 
 def load_service(settings: ModelSettings, decoupled: bool = False) -> Service:
-    if settings.intra_op_threads:
+    from medusa_trt.runtime.ort.session import OrtSessionOptions
+
+    if settings.intra_op_threads:  # the PyTorch reference's threads (a merged checkpoint)
         import torch
 
         torch.set_num_threads(settings.intra_op_threads)
-    backend = load_backend(settings.engine_dir, dtype=settings.dtype, device=settings.device)
+    # An ONNX Runtime engine's own threads: torch's setting does not reach its sessions.
+    options = OrtSessionOptions(threads=settings.intra_op_threads or None)
+    backend = load_backend(settings.engine_dir, dtype=settings.dtype, device=settings.device, ort_options=options)
     backend.open_sessions()  # a no-op for backends that open nothing on first use (runtime/backend.py)
     tokenizer = load_tokenizer(settings.engine_dir)
     return Service(backend, tokenizer, settings, stop_tokens(settings.engine_dir, tokenizer), decoupled)
@@ -151,11 +162,15 @@ def parse_request(service: Service, inputs: Mapping[str, np.ndarray], index: int
         if not isinstance(array, np.ndarray) or array.dtype.type not in _NUMPY_KINDS[spec.dtype]:
             got = array.dtype if isinstance(array, np.ndarray) else type(array).__name__
             raise RequestError(f"{name}: data type {got}; expected {spec.dtype[5:]}")
-    if "text_input" not in inputs:
-        raise RequestError("text_input: missing; expected a STRING tensor with the prompt")
+    given = [name for name in ("text_input", "messages") if name in inputs]
+    if len(given) != 1:
+        raise RequestError("text_input and messages: " + ("both given" if given else "missing") + "; expected one: "
+                           "text_input (the prompt as raw text) or messages (JSON chat turns, [{\"role\": \"user\", "
+                           "\"content\": ...}], rendered with the model's chat template)")
+    source = given[0]
     if "max_tokens" not in inputs:
         raise RequestError("max_tokens: missing; expected an INT32 tensor with the number of tokens to generate")
-    rows = inputs["text_input"].shape[0] if inputs["text_input"].ndim else 1
+    rows = inputs[source].shape[0] if inputs[source].ndim else 1
     values = {name: _rows(name, array, rows) for name, array in inputs.items()}
     stream = any(bool(v[0]) for v in values.get("stream", []))
     if stream and not service.decoupled:
@@ -167,12 +182,18 @@ def parse_request(service: Service, inputs: Mapping[str, np.ndarray], index: int
             return values[name][_r][0] if name in values else default
 
         where = f" (row {r})" if rows > 1 else ""
-        text = _text("text_input", one("text_input"), where)
-        prompt = list(service.tokenizer.encode(text))
+        text = _text(source, one(source), where)
+        if source == "messages":
+            try:
+                prompt = encode_chat(service.tokenizer, parse_messages(text, f"messages{where}"))
+            except ChatError as err:
+                raise RequestError(str(err) if str(err).startswith("messages") else f"messages{where}: {err}") from None
+        else:
+            prompt = list(service.tokenizer.encode(text))
         if not prompt:
-            raise RequestError(f"text_input{where}: the prompt encodes to no tokens")
+            raise RequestError(f"{source}{where}: the prompt encodes to no tokens")
         if len(prompt) > s.max_input_len:
-            raise RequestError(f"text_input{where}: prompt is {len(prompt)} tokens; model {s.model_name!r} accepts "
+            raise RequestError(f"{source}{where}: prompt is {len(prompt)} tokens; model {s.model_name!r} accepts "
                                f"at most {s.max_input_len} (max_input_len in config.pbtxt)")
         max_tokens = int(one("max_tokens"))
         if not 1 <= max_tokens <= s.max_output_len:
@@ -265,8 +286,7 @@ def decode_group(service: Service, jobs: list[Job], on_step: Callable[[list[Job]
                 stopped = _cut_at_stop_word(service.tokenizer, job, start)
                 if finished or stopped or len(job.tokens) >= job.max_tokens:
                     job.done = True
-                    job.final = replace(job.live, new_tokens=len(job.tokens),
-                                        accepted_per_depth=list(job.live.accepted_per_depth))
+                    job.final = _own_stats(job.live, len(job.tokens), len(new), len(job.tokens) - start)
                 if len(job.tokens) > start or job.done:
                     changed.append(job)
             if changed:
@@ -275,6 +295,20 @@ def decode_group(service: Service, jobs: list[Job], on_step: Callable[[list[Job]
                 break
     finally:
         steps.close()  # releases the generator when rows stopped before the batch's max_tokens
+
+
+def _own_stats(live: SequenceStats, tokens: int, emitted: int, kept: int) -> SequenceStats:
+    """A row's statistics as a decode with its own max_tokens (or stop word) counts them: its token
+    count, and none of the drafts of its last step past the tokens it kept (that step emitted
+    `emitted` tokens, the row kept `kept`: accepted drafts are the emitted tokens after the first)."""
+    if not live.draft_tokens:  # plain decoding: no drafts to uncount
+        return replace(live, new_tokens=tokens, accepted_per_depth=list(live.accepted_per_depth))
+    dropped = max(0, emitted - max(kept, 1))
+    depths = list(live.accepted_per_depth)
+    for d in range(max(kept, 1) - 1, emitted - 1):
+        depths[d] -= 1
+    return replace(live, new_tokens=tokens, accepted_draft_tokens=live.accepted_draft_tokens - dropped,
+                   accepted_per_depth=depths)
 
 
 def serve_batch(service: Service, batch: list[Mapping[str, np.ndarray]],
@@ -348,9 +382,15 @@ def stream_outputs(service: Service, jobs: list[Job], final: bool) -> dict[str, 
     return _outputs(jobs, texts, ids)
 
 
+# output_ids holds at least this many values, -1 padded: Triton's generate endpoint writes a tensor of
+# one element as a JSON scalar and a longer one as a list, so a stream whose steps add one token or
+# several would switch between the two; two or more is a list in every response.
+MIN_OUTPUT_IDS = 2
+
+
 def _outputs(jobs: list[Job], texts: list[str], ids: list[list[int]]) -> dict[str, np.ndarray]:
-    width = max((len(x) for x in ids), default=0)
-    out_ids = np.full((len(jobs), width), -1, dtype=np.int32)  # -1 pads rows of a multi-row request
+    width = max([MIN_OUTPUT_IDS, *(len(x) for x in ids)])
+    out_ids = np.full((len(jobs), width), -1, dtype=np.int32)  # -1 pads (short rows, multi-row requests)
     for r, x in enumerate(ids):
         out_ids[r, : len(x)] = x
     stats = [j.stats for j in jobs]

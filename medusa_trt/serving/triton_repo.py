@@ -29,6 +29,7 @@ from medusa_trt.tree import (
     TreeError,
     check_trtllm_ranks,
     parse_medusa_choices,
+    tree_for_engine,
     tree_to_brace,
     validate_and_expand,
 )
@@ -53,7 +54,10 @@ class TensorSpec:
 # The Python-backend model's interface: tensorrtllm_backend's ensemble names where one exists, so
 # clients written for it work unchanged. triton_model reads these same specs to check requests.
 MODEL_INPUTS = (
-    TensorSpec("text_input", "TYPE_STRING", (1,)),
+    # The prompt: raw text (text_input), or chat turns rendered with the model's chat template
+    # (messages: JSON [{"role": ..., "content": ...}, ...]); a request sends exactly one of them.
+    TensorSpec("text_input", "TYPE_STRING", (1,), optional=True),
+    TensorSpec("messages", "TYPE_STRING", (1,), optional=True),
     TensorSpec("max_tokens", "TYPE_INT32", (1,)),
     TensorSpec("medusa_choices", "TYPE_STRING", (1,), optional=True),
     TensorSpec("temperature", "TYPE_FP32", (1,), optional=True),
@@ -69,7 +73,7 @@ MODEL_INPUTS = (
 )
 MODEL_OUTPUTS = (
     TensorSpec("text_output", "TYPE_STRING", (1,)),
-    TensorSpec("output_ids", "TYPE_INT32", (-1,)),  # padded with -1 when a request has several rows
+    TensorSpec("output_ids", "TYPE_INT32", (-1,)),  # -1 padded: to the longest row, and to >= 2 values (a list)
     TensorSpec("acceptance_rate", "TYPE_FP32", (1,)),
     TensorSpec("total_accepted_draft_tokens", "TYPE_INT32", (1,)),
     TensorSpec("total_draft_tokens", "TYPE_INT32", (1,)),
@@ -102,6 +106,8 @@ class EngineInfo:
     max_draft_len: int
     max_seq_len: int
     max_batch_size: int | None  # None: no limit recorded (a checkpoint runs any batch)
+    tree: list[list[int]] | None = None  # the tree the engine records (medusa-build --tree)
+    tree_source: str | None = None
 
 
 def read_engine_info(engine_dir: str | Path) -> EngineInfo:
@@ -118,7 +124,8 @@ def read_engine_info(engine_dir: str | Path) -> EngineInfo:
             raise RepoError(str(err)) from None
         limits = e["limits"]
         return EngineInfo(d.resolve(), e["backend"], e["medusa"]["num_heads"], limits["max_draft_len"],
-                          limits["max_seq_len"], limits["max_batch_size"])
+                          limits["max_seq_len"], limits["max_batch_size"], e["medusa"].get("tree"),
+                          e["medusa"].get("tree_source"))
     if not (d / "config.json").is_file():
         raise RepoError(f"{d}: neither engine.json nor config.json found (expected a medusa-build engine "
                         "dir, a merged checkpoint or a TensorRT-LLM engine dir)")
@@ -153,8 +160,8 @@ def write_triton_repo(
 
     Our engines and merged checkpoints get the Python-backend model; a TensorRT-LLM engine gets the
     tensorrtllm_backend layout (write_trtllm_triton_repo), so `medusa-build --triton-repo` needs one
-    call whatever it built. `medusa_choices` (any form tree.parse_medusa_choices accepts; default
-    mc_sim_7b_63) is the default tree; requests may send their own."""
+    call whatever it built. `medusa_choices` (any form tree.parse_medusa_choices accepts; default: the
+    engine's own, see default_tree) is the default tree; requests may send their own."""
     info = read_engine_info(engine_dir)
     if info.kind == "tensorrt-llm":
         return write_trtllm_triton_repo(info.directory, out_dir, tokenizer_dir or info.directory, medusa_choices,
@@ -166,7 +173,7 @@ def write_triton_repo(
     if not _MODEL_NAME.fullmatch(model_name):
         raise RepoError(f"model name {model_name!r}: expected letters, digits, '_', '.' or '-'")
     batch = _check_batch(max_batch_size, info)
-    tree = _default_tree(medusa_choices, info)
+    tree = default_tree(medusa_choices, info)[0]
     depth = max(len(p) for p in tree)
     room = info.max_seq_len - depth  # prompt + generated tokens must leave room for one tree
     max_input_len = room - 1 if max_input_len is None else max_input_len
@@ -418,6 +425,19 @@ def _check_batch(max_batch_size: int | None, info: EngineInfo | None) -> int:
         raise RepoError(f"max_batch_size {batch}: expected 1..{limit or 'any'}"
                         + (f" (the engine {info.directory} was built for {limit})" if limit else ""))
     return batch
+
+
+def default_tree(medusa_choices: object, info: EngineInfo | None) -> tuple[list[list[int]], str]:
+    """The repository's default tree and where it came from: `medusa_choices`, else the tree the
+    engine records (medusa-build --tree), else DEFAULT_TREE cut to the engine."""
+    if medusa_choices is not None:
+        return _default_tree(medusa_choices, info), str(medusa_choices)
+    if info is not None and info.tree:
+        return _default_tree(info.tree, info), f"{info.tree_source or 'the tree'} recorded in the engine"
+    if info is not None and info.num_heads:
+        cut = [list(p) for p in tree_for_engine(info.num_heads, info.max_draft_len).nodes]
+        return cut, f"{DEFAULT_TREE} cut to the engine (it records no tree: medusa-build --tree)"
+    return _default_tree(DEFAULT_TREE, info), DEFAULT_TREE
 
 
 def _default_tree(medusa_choices: object, info: EngineInfo | None) -> list[list[int]]:

@@ -24,7 +24,6 @@ import torch
 from medusa_trt.errors import MedusaTrtError
 from medusa_trt.runtime.backend import Backend
 from medusa_trt.runtime.decoding import GenerationConfig, SequenceStats, decode
-from medusa_trt.tree import DEFAULT_TREE
 
 PROG = "medusa-bench"
 
@@ -173,10 +172,11 @@ def medusa_ratios(plain: ModeSummary, medusa: ModeSummary) -> dict:
     }
 
 
-def compare(backend: Backend, prompts: list[list[int]], medusa_choices=DEFAULT_TREE, max_new_tokens: int = 128,
+def compare(backend: Backend, prompts: list[list[int]], medusa_choices=None, max_new_tokens: int = 128,
             stop_token_ids: tuple[int, ...] = (), repeat: int = 1, warmup: bool = True,
             progress: bool = True, extra_modes: dict | None = None, sampling: dict | None = None) -> dict:
-    """Plain vs Medusa (and any `extra_modes` {name: medusa_choices}) per prompt, interleaved.
+    """Plain vs Medusa (and any `extra_modes` {name: medusa_choices}) per prompt, interleaved;
+    medusa_choices None: the engine's own tree (decoding.resolve_tree).
     `sampling`: GenerationConfig fields (acceptance, temperature, top_k, top_p, seed) for the Medusa
     modes; with typical or sample acceptance the plain baseline is plain sampling on the same backend.
 

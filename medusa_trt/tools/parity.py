@@ -42,8 +42,10 @@ reference, against p90 >= 3.9 / max >= 14 for one quantized with another block s
 15 for float32 weights (docs/benchmarks/issue-13-int4.md). So an int4 output passes when its p90 is within
 INT4_NOISE_PER_LAYER x layers (scaled with the peak like the tolerances: 1.7 there, 0.03 on a
 2-layer test model) and its maximum within INT4_MAX_FACTOR times that. Errors below that noise (one layer's weights 2% off: p90 0.41) pass.
-Greedy tokens may then part from the reference's at a near-tie: a plain decode passes when the
-reference's top-2 margin at the first differing token is within that p90 bound (the row says so).
+Greedy tokens may then part from the reference's at a near-tie: a plain decode that does is shown
+as DIVERGES (not PASS), and is allowed when the reference's top-2 margin at the first differing
+token is within that p90 bound (the row gives the token and the margin). Every bound is rounded to
+three significant digits once and printed as applied (docs/design.md, "medusa-check: the rules").
 What int4 must keep exactly is the engine's own consistency: its Medusa greedy decode must equal its
 own plain greedy decode token for token (engines/onnx/attention.py, row_exact attention).
 """
@@ -52,7 +54,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -83,8 +85,11 @@ class CheckRow:
     output: str  # "logits", "medusa_logits", "tokens"
     passed: bool
     max_abs_diff: float | None = None
-    tolerance: float | None = None
+    tolerance: float | None = None  # the bound max_abs_diff (or, quantized, p90_abs_diff) is held to
     detail: str = ""
+    rule: str = ""  # the rule applied, as printed: "max <= 0.000251", "p90 <= 1.72 and max <= 8.6"
+    p90_abs_diff: float | None = None  # quantized engines: the 90th percentile of |engine - reference|
+    diverged: bool = False  # an int4 plain decode that leaves the reference at a near-tie (allowed)
 
 
 @dataclass
@@ -93,9 +98,10 @@ class CheckReport:
     checkpoint: str
     backend: str
     dtype: str
-    tolerance: float
+    tolerance: float  # the logits tolerance the rows apply (the loosest, if prompt batches differ)
     rows: list[CheckRow] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    rule: str = ""  # the logits rule the rows apply, in words
 
     @property
     def passed(self) -> bool:
@@ -105,12 +111,12 @@ class CheckReport:
         return {**asdict(self), "passed": self.passed}
 
     def table(self) -> str:
-        header = ("stage", "output", "max abs diff", "tolerance", "result")
+        header = ("stage", "output", "max abs diff", "rule", "result")
         lines = [header]
         for r in self.rows:
             diff = "" if r.max_abs_diff is None else f"{r.max_abs_diff:.3e}"
-            tol = "" if r.tolerance is None else f"{r.tolerance:.0e}"
-            lines.append((r.stage, r.output, diff, tol, ("PASS" if r.passed else "FAIL") + (f"  {r.detail}" if r.detail else "")))
+            verdict = "DIVERGES" if r.diverged else "PASS" if r.passed else "FAIL"
+            lines.append((r.stage, r.output, diff, r.rule, verdict + (f"  {r.detail}" if r.detail else "")))
         widths = [max(len(line[i]) for line in lines) for i in range(4)]
         out = ["  ".join(c.ljust(w) for c, w in zip(line[:4], widths, strict=False)) + "  " + line[4] for line in lines]
         out.insert(1, "-" * len(out[0]))
@@ -119,8 +125,9 @@ class CheckReport:
 
 def run_check(engine_dir: str | Path, checkpoint: str | Path | None = None, prompts: Sequence[str] | None = None, *,
               max_new_tokens: int = 32, tree_steps: int = 4, device: str | None = None,
-              atol: float | None = None) -> CheckReport:
-    """Runs every comparison; raises CheckInputError on bad input, never on a parity failure."""
+              atol: float | None = None, progress: bool = False) -> CheckReport:
+    """Runs every comparison; raises CheckInputError on bad input, never on a parity failure.
+    `progress`: a bar on stderr that moves with each stage (loading, steps, every decode)."""
     from medusa_trt.checkpoint import validate_checkpoint
     from medusa_trt.engine_dir import sha256_file, verify_artifacts
     from medusa_trt.errors import CheckpointError
@@ -162,10 +169,16 @@ def run_check(engine_dir: str | Path, checkpoint: str | Path | None = None, prom
     if recorded_sha and sha256_file(checkpoint / "config.json") != recorded_sha:
         report.warnings.append(f"{checkpoint / 'config.json'} differs from the one the engine was built from")
 
+    from tqdm import tqdm
+
+    bar = tqdm(total=2, desc="loading the engine", unit="stage", disable=not progress, leave=False)
     try:
         subject = load_backend(engine_dir, device=device)
     except ValueError as e:
+        bar.close()
         raise CheckInputError(str(e)) from None
+    bar.update()
+    bar.set_description("loading the reference")
     model = MedusaModel.from_checkpoint(checkpoint, dtype="float32")
     if int4:
         from medusa_trt.quant import quantize_model_int4
@@ -180,17 +193,28 @@ def run_check(engine_dir: str | Path, checkpoint: str | Path | None = None, prom
         raise CheckInputError(f"checkpoint {checkpoint} does not match the engine: vocab/heads "
                               f"{theirs.vocab_size}/{theirs.num_medusa_heads} vs {mine.vocab_size}/{mine.num_medusa_heads}")
 
+    bar.update()
     ids = _prompt_ids(engine_dir, prompts, mine.vocab_size, report)
     max_batch = int((engine.get("limits") or {}).get("max_batch_size") or len(ids))
+    chunks = range(0, len(ids), max_batch)
+    # Per batch of prompts: the steps, the reference's decode and the engine's plain (and Medusa) decode.
+    bar.total += len(chunks) * (3 + bool(mine.num_medusa_heads))
+    draft = torch.tensor(model.cfg.draft_vocab) if model.cfg.draft_vocab else None
     try:
-        for start in range(0, len(ids), max_batch):
+        for start in chunks:
             chunk = ids[start:start + max_batch]
             label = f" [{start}:{start + len(chunk)}]" if len(ids) > max_batch else ""
+            bar.set_description(f"prefill + {tree_steps} tree steps{label}")
             noise = _compare_steps(report, subject, reference, chunk, tree_steps, tol, label, fp8=fp8,
-                                   scale_tol=atol is None, int4_layers=int(engine["model"]["num_layers"]) if int4 else 0)
-            _compare_decodes(report, subject, reference, chunk, max_new_tokens, start, tie=noise if int4 else None)
+                                   scale_tol=atol is None, int4_layers=int(engine["model"]["num_layers"]) if int4 else 0,
+                                   draft_vocab=draft)
+            bar.update()
+            _compare_decodes(report, subject, reference, chunk, max_new_tokens, start, tie=noise if int4 else None,
+                             tick=lambda what, label=label: (bar.update(), bar.set_description(what + label)))
     except ValueError as e:  # the backends' limits: batch, sequence length, tree size
         raise CheckInputError(f"the prompts do not fit the engine: {e}") from None
+    finally:
+        bar.close()
     return report
 
 
@@ -227,8 +251,11 @@ class _Observed(Backend):
     both for every position with the heads (then hands the loop the rows it asked for), so the
     logits and Medusa logits of every position are compared, not only the rows the loop reads."""
 
-    def __init__(self, subject, reference):
+    def __init__(self, subject, reference, draft_vocab: torch.Tensor | None = None):
         self.sides = (subject, reference)
+        # Heads over a draft vocabulary (docs/formats.md, draft_vocab) fill every other column with one
+        # constant on both sides: compared over the draft columns alone, so no figure counts padding.
+        self.draft_vocab = draft_vocab
         self.info = reference.info
         # A drafter with a cache of its own (Amphista) drafts from the rows the loop commits, so its
         # drafts are compared where the loop asks for them (`draft`), each call a stage of its own.
@@ -254,7 +281,9 @@ class _Observed(Backend):
                 continue
             logits, medusa = b.forward(input_ids, position_ids, new_mask)
             outs.append(OrderedDict(logits=logits.float().numpy().copy(), medusa_logits=medusa.float().numpy().copy()))
-        self.outputs.append((outs[0], outs[1]))
+        self.outputs.append(tuple(OrderedDict(o, medusa_logits=o["medusa_logits"][..., self.draft_vocab.numpy()])
+                                  for o in outs) if self.draft_vocab is not None and not self.cached
+                            else (outs[0], outs[1]))
         self.kinds.append("forward")
         logits = torch.from_numpy(outs[1]["logits"])
         if self.cached:
@@ -270,7 +299,9 @@ class _Observed(Backend):
         if not self.cached:
             return self._medusa[:, torch.arange(len(rows)), last_rows(rows, counts)]
         outs = [b.draft(rows, counts, next_tokens) for b in self.sides]
-        self.outputs.append(tuple(OrderedDict(medusa_logits=o.float().numpy().copy()) for o in outs))
+        # Over the draft vocabulary's columns only: the others are the same constant on both sides.
+        cols = self.draft_vocab.numpy() if self.draft_vocab is not None else slice(None)
+        self.outputs.append(tuple(OrderedDict(medusa_logits=o.float().numpy()[..., cols].copy()) for o in outs))
         self.kinds.append("drafts")
         return outs[1]
 
@@ -284,7 +315,8 @@ class _Observed(Backend):
 
 
 def _compare_steps(report: CheckReport, subject, reference, prompts: list[list[int]], tree_steps: int,
-                   tol: float, label: str, fp8: bool = False, scale_tol: bool = True, int4_layers: int = 0) -> float:
+                   tol: float, label: str, fp8: bool = False, scale_tol: bool = True, int4_layers: int = 0,
+                   draft_vocab: torch.Tensor | None = None) -> float:
     """The decoding loop's prefill and greedy tree steps (runtime/decoding.py), run on both backends
     at once (see _Observed) with the default tree cut to the engine; one polygraphy comparison.
     `int4_layers`: the decoder depth of an int4 engine (0 otherwise). Returns the p90 bound applied
@@ -299,7 +331,7 @@ def _compare_steps(report: CheckReport, subject, reference, prompts: list[list[i
     tree = tree_for_engine(info.num_medusa_heads, info.max_draft_len) if info.num_medusa_heads else None
     steps = tree_steps if tree is not None else 0
     width = tree.num_slots if tree is not None else 1
-    both = _Observed(subject, reference)
+    both = _Observed(subject, reference, draft_vocab)
     both.start(len(prompts), max(len(p) for p in prompts) + steps * width + 1)
     stages = ["prefill" + label]
     logits, root, medusa = prefill(both, prompts)  # [B, V], [B], [H, B, V]
@@ -316,12 +348,16 @@ def _compare_steps(report: CheckReport, subject, reference, prompts: list[list[i
 
     peak = max(float(abs(r["logits"]).max()) for r in refs if "logits" in r)
     scale = max(1.0, peak / LOGIT_SCALE) if scale_tol else 1.0  # rounding error is relative to the logits
-    tol *= scale
+    tol = _sig3(tol * scale)  # the bound as printed is the bound applied (3 significant digits)
     max_bound = FP8_FLIP_BOUND
     if int4_layers:  # the tolerance, if given (--atol), stays the floor
-        tol = max(tol, INT4_NOISE_PER_LAYER * int4_layers * scale)
-        max_bound = INT4_MAX_FACTOR * tol
+        tol = max(tol, _sig3(INT4_NOISE_PER_LAYER * int4_layers * scale))
+        max_bound = _sig3(INT4_MAX_FACTOR * tol)
     quantized = fp8 or int4_layers > 0
+    q = round(FP8_QUANTILE * 100)
+    rule = f"p{q} <= {tol:.3g} and max <= {max_bound:.3g}" if quantized else f"max <= {tol:.3g}"
+    report.tolerance = tol if report.rule == "" else max(report.tolerance, tol)
+    report.rule = _rule_in_words(rule, fp8, int4_layers, scale)
     results = RunResults([("engine", ours), ("reference", refs)])
     with G_LOGGER.verbosity(G_LOGGER.CRITICAL):  # our own table replaces polygraphy's log
         accuracy = Comparator.compare_accuracy(results, compare_func=_max_abs_compare(tol, FP8_QUANTILE if quantized else None))
@@ -334,12 +370,30 @@ def _compare_steps(report: CheckReport, subject, reference, prompts: list[list[i
                 continue
             result = outputs[name]
             if quantized:  # the percentile is within tol (checked by polygraphy), the max within the flip bound
+                p90 = float(result.quantile_absdiff)
                 passed = bool(result) and float(result.max_absdiff) <= max_bound
-                detail = f"p{round(FP8_QUANTILE * 100)} {float(result.quantile_absdiff):.1e}, max <= {max_bound:.2g}"
-                report.rows.append(CheckRow(stage, name, passed, result.max_absdiff, tol, detail))
+                report.rows.append(CheckRow(stage, name, passed, float(result.max_absdiff), tol, f"p{q} {p90:.3g}",
+                                            rule, p90))
             else:
-                report.rows.append(CheckRow(stage, name, bool(result), result.max_absdiff, tol))
+                report.rows.append(CheckRow(stage, name, bool(result), float(result.max_absdiff), tol, rule=rule))
     return tol
+
+
+def _sig3(x: float) -> float:
+    """x to 3 significant digits: a bound is applied as it is printed."""
+    return float(f"{x:.3g}")
+
+
+def _rule_in_words(rule: str, fp8: bool, int4_layers: int, scale: float) -> str:
+    """The logits rule of the report (docs/design.md, medusa-check)."""
+    scaled = f" (scaled x{scale:.3g} with the reference's logit peak)" if scale > 1 else ""
+    if int4_layers:
+        return (f"{rule}: int4, p90 bound {INT4_NOISE_PER_LAYER} per layer x {int4_layers} layers{scaled}, max bound "
+                f"{INT4_MAX_FACTOR:g} x the p90 bound; plain decodes may diverge from the reference only at a "
+                "near-tie (its top-2 margin within the p90 bound), Medusa decodes must equal the engine's plain one")
+    if fp8:
+        return f"{rule}: FP8, the dtype's tolerance on the p90{scaled}, max bound {FP8_FLIP_BOUND}"
+    return f"{rule}{scaled}"
 
 
 def _max_abs_compare(tol: float, quantile: float | None = None):
@@ -361,36 +415,45 @@ def _max_abs_compare(tol: float, quantile: float | None = None):
 
 
 def _compare_decodes(report: CheckReport, subject, reference, prompts: list[list[int]], max_new_tokens: int,
-                     offset: int, tie: float | None = None) -> None:
+                     offset: int, tie: float | None = None, tick: Callable[[str], object] = lambda what: None) -> None:
     """Whole greedy decodes: the engine (Medusa and plain) must emit the reference's plain tokens.
     With `tie` (int4 engines), the engine's plain decode may part from the reference's where the
     reference's top-2 margin is within `tie`, and its Medusa decode must equal its own plain decode."""
     from medusa_trt.runtime.decoding import GenerationConfig, decode
 
     info = reference.info
-    plain = GenerationConfig(max_new_tokens=max_new_tokens, use_medusa=False)
+    # stop_token_ids=(): both sides decode max_new_tokens whatever the engine's stop tokens are.
+    plain = GenerationConfig(max_new_tokens=max_new_tokens, use_medusa=False, stop_token_ids=())
     expected = decode(reference, prompts, plain).tokens
+    tick("engine plain decode")
     runs = [("plain", plain)]
     if info.num_medusa_heads:
         from medusa_trt.tree import tree_for_engine
 
         tree = tree_for_engine(info.num_medusa_heads, info.max_draft_len)
-        runs.append(("medusa", GenerationConfig(max_new_tokens=max_new_tokens, medusa_choices=[list(p) for p in tree.nodes])))
+        runs.append(("medusa", GenerationConfig(max_new_tokens=max_new_tokens, medusa_choices=[list(p) for p in tree.nodes],
+                                                stop_token_ids=())))
     own_plain = None
     for mode, cfg in runs:
         got = decode(subject, prompts, cfg).tokens
+        tick("engine Medusa decode" if mode == "plain" and len(runs) > 1 else "done")
         against, name = (own_plain, "engine plain") if tie is not None and mode == "medusa" else (expected, "reference")
         for i, (a, b) in enumerate(zip(got, against, strict=True)):
             mismatch = _first_mismatch(a, b)
             passed = mismatch is None
             detail = f"{len(b)} tokens equal" + (f" to the {name}'s" if name != "reference" else "") if passed else (
                 f"first mismatch at token {mismatch}: engine {a[mismatch:mismatch + 1]} vs {name} {b[mismatch:mismatch + 1]}")
+            diverged = False
             if not passed and tie is not None and mode == "plain" and mismatch < min(len(a), len(b)):
                 margin = _top2_margin(reference, prompts[i] + b[:mismatch])
-                passed = margin <= tie
-                detail += f" (reference top-2 margin {margin:.2g}{' <=' if passed else ' >'} {tie:.2g}: " + \
-                          ("a near-tie)" if passed else "not a near-tie)")
-            report.rows.append(CheckRow(f"decode {offset + i} ({mode})", "tokens", passed, detail=detail))
+                passed = diverged = margin <= tie
+                detail = (f"from the reference at token {mismatch} of {len(b)} (engine {a[mismatch]} vs reference "
+                          f"{b[mismatch]}); the reference's top-2 margin there, {margin:.3g}, is "
+                          + (f"within the int4 p90 bound {tie:.3g}: a near-tie, allowed" if passed
+                             else f"above the int4 p90 bound {tie:.3g}: not a near-tie"))
+            rule = "equal tokens" + (" (int4: a near-tie may diverge)" if tie is not None and mode == "plain" else "")
+            report.rows.append(CheckRow(f"decode {offset + i} ({mode})", "tokens", passed, detail=detail, rule=rule,
+                                        diverged=diverged))
         own_plain = got
 
 

@@ -223,6 +223,42 @@ def test_medusa_check_int4_catches_wrong_weights(ort_engine, tmp_path):
     assert any(not r["passed"] and r["output"] == "logits" for r in rows)
 
 
+def test_medusa_check_int4_catches_one_broken_decoder_matrix(ort_engine, tmp_path, capsys):
+    """The int4 rule is strict enough for a subtler fault than a broken lm_head: one decoder layer's
+    MLP weights shifted by one quantization step each fails it, and the printed rule is the rule applied."""
+    import shutil
+
+    import onnx
+
+    from medusa_trt.engine_dir import artifact_checksums
+
+    engine = tmp_path / "engine"
+    shutil.copytree(int4_engine(ort_engine, 4), engine)
+    model = onnx.load(engine / "model.onnx", load_external_data=False)
+    # layer 0's MLP down projection (TensorRT-LLM names: mlp.proj), its packed 4-bit weights
+    target = next(t for t in model.graph.initializer if t.name == "model.layers.0.proj.packed")
+    info = {e.key: int(e.value) for e in target.external_data if e.key in ("offset", "length")}
+    data = np.fromfile(engine / "weights.bin", dtype=np.uint8)
+    region = data[info["offset"]:info["offset"] + info["length"]]
+    region[:] = (region & 0xF0) | ((region & 0x0F) ^ 0x01)  # the low nibble of every byte one step off
+    data.tofile(engine / "weights.bin")
+    meta = json.loads((engine / "engine.json").read_text())
+    meta["artifacts"] = artifact_checksums(engine)
+    (engine / "engine.json").write_text(json.dumps(meta))
+    report = tmp_path / "r.json"
+    capsys.readouterr()
+    assert check_main(["--engine", str(engine), "--json", str(report), "--max-new-tokens", "12",
+                       "--tree-steps", "2", "--quiet"]) == 1
+    out = capsys.readouterr().out
+    result = json.loads(report.read_text())
+    assert any(not r["passed"] and r["output"] == "logits" for r in result["rows"])
+    for r in result["rows"]:
+        if r["output"] != "tokens":
+            p90, bound = r["rule"].split(" and ")
+            assert float(p90.split()[-1]) == r["tolerance"] and r["rule"] in out
+            assert r["passed"] == (r["p90_abs_diff"] <= r["tolerance"] and r["max_abs_diff"] <= float(bound.split()[-1]))
+
+
 def test_decode_with_large_capacity_equals_small(ort_engine):
     backend = OrtBackend(ort_engine("llama"))
     prompts = [[5, 9, 17, 33], [3, 4]]

@@ -3,6 +3,8 @@ tritonserver): multi-row requests, grouping, a client that goes away, the checks
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -79,7 +81,7 @@ def test_a_client_that_goes_away_costs_no_more_responses(service):
     sent = run(service, batch, gone={0})
     assert [final for i, _, final in sent if i == 0] == [False]  # its first response failed: nothing more
     others = [(p, final) for i, p, final in sent if i == 1]
-    assert others[-1][1] and sum(len(p["output_ids"][0]) for p, _ in others) == 16
+    assert others[-1][1] and sum(int((p["output_ids"][0] >= 0).sum()) for p, _ in others) == 16  # -1 pads
 
 
 def test_stop_words_cut_after_the_completing_token(service):
@@ -87,13 +89,13 @@ def test_stop_words_cut_after_the_completing_token(service):
     text = service.tokenizer.decode(want, skip_special_tokens=True)
     word = text[2:4]  # a piece of the greedy continuation
     sent = run(service, [request(["a"], [16], stop_words=[["nope", word]])])
-    got = sent[-1][1]["output_ids"][0].tolist()
+    got = [t for t in sent[-1][1]["output_ids"][0].tolist() if t >= 0]  # -1 pads
     assert service.tokenizer.decode(got, skip_special_tokens=True).endswith(word)
     assert got == want[: len(got)] and len(got) < len(want)
 
 
 @pytest.mark.parametrize("inputs,message", [
-    ({"max_tokens": np.array([[4]], dtype=np.int32)}, "text_input: missing"),
+    ({"max_tokens": np.array([[4]], dtype=np.int32)}, "text_input and messages: missing"),
     ({"text_input": np.array([[b"a"]], dtype=np.object_)}, "max_tokens: missing"),
     ({"text_input": np.array([[b"a"]], dtype=np.object_), "max_tokens": np.array([[4.0]], dtype=np.float32)},
      "max_tokens: data type float32; expected INT32"),
@@ -147,3 +149,50 @@ def test_sample_requests_batch_together_and_repeat_their_seeds(service):
 def test_bad_sampling_requests(service, extra, message):
     with pytest.raises(RequestError, match=message):
         parse_request(service, request(["a"], [4], **extra))
+
+
+def test_output_ids_is_a_list_in_every_streamed_response(service):
+    """Triton's generate endpoint writes a one-element tensor as a JSON scalar: every response holds
+    at least two values (-1 padded), so a stream never switches between a scalar and a list."""
+    sent = run(service, [request(["Hello world"], [12], stream=[True])])
+    assert len(sent) > 1
+    for _, payload, _ in sent:
+        assert payload["output_ids"].shape[0] == 1 and payload["output_ids"].shape[1] >= 2
+    ids = [t for _, payload, _ in sent for t in payload["output_ids"][0].tolist() if t >= 0]
+    assert ids == offline(service, "Hello world", 12, medusa_choices="mc_sim_7b_63").tokens[0]
+
+
+def test_messages_input_is_rendered_with_the_chat_template(service):
+    tok = service.tokenizer
+    saved = tok.chat_template
+    tok.chat_template = ("{% for m in messages %}<s>{{ m['role'] }} {{ m['content'] }}</s>{% endfor %}"
+                         "{% if add_generation_prompt %}<s>assistant {% endif %}")
+    try:
+        from medusa_trt.runtime.chat import encode_chat
+
+        turns = [{"role": "system", "content": "Be brief"}, {"role": "user", "content": "Hi"}]
+        batch = {"messages": np.array([[json.dumps(turns).encode()]], dtype=np.object_),
+                 "max_tokens": np.array([[8]], dtype=np.int32)}
+        parsed = parse_request(service, batch)
+        assert parsed.jobs[0].prompt == encode_chat(tok, turns)
+        for inputs, message in (({**batch, "text_input": batch["messages"]}, "text_input and messages: both given"),
+                                ({"max_tokens": batch["max_tokens"]}, "text_input and messages: missing"),
+                                ({**batch, "messages": np.array([[b'[{"role": "x"}]']], dtype=np.object_)},
+                                 r"messages\[0\]")):
+            with pytest.raises(RequestError, match=message):
+                parse_request(service, inputs)
+    finally:
+        tok.chat_template = saved
+    with pytest.raises(RequestError, match="no chat template"):
+        parse_request(service, batch)
+
+
+def test_a_row_cut_short_counts_no_draft_past_its_end(service):
+    """Rows of one batch decode to the longest max_tokens; a shorter row's statistics count only the
+    drafts of the tokens it kept, as a decode of its own would."""
+    sent = run(service, [request(["Hello world", "Hello world"], [3, 16])])
+    (_, payload, _), = sent
+    for row, n in enumerate((3, 16)):
+        want = offline(service, "Hello world", n, medusa_choices="mc_sim_7b_63").stats[0]
+        assert payload["total_accepted_draft_tokens"][row, 0] == want.accepted_draft_tokens
+        assert payload["total_draft_tokens"][row, 0] == want.draft_tokens

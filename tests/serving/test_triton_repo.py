@@ -73,7 +73,8 @@ def test_python_repo_config_follows_triton_schema(tiny_merged, tmp_path):
         (s.name, s.dtype, list(s.dims), s.optional) for s in MODEL_INPUTS]
     assert [(o.name, types.Name(o.data_type), list(o.dims)) for o in config.output] == [
         (s.name, s.dtype, list(s.dims)) for s in MODEL_OUTPUTS]
-    assert {i.name for i in config.input if not i.optional} == {"text_input", "max_tokens"}
+    # The prompt is text_input or messages (the model requires exactly one), so neither is required here.
+    assert {i.name for i in config.input if not i.optional} == {"max_tokens"}
     p = params(config)
     assert Path(p["engine_dir"]) == ckpt.resolve() and Path(p["engine_dir"]).is_absolute()
     assert p["acceptance"] == "greedy" and p["intra_op_threads"] == "1"
@@ -259,7 +260,10 @@ def test_engine_json_limits(tiny_merged, ort_engine, tmp_path):
     info = read_engine_info(engine)
     assert (info.kind, info.max_batch_size, info.max_seq_len) == ("onnxruntime", 4, 128)
     with pytest.raises(RepoError, match="max_draft_len=20"):  # mc_sim_7b_63 has 63 nodes
-        write_triton_repo(engine, tmp_path / "repo")
+        write_triton_repo(engine, tmp_path / "repo", medusa_choices="mc_sim_7b_63")
+    # Without a tree, and none recorded in the engine: mc_sim_7b_63 cut to the engine (issue 38).
+    cut = write_triton_repo(engine, tmp_path / "cut")
+    assert params(parse_config(cut / "medusa" / "config.pbtxt"))["medusa_choices"].count("{") == 20
     out = write_triton_repo(engine, tmp_path / "repo", medusa_choices="[[0], [0, 0], [1]]")
     config = parse_config(out / "medusa" / "config.pbtxt")
     assert config.max_batch_size == 4 and params(config)["max_input_len"] == str(128 - 2 - 1)

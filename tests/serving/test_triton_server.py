@@ -9,6 +9,7 @@ statistics are not all zero.
 
 from __future__ import annotations
 
+import json
 import queue
 import re
 import signal
@@ -121,7 +122,8 @@ def inputs(client, case: dict, *, stream: bool | None = None, overrides: dict | 
 def answer(result) -> dict:
     out = {name: result.as_numpy(name) for name in OUTPUTS}
     assert out["text_output"].shape == (1, 1) and out["output_ids"].shape[0] == 1
-    return dict(text=out["text_output"][0, 0].decode(), ids=out["output_ids"][0].tolist(),
+    ids = out["output_ids"][0]
+    return dict(text=out["text_output"][0, 0].decode(), ids=ids[ids >= 0].tolist(),  # -1 pads
                 acceptance_rate=out["acceptance_rate"][0, 0], accepted=int(out["total_accepted_draft_tokens"][0, 0]),
                 drafted=int(out["total_draft_tokens"][0, 0]), tokens_per_step=out["tokens_per_step"][0, 0])
 
@@ -195,6 +197,20 @@ def test_streaming_gives_one_response_per_step_and_the_same_final_output(served,
     whole = grpc_stream(served, case, stream=False)
     assert len(whole) == 1 and whole[0][1]
     same(whole[0][0], want)
+
+
+def test_generate_stream_output_ids_have_one_shape(served):
+    """Triton's generate endpoint writes a one-element tensor as a JSON scalar: output_ids is a list
+    in every streamed response (-1 padded), and the ids of all responses are the offline decode's."""
+    case = CASES[0]
+    body = json.dumps({"text_input": case["text"], "max_tokens": case["max_tokens"], "stream": True}).encode()
+    req = urllib.request.Request(f"http://{served['server'].http_url}/v2/models/{STREAM_MODEL}/generate_stream",
+                                 data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=60) as r:
+        events = [json.loads(line[5:]) for line in r.read().decode().splitlines() if line.startswith("data:")]
+    want = expected(served, case)
+    assert len(events) == want["steps"] and all(isinstance(e["output_ids"], list) for e in events)
+    assert [t for e in events for t in e["output_ids"] if t >= 0] == want["ids"]
 
 
 def test_request_with_several_rows(served):
@@ -393,3 +409,4 @@ def test_medusa_serve_cli_prints_endpoints_and_stops_on_ctrl_c(served):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+

@@ -62,7 +62,8 @@ def test_bench_on_an_onnxruntime_engine(ort_engine, prompts_file, tmp_path):
     assert rc == 0
     report = json.loads(out.read_text())
     check_report(report, 2, depth=4)
-    assert report["backend"] == "OrtBackend" and report["medusa_choices"] == "mc_sim_7b_63"
+    # The engine records no tree: the report says which one ran (issue 38).
+    assert report["backend"] == "OrtBackend" and report["medusa_choices"].startswith("mc_sim_7b_63 cut to the engine")
 
 
 def test_forward_timer_splits_forward_and_host_time(tiny_merged):

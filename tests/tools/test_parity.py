@@ -199,3 +199,42 @@ def test_step_comparison_is_exact_on_equal_backends_and_catches_a_head_fault(tin
                    1e-4, "")
     assert [r.passed for r in faulty.rows] == [True, False] * 3  # every stage: base logits exact, heads off
     assert all(r.max_abs_diff > 1e-3 for r in faulty.rows if r.output == "medusa_logits")
+
+
+def test_the_printed_rule_is_the_rule_applied(ort_engine, tmp_path, capsys):
+    """The table prints each row's bound as it is applied (no rounding that differs), and the JSON's
+    top-level tolerance is the one its rows apply."""
+    report_path = tmp_path / "report.json"
+    assert main(["--engine", str(ort_engine("llama")), "--json", str(report_path), *FAST]) == 0
+    out = capsys.readouterr().out
+    report = json.loads(report_path.read_text())
+    logits_rows = [r for r in report["rows"] if r["output"] != "tokens"]
+    assert {r["tolerance"] for r in logits_rows} == {report["tolerance"]}
+    for r in logits_rows:
+        assert r["rule"] == f"max <= {r['tolerance']:.3g}" and float(r["rule"].split()[-1]) == r["tolerance"]
+        assert r["rule"] in out
+    assert f"medusa-check: logits rule: {report['rule']}" in out
+
+
+def test_a_divergence_is_shown_as_one():
+    from medusa_trt.tools.parity import CheckReport, CheckRow
+
+    report = CheckReport("e", "c", "onnxruntime", "float32", 1.0, rows=[
+        CheckRow("decode 0 (plain)", "tokens", True, detail="from the reference at token 6", diverged=True)])
+    assert "DIVERGES  from the reference at token 6" in report.table() and "PASS" not in report.table()
+
+
+def test_draft_vocabulary_padding_is_not_compared(tiny_merged):
+    """Heads over a draft vocabulary fill every other column with one constant: the comparison
+    (and its p90) covers the draft columns alone."""
+    from medusa_trt.runtime.loading import load_backend
+    from medusa_trt.tools.parity import _Observed
+
+    a, b = load_backend(tiny_merged("llama")), load_backend(tiny_merged("llama"))
+    draft = torch.tensor([3, 5, 8])
+    both = _Observed(a, b, draft)
+    both.start(1, 8)
+    both.forward(torch.tensor([[4, 5, 6]]), torch.arange(3)[None], torch.ones(1, 3, 3, dtype=torch.bool).tril())
+    engine, reference = both.outputs[0]
+    assert engine["medusa_logits"].shape[-1] == reference["medusa_logits"].shape[-1] == 3
+    assert engine["logits"].shape[-1] == a.info.vocab_size  # the base logits are all real entries

@@ -59,7 +59,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -362,12 +362,14 @@ def export_onnx(
     external_data: bool | None = None,
     fused_step: bool = False,
     committed_prefix: bool = True,
+    on_stage: Callable[[str], object] = lambda stage: None,
 ) -> ExportResult:
     """Exports `model` (in its current dtype) to `path`. `external_data` None: only when the
     weights exceed the 2 GB protobuf limit. `fused_step`: also the fused greedy step graph (with its
     own copy of the decoder's weights: medusa-build then shares them, engines/ort/weights.py).
     `committed_prefix`: attention reads only the cache's committed prefix (a Slice per past input); off, the past inputs go straight into the
-    attention's Concat, the form the TensorRT rewrite (engines/trt/rewrite.py) recognises."""
+    attention's Concat, the form the TensorRT rewrite (engines/trt/rewrite.py) recognises.
+    `on_stage(name)` is called as each graph's export starts (a build's progress bar moves with it)."""
     if attention not in ATTENTION_FORMS:
         raise ValueError(f"attention form {attention!r} is unknown; expected one of {sorted(ATTENTION_FORMS)}")
     form = ATTENTION_FORMS[attention]
@@ -412,6 +414,7 @@ def export_onnx(
     if external_data:
         log.info("%s: %.2f GB of weights go to external data files", path, weight_bytes / 1e9)
     with _export_mode(model, form, wrapper), torch.no_grad(), _quiet_exporter():
+        on_stage("export decoder graph")
         program = torch.onnx.export(
             wrapper, (), kwargs=inputs, dynamic_shapes=dynamic_shapes, input_names=[*INPUT_NAMES, *past_names(cfg.num_layers)],
             output_names=list(OUTPUT_NAMES), opset_version=opset, dynamo=True, custom_translation_table=table or None,
@@ -431,6 +434,7 @@ def export_onnx(
             )
         elif cfg.num_medusa_heads:
             hidden = torch.zeros(3, cfg.hidden_size, dtype=model.dtype)
+            on_stage("export heads graph")
             heads_program = torch.onnx.export(
                 _HeadsModule(wrapper).eval(), (hidden,), dynamic_shapes=({0: Dim("rows")},),
                 input_names=[HEADS_INPUT], output_names=[HEADS_OUTPUT], opset_version=opset, dynamo=True,
@@ -446,6 +450,7 @@ def export_onnx(
                 step_shapes.update(drafter_past_lengths={0: batch},
                                    drafter_past=tuple({0: batch, 2: Dim("drafter_past")} for _ in range(4)))
             step_shapes = {k: step_shapes[k] for k in step_inputs}  # the module's argument order
+            on_stage("export fused step graph")
             step_program = torch.onnx.export(
                 _FusedStepModule(wrapper, step_topk(model)).eval(), (), kwargs=step_inputs,
                 dynamic_shapes=step_shapes,
@@ -454,6 +459,7 @@ def export_onnx(
                 output_names=list(step_outputs(cached_drafter)), opset_version=opset, dynamo=True,
                 custom_translation_table=table or None, optimize=True, verbose=False,
             )
+    on_stage("save graphs")
     path.parent.mkdir(parents=True, exist_ok=True)
     program.save(path, external_data=external_data)
     heads_path = None

@@ -175,28 +175,39 @@ def build_onnxruntime(opts: BuildOptions, config: dict, workdir: Path) -> dict:
     opset = opts.opset or DEFAULT_OPSET
     dtype = resolve_dtype(opts, config)
     ort.check()
-    steps = ["load checkpoint", "export ONNX"]
-    bar = progress_bar(len(steps), opts.progress, "medusa-build")
+    # One bar step per piece of work, each graph's export its own (they take most of a build).
+    heads = bool(config.get("num_medusa_heads"))
+    total = 5 + (ort.weights == "int4") + heads + (heads and ort.fused_step)
+    bar = progress_bar(total, opts.progress, "medusa-build")
+    started: list[str] = []
+
+    def stage(name: str) -> None:
+        if started:  # the previous stage is done
+            bar.update()
+        started.append(name)
+        bar.set_postfix_str(name)
+
     try:
-        bar.set_postfix_str(steps[0])
+        stage("load checkpoint")
         model = MedusaModel.from_checkpoint(opts.checkpoint, dtype=dtype)
         weights = {"format": "float"}
         if ort.weights == "int4":
+            stage("quantize int4")
             weights = _quantize_int4(opts, ort, config, model)
         attention = opts.attention or default_attention(opset, weights)
-        bar.update()
-        bar.set_postfix_str(steps[1])
         try:
             result = export_onnx(model, workdir / "model.onnx", attention=attention, opset=opset,
-                                 fused_step=ort.fused_step)
+                                 fused_step=ort.fused_step, on_stage=stage)
         except ValueError as e:  # an option the exporter refuses (opset, attention form)
             raise BuildError(str(e)) from None
+        stage("fuse ops")
         fusions = _ort_fusions(opts, ort, config, model, [result.path, result.step_path])
         form = engine_attention(result.attention, opts.device, ort.cache_in_place)
         if form.cache_in_place:
             _cache_in_place(config, result)
         # One copy of the weights for all graphs (weights.py): the step graph and the heads graph
         # would otherwise each repeat the decoder's weights.
+        stage("share weights")
         shared = share_weights([p for p in (result.path, result.heads_path, result.step_path, result.drafter_path)
                                 if p is not None])
         log.info("%s: %.0f MB of graph weights stored as %.0f MB (%d tensors)", shared.path,
