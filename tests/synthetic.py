@@ -23,6 +23,14 @@ ARCHS = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
 WEIGHTS_FORMATS = ("safetensors", "sharded", "bin", "sharded_bin")
 HEAD_FORMATS = ("medusa_v1", "medusa_v2", "medusa2_full", "modelopt")
 BOS, EOS = 1, 2
+# Bases with a sliding window far shorter than the tests' sequences (make_base's extra_config):
+# Mistral slides in every layer; Qwen2 from max_window_layers on, so layer 0 attends to all and
+# layer 1 to the window, both kinds of layer in one model.
+WINDOW = 8
+SLIDING_WINDOW_CONFIGS = {
+    "mistral": {"sliding_window": WINDOW},
+    "qwen2": {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1},
+}
 
 
 def make_tokenizer(vocab_size: int):

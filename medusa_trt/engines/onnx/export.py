@@ -93,7 +93,7 @@ from medusa_trt.engines.onnx.ops import (
     has_int4,
     int4_translations,
 )
-from medusa_trt.modeling import MedusaModel
+from medusa_trt.modeling import MedusaModel, sliding_window_mask
 from medusa_trt.quant import FP8Module, Int4Linear, dequantize_fp8, fake_quant_fp8, nbits_matmul
 from medusa_trt.tree import candidate_topk
 
@@ -132,16 +132,24 @@ class _ExportModule(nn.Module):
             past = tuple(p.narrow(2, 0, end) for p in past)
         t = past[0].shape[2]
         keys = torch.arange(t, device=input_ids.device)
+        window_mask = None
         if self.places_new_keys:  # new token j of sequence b at key past_lengths[b] + j
             after = keys[None, :] - past_lengths[:, None]  # [B, T]: a key's offset after the prefix
             new = (after >= 0) & (after < s)
-            tree = new_mask.gather(2, after.clamp(0, s - 1)[:, None, :].expand(b, s, t)) & new[:, None, :]
+            slot = after.clamp(0, s - 1)
+            tree = new_mask.gather(2, slot[:, None, :].expand(b, s, t)) & new[:, None, :]
             slots = (past_lengths[:, None] + torch.arange(s, device=input_ids.device))[:, None, :, None]
             mask = PlacedMask((after < 0)[:, None, :] | tree, slots)
+            if any(self.model.cfg.windows):
+                # A key's position: its index in the prefix, its token's position_ids after it.
+                key_positions = torch.where(after < 0, keys[None, :], position_ids.gather(1, slot))
+                window_mask = PlacedMask(sliding_window_mask(mask.mask, position_ids, key_positions,
+                                                             self.model.cfg.sliding_window), slots)
         else:
             prefix = keys[None, None, :] < past_lengths[:, None, None]
             mask = torch.cat([prefix.expand(b, s, t), new_mask], dim=-1)  # [B, S, T+S]
-        return self.model.forward_hidden(input_ids, position_ids, mask, past[0::2], past[1::2], logit_positions)
+        return self.model.forward_hidden(input_ids, position_ids, mask, past[0::2], past[1::2], logit_positions,
+                                         window_mask)
 
 
 class _HeadsModule(nn.Module):
