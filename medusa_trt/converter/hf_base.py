@@ -12,7 +12,14 @@ from pathlib import Path
 
 import torch
 
-from medusa_trt.checkpoint import FULL_ATTENTION, LM_HEAD, LN_F, SLIDING_ATTENTION, VOCAB_EMBEDDING, layer_prefix
+from medusa_trt.checkpoint import (
+    FULL_ATTENTION,
+    LM_HEAD,
+    LN_F,
+    SLIDING_ATTENTION,
+    VOCAB_EMBEDDING,
+    layer_prefix,
+)
 from medusa_trt.errors import CheckpointError, read_json_object, require
 from medusa_trt.safetensors_io import SafetensorsFile
 
