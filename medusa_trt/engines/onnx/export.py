@@ -16,6 +16,11 @@ a 2-core CPU with 10M and 100M-parameter models (benchmarks/bench_onnx.py):
 - Medusa heads as one 2-D MatMul per head: ONNX Runtime prepacks 2-D constant weights, and the
   reference's batched einsum runs several times slower there.
 
+A checkpoint with a sliding window gets a second mask, built once per graph: the first cut to the
+keys at positions > a query's position - window (modeling.sliding_window_mask), read by the layers
+with the window. A cached key's position is its index; a new key's, its position_ids entry. Every
+attention form takes it as it takes the first, so all of them apply the window.
+
 FP8 checkpoints export as explicit quantization (opset >= 19; the ops in ops.py), the form TensorRT builds FP8 engines
 from: each quantized Linear's weight is a float8e4m3fn initializer behind DequantizeLinear with its
 per-tensor scale, its input goes through QuantizeLinear -> DequantizeLinear with the calibrated
