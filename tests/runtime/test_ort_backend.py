@@ -64,14 +64,17 @@ def test_greedy_equals_transformers(ort_engine, hf_greedy, arch):
         assert result.tokens == expected, f"use_medusa={use_medusa}"
 
 
-@pytest.mark.parametrize("arch", list(SLIDING_WINDOW_CONFIGS))
-def test_greedy_past_the_sliding_window_equals_transformers(ort_engine, tiny_merged, hf_greedy, arch):
+@pytest.mark.parametrize("arch,attention", [("mistral", None), ("qwen2", None), ("qwen2", "row_exact_f32")])
+def test_greedy_past_the_sliding_window_equals_transformers(ort_engine, tiny_merged, hf_greedy, arch, attention):
     """A base with a window of 8 keys (Qwen2: in its second layer only), prompts and 48 new tokens
     far past it: plain and Medusa greedy (the fused step and the two-call step) on the engine, and
-    plain greedy on the reference, emit transformers' tokens."""
+    plain greedy on the reference, emit transformers' tokens. The default attention form, and a
+    form that writes new keys into the cache in place."""
     base_kwargs = {"extra_config": SLIDING_WINDOW_CONFIGS[arch]}
-    engine_dir = ort_engine(arch, base_kwargs=base_kwargs)
-    assert json.loads((engine_dir / "engine.json").read_text())["model"]["sliding_window"] == WINDOW
+    engine_dir = ort_engine(arch, base_kwargs=base_kwargs, **({"attention": attention} if attention else {}))
+    engine = json.loads((engine_dir / "engine.json").read_text())
+    assert engine["model"]["sliding_window"] == WINDOW
+    assert engine["onnx"]["cache_in_place"] == (attention == "row_exact_f32")
     tok = load_tokenizer(engine_dir)
     prompts = [tok.encode(t) for t in PROMPTS]
     expected = hf_greedy(arch, prompts, base_kwargs)
