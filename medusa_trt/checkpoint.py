@@ -61,6 +61,10 @@ def medusa_lm_head(head: int) -> str:
     return f"medusa_heads.{head}.lm_head.weight"
 
 
+# config.json `layer_types` values (HF's names): which layers use `sliding_window`.
+SLIDING_ATTENTION, FULL_ATTENTION = "sliding_attention", "full_attention"
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """What the reference model, its drafter and the quantizers read of a merged checkpoint's config."""
@@ -79,7 +83,10 @@ class ModelConfig:
     qkv_bias: bool = False
     num_medusa_heads: int = 0
     num_medusa_layers: int = 1
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # keys a query sees, itself included (transformers' sliding_window)
+    # Which layers use the window, HF's names per layer ("sliding_attention" / "full_attention"):
+    # Qwen2 slides only in layers >= max_window_layers. None: every layer does (Mistral).
+    layer_types: tuple[str, ...] | None = None
     dtype: str = "float32"
     quantization: dict | None = None  # the checkpoint's block: quant_algo, kv_cache_quant_algo, exclude_modules
     # Token ids the heads draft from (their logits elsewhere are drafters.base.OUTSIDE_DRAFT_LOGIT):
@@ -108,6 +115,7 @@ class ModelConfig:
             num_medusa_heads=cfg.get("num_medusa_heads", 0),
             num_medusa_layers=cfg.get("num_medusa_layers", 1),
             sliding_window=cfg.get("sliding_window"),
+            layer_types=tuple(cfg["layer_types"]) if cfg.get("layer_types") else None,
             dtype=cfg.get("dtype", "float32"),
             quantization=cfg.get("quantization"),
             draft_vocab=tuple(cfg["medusa_trt"]["draft_vocab"]) if (cfg.get("medusa_trt") or {}).get("draft_vocab")
@@ -115,6 +123,18 @@ class ModelConfig:
             drafter=(cfg.get("medusa_trt") or {}).get("drafter", "medusa"),
             drafter_options=(cfg.get("medusa_trt") or {}).get((cfg.get("medusa_trt") or {}).get("drafter", "medusa")),
         )
+
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of decoder layer `layer`, or None when it attends to every earlier position."""
+        if self.sliding_window is None or (self.layer_types and self.layer_types[layer] != SLIDING_ATTENTION):
+            return None
+        return self.sliding_window
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        """layer_window of every layer, in layer order."""
+        return tuple(self.layer_window(i) for i in range(self.num_layers))
 
 
 @dataclass(frozen=True)
@@ -454,6 +474,14 @@ def validate_config(config: dict, path: Path) -> None:
     for key in ("attn_bias", "mlp_bias", "use_parallel_embedding", "tie_word_embeddings"):
         req(config, key, bool)
     req(config, "sliding_window", int, positive=True)
+    layer_types = req(config, "layer_types", list)
+    if layer_types is not None:
+        bad = [t for t in layer_types if t not in (SLIDING_ATTENTION, FULL_ATTENTION)]
+        layers = config.get("num_hidden_layers")
+        if bad or (isinstance(layers, int) and len(layer_types) != layers):
+            raise CheckpointError(f"{path}: layer_types has {len(layer_types)} entries{f' ({bad[0]!r})' if bad else ''}; "
+                                  f"expected {SLIDING_ATTENTION!r} or {FULL_ATTENTION!r} for each of the "
+                                  f"{layers} layers")
     req(config, "rotary_scaling", dict)
     mapping = req(config, "mapping", dict)
     for key in ("world_size", "tp_size", "pp_size"):

@@ -133,6 +133,7 @@ def validate_engine(engine: Any, path: Path, backend: str | None = None) -> dict
                 "head_dim", "max_position_embeddings"):
         req(model, key, int, "model.", positive=True)
     req(model, "model_type", str, "model.", default=None)
+    req(model, "sliding_window", int, "model.", positive=True, default=None)
     medusa = require_section(engine, "medusa", file=path, error=EngineError)
     req(medusa, "num_heads", int, "medusa.", nonnegative=True)
     req(medusa, "num_layers", int, "medusa.", nonnegative=True)

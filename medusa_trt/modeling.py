@@ -5,7 +5,8 @@ HF gate_proj, `mlp.gate` is HF up_proj) so every backend is checked against one 
 exact bytes they build from. Everything a tree verify needs is explicit in `forward`: position ids
 (tree nodes share positions by depth), a boolean attention mask over [past + new] keys (causal for a
 prompt, the tree mask for a verify step), and the past key/values. The module holds no cache state,
-which keeps it exportable to ONNX as one graph.
+which keeps it exportable to ONNX as one graph. A sliding window (Mistral, Qwen2's upper layers)
+is a second mask, the first cut to the window by position (`sliding_window_mask`).
 
 The model is float only. Quantized forms (an FP8 checkpoint's, medusa-build's int4) are modules that
 medusa_trt.quant swaps in, computing what the engines' quantized ops compute; the model offers the
@@ -78,6 +79,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     scores = scores.masked_fill(~mask[:, None], torch.finfo(torch.float32).min)
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     return torch.matmul(probs, v)
+
+
+def sliding_window_mask(mask: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor,
+                        window: int) -> torch.Tensor:
+    """`mask` [B, S, K] with the keys outside the sliding window cut: a query at position p sees keys
+    at positions > p - window, itself and the window - 1 before it (transformers'
+    sliding_window_overlay: kv_idx > q_idx - sliding_window). query_positions [B, S], key_positions
+    [B, K]. Tree nodes have their depth's position, so a node sees the same keys as the token at
+    that position of a plain decode."""
+    return mask & (key_positions[:, None, :] > query_positions[:, :, None] - window)
 
 
 def attention_with_past(q, k, v, past_k, past_v, mask):
@@ -182,20 +193,32 @@ class MedusaModel(nn.Module):
         past_keys: torch.Tensor,  # [L, B, Hkv, P, D]
         past_values: torch.Tensor,  # [L, B, Hkv, P, D]
         logit_positions: torch.Tensor | None = None,  # [B, K] int64: rows of S to produce logits for
+        window_mask=None,  # the sliding-window layers' mask; None: from attention_mask and the positions
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns logits [B, K, V] f32, the final normed hidden state [B, K, d] at the same rows (what
         the drafter reads), and the NEW tokens' present keys/values [L, B, Hkv, S, D] (the caller
         owns the cache and decides where they go). K = S when `logit_positions` is None; prompts
         pass their last position to skip the [S, V] products nobody reads. The drafter is separate
         (`draft`) because a decoding step needs it at the committed rows only, known after
-        verification."""
+        verification.
+
+        Layers with a sliding window (cfg.layer_window) attend through `window_mask`. By default it
+        is attention_mask cut to the window, past key j taken to be position j (every backend keeps
+        a sequence's committed tokens at their positions) and new key j at position_ids[:, j]; the
+        export passes its own for masks of another layout (engines/onnx/attention.py: PlacedMask)."""
         x = self.vocab_embedding(input_ids)
         freqs = position_ids[..., None].float() * self.inv_freq  # [B, S, D/2]
         emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # [B, 1, S, D]
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        windows = self.cfg.windows
+        if window_mask is None and any(windows):
+            b, p = input_ids.shape[0], past_keys[0].shape[-2]  # a stacked tensor or a tuple of layers
+            key_positions = torch.cat([torch.arange(p, device=position_ids.device).expand(b, p), position_ids], 1)
+            window_mask = sliding_window_mask(attention_mask, position_ids, key_positions, self.cfg.sliding_window)
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
-            x, k, v = layer(x, cos, sin, attention_mask, past_keys[i], past_values[i])
+            mask = window_mask if windows[i] else attention_mask
+            x, k, v = layer(x, cos, sin, mask, past_keys[i], past_values[i])
             new_k.append(k)
             new_v.append(v)
         h = self.ln_f(x)

@@ -33,7 +33,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PROG = "gpu-check"
-NEEDS = {"tensorrt": "tensorrt>=10.15", "onnx_graphsurgeon": "onnx-graphsurgeon>=0.5", "triton": "triton>=3.3"}
+NEEDS = {"tensorrt": "tensorrt>=10.15,<12", "onnx_graphsurgeon": "onnx-graphsurgeon>=0.5", "triton": "triton>=3.3"}
 PASTS = (1024, 2048, 4096, 8192)
 TREES = (16, 32, 64)
 

@@ -77,18 +77,20 @@ def tiny_merged(tmp_path_factory, tiny_base, tiny_heads):
 
 @pytest.fixture(scope="session")
 def ort_engine(tmp_path_factory, tiny_merged):
-    """ort_engine(arch="llama", **BuildOptions fields) -> Path of an ONNX Runtime engine dir built by
-    medusa-build from tiny_merged(arch). Exports take seconds, so each variant is built once."""
+    """ort_engine(arch="llama", base_kwargs=None, **BuildOptions fields) -> Path of an ONNX Runtime
+    engine dir built by medusa-build from tiny_merged(arch, base_kwargs=base_kwargs). Exports take
+    seconds, so each variant is built once."""
     from medusa_trt.engines.build import build_engine
     from medusa_trt.engines.options import BuildOptions
 
     cache: dict[str, Path] = {}
 
-    def make(arch: str = "llama", **options) -> Path:
-        key = _key(arch, **options)
+    def make(arch: str = "llama", base_kwargs: dict | None = None, **options) -> Path:
+        key = _key(arch, base_kwargs, **options)
         if key not in cache:
             out = tmp_path_factory.mktemp(f"engine-{arch}") / "engine"
-            build_engine(BuildOptions(checkpoint=tiny_merged(arch), out=out, progress=False, **options))
+            checkpoint = tiny_merged(arch, base_kwargs=base_kwargs)
+            build_engine(BuildOptions(checkpoint=checkpoint, out=out, progress=False, **options))
             cache[key] = out
         return cache[key]
 

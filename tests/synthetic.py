@@ -23,6 +23,14 @@ ARCHS = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
 WEIGHTS_FORMATS = ("safetensors", "sharded", "bin", "sharded_bin")
 HEAD_FORMATS = ("medusa_v1", "medusa_v2", "medusa2_full", "modelopt", "amphista")
 BOS, EOS = 1, 2
+# Bases with a sliding window far shorter than the tests' sequences (make_base's extra_config):
+# Mistral slides in every layer; Qwen2 from max_window_layers on, so layer 0 attends to all and
+# layer 1 to the window, both kinds of layer in one model.
+WINDOW = 8
+SLIDING_WINDOW_CONFIGS = {
+    "mistral": {"sliding_window": WINDOW},
+    "qwen2": {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1},
+}
 
 
 def make_tokenizer(vocab_size: int):
@@ -66,8 +74,10 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
 def make_base(directory: str | Path, arch: str = "llama", *, hidden_size: int = 64, layers: int = 2,
               heads: int = 4, kv_heads: int = 2, vocab: int = 256, intermediate: int = 128,
               tied: bool = False, rope_scaling: dict | None = None, weights_format: str = "safetensors",
-              dtype: torch.dtype = torch.float32, seed: int = 0, max_position_embeddings: int = 512) -> Path:
-    """A tiny random Llama/Mistral/Qwen2 model saved like the Hub's, with a tokenizer."""
+              dtype: torch.dtype = torch.float32, seed: int = 0, max_position_embeddings: int = 512,
+              extra_config: dict | None = None) -> Path:
+    """A tiny random Llama/Mistral/Qwen2 model saved like the Hub's, with a tokenizer. `extra_config`:
+    more config keys (a sliding window: {"sliding_window": 8}, Qwen2's "use_sliding_window", ...)."""
     import transformers
 
     if arch not in ARCHS:
@@ -82,7 +92,7 @@ def make_base(directory: str | Path, arch: str = "llama", *, hidden_size: int = 
                   max_position_embeddings=max_position_embeddings)
     if rope_scaling is not None:
         kwargs["rope_scaling"] = rope_scaling
-    config = config_cls(**kwargs)
+    config = config_cls(**kwargs, **(extra_config or {}))
     torch.manual_seed(seed)
     model = model_cls(config)
     _randomize(model, seed)

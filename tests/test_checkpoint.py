@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from medusa_trt.checkpoint import (
+    ModelConfig,
     check_tp,
     expected_tensors,
     load_checkpoint,
@@ -21,6 +22,7 @@ from medusa_trt.checkpoint import (
     shard_tensor,
     tp_rule,
     validate_checkpoint,
+    validate_config,
     write_checkpoint,
 )
 from medusa_trt.errors import CheckpointError
@@ -175,6 +177,22 @@ def test_validate_reports_config_problems(tmp_path):
         validate_checkpoint(tmp_path)
     with pytest.raises(CheckpointError, match="config.json: not found"):
         validate_checkpoint(tmp_path / "nowhere")
+
+
+def test_layer_types_name_each_layer(tmp_path):
+    """config.json layer_types (which layers use sliding_window): one known kind per layer, or refused
+    by name; ModelConfig gives each layer its window."""
+    cfg = _full_config(tp=1)
+    layers = cfg["num_hidden_layers"]
+    for bad in (["sliding_attention"] * (layers + 1), ["local"] * layers):
+        with pytest.raises(CheckpointError, match=r"layer_types has \d+ entries.*for each of the"):
+            validate_config(cfg | {"layer_types": bad}, tmp_path / "config.json")
+    kinds = ["full_attention"] + ["sliding_attention"] * (layers - 1)
+    validate_config(cfg | {"sliding_window": 5, "layer_types": kinds}, tmp_path / "config.json")
+    assert ModelConfig.from_checkpoint_config(cfg | {"sliding_window": 5, "layer_types": kinds}).windows == (
+        None, *[5] * (layers - 1))
+    assert ModelConfig.from_checkpoint_config(cfg | {"sliding_window": 5}).windows == (5,) * layers
+    assert ModelConfig.from_checkpoint_config(cfg).windows == (None,) * layers
 
 
 def test_fp8_checkpoint_round_trip_with_duplicated_kv_heads(tmp_path):

@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from synthetic import SLIDING_WINDOW_CONFIGS, WINDOW
 from transformers import AutoModelForCausalLM
 
 from medusa_trt.drafters.medusa import resblocks, stacked_linear
@@ -24,6 +25,9 @@ VARIANTS = {
     "llama-rope-linear": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
     "mistral": ("mistral", {}),
     "qwen2": ("qwen2", {}),
+    # Windows of 8 keys, 80-token sequences: most keys are outside a late query's window.
+    "mistral-window": ("mistral", {"extra_config": SLIDING_WINDOW_CONFIGS["mistral"]}),
+    "qwen2-window": ("qwen2", {"extra_config": SLIDING_WINDOW_CONFIGS["qwen2"]}),
 }
 
 
@@ -52,6 +56,33 @@ def test_base_logits_match_transformers(variant, tiny_base, tiny_merged):
         last, _, _, _ = model(ids[:, 79:], pos[:, 79:], causal(3, 1, 79), torch.cat([k1, k2], 3),
                               torch.cat([v1, v2], 3))
         assert (last - ref[:, 79:]).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen2"])
+def test_tree_nodes_see_the_sliding_window_of_their_position(arch, tiny_base, tiny_merged):
+    """A verify step past the window: every tree node's logits equal transformers' at the last token
+    of prefix + the node's path, so a node at depth d sees the keys its position sees in a plain
+    decode (the window moves with the depth), and the merged config names the windowed layers."""
+    kwargs = {"extra_config": SLIDING_WINDOW_CONFIGS[arch]}
+    hf = AutoModelForCausalLM.from_pretrained(tiny_base(arch, **kwargs)).eval()
+    model = MedusaModel.from_checkpoint(tiny_merged(arch, base_kwargs=kwargs))
+    assert model.cfg.windows == ((WINDOW, WINDOW) if arch == "mistral" else (None, WINDOW))
+    paths = [(), (0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0)]  # () is the root
+    mask = torch.tensor([[a == b[:len(a)] for a in paths] for b in paths])  # node i sees its ancestors
+    g = torch.Generator().manual_seed(1)
+    prefix = torch.randint(0, 256, (1, 3 * WINDOW), generator=g)
+    tokens = torch.randint(0, 256, (1, len(paths)), generator=g)
+    p = prefix.shape[1]
+    with torch.no_grad():
+        keys, values = model.empty_cache(1)
+        _, _, k, v = model(prefix, torch.arange(p)[None], causal(1, p), keys, values)
+        pos = torch.tensor([[p + len(path) for path in paths]])
+        logits, _, _, _ = model(tokens, pos, torch.cat([torch.ones(len(paths), p, dtype=torch.bool), mask], 1)[None],
+                                k, v)
+        for i, path in enumerate(paths):
+            chain = [j for j, q in enumerate(paths) if q == path[:len(q)]]  # the root .. the node
+            ref = hf(torch.cat([prefix, tokens[:, chain]], 1)).logits[0, -1]
+            assert (logits[0, i] - ref).abs().max() <= 1e-4, path
 
 
 def test_logit_positions_select_rows(tiny_merged):

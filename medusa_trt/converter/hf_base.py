@@ -12,7 +12,14 @@ from pathlib import Path
 
 import torch
 
-from medusa_trt.checkpoint import LM_HEAD, LN_F, VOCAB_EMBEDDING, layer_prefix
+from medusa_trt.checkpoint import (
+    FULL_ATTENTION,
+    LM_HEAD,
+    LN_F,
+    SLIDING_ATTENTION,
+    VOCAB_EMBEDDING,
+    layer_prefix,
+)
 from medusa_trt.errors import CheckpointError, read_json_object, require
 from medusa_trt.safetensors_io import SafetensorsFile
 
@@ -299,9 +306,7 @@ def base_config(base: BaseModel) -> dict:
     if base.model_type != "qwen2" and c.get("attention_bias"):
         raise ConvertError(f"{path}: attention_bias true is not supported for {base.model_type}")
     rotary_base, rotary_scaling = normalize_rope(c, path)
-    sliding_window = c.get("sliding_window")
-    if base.model_type == "qwen2" and not c.get("use_sliding_window", False):
-        sliding_window = None  # Qwen2 configs carry a window size even when it is switched off
+    sliding_window, layer_types = _sliding_window(base, c, path)
     gen = base.generation_config
     config = {
         "model_type": TRTLLM_MODEL_TYPE[base.model_type],
@@ -325,9 +330,37 @@ def base_config(base: BaseModel) -> dict:
         "eos_token_id": c.get("eos_token_id") if c.get("eos_token_id") is not None else gen.get("eos_token_id"),
         "tie_word_embeddings": bool(c.get("tie_word_embeddings", False)),
     }
+    if layer_types is not None:
+        config["layer_types"] = layer_types
     if base.model_type == "qwen2":
         config["qwen_type"] = "qwen2"
     return config
+
+
+def _sliding_window(base: BaseModel, c: dict, path: Path) -> tuple[int | None, list[str] | None]:
+    """The window and the layers that use it, as transformers reads the base config: Mistral slides in
+    every layer when `sliding_window` is set; Qwen2 only with `use_sliding_window`, and then in the
+    layers its `layer_types` name, by default those from `max_window_layers` on (Qwen2Config);
+    Llama has no window (LlamaAttention ignores the key)."""
+    window = c.get("sliding_window")
+    if base.model_type == "llama" or window is None:
+        return None, None
+    if base.model_type != "qwen2":
+        return window, None
+    if not c.get("use_sliding_window", False):
+        return None, None  # Qwen2 configs carry a window size even when it is switched off
+    layers = c["num_hidden_layers"]
+    types = c.get("layer_types")
+    if types is None:
+        first = require(c, "max_window_layers", int, file=path, error=ConvertError, nonnegative=True, default=28)
+        types = [SLIDING_ATTENTION if i >= first else FULL_ATTENTION for i in range(layers)]
+    elif not (isinstance(types, list) and len(types) == layers
+              and all(t in (SLIDING_ATTENTION, FULL_ATTENTION) for t in types)):
+        raise ConvertError(f"{path}: layer_types {str(types)[:80]}; expected {SLIDING_ATTENTION!r} or "
+                           f"{FULL_ATTENTION!r} for each of the {layers} layers")
+    if SLIDING_ATTENTION not in types:
+        return None, None
+    return window, None if FULL_ATTENTION not in types else types
 
 
 def _token_ids(c: dict, key: str, path: Path) -> None:

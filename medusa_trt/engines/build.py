@@ -180,6 +180,9 @@ def engine_json(opts: BuildOptions, config: dict, backend_part: dict, workdir: P
             "num_kv_heads": int(config.get("num_key_value_heads") or heads),
             "head_dim": int(config.get("head_size") or int(config["hidden_size"]) // heads),
             "max_position_embeddings": int(config["max_position_embeddings"]),
+            # Built into the graphs; recorded so a reader can tell (docs/formats.md section 2).
+            "sliding_window": config.get("sliding_window"),
+            "layer_types": config.get("layer_types"),
         },
         "medusa": {
             "num_heads": int(config.get("num_medusa_heads") or 0),

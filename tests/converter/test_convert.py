@@ -234,6 +234,38 @@ def test_rope_scaling_both_config_forms(tmp_path, tiny_base, tiny_heads, scaling
     assert config["rotary_scaling"] == expected and config["rotary_base"] == 5e5
 
 
+def test_sliding_window_as_transformers_reads_it(tmp_path, tiny_base):
+    """Which layers slide, from each form of a base config, as transformers' config classes decide:
+    Qwen2 from layer_types, else from max_window_layers, only with use_sliding_window; Mistral in
+    every layer; Llama never. A malformed layer_types is one error naming the file."""
+    from medusa_trt.converter.hf_base import ConvertError, base_config, read_base
+
+    def window_of(arch: str, **changes) -> tuple:
+        base = tmp_path / f"{arch}-{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(tiny_base(arch), base)
+        cfg = json.loads((base / "config.json").read_text())
+        cfg.update(changes)
+        cfg = {k: v for k, v in cfg.items() if v is not None}
+        (base / "config.json").write_text(json.dumps(cfg))
+        out = base_config(read_base(base))
+        return out["sliding_window"], out.get("layer_types")
+
+    sliding, full = "sliding_attention", "full_attention"
+    assert window_of("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1,
+                     layer_types=None) == (8, [full, sliding])
+    assert window_of("qwen2", use_sliding_window=True, sliding_window=8, layer_types=[sliding, full]) == (
+        8, [sliding, full])
+    assert window_of("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=0,
+                     layer_types=None) == (8, None)  # every layer slides
+    assert window_of("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=2,
+                     layer_types=None) == (None, None)  # none does
+    assert window_of("qwen2", use_sliding_window=False, sliding_window=8) == (None, None)
+    assert window_of("mistral", sliding_window=8) == (8, None)
+    assert window_of("llama", sliding_window=8) == (None, None)
+    with pytest.raises(ConvertError, match=r"config.json: layer_types .*for each of the 2 layers"):
+        window_of("qwen2", use_sliding_window=True, sliding_window=8, layer_types=[sliding])
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_output_dtype(tmp_path, tiny_base, tiny_heads, dtype):
     base = tiny_base("llama")

@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 import torch
+from synthetic import SLIDING_WINDOW_CONFIGS, WINDOW
 
 from medusa_trt.cli import run as run_cli
 from medusa_trt.engine_dir import EngineError
@@ -29,10 +30,12 @@ def hf_greedy(tiny_base):
 
     cache = {}
 
-    def get(arch: str, prompts: list[list[int]]) -> list[list[int]]:
-        if arch not in cache:
-            cache[arch] = AutoModelForCausalLM.from_pretrained(tiny_base(arch), dtype=torch.float32).eval()
-        model = cache[arch]
+    def get(arch: str, prompts: list[list[int]], base_kwargs: dict | None = None) -> list[list[int]]:
+        key = (arch, repr(base_kwargs))
+        if key not in cache:
+            cache[key] = AutoModelForCausalLM.from_pretrained(tiny_base(arch, **(base_kwargs or {})),
+                                                              dtype=torch.float32).eval()
+        model = cache[key]
         out = []
         for p in prompts:
             ids = torch.tensor([p])
@@ -59,6 +62,29 @@ def test_greedy_equals_transformers(ort_engine, hf_greedy, arch):
         cfg = GenerationConfig(max_new_tokens=NEW_TOKENS, use_medusa=use_medusa)
         result = decode(backend, prompts, cfg)
         assert result.tokens == expected, f"use_medusa={use_medusa}"
+
+
+@pytest.mark.parametrize("arch,attention", [("mistral", None), ("qwen2", None), ("qwen2", "row_exact_f32")])
+def test_greedy_past_the_sliding_window_equals_transformers(ort_engine, tiny_merged, hf_greedy, arch, attention):
+    """A base with a window of 8 keys (Qwen2: in its second layer only), prompts and 48 new tokens
+    far past it: plain and Medusa greedy (the fused step and the two-call step) on the engine, and
+    plain greedy on the reference, emit transformers' tokens. The default attention form, and a
+    form that writes new keys into the cache in place."""
+    base_kwargs = {"extra_config": SLIDING_WINDOW_CONFIGS[arch]}
+    engine_dir = ort_engine(arch, base_kwargs=base_kwargs, **({"attention": attention} if attention else {}))
+    engine = json.loads((engine_dir / "engine.json").read_text())
+    assert engine["model"]["sliding_window"] == WINDOW
+    assert engine["onnx"]["cache_in_place"] == (attention == "row_exact_f32")
+    tok = load_tokenizer(engine_dir)
+    prompts = [tok.encode(t) for t in PROMPTS]
+    expected = hf_greedy(arch, prompts, base_kwargs)
+    reference = TorchBackend(MedusaModel.from_checkpoint(tiny_merged(arch, base_kwargs=base_kwargs)))
+    assert decode(reference, prompts, GenerationConfig(max_new_tokens=NEW_TOKENS, use_medusa=False)).tokens == expected
+    backend = load_backend(engine_dir)
+    for use_medusa, fused in ((False, None), (True, backend.fused_step_topk), (True, None)):
+        backend.fused_step_topk = fused
+        result = decode(backend, prompts, GenerationConfig(max_new_tokens=NEW_TOKENS, use_medusa=use_medusa))
+        assert result.tokens == expected, f"use_medusa={use_medusa} fused={fused}"
 
 
 @pytest.mark.parametrize("use_binding", [False, True], ids=["session.run", "iobinding"])

@@ -16,6 +16,11 @@ a 2-core CPU with 10M and 100M-parameter models (benchmarks/bench_onnx.py):
 - Medusa heads as one 2-D MatMul per head: ONNX Runtime prepacks 2-D constant weights, and the
   reference's batched einsum runs several times slower there.
 
+A checkpoint with a sliding window gets a second mask, built once per graph: the first cut to the
+keys at positions > a query's position - window (modeling.sliding_window_mask), read by the layers
+with the window. A cached key's position is its index; a new key's, its position_ids entry. Every
+attention form takes it as it takes the first, so all of them apply the window.
+
 FP8 checkpoints export as explicit quantization (opset >= 19; the ops in ops.py), the form TensorRT builds FP8 engines
 from: each quantized Linear's weight is a float8e4m3fn initializer behind DequantizeLinear with its
 per-tensor scale, its input goes through QuantizeLinear -> DequantizeLinear with the calibrated
@@ -96,7 +101,7 @@ from medusa_trt.engines.onnx.ops import (
     has_int4,
     int4_translations,
 )
-from medusa_trt.modeling import MedusaModel
+from medusa_trt.modeling import MedusaModel, sliding_window_mask
 from medusa_trt.quant import FP8Module, Int4Linear, dequantize_fp8, fake_quant_fp8, nbits_matmul
 from medusa_trt.tree import candidate_topk
 
@@ -136,16 +141,24 @@ class _ExportModule(nn.Module):
             past = tuple(p.narrow(2, 0, end) for p in past)
         t = past[0].shape[2]
         keys = torch.arange(t, device=input_ids.device)
+        window_mask = None
         if self.places_new_keys:  # new token j of sequence b at key past_lengths[b] + j
             after = keys[None, :] - past_lengths[:, None]  # [B, T]: a key's offset after the prefix
             new = (after >= 0) & (after < s)
-            tree = new_mask.gather(2, after.clamp(0, s - 1)[:, None, :].expand(b, s, t)) & new[:, None, :]
+            slot = after.clamp(0, s - 1)
+            tree = new_mask.gather(2, slot[:, None, :].expand(b, s, t)) & new[:, None, :]
             slots = (past_lengths[:, None] + torch.arange(s, device=input_ids.device))[:, None, :, None]
             mask = PlacedMask((after < 0)[:, None, :] | tree, slots)
+            if any(self.model.cfg.windows):
+                # A key's position: its index in the prefix, its token's position_ids after it.
+                key_positions = torch.where(after < 0, keys[None, :], position_ids.gather(1, slot))
+                window_mask = PlacedMask(sliding_window_mask(mask.mask, position_ids, key_positions,
+                                                             self.model.cfg.sliding_window), slots)
         else:
             prefix = keys[None, None, :] < past_lengths[:, None, None]
             mask = torch.cat([prefix.expand(b, s, t), new_mask], dim=-1)  # [B, S, T+S]
-        return self.model.forward_hidden(input_ids, position_ids, mask, past[0::2], past[1::2], logit_positions)
+        return self.model.forward_hidden(input_ids, position_ids, mask, past[0::2], past[1::2], logit_positions,
+                                         window_mask)
 
 
 class _HeadsModule(nn.Module):

@@ -134,16 +134,41 @@ def require_tensorrt():
     return trt
 
 
-# The exported graphs are opset 23: RMSNormalization (parsed by TensorRT's ONNX parser from 10.15) in
-# both modes, and Attention (from 10.14) with --trt-attention native. pyproject's extra states the same floor.
+# The TensorRT releases this project builds and runs with (pyproject's extra states the same range).
+# The floor: the exported graphs are opset 23, with RMSNormalization (parsed by TensorRT's ONNX parser
+# from 10.15) in both modes and Attention (from 10.14) with --trt-attention native. The ceiling: 11.x
+# is the newest major whose Python API every call here was checked against (strongly typed networks
+# only, the Quickly Deployable Plugin API with ahead-of-time kernels, the ONNX parser to opset 25).
 MIN_TENSORRT = (10, 15)
+MAX_TENSORRT = (12, 0)  # exclusive
+SUPPORTED_TENSORRT = "10.15 to 11.x"
+
+
+def tensorrt_version_problem(version: str) -> str | None:
+    """Why TensorRT `version` cannot be used here (one line), or None when it is supported."""
+    parts = tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
+    if MIN_TENSORRT <= parts < MAX_TENSORRT:
+        return None
+    why = ("the exported opset-23 graphs (RMSNormalization, Attention) need 10.15" if parts < MIN_TENSORRT
+           else "its API is not checked against this release")
+    return (f"TensorRT {version} is not supported: medusa-trt works with TensorRT {SUPPORTED_TENSORRT} ({why}); "
+            f"{EXTRA_HINT} installs one")
 
 
 def check_tensorrt_version(version: str) -> None:
-    parts = tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
-    if parts < MIN_TENSORRT:
-        raise BuildError(f"TensorRT {version}: the exported opset-23 graphs (RMSNormalization, Attention) need "
-                         f"TensorRT >= {'.'.join(map(str, MIN_TENSORRT))}; pip install -U 'medusa-trt[tensorrt]'")
+    problem = tensorrt_version_problem(version)
+    if problem:
+        raise BuildError(problem)
+
+
+def create_network(trt, builder):
+    """An empty strongly typed network: every tensor keeps the type the ONNX graph gives it. TensorRT
+    10.x makes one on request (the STRONGLY_TYPED creation flag); 11.x makes no other kind and has
+    deprecated the flag, so it gets none."""
+    major = int(trt.__version__.split(".")[0])
+    if major >= 11:
+        return builder.create_network()
+    return builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
 
 
 def require_gpu() -> None:
@@ -163,7 +188,7 @@ def build_serialized(trt, onnx_path: Path, profile: Profile, *, tf32: bool):
     and builds it with one optimization profile; returns the serialized engine (IHostMemory)."""
     logger = _logger(trt)
     builder = trt.Builder(logger)
-    network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
+    network = create_network(trt, builder)
     parser = trt.OnnxParser(network, logger)
     if not parser.parse_from_file(str(onnx_path)):
         errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
@@ -238,7 +263,7 @@ def export_for_tensorrt(opts: BuildOptions, mode: str, dtype: str, onnx_dir: Pat
         from medusa_trt.engines.trt.rewrite import RewriteError, rewrite_onnx_file
 
         try:
-            rewritten = rewrite_onnx_file(exported.path)
+            rewritten = rewrite_onnx_file(exported.path, windows=cfg.windows)
         except RewriteError as e:
             raise BuildError(f"{exported.path}: {e}") from None
         decoder, plugin_nodes = rewritten.path, len(rewritten.plugin_nodes)

@@ -4,18 +4,22 @@
 
     Attention(q, Concat(past_key_i, k), Concat(past_value_i, v), Unsqueeze(mask, [1]))
 
-with the dense mask built in the graph: mask = [prefix(past_lengths) | new_mask], [B, S, P + S] bool.
-The plugin (`tree_attention/plugin.py`, semantics in `tree_attention/kernel.py`) computes exactly
-that from a compact description of the same mask: every query sees the valid past [0, past_lens[b]),
-and the new tokens through a packed int32 mask. So each Attention node is replaced by
+with the dense mask built in the graph: mask = [prefix(past_lengths) | new_mask], [B, S, P + S] bool;
+a layer with a sliding window reads And(mask, keys within the window of each query's position)
+instead (modeling.sliding_window_mask). The plugin (`tree_attention/plugin.py`, semantics in
+`tree_attention/kernel.py`) computes exactly that from a compact description of the same mask: every
+query sees the valid past [0, past_lens[b]), the new tokens through a packed int32 mask, and with
+its `window` attribute only the keys at positions > its position - window. So each Attention node
+is replaced by
 
-    tree_attention(q, Concat(past_key_i, k), Concat(past_value_i, v), past_lens, packed_mask)
+    tree_attention(q, Concat(past_key_i, k), Concat(past_value_i, v), past_lens, packed_mask, positions)
 
 reusing the Concat outputs as they are (the kernel's K/V layout is past first, new tokens last) and
 the Attention node's output tensor (nothing downstream changes). `past_lens` and `packed_mask` are
 computed once, for all layers, from the graph inputs `past_lengths` and `new_mask`:
 
 - past_lens = Cast(past_lengths, int32): the plugin's int32 input.
+- positions = Cast(position_ids, int32): the new tokens' positions (read by windowed layers only).
 - packed_mask = bits of new_mask packed 32 to a word, [B, S, ceil(S / 32)] int32: new_mask is
   zero-padded to a multiple of 32 columns, reshaped to [B, S, W, 32] and summed against
   [1, 2, 4, ..., 2**31] (2**31 as int32 is INT_MIN, which is bit 31 in two's complement; the bits
@@ -29,7 +33,9 @@ elementwise ops on [B, S, S] per step, negligible next to one layer's attention.
 
 Plugin node: op type PLUGIN_NAME in domain PLUGIN_NAMESPACE, with `plugin.onnx_node_attributes`:
 `plugin_namespace` (how TensorRT's ONNX parser finds a plugin registered as "namespace::name"),
-`aot` = 1 (use the ahead-of-time kernel, so the engine needs no Python at run time) and `scale`.
+`aot` = 1 (use the ahead-of-time kernel, so the engine needs no Python at run time), `scale` and
+`window`: the checkpoint's sliding window on the nodes whose mask is windowed, 0 elsewhere (the
+caller passes ModelConfig.windows; the count of windowed masks found must match it).
 The parser's default plugin version ("1") is the version `tensorrt.plugin` registers, so the node
 carries no `plugin_version`. The domain is what onnx.checker and ONNX Runtime key custom ops on;
 TensorRT dispatches on the op type alone.
@@ -45,6 +51,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,6 +62,7 @@ from medusa_trt.engines.trt.tree_attention.plugin import (
     PLUGIN_NAME,
     PLUGIN_NAMESPACE,
     SCALE_ATTR,
+    WINDOW_ATTR,
     onnx_node_attributes,
 )
 from medusa_trt.errors import MedusaTrtError
@@ -63,8 +71,9 @@ log = logging.getLogger(__name__)
 
 PAST_LENS = "tree_attention_past_lens"  # [B] int32, shared by every plugin node
 PACKED_MASK = "tree_attention_packed_mask"  # [B, S, W] int32, shared by every plugin node
+POSITIONS = "tree_attention_positions"  # [B, S] int32, shared by every plugin node
 PLUGIN_OPSET_VERSION = 1
-_MASK_INPUT, _LENGTHS_INPUT = "new_mask", "past_lengths"
+_MASK_INPUT, _LENGTHS_INPUT, _POSITIONS_INPUT = "new_mask", "past_lengths", "position_ids"
 _ONNX_DOMAINS = (None, "", "ai.onnx")  # gs leaves the default domain None
 
 
@@ -88,9 +97,10 @@ def _require_graphsurgeon():
     return gs
 
 
-def rewrite_attention(model, scale: float | None = None):
+def rewrite_attention(model, scale: float | None = None, windows: Sequence[int | None] = ()):
     """(rewritten model, replaced node names, plugin node names): a copy of the exported decoder
     `model` (onnx.ModelProto) with every Attention node replaced by a tree-attention plugin node.
+    `windows`: the model's sliding window per layer (ModelConfig.windows; empty or all None: none).
 
     Initializers stored as external data stay external (they are not loaded): save the result in
     the same directory as the source so their relative locations still resolve.
@@ -101,17 +111,17 @@ def rewrite_attention(model, scale: float | None = None):
     severity = G_LOGGER.severity
     G_LOGGER.severity = G_LOGGER.ERROR  # it warns that numpy has no bfloat16 (the type is kept)
     try:
-        return _rewrite(gs, model, scale)
+        return _rewrite(gs, model, scale, windows)
     finally:
         G_LOGGER.severity = severity
 
 
-def _rewrite(gs, model, scale):
+def _rewrite(gs, model, scale, windows):
     import onnx
 
     graph = gs.import_onnx(model)
     inputs = {t.name: t for t in graph.inputs}
-    for name in (_LENGTHS_INPUT, _MASK_INPUT):
+    for name in (_LENGTHS_INPUT, _MASK_INPUT, _POSITIONS_INPUT):
         if name not in inputs:
             raise RewriteError(f"graph input {name!r} not found (inputs: {sorted(inputs)}); expected a decoder "
                                "graph exported by medusa_trt.engines.onnx.export")
@@ -121,21 +131,30 @@ def _rewrite(gs, model, scale):
         raise RewriteError(f"no Attention node in the graph (ops: {', '.join(ops)}); export with "
                            "attention='attention23' (the other forms have no single attention node)")
 
+    window = _the_window(windows)
+    checked = [(node, *_check_attention(node, inputs)) for node in attention]
+    windowed = sum(w for _, _, w in checked)
+    expected = sum(w is not None for w in windows)
+    if windowed != expected:
+        raise RewriteError(f"{windowed} of the graph's {len(attention)} Attention nodes read a sliding-window mask, "
+                           f"but the model has {expected} layers with a window ({list(windows)}); expected the "
+                           "graph exported from this checkpoint")
     past_lens = _add_node(graph, "Cast", [inputs[_LENGTHS_INPUT]], PAST_LENS, np.int32, ["batch"],
+                          attrs={"to": onnx.TensorProto.INT32})
+    positions = _add_node(graph, "Cast", [inputs[_POSITIONS_INPUT]], POSITIONS, np.int32, ["batch", "new_tokens"],
                           attrs={"to": onnx.TensorProto.INT32})
     packed = _packed_mask(graph, inputs[_MASK_INPUT])
 
     replaced, plugin_nodes = [], []
-    for node in attention:
-        node_scale = _check_attention(node, inputs)
+    for node, node_scale, node_windowed in checked:
         q, keys, values = node.inputs[:3]
         out = node.outputs[0]
         if out.dtype is None:  # the plugin returns q's dtype and shape; say so for shape inference
             out.dtype, out.shape = q.dtype, q.shape
         plugin = gs.Node(
             op=PLUGIN_NAME, name=f"{node.name}/tree_attention", domain=PLUGIN_NAMESPACE,
-            attrs=onnx_node_attributes(scale if scale is not None else node_scale),
-            inputs=[q, keys, values, past_lens, packed], outputs=[out],
+            attrs=onnx_node_attributes(scale if scale is not None else node_scale, window if node_windowed else None),
+            inputs=[q, keys, values, past_lens, packed, positions], outputs=[out],
         )
         node.inputs.clear()
         node.outputs.clear()
@@ -150,8 +169,10 @@ def _rewrite(gs, model, scale):
     return out_model, tuple(replaced), tuple(plugin_nodes)
 
 
-def rewrite_onnx_file(src: str | Path, dst: str | Path | None = None, scale: float | None = None) -> RewriteResult:
-    """Rewrites the decoder graph at `src` into `dst` (default: `<stem>_trt.onnx` beside it).
+def rewrite_onnx_file(src: str | Path, dst: str | Path | None = None, scale: float | None = None,
+                      windows: Sequence[int | None] = ()) -> RewriteResult:
+    """Rewrites the decoder graph at `src` into `dst` (default: `<stem>_trt.onnx` beside it);
+    `windows` as in rewrite_attention.
 
     External data is neither loaded nor copied: `dst` must be in `src`'s directory, where the
     rewritten graph's references to the weight files still resolve.
@@ -165,7 +186,7 @@ def rewrite_onnx_file(src: str | Path, dst: str | Path | None = None, scale: flo
     if dst.resolve().parent != src.resolve().parent:
         raise RewriteError(f"{dst}: must be in the directory of {src} (its external data files stay there)")
     model = onnx.load(str(src), load_external_data=False)
-    rewritten, replaced, plugins = rewrite_attention(model, scale)
+    rewritten, replaced, plugins = rewrite_attention(model, scale, windows)
     onnx.save(rewritten, str(dst))
     try:
         check_rewritten(dst)
@@ -264,9 +285,18 @@ def _reads_input(tensor, name: str, limit: int = 64) -> bool:
     return False
 
 
-def _check_attention(node, inputs: dict) -> float | None:
+def _the_window(windows: Sequence[int | None]) -> int | None:
+    """The one sliding window of a model's layers (None: no layer has one)."""
+    sizes = {w for w in windows if w is not None}
+    if len(sizes) > 1:
+        raise RewriteError(f"layer windows {list(windows)}: the plugin rewrite expects one window size")
+    return sizes.pop() if sizes else None
+
+
+def _check_attention(node, inputs: dict) -> tuple[float | None, bool]:
     """Checks that `node` is the exporter's attention (see the module docstring), so the plugin's
-    semantics are its semantics; returns its scale attribute (None: 1/sqrt(D))."""
+    semantics are its semantics; returns its scale attribute (None: 1/sqrt(D)) and whether its mask
+    is cut to a sliding window."""
     where = f"Attention node {node.name!r}"
     extra = [t.name for t in node.inputs[4:] if t is not None and t.name]
     if len(node.inputs) < 4 or extra:
@@ -297,14 +327,20 @@ def _check_attention(node, inputs: dict) -> float | None:
     unsqueeze = _producer(node.inputs[3])
     mask = unsqueeze.inputs[0] if unsqueeze is not None and unsqueeze.op == "Unsqueeze" else None
     joined = _producer(mask) if mask is not None else None
+    # A sliding-window layer's mask: And(the full mask, a window condition on position_ids).
+    windowed = (joined is not None and joined.op == "And" and len(joined.inputs) == 2
+                and _reads_input(joined.inputs[1], _POSITIONS_INPUT))
+    if windowed:
+        joined = _producer(joined.inputs[0])
     ok = (joined is not None and joined.op == "Concat" and len(joined.inputs) == 2
           and _attr_int(joined, "axis") in (2, -1) and joined.inputs[1].name == _MASK_INPUT
           and _reads_input(joined.inputs[0], _LENGTHS_INPUT))
     if not ok:
         raise RewriteError(f"{where}: attn_mask {node.inputs[3].name!r} is not Unsqueeze(Concat(prefix("
-                           f"{_LENGTHS_INPUT}), {_MASK_INPUT})); the plugin rebuilds exactly that mask")
+                           f"{_LENGTHS_INPUT}), {_MASK_INPUT})), nor that cut to a sliding window by "
+                           f"{_POSITIONS_INPUT}; the plugin rebuilds exactly those masks")
     scale = node.attrs.get("scale")
-    return None if scale is None else float(scale)
+    return None if scale is None else float(scale), windowed
 
 
 def _set_plugin_opset(model) -> None:
@@ -335,17 +371,20 @@ def _register_ort_op() -> str:
     dt = PyCustomOpDef
 
     @onnx_op(op_type=f"{PLUGIN_NAMESPACE}::{PLUGIN_NAME}",
-             inputs=[dt.dt_float, dt.dt_float, dt.dt_float, dt.dt_int32, dt.dt_int32], outputs=[dt.dt_float],
-             attrs={SCALE_ATTR: dt.dt_float, "plugin_namespace": dt.dt_string, "aot": dt.dt_int64})
-    def tree_attention_op(q, k, v, past_lens, packed_mask, **attrs):
+             inputs=[dt.dt_float, dt.dt_float, dt.dt_float, dt.dt_int32, dt.dt_int32, dt.dt_int32],
+             outputs=[dt.dt_float],
+             attrs={SCALE_ATTR: dt.dt_float, WINDOW_ATTR: dt.dt_int64, "plugin_namespace": dt.dt_string,
+                    "aot": dt.dt_int64})
+    def tree_attention_op(q, k, v, past_lens, packed_mask, positions, **attrs):
         import torch
 
         from medusa_trt.engines.trt.tree_attention.kernel import reference_tree_attention, tree_attention
 
         fn = tree_attention if _ort_impl["impl"] == "kernel" else reference_tree_attention
         scale = float(attrs.get(SCALE_ATTR, 0.0)) or None  # 0.0: 1/sqrt(D), as in the plugin
-        args = (torch.from_numpy(np.ascontiguousarray(a)) for a in (q, k, v, past_lens, packed_mask))
-        return fn(*args, scale=scale).numpy()
+        q, k, v, past_lens, packed_mask, positions = (torch.from_numpy(np.ascontiguousarray(a))
+                                                      for a in (q, k, v, past_lens, packed_mask, positions))
+        return fn(q, k, v, past_lens, packed_mask, scale, positions, int(attrs.get(WINDOW_ATTR, 0))).numpy()
 
     return get_library_path()
 

@@ -25,6 +25,18 @@ checkpoint config and the medusa-build options (a pure function, tested without 
   mapping (world_size = tp_size * pp_size); `--workers` builds that many in parallel when the
   machine has the GPUs (TrtllmOptions.workers, default 1). Running it takes `mpirun -n world_size`.
 
+Which TensorRT-LLM: trtllm-build and the Medusa TensorRT engine exist up to the 1.2 releases
+(SUPPORTED_TRTLLM; 1.2.1 is the last final release with them). TensorRT-LLM's main branch removed its
+TensorRT engine backend in July 2026 (PRs #15763, #15918: no trtllm-build, no checkpoint conversion,
+Medusa trees with them), so the 1.3 release candidates and later cannot build this engine; an
+installed one is refused by version before anything runs (check_trtllm_version). This project's
+`--backend tensorrt` is the maintained TensorRT path for Medusa trees.
+
+What trtllm-build cannot express is refused rather than built wrong: a sliding window (Mistral,
+Qwen2 with use_sliding_window) shorter than the engine's max_seq_len. trtllm-build has no
+attention-window option; the window is a run-time setting of TensorRT-LLM's executor
+(max_attention_window_size), which an engine directory does not carry.
+
 The engine directory is trtllm-build's --output_dir itself: `config.json` and `rank{N}.engine` at
 its top, which is where tensorrtllm_backend's `gpt_model_path` (medusa_trt.serving.triton_repo)
 looks for them; engine.json and the tokenizer sit beside them.
@@ -32,9 +44,11 @@ looks for them; engine.json and the tokenizer sit beside them.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -52,6 +66,9 @@ EXTRA_HINT = "pip install 'medusa-trt[tensorrt-llm]'"
 DEFAULT_MAX_NUM_TOKENS = 8192  # trtllm-build's default --max_num_tokens
 FP8_GEMM_PLUGIN_MAX_BATCH = 4  # the tuning guide's "small batch" for --gemm_plugin fp8
 CHECKPOINT_DTYPES = tuple(CONFIG_DTYPES)
+# TensorRT-LLM releases that ship trtllm-build with Medusa (pyproject's extra states the same range).
+MIN_TRTLLM, MAX_TRTLLM = (0, 20), (1, 3)  # MAX exclusive: 1.3 lost the TensorRT engine backend
+SUPPORTED_TRTLLM = ">=0.20,<1.3"
 
 
 @dataclass(frozen=True)
@@ -90,6 +107,12 @@ def trtllm_build_command(checkpoint_dir: str | Path, out_dir: str | Path, config
                          f"--max-draft-len {opts.max_draft_len}")
     llm = backend_options(opts, TrtllmOptions)
     max_seq_len = opts.max_seq_len or int(config["max_position_embeddings"])
+    window = config.get("sliding_window")
+    if window is not None and window < max_seq_len:  # shorter sequences never reach past the window
+        raise BuildError(f"{path}: sliding_window {window} is shorter than the engine's {max_seq_len} positions, "
+                         "and trtllm-build has no attention-window option (TensorRT-LLM applies one at run time "
+                         f"only), so the engine would attend past it; pass --max-seq-len {window}, or build with "
+                         "--backend tensorrt or onnxruntime, which apply the window")
     max_input_len = llm.max_input_len or max(1, max_seq_len - (draft + 1))
     if not 1 <= max_input_len <= max_seq_len:
         raise BuildError(f"--max-input-len {max_input_len}: expected 1..{max_seq_len} (--max-seq-len)")
@@ -129,6 +152,29 @@ def world_size(config: dict) -> int:
     return int(mapping.get("world_size", tp * pp))
 
 
+def installed_trtllm_version() -> str | None:
+    """The installed tensorrt-llm distribution's version, None when it is not installed as a package
+    (a trtllm-build on PATH may still come from a source build)."""
+    try:
+        return importlib.metadata.version("tensorrt-llm")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def check_trtllm_version(version: str | None) -> None:
+    """Raises BuildError when TensorRT-LLM `version` has no trtllm-build with Medusa (SUPPORTED_TRTLLM)."""
+    if version is None:
+        return
+    parts = tuple(int(p) for p in re.findall(r"\d+", version)[:2])
+    if MIN_TRTLLM <= parts < MAX_TRTLLM:
+        return
+    why = ("which has no trtllm-build (TensorRT-LLM removed its TensorRT engine backend, Medusa with it, in "
+           "July 2026)" if parts >= MAX_TRTLLM else "older than this project supports")
+    raise BuildError(f"TensorRT-LLM {version} is installed, {why}; --backend tensorrt-llm needs tensorrt-llm "
+                     f"{SUPPORTED_TRTLLM} ({EXTRA_HINT}), or build with --backend tensorrt, this project's "
+                     "TensorRT engine with Medusa trees")
+
+
 def find_trtllm_build(opts: BuildOptions) -> str:
     given = backend_options(opts, TrtllmOptions).trtllm_build
     found = shutil.which(given or TRTLLM_BUILD)
@@ -162,8 +208,11 @@ def run_streaming(cmd: list[str], log_path: Path, echo: bool = True) -> int:
 def build_trtllm(opts: BuildOptions, config: dict, workdir: Path) -> dict:
     """The BUILDERS entry for --backend tensorrt-llm (see the module docstring)."""
     opts.device = "cuda"  # engine.json's device: TensorRT-LLM engines run on the GPU only
-    executable = find_trtllm_build(opts)
-    cmd = trtllm_build_command(opts.checkpoint.resolve(), workdir.resolve(), config, opts, executable=executable)
+    # The checkpoint and the options first (bad input is named whatever is installed), then the
+    # installed TensorRT-LLM, then its trtllm-build.
+    cmd = trtllm_build_command(opts.checkpoint.resolve(), workdir.resolve(), config, opts)
+    check_trtllm_version(installed_trtllm_version())
+    cmd[0] = find_trtllm_build(opts)
     log_path = workdir / "trtllm-build.log"
     log.info("running %s", " ".join(cmd))
     status = run_streaming(cmd, log_path, echo=opts.progress)

@@ -114,6 +114,11 @@ class TensorRTBackend(Backend):
         except ImportError as e:
             raise EngineError(f"{self.engine_dir}: a TensorRT engine needs TensorRT, which is not importable here "
                               f"({e}): {_EXTRA_HINT}") from None
+        from medusa_trt.engines.trt.build import tensorrt_version_problem
+
+        problem = tensorrt_version_problem(trt.__version__)
+        if problem:
+            raise EngineError(f"{self.engine_dir}: {problem}")
         if not torch.cuda.is_available():
             raise EngineError(f"{self.engine_dir}: TensorRT engines run on CUDA, and torch {torch.__version__} sees "
                               "no CUDA device")

@@ -7,6 +7,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from synthetic import SLIDING_WINDOW_CONFIGS
 
 from medusa_trt.engine_dir import past_names
 from medusa_trt.engines.onnx.attention import ATTENTION_FORMS, DEFAULT_ATTENTION
@@ -150,12 +151,21 @@ def test_padding_capacity_is_ignored(session, reference):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("form", sorted(set(ATTENTION_FORMS) - {DEFAULT_ATTENTION}))
-def test_other_attention_forms(tmp_path, reference, form):
-    model = reference("llama")
+def test_other_attention_forms(tmp_path, tiny_merged, form):
+    """Every other attention form on a Qwen2 with a window of 8 keys in its second layer (the first
+    attends to all; the default form's window is checked by whole engines, tests/runtime/
+    test_ort_backend.py): a tree step and prefills past the window equal the reference, which cuts
+    the keys (tests/test_modeling.py checks it against transformers), and differ from the same step
+    without the window, so a form that ignored it would fail here."""
+    model = MedusaModel.from_checkpoint(tiny_merged("qwen2", base_kwargs={"extra_config": SLIDING_WINDOW_CONFIGS["qwen2"]}))
     result = export_onnx(model, tmp_path / "model.onnx", attention=form)
     sess = make_session(result.path)
-    for batch, past, kind in [(3, 11, "tree"), (1, 0, "causal")]:
-        assert_parity(sess, model, *make_inputs(model, batch, past, kind))
+    for batch, past, kind in [(3, 11, "tree"), (1, 0, "causal"), (2, 13, "causal")]:
+        feeds, ref_args = make_inputs(model, batch, past, kind)
+        assert_parity(sess, model, feeds, ref_args)
+    with torch.no_grad():  # the windowed layer given the full mask
+        full = model.forward_hidden(*ref_args, window_mask=ref_args[2])[0]
+    assert float(np.abs(run_decoder(sess, feeds)[0] - full.numpy()).max()) > 1e-2
 
 
 def test_external_data(tmp_path, reference):

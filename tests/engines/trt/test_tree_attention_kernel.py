@@ -114,9 +114,16 @@ def make_inputs(batch, n_heads, n_kv_heads, head_dim, n_tree, past_cap, dtype, p
     return [t.to(DEVICE) for t in (q.to(dtype), k.to(dtype), v.to(dtype), past_lens, mask)]
 
 
-def assert_matches_reference(q, k, v, past_lens, mask, scale=None):
-    out = triton_tree_attention(q, k, v, past_lens, mask, scale)
-    ref = reference_tree_attention(q, k, v, past_lens, mask, scale)
+def tree_positions(past_lens: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """[B, T] int32: each slot's position, its sequence's past length + its depth (the ancestors it
+    sees, itself excluded) under a [T, T] or [B, T, T] ancestor mask."""
+    depth = allowed.long().sum(-1) - 1
+    return (past_lens.long()[:, None] + depth.expand(len(past_lens), -1)).to(torch.int32)
+
+
+def assert_matches_reference(q, k, v, past_lens, mask, scale=None, positions=None, window=0):
+    out = triton_tree_attention(q, k, v, past_lens, mask, scale, positions, window)
+    ref = reference_tree_attention(q, k, v, past_lens, mask, scale, positions, window)
     assert out.dtype == q.dtype and out.shape == q.shape
     assert not out.isnan().any()
     torch.testing.assert_close(out.float(), ref.float(), **TOLERANCES[q.dtype])
@@ -158,6 +165,27 @@ def test_kernel_causal_prefill(dtype):
     q, k, v, past_lens, _ = make_inputs(3, 8, 2, 32, 33, 7, dtype, False, seed=5)
     causal = pack(torch.ones(33, 33, dtype=torch.bool).tril()).to(DEVICE)
     assert_matches_reference(q, k, v, past_lens, causal, scale=0.3)
+
+
+# B, Hq, Hkv, D, T, P, dtype, per-sequence mask, window: windows that cut inside a key block, skip
+# whole past blocks (P = 40, 32-key blocks under the interpreter), see only the key itself (1), and
+# reach past every key (no effect).
+WINDOW_CASES = [
+    (3, 8, 2, 32, 9, 40, F32, True, 5),
+    (3, 4, 4, 16, 33, 40, F32, False, 12),
+    (1, 8, 2, 64, 5, 7, F16, False, 1),
+    (3, 8, 2, 16, 17, 40, BF16, True, 64),
+]
+
+
+@needs_kernel
+@pytest.mark.parametrize("batch,n_heads,n_kv_heads,head_dim,n_tree,past_cap,dtype,per_batch,window", WINDOW_CASES)
+def test_kernel_sliding_window_matches_reference(batch, n_heads, n_kv_heads, head_dim, n_tree, past_cap, dtype,
+                                                 per_batch, window):
+    q, k, v, past_lens, mask = make_inputs(batch, n_heads, n_kv_heads, head_dim, n_tree, past_cap, dtype,
+                                           per_batch, seed=window)
+    positions = tree_positions(past_lens.cpu(), dense_mask_from_packed(mask.cpu(), n_tree)).to(DEVICE)
+    assert_matches_reference(q, k, v, past_lens, mask, positions=positions, window=window)
 
 
 @needs_kernel
@@ -233,6 +261,24 @@ def test_reference_matches_sdpa(n_heads, n_kv_heads, n_tree, past_cap):
     torch.testing.assert_close(ref, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("window", [1, 4, 9])
+def test_reference_sliding_window_matches_sdpa_per_query(window):
+    """Each tree slot through SDPA on exactly the keys it sees, listed by position: the valid past at
+    positions > its position - window, and its ancestors (root to itself) likewise."""
+    q, k, v, past_lens, mask = (t.cpu() for t in make_inputs(3, 8, 2, 32, 9, 20, F32, True, seed=window))
+    allowed = dense_mask_from_packed(mask, 9)
+    positions = tree_positions(past_lens, allowed)
+    ref = reference_tree_attention(q, k, v, past_lens, mask, positions=positions, window=window)
+    for b in range(3):
+        for i in range(9):
+            low = int(positions[b, i]) - window  # keys at positions > low
+            keys = [j for j in range(int(past_lens[b])) if j > low]
+            keys += [20 + j for j in range(9) if allowed[b, i, j] and int(positions[b, j]) > low]
+            expected = F.scaled_dot_product_attention(q[b:b + 1, :, i:i + 1], k[b:b + 1, :, keys],
+                                                      v[b:b + 1, :, keys], enable_gqa=True)
+            torch.testing.assert_close(ref[b:b + 1, :, i:i + 1], expected, atol=1e-5, rtol=1e-5)
+
+
 def test_reference_causal_prefill_matches_sdpa():
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 4, 40, 16, generator=gen) for _ in range(3))
@@ -266,13 +312,15 @@ def _bad(**changes):
         (_bad(packed_mask=lambda a: a["packed_mask"].long()), "torch.int64"),
         (_bad(packed_mask=lambda a: a["packed_mask"][None].expand(3, -1, -1)), "batch 3"),
         (_bad(k=lambda a: a["k"].half(), v=lambda a: a["v"].half()), "dtypes differ"),
+        (_bad(window=lambda a: 4), "positions: None, expected [2, 33]"),
+        (_bad(window=lambda a: -1), "window -1"),
     ],
 )
 @pytest.mark.parametrize("fn", [reference_tree_attention, triton_tree_attention], ids=["reference", "triton"])
 def test_bad_inputs_raise_value_error(args, message, fn):
     if fn is triton_tree_attention and not HAVE_TRITON:
         pytest.skip("triton missing")
-    args = {name: t.cpu() for name, t in args.items()}
+    args = {name: t.cpu() if isinstance(t, torch.Tensor) else t for name, t in args.items()}
     with pytest.raises(ValueError, match=re.escape(message)):
         fn(**args)
 
@@ -286,8 +334,8 @@ def test_plugin_int_args_follow_kernel_signature_and_strides():
     import inspect
 
     params = list(inspect.signature(kernel._tree_attention_fwd).parameters)
-    assert params[:5] == ["Q", "K", "V", "PastLens", "Mask"]
-    scalars = [p for p in params[5 : params.index("Out")] if p != "sm_scale"]
+    assert params[:6] == ["Q", "K", "V", "PastLens", "Mask", "Positions"]
+    scalars = [p for p in params[6 : params.index("Out")] if p != "sm_scale"]
     assert tuple(scalars) == plugin.INT_ARG_NAMES
     for per_batch in (False, True):
         q, k, v, _, mask = make_inputs(3, 8, 2, 32, 5, 7, F32, per_batch, seed=0)
@@ -315,13 +363,13 @@ def test_plugin_kernel_compiles_to_ptx():
         from medusa_trt.engines.trt.tree_attention import plugin
         from medusa_trt.engines.trt.tree_attention.kernel import TUNING_CONFIGS
         assert "triton" not in sys.modules, "importing the plugin module must not import triton"
-        for dtype, head_dim, sm, config in [("float16", 128, 90, TUNING_CONFIGS[1]),
-                                            ("bfloat16", 64, 80, TUNING_CONFIGS[0]),
-                                            ("float32", 80, 80, TUNING_CONFIGS[3])]:
-            kernel = plugin.compile_kernel(dtype, head_dim, None, config, sm)
+        for dtype, head_dim, sm, config, window in [("float16", 128, 90, TUNING_CONFIGS[1], 0),
+                                                    ("bfloat16", 64, 80, TUNING_CONFIGS[0], 4096),
+                                                    ("float32", 80, 80, TUNING_CONFIGS[3], 0)]:
+            kernel = plugin.compile_kernel(dtype, head_dim, None, config, sm, window)
             entry = kernel.ptx[kernel.ptx.index(".entry " + kernel.name):]
             params = entry[: entry.index(")")].count(".param")
-            assert params == 5 + len(plugin.INT_ARG_NAMES) + 1, (dtype, params)
+            assert params == 6 + len(plugin.INT_ARG_NAMES) + 1, (dtype, params)
             assert f".target sm_{sm}" in kernel.ptx, dtype
             assert kernel.num_warps == config.num_warps
             print(dtype, kernel.name, params, kernel.shared_mem)
@@ -351,23 +399,27 @@ def test_register_plugin():
     assert creator is not None
 
 
-def test_plugin_engine_matches_reference():
+@pytest.mark.parametrize("window", [0, 6])
+def test_plugin_engine_matches_reference(window):
     trt = pytest.importorskip("tensorrt")
     if not torch.cuda.is_available():
         pytest.skip("building a TensorRT engine needs a GPU")
     import tensorrt.plugin as trtp
 
+    from medusa_trt.engines.trt.build import create_network
+
     plugin.register_plugin()
     inputs = make_inputs(3, 8, 2, 64, 33, 40, F16, True, seed=4)  # NaN in the holes, as before
+    inputs.append(tree_positions(inputs[3].cpu(), dense_mask_from_packed(inputs[4].cpu(), 33)).to(DEVICE))
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
-    network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
-    types = [trt.float16, trt.float16, trt.float16, trt.int32, trt.int32]
+    network = create_network(trt, builder)
+    types = [trt.float16, trt.float16, trt.float16, trt.int32, trt.int32, trt.int32]
     tensors = [
         network.add_input(n, ty, tuple(t.shape))
         for n, ty, t in zip(plugin.INPUT_NAMES, types, inputs, strict=True)
     ]
-    layer = network.add_plugin(trtp.op.medusa.tree_attention(*tensors, scale=0.0), aot=True)
+    layer = network.add_plugin(trtp.op.medusa.tree_attention(*tensors, scale=0.0, window=window), aot=True)
     layer.get_output(0).name = "out"
     network.mark_output(layer.get_output(0))
     serialized = builder.build_serialized_network(network, builder.create_builder_config())
@@ -381,6 +433,6 @@ def test_plugin_engine_matches_reference():
     stream = torch.cuda.current_stream()
     assert context.execute_async_v3(stream.cuda_stream)
     stream.synchronize()
-    ref = reference_tree_attention(*inputs)
+    ref = reference_tree_attention(*inputs[:5], positions=inputs[5], window=window)
     torch.testing.assert_close(out.float(), ref.float(), **TOLERANCES[F16])
     assert math.isfinite(out.float().abs().max().item())

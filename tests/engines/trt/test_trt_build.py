@@ -9,7 +9,9 @@ where `tensorrt` imports and CUDA is available.
 from __future__ import annotations
 
 import json
+import re
 import sys
+import types
 
 import pytest
 import torch
@@ -229,13 +231,40 @@ def test_float16_engine(trt_engine, tiny_merged):
     torch.testing.assert_close(got[0], want[0], atol=5e-2, rtol=5e-2)
 
 
-def test_tensorrt_version_floor():
-    """The opset-23 graphs need RMSNormalization (TensorRT 10.15) and Attention (10.14): older is refused."""
+def test_tensorrt_version_range():
+    """10.15 (RMSNormalization in the opset-23 graphs) to 11.x (the newest API checked): others refused."""
     from medusa_trt.engines.options import BuildError
     from medusa_trt.engines.trt.build import check_tensorrt_version
 
-    for ok in ("10.15.1.29", "10.16.0", "11.0.0"):
+    for ok in ("10.15.1.29", "10.16.0", "11.0.0", "11.4.0.106"):
         check_tensorrt_version(ok)
     for old in ("10.9.0.34", "10.14.1", "8.6.1"):
-        with pytest.raises(BuildError, match=r"TensorRT >= 10.15"):
+        with pytest.raises(BuildError, match=rf"TensorRT {re.escape(old)} is not supported: .*10.15 to 11.x .*need 10.15"):
             check_tensorrt_version(old)
+    with pytest.raises(BuildError, match=r"TensorRT 12.0.0 is not supported: medusa-trt works with TensorRT 10.15 to 11.x"):
+        check_tensorrt_version("12.0.0")
+
+
+@pytest.mark.parametrize("version", ["12.0.1", "10.13.0"])
+def test_unsupported_tensorrt_is_one_line_and_exit_2(tiny_merged, ort_engine, tmp_path, monkeypatch, capsys, version):
+    """An installed TensorRT outside 10.15 to 11.x (a stand-in module with that __version__): one line
+    naming the version and the supported range, exit 2, nothing written; the runtime refuses it too."""
+    from medusa_trt.engine_dir import EngineError
+    from medusa_trt.runtime.trt.backend import TensorRTBackend
+
+    monkeypatch.setitem(sys.modules, "tensorrt", types.SimpleNamespace(__version__=version))
+    out, ckpt = tmp_path / "engine", tiny_merged("llama")
+    capsys.readouterr()
+    assert _main(ckpt, out) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert f"TensorRT {version} is not supported" in err and "10.15 to 11.x" in err
+    assert not out.exists() and not list(tmp_path.glob(".engine.tmp-*"))
+    engine = tmp_path / "trt-engine"
+    engine.mkdir()
+    built = json.loads((ort_engine("llama") / "engine.json").read_text())
+    section = {"engine": "rank0.engine", "heads_engine": None, "attention": "plugin"}
+    (engine / "engine.json").write_text(json.dumps(built | {"backend": "tensorrt", "device": "cuda", "artifacts": {},
+                                                            "tensorrt": section}))
+    with pytest.raises(EngineError, match=f"TensorRT {version} is not supported"):
+        TensorRTBackend(engine)

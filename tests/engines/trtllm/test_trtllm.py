@@ -13,12 +13,14 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
+import re
 import shutil
 import stat
 import sys
 
 import pytest
 import torch
+from synthetic import SLIDING_WINDOW_CONFIGS, WINDOW
 
 from medusa_trt.checkpoint import expected_tensors, rank_file, rank_shape, read_config
 from medusa_trt.cli import build as build_cli
@@ -26,7 +28,13 @@ from medusa_trt.converter.merge import convert
 from medusa_trt.converter.quantize import QuantOptions
 from medusa_trt.engines.build import build_engine
 from medusa_trt.engines.options import BuildError, BuildOptions
-from medusa_trt.engines.trtllm.build import TrtllmOptions, trtllm_build_command
+from medusa_trt.engines.trtllm.build import (
+    SUPPORTED_TRTLLM,
+    TrtllmOptions,
+    check_trtllm_version,
+    installed_trtllm_version,
+    trtllm_build_command,
+)
 from medusa_trt.safetensors_io import SafetensorsFile
 
 CALIB = "the quick brown fox jumps over a lazy dog\nMedusa heads guess what comes next\n42 times, really\n"
@@ -324,6 +332,55 @@ def test_build_failure_and_missing_tool(checkpoint, stand_in, tmp_path, monkeypa
     assert code == 2 and len(err.splitlines()) == 1
     assert "trtllm-build" in err and "pip install 'medusa-trt[tensorrt-llm]'" in err
     assert not out.exists()
+
+
+def test_sliding_window_is_refused(tiny_merged, tmp_path, capsys):
+    """trtllm-build has no window option: a Mistral with a window shorter than the engine's positions
+    is refused, one line, exit 2, before any trtllm-build is looked for; at --max-seq-len of the
+    window no position reaches past it, and the command is built."""
+    ckpt = tiny_merged("mistral", base_kwargs={"extra_config": SLIDING_WINDOW_CONFIGS["mistral"]})
+    out = tmp_path / "engine"
+    capsys.readouterr()
+    code = build_cli.main(["--checkpoint", str(ckpt), "--out", str(out), "--backend", "tensorrt-llm", "--quiet"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert f"sliding_window {WINDOW}" in err and "--backend tensorrt" in err
+    assert not out.exists() and not list(tmp_path.glob(".engine.tmp-*"))
+    config = read_config(ckpt)
+    with pytest.raises(BuildError, match=f"sliding_window {WINDOW} is shorter than the engine's 512 positions"):
+        trtllm_build_command(ckpt, out, config, BuildOptions(checkpoint=ckpt, out=out))
+    cmd = trtllm_build_command(ckpt, out, config, BuildOptions(checkpoint=ckpt, out=out, max_seq_len=WINDOW))
+    assert cmd[cmd.index("--max_seq_len") + 1] == str(WINDOW)
+
+
+def _fake_installed_trtllm(site, version: str) -> None:
+    """A tensorrt-llm distribution's metadata, as pip leaves it in site-packages."""
+    info = site / f"tensorrt_llm-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: tensorrt-llm\nVersion: {version}\n")
+
+
+def test_tensorrt_llm_without_trtllm_build_is_refused(checkpoint, stand_in, tmp_path, monkeypatch, capsys):
+    """An installed TensorRT-LLM from after its TensorRT backend was removed (found through its
+    distribution metadata on sys.path, as importlib.metadata finds any): one line naming the installed
+    version, the supported range and --backend tensorrt, exit 2, even with a trtllm-build on PATH."""
+    ckpt = checkpoint("fp16")
+    monkeypatch.setenv("PATH", f"{stand_in.parent}{os.pathsep}{os.environ['PATH']}")
+    site = tmp_path / "site"
+    _fake_installed_trtllm(site, "1.4.0rc1")
+    monkeypatch.syspath_prepend(str(site))
+    assert installed_trtllm_version() == "1.4.0rc1"
+    out = tmp_path / "engine"
+    code = build_cli.main(["--checkpoint", str(ckpt), "--out", str(out), "--backend", "tensorrt-llm", "--quiet"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "TensorRT-LLM 1.4.0rc1" in err and SUPPORTED_TRTLLM in err and "--backend tensorrt," in err
+    assert not out.exists() and not list(tmp_path.glob(".engine.tmp-*"))
+    for ok in ("0.20.0", "1.0.0", "1.2.1", None):
+        check_trtllm_version(ok)
+    for bad in ("1.3.0rc29", "2.0.0", "0.19.0"):
+        with pytest.raises(BuildError, match=re.escape(f"TensorRT-LLM {bad} is installed")):
+            check_trtllm_version(bad)
 
 
 @pytest.mark.skipif(shutil.which("trtllm-build") is None or not torch.cuda.is_available(),

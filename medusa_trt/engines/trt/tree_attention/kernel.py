@@ -2,7 +2,7 @@
 
 Contract (shared by the Triton kernel, the PyTorch reference and the TensorRT plugin):
 
-    tree_attention(q, k, v, past_lens, packed_mask, scale=None) -> out
+    tree_attention(q, k, v, past_lens, packed_mask, scale=None, positions=None, window=0) -> out
 
 - q: [B, Hq, T, D], queries of the T new tokens (tree slots in slot order; slot 0 is the root).
 - k, v: [B, Hkv, S, D] with S = P + T. Positions [0, P) are the past cache, padded to one P for the
@@ -14,6 +14,10 @@ Contract (shared by the Triton kernel, the PyTorch reference and the TensorRT pl
   W >= ceil(T / 32). Query slot i may attend new slot j iff bit (j % 32) of word (j // 32) of row i
   is set (little-endian bit order, the TensorRT-LLM packed mask; docs/formats.md section 4).
   Every query attends all valid past positions. A lower-triangular mask expresses causal prefill.
+- positions: [B, T] int32, the new tokens' positions (a tree node's: past_lens[b] + its depth);
+  read only with a window. Past position j holds the token at position j.
+- window: a sliding window (0: none). A query at position p then sees only keys at positions
+  > p - window, past and new alike (transformers' sliding_window_overlay), on top of the above.
 - out: [B, Hq, T, D] in q's dtype. Scores are scaled by `scale` (default 1 / sqrt(D)), softmax and
   accumulation run in float32. A query row with no allowed key yields zeros, never NaN.
 - dtypes: float16, bfloat16, float32 (q, k, v alike).
@@ -102,10 +106,13 @@ def reference_tree_attention(
     past_lens: torch.Tensor,
     packed_mask: torch.Tensor,
     scale: float | None = None,
+    positions: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Plain PyTorch tree attention with the equivalent dense mask (see the module docstring)."""
     batch, n_heads, n_tree, head_dim, n_kv_heads, past_cap = _check_inputs(q, k, v, past_lens, packed_mask)
     _check_past_lens_values(past_lens, past_cap)
+    _check_window(positions, window, batch, n_tree)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
     past_ok = (
@@ -115,6 +122,10 @@ def reference_tree_attention(
     allowed = torch.cat(
         [past_ok[:, None, :].expand(batch, n_tree, past_cap), tree_ok.expand(batch, n_tree, n_tree)], dim=-1
     )  # [B, T, S]
+    if window:
+        query_pos = positions.to(q.device).long()  # [B, T]
+        key_pos = torch.cat([torch.arange(past_cap, device=q.device).expand(batch, past_cap), query_pos], 1)
+        allowed = allowed & (key_pos[:, None, :] > query_pos[:, :, None] - window)
 
     group = n_heads // n_kv_heads
     # Holes may hold garbage (even NaN from an uninitialised cache): zero them so 0 * NaN cannot leak.
@@ -178,6 +189,15 @@ def _check_inputs(q, k, v, past_lens, packed_mask) -> tuple[int, int, int, int, 
     return batch, n_heads, n_tree, head_dim, n_kv_heads, seq - n_tree
 
 
+def _check_window(positions: torch.Tensor | None, window: int, batch: int, n_tree: int) -> None:
+    if window < 0:
+        raise ValueError(f"window {window}: expected 0 (none) or a positive number of keys")
+    if window and (positions is None or positions.shape != (batch, n_tree) or positions.dtype.is_floating_point
+                   or positions.dtype == torch.bool):
+        shape = None if positions is None else tuple(positions.shape)
+        raise ValueError(f"positions: {shape}, expected [{batch}, {n_tree}] integer positions with window {window}")
+
+
 def _check_past_lens_values(past_lens: torch.Tensor, past_cap: int) -> None:
     # Reads the values, so it syncs a GPU; the Triton path skips it there (the kernel clamps).
     if past_lens.numel() and (int(past_lens.min()) < 0 or int(past_lens.max()) > past_cap):
@@ -190,7 +210,7 @@ def _check_past_lens_values(past_lens: torch.Tensor, past_cap: int) -> None:
 
 
 def _tree_attention_fwd(
-    Q, K, V, PastLens, Mask,
+    Q, K, V, PastLens, Mask, Positions,
     sm_scale,
     n_tree, past_cap, group,
     stride_qb, stride_qh, stride_qt,
@@ -205,9 +225,11 @@ def _tree_attention_fwd(
     BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):  # fmt: skip
     # Argument order is the TensorRT AOT launch order: input pointers, int scalars, output pointer
-    # (sm_scale is compiled in as a constant there). The last dim of every tensor is contiguous.
+    # (sm_scale and WINDOW are compiled in as constants there). The last dim of every tensor is
+    # contiguous; Positions [B, T] is contiguous.
     #
     # Rows of this program: the flattened (head within the kv group, tree slot) pairs of one kv
     # head, row r -> head kv_head * group + r // T, slot r % T. Why not one program per query
@@ -244,8 +266,15 @@ def _tree_attention_fwd(
     # Clamp so a bad length can never read outside the cache (the wrappers validate on the CPU).
     past_len = tl.minimum(tl.maximum(tl.load(PastLens + b), 0), past_cap)
 
-    # Past keys: every query sees positions [0, past_len); blocks past it are never visited.
-    for start in range(0, past_len, BLOCK_N):
+    # Past keys: every query sees positions [0, past_len); blocks past it are never visited. With a
+    # window, a row sees only keys at positions > its position - WINDOW, and the blocks before the
+    # lowest such key of the tile are skipped too: a step reads the window, not the whole cache.
+    first = 0
+    if WINDOW > 0:
+        q_pos = tl.load(Positions + b * n_tree + slot, mask=row_ok, other=0)  # [BLOCK_M]
+        lowest = tl.min(tl.where(row_ok, q_pos - WINDOW + 1, past_cap), axis=0)
+        first = (tl.maximum(lowest, 0) // BLOCK_N) * BLOCK_N
+    for start in range(first, past_len, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         key_ok = offs_n < past_len
         kt = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None],
@@ -256,7 +285,10 @@ def _tree_attention_fwd(
             kt = kt.to(tl.float32)
             vb = vb.to(tl.float32)
         s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
-        s = tl.where(key_ok[None, :], s, float("-inf"))
+        visible = key_ok[None, :]
+        if WINDOW > 0:
+            visible = visible & (offs_n[None, :] > (q_pos - WINDOW)[:, None])
+        s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
@@ -272,6 +304,9 @@ def _tree_attention_fwd(
         j_ok = offs_j < n_tree
         words = tl.load(mask_base + (offs_j // 32)[None, :], mask=row_ok[:, None] & j_ok[None, :], other=0)
         allowed = ((words >> (offs_j % 32)[None, :]) & 1) != 0  # [BLOCK_M, BLOCK_N]
+        if WINDOW > 0:
+            k_pos = tl.load(Positions + b * n_tree + offs_j, mask=j_ok, other=0)
+            allowed = allowed & (k_pos[None, :] > (q_pos - WINDOW)[:, None])
         pos = past_cap + offs_j
         kt = tl.load(k_base + pos[None, :] * stride_ks + offs_d[:, None],
                      mask=j_ok[None, :] & d_ok[:, None], other=0.0)  # fmt: skip
@@ -393,6 +428,8 @@ def triton_tree_attention(
     past_lens: torch.Tensor,
     packed_mask: torch.Tensor,
     scale: float | None = None,
+    positions: torch.Tensor | None = None,
+    window: int = 0,
     *,
     config: TileConfig | None = None,
 ) -> torch.Tensor:
@@ -401,7 +438,11 @@ def triton_tree_attention(
     fixed INTERPRETER_CONFIG when interpreted)."""
     _require_triton()
     batch, n_heads, n_tree, head_dim, n_kv_heads, past_cap = _check_inputs(q, k, v, past_lens, packed_mask)
-    for name, t in (("k", k), ("v", v), ("past_lens", past_lens), ("packed_mask", packed_mask)):
+    _check_window(positions, window, batch, n_tree)
+    # Without a window the kernel never reads Positions: any int32 pointer does.
+    positions = (positions if window else past_lens).to(torch.int32).contiguous()
+    for name, t in (("k", k), ("v", v), ("past_lens", past_lens), ("packed_mask", packed_mask),
+                    ("positions", positions)):
         if t.device != q.device:
             raise ValueError(f"{name}: on {t.device}, expected q's device {q.device}")
     if not q.is_cuda:
@@ -427,7 +468,7 @@ def triton_tree_attention(
     group = n_heads // n_kv_heads
 
     args = (
-        q, k, v, past_lens, mask,
+        q, k, v, past_lens, mask, positions,
         scale,
         n_tree, past_cap, group,
         q.stride(0), q.stride(1), q.stride(2),
@@ -437,7 +478,8 @@ def triton_tree_attention(
         out.stride(0), out.stride(1), out.stride(2),
         out,
     )  # fmt: skip
-    consts = dict(HEAD_DIM=head_dim, BLOCK_D=head_block(head_dim), DOT_PRECISION=dot_precision(q.dtype))
+    consts = dict(HEAD_DIM=head_dim, BLOCK_D=head_block(head_dim), DOT_PRECISION=dot_precision(q.dtype),
+                  WINDOW=int(window))
 
     if interpret:
         # tl.dot on bfloat16 is wrong in the interpreter: compute in float32 there.
@@ -466,12 +508,15 @@ def tree_attention(
     past_lens: torch.Tensor,
     packed_mask: torch.Tensor,
     scale: float | None = None,
+    positions: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Tree attention (contract in the module docstring). Uses the Triton kernel on CUDA tensors when
     triton is installed, or on CPU tensors under TRITON_INTERPRET=1 when triton runs interpreted; the
     PyTorch reference otherwise (without importing triton for CPU tensors then)."""
+    args = (q, k, v, past_lens, packed_mask, scale, positions, window)
     if q.is_cuda and have_triton():
-        return triton_tree_attention(q, k, v, past_lens, packed_mask, scale)
+        return triton_tree_attention(*args)
     if os.environ.get("TRITON_INTERPRET", "0") == "1" and interpreter_active():
-        return triton_tree_attention(q, k, v, past_lens, packed_mask, scale)
-    return reference_tree_attention(q, k, v, past_lens, packed_mask, scale)
+        return triton_tree_attention(*args)
+    return reference_tree_attention(*args)

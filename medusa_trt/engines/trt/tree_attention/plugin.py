@@ -8,10 +8,12 @@ Triton kernel to PTX for the building GPU and describes its launch with symbolic
 running the engine needs no Python (nor Triton).
 
 Plugin node (for the ONNX rewrite): op type PLUGIN_NAME, attributes from `onnx_node_attributes`:
-`plugin_namespace` = PLUGIN_NAMESPACE, `aot` = 1 (use the AOT implementation) and `scale` (float: the
-softmax scale, 0.0 for 1/sqrt(D); TensorRT's Python plugins accept no attribute defaults, so the
-node must carry it). Inputs in order: q [B, Hq, T, D], k [B, Hkv, P+T, D], v [B, Hkv, P+T, D] (all one float dtype),
-past_lens [B] int32, packed_mask [T, W] or [B, T, W] int32; one output [B, Hq, T, D] in q's dtype.
+`plugin_namespace` = PLUGIN_NAMESPACE, `aot` = 1 (use the AOT implementation), `scale` (float: the
+softmax scale, 0.0 for 1/sqrt(D)) and `window` (int: the layer's sliding window, 0 for none; both
+compiled into the kernel, and TensorRT's Python plugins accept no attribute defaults, so the node
+must carry them). Inputs in order: q [B, Hq, T, D], k [B, Hkv, P+T, D], v [B, Hkv, P+T, D] (all one float dtype),
+past_lens [B] int32, packed_mask [T, W] or [B, T, W] int32, positions [B, T] int32 (the new tokens'
+positions, read only with a window); one output [B, Hq, T, D] in q's dtype.
 D must be a build-time constant; B, T and P may be dynamic. Semantics: kernel.py's docstring.
 
 Everything except `register_plugin` runs without TensorRT, so the compile step and the launch
@@ -28,8 +30,9 @@ PLUGIN_NAMESPACE = "medusa"
 PLUGIN_NAME = "tree_attention"
 PLUGIN_VERSION = "1"  # tensorrt.plugin registers every Python plugin as version "1"
 PLUGIN_ID = f"{PLUGIN_NAMESPACE}::{PLUGIN_NAME}"
-INPUT_NAMES = ("q", "k", "v", "past_lens", "packed_mask")
+INPUT_NAMES = ("q", "k", "v", "past_lens", "packed_mask", "positions")
 SCALE_ATTR = "scale"
+WINDOW_ATTR = "window"
 
 # Tactic t (1-based: TensorRT reserves 0 for "no custom tactic") runs TUNING_CONFIGS[t - 1].
 TACTICS = tuple(range(1, len(TUNING_CONFIGS) + 1))
@@ -38,8 +41,8 @@ DEFAULT_TACTIC = 2  # 32 x 64 tiles: a fair choice for T <= 64 when TensorRT doe
 # tiles there: float32 with D=128 and 64 x 128 tiles wants ~229 KB).
 FALLBACK_CONFIG = TileConfig(16, 32, 4, 1)
 
-# Kernel parameters after the five input pointers and before the output pointer, in order (the
-# AOT launch passes them as int32 expressions of the input shapes). sm_scale is compiled in.
+# Kernel parameters after the six input pointers and before the output pointer, in order (the
+# AOT launch passes them as int32 expressions of the input shapes). sm_scale and WINDOW are compiled in.
 INT_ARG_NAMES = (
     "n_tree", "past_cap", "group",
     "stride_qb", "stride_qh", "stride_qt",
@@ -48,17 +51,18 @@ INT_ARG_NAMES = (
     "stride_mb", "stride_mt",
     "stride_ob", "stride_oh", "stride_ot",
 )  # fmt: skip
-_POINTER_NAMES = ("Q", "K", "V", "PastLens", "Mask", "Out")
+_POINTER_NAMES = ("Q", "K", "V", "PastLens", "Mask", "Positions", "Out")
 _TRITON_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 
 
-def onnx_node_attributes(scale: float | None = None) -> dict:
+def onnx_node_attributes(scale: float | None = None, window: int | None = None) -> dict:
     """Attributes for an ONNX node of op type PLUGIN_NAME that TensorRT's ONNX parser maps to this
-    plugin's AOT implementation; scale None means 1/sqrt(D)."""
+    plugin's AOT implementation; scale None means 1/sqrt(D), window None no sliding window."""
     return {
         "plugin_namespace": PLUGIN_NAMESPACE,
         "aot": True,
         SCALE_ATTR: 0.0 if scale is None else float(scale),
+        WINDOW_ATTR: int(window or 0),
     }
 
 
@@ -98,11 +102,12 @@ def launch_grid(q_dims, k_dims, block_m: int) -> tuple:
 
 
 def compile_kernel(
-    dtype: str, head_dim: int, scale: float | None, config: TileConfig, target_sm: int
+    dtype: str, head_dim: int, scale: float | None, config: TileConfig, target_sm: int, window: int = 0
 ) -> CompiledKernel:
-    """Compiles the kernel to PTX for sm_<target_sm> (no GPU needed), with `scale` baked in.
+    """Compiles the kernel to PTX for sm_<target_sm> (no GPU needed), with `scale` and `window` baked in.
 
-    dtype is "float32", "float16" or "bfloat16"; scale None or <= 0 means 1/sqrt(head_dim).
+    dtype is "float32", "float16" or "bfloat16"; scale None or <= 0 means 1/sqrt(head_dim); window 0
+    means no sliding window.
     """
     if dtype not in _TRITON_DTYPES:
         raise ValueError(f"dtype {dtype!r}, expected one of {sorted(_TRITON_DTYPES)}")
@@ -114,7 +119,7 @@ def compile_kernel(
     ty = _TRITON_DTYPES[dtype]
     signature = {name: "i32" for name in INT_ARG_NAMES}
     signature.update({p: f"*{ty}" for p in ("Q", "K", "V", "Out")})
-    signature.update(PastLens="*i32", Mask="*i32")
+    signature.update(PastLens="*i32", Mask="*i32", Positions="*i32")
     constants = {
         "sm_scale": 1.0 / math.sqrt(head_dim) if scale is None or scale <= 0 else float(scale),
         "HEAD_DIM": head_dim,
@@ -123,6 +128,7 @@ def compile_kernel(
         "BLOCK_N": config.block_n,
         "UPCAST": False,
         "DOT_PRECISION": "ieee" if dtype == "float32" else "tf32",  # as kernel.dot_precision
+        "WINDOW": int(window),
     }
     signature.update(dict.fromkeys(constants, "constexpr"))
     signature = {name: signature[name] for name in fn.arg_names}  # kernel parameter order
@@ -219,22 +225,25 @@ def register_plugin(target_sm: int | None = None) -> str:
         v: trtp.TensorDesc,
         past_lens: trtp.TensorDesc,
         packed_mask: trtp.TensorDesc,
+        positions: trtp.TensorDesc,
         scale: float,
+        window: int,
     ) -> trtp.TensorDesc:
         return q.like()
 
     @trtp.autotune(PLUGIN_ID)
-    def tree_attention_autotune(q, k, v, past_lens, packed_mask, outputs) -> list[trtp.AutoTuneCombination]:
+    def tree_attention_autotune(q, k, v, past_lens, packed_mask, positions, outputs
+                                ) -> list[trtp.AutoTuneCombination]:
         floats = "FP32|FP16|BF16"
         return [
             trtp.AutoTuneCombination(
-                f"{floats}, {floats}, {floats}, INT32, INT32, {floats}", "LINEAR", TACTICS
+                f"{floats}, {floats}, {floats}, INT32, INT32, INT32, {floats}", "LINEAR", TACTICS
             )
         ]
 
     @trtp.aot_impl(PLUGIN_ID)
     def tree_attention_aot(
-        q, k, v, past_lens, packed_mask, scale: float, outputs, tactic: int
+        q, k, v, past_lens, packed_mask, positions, scale: float, window: int, outputs, tactic: int
     ) -> tuple[str | bytes, str | bytes, trtp.KernelLaunchParams, trtp.SymIntExprs]:
         if q.dtype not in trt_dtypes:
             raise ValueError(f"{PLUGIN_ID}: q dtype {q.dtype}, expected float32, float16 or bfloat16")
@@ -244,11 +253,11 @@ def register_plugin(target_sm: int | None = None) -> str:
         head_dim = head_dim_expr.constant_value()
         config = TUNING_CONFIGS[(tactic if tactic in TACTICS else DEFAULT_TACTIC) - 1]
         sm = target_sm if target_sm is not None else _current_sm()
-        kernel = compile_kernel(trt_dtypes[q.dtype], head_dim, scale, config, sm)
+        kernel = compile_kernel(trt_dtypes[q.dtype], head_dim, scale, config, sm, window)
         limit = _shared_mem_limit() if target_sm is None else None
         if limit is not None and kernel.shared_mem > limit:  # e.g. float32, D=128, wide tiles
             config = FALLBACK_CONFIG
-            kernel = compile_kernel(trt_dtypes[q.dtype], head_dim, scale, config, sm)
+            kernel = compile_kernel(trt_dtypes[q.dtype], head_dim, scale, config, sm, window)
 
         q_dims, k_dims, mask_dims = q.shape_expr, k.shape_expr, packed_mask.shape_expr
         params = trtp.KernelLaunchParams()
