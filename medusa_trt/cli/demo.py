@@ -21,8 +21,11 @@ def parser() -> argparse.ArgumentParser:
     p = new_parser("python -m medusa_trt.cli.demo", demo.__doc__, raw=True)
     p.add_argument("--workdir", type=Path, default=Path("build/demo"),
                    help="the model download, checkpoint, engine and Triton repository (default build/demo)")
-    p.add_argument("--gguf", type=Path, help="a GGUF base instead of SmolLM2 (its heads via --heads)")
-    p.add_argument("--heads", type=Path, default=demo.ASSETS / "heads")
+    p.add_argument("--gguf", type=Path, help="a GGUF base instead of SmolLM2 (its drafters via --heads, --amphista)")
+    p.add_argument("--amphista", type=Path,
+                   help="the Amphista drafter to compare (streamed); default the shipped one (none with --gguf)")
+    p.add_argument("--heads", type=Path, default=demo.ASSETS / "heads",
+                   help="the Medusa heads to compare; default the shipped ones")
     add_prompts_arg(p, default=demo.ASSETS / "prompts_heldout.jsonl",
                     help=".jsonl with 'text' and 'kind' (chat or code) (default: the held-out SmolLM2 prompts)")
     p.add_argument("--num-prompts", type=int, default=4, help="held-out prompts to answer, half chat half code")

