@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from medusa_trt.checkpoint import validate_config
 from medusa_trt.engine_dir import ENGINE_JSON, EngineError, read_engine
 from medusa_trt.errors import MedusaTrtError, read_json_object
 from medusa_trt.outputs import atomic_output_dir
@@ -137,6 +138,7 @@ def read_engine_info(engine_dir: str | Path) -> EngineInfo:
     if c.get("architecture") != "MedusaForCausalLM":
         raise RepoError(f"{d / 'config.json'}: architecture {c.get('architecture')!r} is neither a merged "
                         "checkpoint ('MedusaForCausalLM') nor a TensorRT-LLM engine config")
+    validate_config(c, d / "config.json")  # the checks every command that loads a checkpoint makes
     return EngineInfo(d.resolve(), "checkpoint", int(c.get("num_medusa_heads") or 0),
                       int(c.get("max_draft_len") or 63), int(c["max_position_embeddings"]), None)
 

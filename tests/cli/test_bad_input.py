@@ -179,6 +179,13 @@ def run_ckpt_args(c: Ctx, src=None, *extra):
 YAML_BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]\n" \
             "c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b]\nmedusa_choices: [*c, *c, *c]\n"
 
+def _bad_draft_vocab(c: Ctx) -> Path:
+    """A merged checkpoint whose recorded draft vocabulary names id 300 of a 256-token vocabulary."""
+    return _ckpt_with("medusa_trt.draft_vocab", [*range(16), 300])(c)
+
+
+DRAFT_VOCAB_ERROR = ["config.json", "medusa_trt.draft_vocab", "token id 300", "0..255"]
+
 # (id, cli, argv(ctx), substrings the error line must hold)
 CASES = [
     # -- medusa-convert: HF base config.json, weights, --out --------------------------------------
@@ -238,6 +245,7 @@ CASES = [
      ["a_file", "not a directory"]),
     ("build-max-batch-zero", BUILD, lambda c: build_args(c, None, None, "--max-batch-size", "0"),
      ["--max-batch-size 0"]),
+    ("build-draft-vocab-beyond-vocab", BUILD, lambda c: build_args(c, _bad_draft_vocab(c)), DRAFT_VOCAB_ERROR),
     # -- medusa-run: engine.json, graphs, digests, run-time values --------------------------------
     ("run-missing-engine", RUN, lambda c: run_args(c, c.tmp / "nope"), ["nope"]),
     ("run-engine-vocab-as-string", RUN, lambda c: run_args(c, _engine_dir_with(c, _set("model.vocab_size", "x"))),
@@ -277,12 +285,15 @@ CASES = [
     ("run-truncated-checkpoint", RUN, lambda c: run_ckpt_args(c, _truncate(c)), ["rank0.safetensors"]),
     ("run-checkpoint-negative-heads", RUN, lambda c: run_ckpt_args(c, _ckpt_with("num_medusa_heads", -1)(c)),
      ["num_medusa_heads", "-1"]),
+    ("run-draft-vocab-beyond-vocab", RUN, lambda c: run_ckpt_args(c, _bad_draft_vocab(c)), DRAFT_VOCAB_ERROR),
     # -- medusa-check ------------------------------------------------------------------------------
     ("check-wrong-recorded-digest", CHECK, lambda c: ["--engine", str(_wrong_digest(c))],
      ["tokenizer.json", "sha256 differs"]),
     ("check-negative-atol", CHECK, lambda c: ["--engine", str(c.engine), "--atol", "-1"], ["--atol -1"]),
     ("check-prompts-not-utf8", CHECK, lambda c: ["--engine", str(c.engine), "--prompts", str(c.write("p.txt", b"\xff\n"))],
      ["p.txt", "UTF-8"]),
+    ("check-draft-vocab-beyond-vocab", CHECK, lambda c: ["--engine", str(c.engine), "--checkpoint", str(_bad_draft_vocab(c))],
+     DRAFT_VOCAB_ERROR),
     # -- medusa-triton -----------------------------------------------------------------------------
     ("triton-out-is-a-file-force", TRITON, lambda c: ["--engine", str(c.ckpt), "--out", str(_file(c)), "--force"],
      ["a_file", "not a directory"]),
@@ -296,6 +307,8 @@ CASES = [
      lambda c: ["--engine", str(_trtllm_engine(c)), "--out", str(c.out), "--tokenizer-dir", str(c.ckpt),
                 "--medusa-choices", "[[0], [16]]"],
      ["rank 16", "4 bits"]),
+    ("triton-draft-vocab-beyond-vocab", TRITON, lambda c: ["--engine", str(_bad_draft_vocab(c)), "--out", str(c.out)],
+     DRAFT_VOCAB_ERROR),
     ("serve-invalid-port", ("medusa-serve", serve_main),
      lambda c: ["--repo", str(c.copy(c.ckpt, "repo")), "--http-port", "70000"], ["--http-port 70000", "65535"]),
     # -- medusa-tune-tree, medusa-bench, medusa-train-heads ---------------------------------------
@@ -303,6 +316,12 @@ CASES = [
      lambda c: ["--engine", str(c.ckpt), "--calib-data", str(c.write("cal.txt", "a\n")), "--out", str(c.out / "t.json"),
                 "--max-new-tokens", "1", "--no-measure", "--quiet"],
      ["calibration"]),
+    ("tune-tree-draft-vocab-beyond-vocab", TUNE,
+     lambda c: ["--engine", str(_bad_draft_vocab(c)), "--prompts", str(c.write("cal.txt", "a b c\n")),
+                "--out", str(c.out / "t.json"), "--no-measure", "--quiet"], DRAFT_VOCAB_ERROR),
+    ("bench-draft-vocab-beyond-vocab", BENCH,
+     lambda c: ["--engine", str(_bad_draft_vocab(c)), "--prompts", str(c.write("p.txt", "a b c\n")), "--no-hf"],
+     DRAFT_VOCAB_ERROR),
     ("bench-prompts-not-utf8", BENCH, lambda c: ["--engine", str(c.ckpt), "--prompts", str(c.write("p.txt", b"\xfe\n"))],
      ["p.txt", "UTF-8"]),
     ("train-data-deep-jsonl", TRAIN,
