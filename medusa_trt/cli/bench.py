@@ -25,6 +25,7 @@ from medusa_trt.cli.common import (
     add_tree_arg,
     new_parser,
     ort_session_options,
+    positive_int,
     run_cli,
     sampling_options,
 )
@@ -47,8 +48,8 @@ def parser() -> argparse.ArgumentParser:
     add_prompts_arg(p, required=True)
     add_tree_arg(p, default=DEFAULT_TREE, help=f"tree for Medusa decoding (default {DEFAULT_TREE})")
     add_max_new_tokens_arg(p, default=128)
-    p.add_argument("--limit", type=int, help="use the first N prompts")
-    p.add_argument("--repeat", type=int, default=1, help="measure each prompt N times (default 1)")
+    p.add_argument("--limit", type=positive_int, help="use the first N prompts")
+    p.add_argument("--repeat", type=positive_int, default=1, help="measure each prompt N times (default 1)")
     p.add_argument("--hf-model", type=Path, help="HF model dir for the transformers baseline "
                    "(default: the base recorded in the engine's checkpoint)")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers generate baseline")
@@ -74,9 +75,6 @@ def _main(argv: list[str] | None = None) -> int:
     try:
         if not args.engine.is_dir():
             raise BenchError(f"{args.engine}: --engine directory not found")
-        if args.max_new_tokens < 1 or args.repeat < 1 or (args.threads is not None and args.threads < 1):
-            raise BenchError(f"--max-new-tokens {args.max_new_tokens} / --repeat {args.repeat} / --threads "
-                             f"{args.threads}: expected >= 1")
         hf_dir, hf_note = None, None
         if args.hf_model is not None:
             if not (args.hf_model / "config.json").is_file():

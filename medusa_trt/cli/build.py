@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from medusa_trt.cli.common import add_quiet_arg, run_cli
+from medusa_trt.cli.common import add_quiet_arg, new_parser, positive_int, run_cli
 from medusa_trt.engine_dir import DEVICES, DTYPES
 from medusa_trt.engines.build import BUILDERS, build_engine
 from medusa_trt.engines.onnx.attention import ATTENTION_FORMS
@@ -20,19 +20,19 @@ PROG = "medusa-build"
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description="Build an engine directory (engine.json, backend "
-                                "artifacts, tokenizer) from a merged checkpoint written by medusa-convert.")
+    p = new_parser(PROG, "Build an engine directory (engine.json, backend artifacts, tokenizer) from a merged "
+                   "checkpoint written by medusa-convert.")
     p.add_argument("--checkpoint", required=True, type=Path, help="merged checkpoint directory")
     p.add_argument("--out", required=True, type=Path, help="engine directory to write")
     p.add_argument("--backend", default="onnxruntime", choices=list(BUILDERS), help="default: onnxruntime")
     p.add_argument("--dtype", choices=list(DTYPES),
                    help="compute dtype (default: float32 for --device cpu, the checkpoint's for cuda)")
-    p.add_argument("--max-batch-size", type=int, default=8, help="largest batch the engine runs (default 8)")
-    p.add_argument("--max-seq-len", type=int, help="prompt + generated + tree depth (default: the model's "
+    p.add_argument("--max-batch-size", type=positive_int, default=8, help="largest batch the engine runs (default 8)")
+    p.add_argument("--max-seq-len", type=positive_int, help="prompt + generated + tree depth (default: the model's "
                    "max_position_embeddings)")
-    p.add_argument("--max-draft-len", type=int, help="largest Medusa tree, root excluded (default: the "
+    p.add_argument("--max-draft-len", type=positive_int, help="largest Medusa tree, root excluded (default: the "
                    "checkpoint's max_draft_len)")
-    p.add_argument("--opset", type=int, help="ONNX opset (default 23)")
+    p.add_argument("--opset", type=positive_int, help="ONNX opset (default 23)")
     p.add_argument("--attention", choices=list(ATTENTION_FORMS),
                    help="ONNX attention form (default: chain_f32 for --weights int4, whose Medusa greedy then "
                         "equals its plain greedy for chain trees, the runtime running any other tree as its main "
@@ -44,7 +44,7 @@ def parser() -> argparse.ArgumentParser:
                    "with a dense mask, for comparison")
     p.add_argument("--keep-onnx", action="store_true",
                    help="--backend tensorrt: keep the exported (and rewritten) ONNX graphs in <out>/onnx")
-    p.add_argument("--max-input-len", type=int,
+    p.add_argument("--max-input-len", type=positive_int,
                    help="--backend tensorrt-llm: longest prompt (default: max-seq-len minus one tree)")
     p.add_argument("--no-prepack", dest="prepack_weights", action="store_false",
                    help="onnxruntime: sessions compute from one shared mapping of the weights instead of "
@@ -58,7 +58,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--weights", default="float", choices=["float", "int4"],
                    help="onnxruntime: int4 = 4-bit weight-only MatMulNBits for the decoder linears and the "
                         "lm_head (default: float, the engine dtype)")
-    p.add_argument("--int4-block-size", type=int, default=INT4_DEFAULT_BLOCK_SIZE,
+    p.add_argument("--int4-block-size", type=positive_int, default=INT4_DEFAULT_BLOCK_SIZE,
                    help=f"--weights int4: weights per scale/zero point along K (default {INT4_DEFAULT_BLOCK_SIZE})")
     p.add_argument("--int4-accuracy-level", type=int, default=INT4_DEFAULT_ACCURACY_LEVEL, choices=[0, 4],
                    help="--weights int4: MatMulNBits accuracy_level, 4 = int8 activations per block (default), "

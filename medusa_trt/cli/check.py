@@ -14,10 +14,12 @@ from medusa_trt.cli.common import (
     add_prompts_arg,
     add_source_args,
     new_parser,
+    nonnegative_float,
+    nonnegative_int,
     read_prompts,
     run_cli,
 )
-from medusa_trt.tools.parity import CheckInputError, run_check
+from medusa_trt.tools.parity import run_check
 
 PROG = "medusa-check"
 
@@ -29,9 +31,9 @@ def parser() -> argparse.ArgumentParser:
     add_prompts_arg(p, help=".txt (one prompt a line) or .jsonl with 'text' (default: three built-in prompts)")
     add_json_report_arg(p)
     add_max_new_tokens_arg(p, default=32, help="tokens per greedy decode (default 32)")
-    p.add_argument("--tree-steps", type=int, default=4, help="tree-verify steps to compare (default 4)")
+    p.add_argument("--tree-steps", type=nonnegative_int, default=4, help="tree-verify steps to compare (default 4)")
     add_device_arg(p, help="the engine's device: cpu or cuda (default: the engine's own)")
-    p.add_argument("--atol", type=float, help="override the dtype's logits tolerance")
+    p.add_argument("--atol", type=nonnegative_float, help="override the dtype's logits tolerance")
     return p
 
 
@@ -40,8 +42,6 @@ def _main(argv: Sequence[str] | None = None) -> int:
     prompts = None
     if args.prompts is not None:
         prompts = read_prompts(args.prompts)
-    if args.max_new_tokens < 1 or args.tree_steps < 0:
-        raise CheckInputError("--max-new-tokens must be >= 1 and --tree-steps >= 0")
     report = run_check(args.engine, args.checkpoint, prompts, max_new_tokens=args.max_new_tokens,
                        tree_steps=args.tree_steps, device=args.device, atol=args.atol)
     print(f"{PROG}: {report.engine} ({report.backend}, {report.dtype}) vs {report.checkpoint} (PyTorch float32)")

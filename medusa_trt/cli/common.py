@@ -8,6 +8,10 @@
   remove temporary output run exactly as they do for Ctrl-C.
 Anything else is a bug and keeps its traceback.
 
+Numeric flags take their range from one validator here (`positive_int`, `nonnegative_float`, ...), given
+as argparse's `type=`, so a flag is refused the same way in every command that has it, before any
+work; `new_parser`'s parser reports that (and every other usage error) as one line and exit code 2.
+
 The flag groups (`add_*`) give one concept one flag name in every command: `--engine`/`--checkpoint`,
 `--medusa-choices`, `--max-new-tokens`, the sampling flags, `--threads`, `--prompts`, `--quiet`.
 Spellings a command used before (`--batch-file`, `--intra-op-threads`, `--new-tokens`, ...) stay
@@ -21,6 +25,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
+import re
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -122,9 +128,47 @@ class RawHelpFormatter(HelpFormatter, argparse.RawDescriptionHelpFormatter):
     """The same, keeping the description's line breaks (module docstrings)."""
 
 
+class Parser(argparse.ArgumentParser):
+    """A usage error is one line `prog: error: ...` and exit code 2, as every other bad input is
+    (argparse would print the whole usage first); --help still shows it."""
+
+    def error(self, message: str):
+        # A validator's "argument --threads/--intra-op-threads: -1: expected ..." reads as "--threads -1: expected ...".
+        m = re.fullmatch(r"argument ([^/: ]+)(?:/\S+)?: (.*?): (expected .*)", message, re.S)
+        if m:
+            message = f"{m[1]} {m[2]}: {m[3]}"
+        self.exit(EXIT_BAD_INPUT, error_line(self.prog, message) + "\n")
+
+
 def new_parser(prog: str, description: str | None, *, raw: bool = False) -> argparse.ArgumentParser:
-    return argparse.ArgumentParser(prog=prog, description=description,
-                                   formatter_class=RawHelpFormatter if raw else HelpFormatter)
+    return Parser(prog=prog, description=description, formatter_class=RawHelpFormatter if raw else HelpFormatter)
+
+
+# -- numeric flag validators (argparse `type=`): one range per kind of value, the same in every command --
+
+
+def _number(kind: type, expected: str, ok: Callable[[float], bool]) -> Callable[[str], int | float]:
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text}: expected {expected}") from None
+        if not (math.isfinite(value) and ok(value)):  # float("inf") and float("nan") parse; they are no count
+            raise argparse.ArgumentTypeError(f"{text}: expected {expected}")
+        return value
+
+    parse.__name__ = expected  # argparse names the type by it in its own messages
+    return parse
+
+
+positive_int = _number(int, "a positive integer", lambda v: v > 0)
+nonnegative_int = _number(int, "a non-negative integer", lambda v: v >= 0)
+positive_float = _number(float, "a positive finite number", lambda v: v > 0)
+nonnegative_float = _number(float, "a non-negative finite number", lambda v: v >= 0)
+probability = _number(float, "a number in (0, 1]", lambda v: 0 < v <= 1)
+fraction = _number(float, "a fraction in [0, 1)", lambda v: 0 <= v < 1)
+seed_int = _number(int, "an integer in [0, 2**63)", lambda v: 0 <= v < 2**63)
+port = _number(int, "a TCP port 1..65535 (0: pick a free one)", lambda v: 0 <= v <= 65535)
 
 
 def _add(group, name: str, old: Sequence[str] = (), **kwargs) -> argparse.Action:
@@ -162,7 +206,7 @@ def add_tree_arg(p: argparse.ArgumentParser, *, default: str | None = None,
 
 def add_max_new_tokens_arg(p: argparse.ArgumentParser, *, default: int, help: str | None = None,
                            old: Sequence[str] = ()) -> None:
-    _add(p, "--max-new-tokens", old, type=int, default=default,
+    _add(p, "--max-new-tokens", old, type=positive_int, default=default,
          help=help or f"tokens to generate per prompt at most (default {default})")
 
 
@@ -175,13 +219,13 @@ def add_sampling_args(p: argparse.ArgumentParser, *, typical: bool = True, seed:
     from medusa_trt.runtime.decoding import ACCEPTANCE
 
     p.add_argument("--acceptance", choices=list(ACCEPTANCE), default="greedy", help=acceptance_help)
-    p.add_argument("--temperature", type=float, default=0.7, help="typical and sample acceptance temperature")
-    p.add_argument("--top-k", type=int, default=None, help="sample: keep the k most likely tokens")
-    p.add_argument("--top-p", type=float, default=1.0, help="sample: nucleus mass in (0, 1]")
-    p.add_argument("--seed", type=int, default=seed, help=seed_help)
+    p.add_argument("--temperature", type=nonnegative_float, default=0.7, help="typical and sample acceptance temperature")
+    p.add_argument("--top-k", type=positive_int, default=None, help="sample: keep the k most likely tokens")
+    p.add_argument("--top-p", type=probability, default=1.0, help="sample: nucleus mass in (0, 1]")
+    p.add_argument("--seed", type=seed_int, default=seed, help=seed_help)
     if typical:
-        p.add_argument("--posterior-threshold", type=float, default=0.09, help="typical acceptance epsilon")
-        p.add_argument("--posterior-alpha", type=float, default=0.3, help="typical acceptance delta")
+        p.add_argument("--posterior-threshold", type=nonnegative_float, default=0.09, help="typical acceptance epsilon")
+        p.add_argument("--posterior-alpha", type=nonnegative_float, default=0.3, help="typical acceptance delta")
 
 
 def sampling_options(args: argparse.Namespace) -> dict:
@@ -191,8 +235,10 @@ def sampling_options(args: argparse.Namespace) -> dict:
 
 
 def add_threads_arg(p: argparse.ArgumentParser, *, default: int | None = None,
-                    help: str = "engine intra-op threads (default: one per core)", old: Sequence[str] = ()) -> None:
-    _add(p, "--threads", old, type=int, default=default, help=help)
+                    help: str = "engine intra-op threads (default: one per core)", old: Sequence[str] = (),
+                    zero: bool = False) -> None:
+    """--threads N >= 1 (`zero`: 0 also, for "the library's default")."""
+    _add(p, "--threads", old, type=nonnegative_int if zero else positive_int, default=default, help=help)
 
 
 def add_device_arg(p: argparse.ArgumentParser, *,

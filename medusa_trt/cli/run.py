@@ -21,7 +21,7 @@ from medusa_trt.cli.common import (
     run_cli,
     sampling_options,
 )
-from medusa_trt.errors import MedusaTrtError, check_number, check_utf8
+from medusa_trt.errors import MedusaTrtError, check_utf8
 from medusa_trt.runtime.decoding import GenerationConfig, SequenceStats, generate
 from medusa_trt.runtime.loading import load_backend, load_tokenizer, stop_tokens
 
@@ -55,11 +55,6 @@ def _main(argv: list[str] | None = None) -> int:
             texts = read_prompts(args.prompts)
         else:
             texts = [check_utf8(t, "--prompt") for t in args.prompt]
-        check_number(args.temperature, "--temperature", nonnegative=True)
-        check_number(args.posterior_threshold, "--posterior-threshold", nonnegative=True)
-        check_number(args.posterior_alpha, "--posterior-alpha", nonnegative=True)
-        check_number(args.max_new_tokens, "--max-new-tokens", positive=True)
-        check_number(args.threads, "--threads", positive=True)
         directory = args.engine or args.checkpoint
         backend = load_backend(directory, dtype=args.dtype, device=args.device,
                                ort_options=ort_session_options(args))

@@ -19,6 +19,7 @@ from medusa_trt.cli.common import (
     add_threads_arg,
     new_parser,
     ort_session_options,
+    positive_int,
     run_cli,
 )
 from medusa_trt.tools import tune_tree as tt
@@ -35,15 +36,15 @@ def parser() -> argparse.ArgumentParser:
     add_prompts_arg(p, required=True, help="calibration prompts: .txt (one prompt a line) or .jsonl with 'text'",
                     old=["--calib-data"])
     p.add_argument("--out", required=True, type=Path, help="tree.json to write (loadable by --medusa-choices)")
-    p.add_argument("--max-nodes", type=int, default=64, help="largest tree considered (default 64, at most the "
+    p.add_argument("--max-nodes", type=positive_int, default=64, help="largest tree considered (default 64, at most the "
                    "engine's max_draft_len)")
     add_max_new_tokens_arg(p, default=128, help="greedy tokens per calibration prompt (default 128)")
-    p.add_argument("--limit", type=int, default=32, help="calibration prompts used (default 32)")
-    p.add_argument("--topk", type=int, default=CANDIDATE_TOPK, help="ranks measured per head")
-    p.add_argument("--reps", type=int, default=5, help=f"step-time repetitions per tree size (blocks of {tt.BLOCK} steps)")
+    p.add_argument("--limit", type=positive_int, default=32, help="calibration prompts used (default 32)")
+    p.add_argument("--topk", type=positive_int, default=CANDIDATE_TOPK, help="ranks measured per head")
+    p.add_argument("--reps", type=positive_int, default=5, help=f"step-time repetitions per tree size (blocks of {tt.BLOCK} steps)")
     add_prompts_arg(p, name="--eval-prompts", old=["--eval-data"],
                     help="prompts for the measured comparison (default: --prompts)")
-    p.add_argument("--eval-limit", type=int, default=8, help="prompts for the measured comparison (default 8)")
+    p.add_argument("--eval-limit", type=positive_int, default=8, help="prompts for the measured comparison (default 8)")
     p.add_argument("--no-measure", action="store_true", help="predict only; skip the measured comparison")
     add_threads_arg(p, help="engine intra-op threads (default: one per core); tune with the setting you will "
                     "decode with")
@@ -59,9 +60,6 @@ def _main(argv: list[str] | None = None) -> int:
     from medusa_trt.tools.bench import BenchError, compare, load_prompts
 
     try:
-        for name in ("max_nodes", "max_new_tokens", "limit", "topk", "reps", "eval_limit", "threads"):
-            if getattr(args, name) is not None and getattr(args, name) < 1:
-                raise BenchError(f"--{name.replace('_', '-')} {getattr(args, name)}: expected >= 1")
         if not args.engine.is_dir():
             raise BenchError(f"{args.engine}: --engine directory not found")
         backend = load_backend(args.engine, device=args.device, ort_options=ort_session_options(args))

@@ -10,6 +10,7 @@ greedy decoding would; sample acceptance emits tokens distributed exactly as pla
 from __future__ import annotations
 
 import functools
+import math
 import secrets
 import time
 from collections.abc import Callable, Iterator
@@ -48,8 +49,11 @@ class GenerationConfig:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.acceptance not in ACCEPTANCE:
             raise ValueError(f"acceptance must be one of {', '.join(ACCEPTANCE)}, got {self.acceptance!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):  # inf would divide logits to NaN
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        for name in ("posterior_threshold", "posterior_alpha"):
+            if not (getattr(self, name) >= 0 and math.isfinite(getattr(self, name))):
+                raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
         if self.acceptance == "sample" and not self.temperature > 0:
             raise ValueError(f"temperature {self.temperature} with acceptance 'sample': expected > 0 "
                              "(for temperature 0 use acceptance 'greedy')")

@@ -331,6 +331,14 @@ CASES = [
 ]
 
 
+def exit_code(main: Callable[[list[str]], int], args: list[str]) -> int:
+    """main's exit code, whether returned (run_cli) or raised (a flag refused while parsing)."""
+    try:
+        return main(args)
+    except SystemExit as e:
+        return e.code
+
+
 @pytest.fixture(scope="module")
 def fixtures(tiny_base, tiny_heads, tiny_merged, ort_engine):
     base = tiny_base("llama")
@@ -348,7 +356,7 @@ def test_bad_input(name, cli, argv, expected, fixtures, tmp_path, capsys):
     before = {p: p.read_bytes() for p in tmp_path.glob("a_file")}
     capsys.readouterr()
     prog, main = cli
-    assert main(args) == 2
+    assert exit_code(main, args) == 2
     captured = capsys.readouterr()
     err = captured.err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"{prog}: error: "), err
@@ -365,6 +373,42 @@ def test_the_corpus_covers_every_console_script():
                .split("\n\n")[0].strip().splitlines()]
     covered = {c[1][0] for c in CASES}
     assert set(scripts) <= covered and len(CASES) >= 40
+
+
+# Every command that has a numeric flag refuses the same bad value in the same words while parsing,
+# before any work: (flag, bad value, the words, the commands with their other required arguments).
+_REQ = {RUN: ["--engine", "e", "--prompt", "x"], BENCH: ["--engine", "e", "--prompts", "p"],
+        TUNE: ["--engine", "e", "--prompts", "p", "--out", "t.json"], CHECK: ["--engine", "e"],
+        TRAIN: ["--base", "b", "--data", "d", "--out", "o"], TRITON: ["--engine", "e", "--out", "o"],
+        BUILD: ["--checkpoint", "c", "--out", "o"], CONVERT: ["--base", "b", "--out", "o"],
+        ("medusa-serve", serve_main): ["--repo", "r"]}
+FLAGS = [
+    ("--threads", "-1", "expected a positive integer", [RUN, BENCH, TUNE, TRAIN]),
+    ("--threads", "0", "expected a positive integer", [RUN, BENCH, TUNE, TRAIN]),
+    ("--threads", "-1", "expected a non-negative integer", [TRITON]),  # 0 there: torch's own default
+    ("--limit", "-1", "expected a positive integer", [BENCH, TUNE]),
+    ("--max-new-tokens", "0", "expected a positive integer", [RUN, BENCH, TUNE, CHECK, TRAIN]),
+    ("--temperature", "inf", "expected a non-negative finite number", [RUN, BENCH]),
+    ("--temperature", "nan", "expected a non-negative finite number", [RUN, BENCH]),
+    ("--top-p", "1.5", "expected a number in (0, 1]", [RUN, BENCH]),
+    ("--seed", "-1", "expected an integer in [0, 2**63)", [RUN, BENCH, TRAIN]),
+    ("--max-batch-size", "0", "expected a positive integer", [BUILD, TRITON]),
+    ("--max-draft-len", "0", "expected a positive integer", [BUILD, CONVERT]),
+    ("--max-input-len", "-5", "expected a positive integer", [BUILD, TRITON]),
+    ("--lr", "inf", "expected a positive finite number", [TRAIN]),
+    ("--atol", "-1", "expected a non-negative finite number", [CHECK]),
+    ("--http-port", "70000", "expected a TCP port", [("medusa-serve", serve_main)]),
+]
+
+
+@pytest.mark.parametrize("flag,value,words,clis", FLAGS, ids=[f"{f[0]}={f[1]}" for f in FLAGS])
+def test_a_numeric_flag_is_refused_alike_by_every_command(flag, value, words, clis, capsys):
+    for prog, main in clis:
+        with pytest.raises(SystemExit) as e:
+            main([*_REQ[(prog, main)], flag, value])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1, (prog, err)
+        assert err[0].startswith(f"{prog}: error: {flag} {value}: {words}"), (prog, err)
 
 
 def test_os_errors_are_one_line(fixtures, tmp_path, capsys, monkeypatch):
