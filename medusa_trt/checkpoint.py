@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from medusa_trt.errors import CheckpointError, read_json_object, require
-from medusa_trt.safetensors_io import SafetensorsFile, SafetensorsWriter
+from medusa_trt.safetensors_io import SafetensorsFile, SafetensorsWriter, check_finite
 
 # ----------------------------------------------------------------------------------------------
 # TensorRT-LLM names and the expected tensors of a config
@@ -547,6 +547,18 @@ def validate_checkpoint(directory: str | os.PathLike, *, strict: bool = True) ->
     return problems
 
 
+def check_finite_weights(directory: str | os.PathLike) -> None:
+    """Every tensor of every rank file is finite, or a CheckpointError naming the file and tensor
+    (a checkpoint edited after medusa-convert, which checks what it writes). One tensor at a time,
+    so a builder that hands the directory to another tool (trtllm-build) is covered too."""
+    directory = Path(directory)
+    for rank in range(tp_size_of(read_config(directory))):
+        path = rank_file(directory, rank)
+        with SafetensorsFile(path) as f:
+            for name in f.keys():
+                check_finite(f.read(name), f"{path}: tensor {name!r}")
+
+
 def load_checkpoint(directory: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
     """Config and full (unsharded) weights of a merged checkpoint, ranks merged when tp_size > 1.
 
@@ -558,8 +570,13 @@ def load_checkpoint(directory: str | os.PathLike) -> tuple[dict, dict[str, torch
     config = read_config(directory)
     files = [SafetensorsFile(rank_file(directory, r)) for r in range(tp_size_of(config))]
     try:
-        return config, {name: merge_ranks(name, [f.read(name) for f in files], config)
-                        for name in files[0].keys()}
+        weights = {}
+        for name in files[0].keys():
+            parts = [f.read(name) for f in files]
+            for f, part in zip(files, parts, strict=True):  # the reference never runs on NaN either
+                check_finite(part, f"{f.path}: tensor {name!r}")
+            weights[name] = merge_ranks(name, parts, config)
+        return config, weights
     finally:
         for f in files:
             f.close()

@@ -14,7 +14,7 @@ import torch
 
 from medusa_trt.checkpoint import LM_HEAD, LN_F, VOCAB_EMBEDDING, layer_prefix
 from medusa_trt.errors import CheckpointError, read_json_object, require
-from medusa_trt.safetensors_io import SafetensorsFile
+from medusa_trt.safetensors_io import SafetensorsFile, check_finite
 
 log = logging.getLogger("medusa_trt.converter")
 
@@ -399,22 +399,8 @@ class Piece:
         out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
         out = out.to(dtype)
         # Once, on what is written: NaN/Inf in a source stays NaN/Inf here, and a cast that overflows shows too.
-        check_finite(out, f"{_files(self.source)}: tensor {', '.join(map(repr, self.keys))} (as {dtype})")
+        check_finite(out, f"{_files(self.source)}: tensor {', '.join(map(repr, self.keys))} (as {dtype})", ConvertError)
         return out
-
-
-def check_finite(t: torch.Tensor, what: str) -> None:
-    """NaN or Inf in a weight is refused, naming the tensor: it would convert, build and decode
-    without a word and give garbage. aminmax propagates NaN and shows an Inf as min or max, without
-    a mask the size of the tensor: about a tenth of the cast's cost (BENCHMARKS.md)."""
-    if not t.is_floating_point() or t.numel() == 0:
-        return
-    x = t if t.element_size() > 1 else t.to(torch.float32)  # float8 has no aminmax kernel
-    lo, hi = torch.aminmax(x)
-    if not (bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))):
-        bad = int((~torch.isfinite(x)).sum())
-        raise ConvertError(f"{what}: {bad} of {t.numel()} values are NaN or Inf; expected finite weights "
-                           "(a corrupt or overflowed file)")
 
 
 def _files(source: TensorSource) -> str:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from medusa_trt.checkpoint import read_config, validate_checkpoint
+from medusa_trt.checkpoint import check_finite_weights, read_config, validate_checkpoint
 from medusa_trt.engine_dir import (
     DEVICES,
     ENGINE_FORMAT_VERSION,
@@ -99,6 +99,7 @@ def build_engine(opts: BuildOptions) -> BuildResult:
     try:
         validate_checkpoint(opts.checkpoint)
         config = read_config(opts.checkpoint)
+        check_finite_weights(opts.checkpoint)  # every backend, before any work (trtllm-build reads the files itself)
     except CheckpointError as e:
         raise BuildError(str(e)) from None
     check_options(opts, config)

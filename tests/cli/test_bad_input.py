@@ -245,6 +245,12 @@ CASES = [
      ["a_file", "not a directory"]),
     ("build-max-batch-zero", BUILD, lambda c: build_args(c, None, None, "--max-batch-size", "0"),
      ["--max-batch-size 0"]),
+    ("build-nan-in-checkpoint", BUILD,
+     lambda c: build_args(c, _poison(c.ckpt, c, "ck", "rank0.safetensors", float("nan"))),
+     ["rank0.safetensors", "tensor", "NaN or Inf"]),
+    ("build-inf-in-checkpoint", BUILD,
+     lambda c: build_args(c, _poison(c.ckpt, c, "ck", "rank0.safetensors", float("inf"))),
+     ["rank0.safetensors", "tensor", "NaN or Inf"]),
     ("build-draft-vocab-beyond-vocab", BUILD, lambda c: build_args(c, _bad_draft_vocab(c)), DRAFT_VOCAB_ERROR),
     # -- medusa-run: engine.json, graphs, digests, run-time values --------------------------------
     ("run-missing-engine", RUN, lambda c: run_args(c, c.tmp / "nope"), ["nope"]),
@@ -285,6 +291,8 @@ CASES = [
     ("run-truncated-checkpoint", RUN, lambda c: run_ckpt_args(c, _truncate(c)), ["rank0.safetensors"]),
     ("run-checkpoint-negative-heads", RUN, lambda c: run_ckpt_args(c, _ckpt_with("num_medusa_heads", -1)(c)),
      ["num_medusa_heads", "-1"]),
+    ("run-nan-in-checkpoint", RUN, lambda c: run_ckpt_args(c, _poison(c.ckpt, c, "ck", "rank0.safetensors", float("nan"))),
+     ["rank0.safetensors", "tensor", "NaN or Inf"]),
     ("run-draft-vocab-beyond-vocab", RUN, lambda c: run_ckpt_args(c, _bad_draft_vocab(c)), DRAFT_VOCAB_ERROR),
     # -- medusa-check ------------------------------------------------------------------------------
     ("check-wrong-recorded-digest", CHECK, lambda c: ["--engine", str(_wrong_digest(c))],
