@@ -14,6 +14,7 @@ from pathlib import Path
 
 from medusa_trt.cli.common import (
     ENGINE_OR_CHECKPOINT_HELP,
+    add_force_arg,
     add_json_report_arg,
     add_max_new_tokens_arg,
     add_prompts_arg,
@@ -23,11 +24,13 @@ from medusa_trt.cli.common import (
     add_spin_arg,
     add_threads_arg,
     add_tree_arg,
+    check_output_file,
     new_parser,
     ort_session_options,
     positive_int,
     run_cli,
     sampling_options,
+    write_output_file,
 )
 from medusa_trt.tools import bench
 from medusa_trt.tools.bench import (
@@ -58,6 +61,7 @@ def parser() -> argparse.ArgumentParser:
     add_sampling_args(p, typical=False, seed=0, seed_help="sample: generator seed of every run",
                       acceptance_help="Medusa acceptance; typical and sample are compared with plain sampling")
     add_json_report_arg(p, help="write all figures to this file")
+    add_force_arg(p, help="replace an existing --json file")
     add_quiet_arg(p)
     return p
 
@@ -72,6 +76,7 @@ def _main(argv: list[str] | None = None) -> int:
 
         hf_logging.disable_progress_bar()
 
+    check_output_file(args.json, args.force, "--json")  # before the run, not after it
     try:
         if not args.engine.is_dir():
             raise BenchError(f"{args.engine}: --engine directory not found")
@@ -118,8 +123,7 @@ def _main(argv: list[str] | None = None) -> int:
         report["plain"]["speedup_vs_hf_generate"] = round(report["plain"]["tokens_per_s"] / hf["tokens_per_s"], 4)
     print(format_report(report))
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        write_output_file(args.json, json.dumps(report, indent=2) + "\n", args.force, "--json")
     return 0
 
 

@@ -9,15 +9,18 @@ from collections.abc import Sequence
 
 from medusa_trt.cli.common import (
     add_device_arg,
+    add_force_arg,
     add_json_report_arg,
     add_max_new_tokens_arg,
     add_prompts_arg,
     add_source_args,
+    check_output_file,
     new_parser,
     nonnegative_float,
     nonnegative_int,
     read_prompts,
     run_cli,
+    write_output_file,
 )
 from medusa_trt.tools.parity import run_check
 
@@ -30,6 +33,7 @@ def parser() -> argparse.ArgumentParser:
     add_source_args(p, checkpoint="reference")
     add_prompts_arg(p, help=".txt (one prompt a line) or .jsonl with 'text' (default: three built-in prompts)")
     add_json_report_arg(p)
+    add_force_arg(p, help="replace an existing --json file")
     add_max_new_tokens_arg(p, default=32, help="tokens per greedy decode (default 32)")
     p.add_argument("--tree-steps", type=nonnegative_int, default=4, help="tree-verify steps to compare (default 4)")
     add_device_arg(p, help="the engine's device: cpu or cuda (default: the engine's own)")
@@ -39,6 +43,7 @@ def parser() -> argparse.ArgumentParser:
 
 def _main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    check_output_file(args.json, args.force, "--json")
     prompts = None
     if args.prompts is not None:
         prompts = read_prompts(args.prompts)
@@ -51,7 +56,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
     failed = sum(not r.passed for r in report.rows)
     print(f"{PROG}: {'PASS' if report.passed else 'FAIL'} ({len(report.rows) - failed}/{len(report.rows)} checks passed)")
     if args.json:
-        args.json.write_text(json.dumps(report.as_dict(), indent=2) + "\n")
+        write_output_file(args.json, json.dumps(report.as_dict(), indent=2) + "\n", args.force, "--json")
     return 0 if report.passed else 1
 
 

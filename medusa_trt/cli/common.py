@@ -26,9 +26,11 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import re
 import signal
 import sys
+import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -287,3 +289,41 @@ def add_json_report_arg(p: argparse.ArgumentParser, *, help: str = "also write t
     """--json FILE: the commands whose report is a document (check, bench). medusa-run's --json is a
     switch instead (one JSON object per prompt on stdout), as it always was."""
     p.add_argument("--json", type=Path, help=help)
+
+
+def add_force_arg(p: argparse.ArgumentParser, *, help: str = "replace an existing output file") -> None:
+    p.add_argument("--force", action="store_true", help=help)
+
+
+# -- output files: the rule of output directories (medusa_trt/outputs.py) for single files -----------
+
+
+def check_output_file(path: Path | None, force: bool, flag: str = "--out") -> None:
+    """Refuses, before any work, what write_output_file would refuse: an existing file without
+    --force (never silently replaced), a directory, or a parent that is a file."""
+    if path is None:
+        return
+    if path.is_dir():
+        raise MedusaTrtError(f"{path}: {flag} is a directory; expected a file path")
+    if (path.exists() or path.is_symlink()) and not force:
+        raise MedusaTrtError(f"{path}: {flag} exists; pass --force to replace it")
+    ancestor = path.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise MedusaTrtError(f"{path}: cannot create it: {ancestor} is not a directory")
+
+
+def write_output_file(path: Path, text: str, force: bool, flag: str = "--out") -> None:
+    """Writes `text` to a temp file beside `path` and renames it into place: a failed or interrupted
+    write leaves no half file, and `path` is whole or as it was. An OSError names `path`."""
+    check_output_file(path, force, flag)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:12]}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, str(path)) from None
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -11,16 +11,19 @@ from pathlib import Path
 from medusa_trt.cli.common import (
     ENGINE_OR_CHECKPOINT_HELP,
     add_device_arg,
+    add_force_arg,
     add_max_new_tokens_arg,
     add_prompts_arg,
     add_quiet_arg,
     add_source_args,
     add_spin_arg,
     add_threads_arg,
+    check_output_file,
     new_parser,
     ort_session_options,
     positive_int,
     run_cli,
+    write_output_file,
 )
 from medusa_trt.tools import tune_tree as tt
 from medusa_trt.tree import CANDIDATE_TOPK, DEFAULT_TREE
@@ -50,6 +53,7 @@ def parser() -> argparse.ArgumentParser:
                     "decode with")
     add_spin_arg(p)
     add_device_arg(p)
+    add_force_arg(p, help="replace an existing --out file")
     add_quiet_arg(p)
     return p
 
@@ -59,6 +63,7 @@ def _main(argv: list[str] | None = None) -> int:
     from medusa_trt.runtime.loading import load_backend, load_tokenizer, stop_tokens
     from medusa_trt.tools.bench import BenchError, compare, load_prompts
 
+    check_output_file(args.out, args.force)  # before the minutes of tuning, not after
     try:
         if not args.engine.is_dir():
             raise BenchError(f"{args.engine}: --engine directory not found")
@@ -88,8 +93,7 @@ def _main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # BenchError, TreeError, EngineError, DataError: bad input, explained
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(tt.dump_json(result))
+    write_output_file(args.out, tt.dump_json(result), args.force)
     print(tt.format_report(result))
     print(f"{PROG}: wrote {args.out} ({len(result['medusa_choices'])} nodes; use --medusa-choices {args.out})")
     return 0

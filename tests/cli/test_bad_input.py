@@ -330,6 +330,17 @@ CASES = [
     ("bench-draft-vocab-beyond-vocab", BENCH,
      lambda c: ["--engine", str(_bad_draft_vocab(c)), "--prompts", str(c.write("p.txt", "a b c\n")), "--no-hf"],
      DRAFT_VOCAB_ERROR),
+    ("tune-tree-out-file-exists", TUNE,
+     lambda c: ["--engine", str(c.ckpt), "--prompts", str(c.write("cal.txt", "a b c\n")), "--out", str(_file(c)),
+                "--no-measure", "--quiet"], ["a_file", "--out exists", "--force"]),
+    ("check-json-file-exists", CHECK, lambda c: ["--engine", str(c.engine), "--json", str(_file(c))],
+     ["a_file", "--json exists", "--force"]),
+    ("bench-json-file-exists", BENCH,
+     lambda c: ["--engine", str(c.ckpt), "--prompts", str(c.write("p.txt", "a b c\n")), "--json", str(_file(c))],
+     ["a_file", "--json exists", "--force"]),
+    ("bench-json-is-a-directory", BENCH,
+     lambda c: ["--engine", str(c.ckpt), "--prompts", str(c.write("p.txt", "a b c\n")), "--json", str(c.tmp)],
+     ["--json is a directory"]),
     ("bench-prompts-not-utf8", BENCH, lambda c: ["--engine", str(c.ckpt), "--prompts", str(c.write("p.txt", b"\xfe\n"))],
      ["p.txt", "UTF-8"]),
     ("train-data-deep-jsonl", TRAIN,
@@ -417,6 +428,18 @@ def test_a_numeric_flag_is_refused_alike_by_every_command(flag, value, words, cl
         err = capsys.readouterr().err.strip().splitlines()
         assert e.value.code == 2 and len(err) == 1, (prog, err)
         assert err[0].startswith(f"{prog}: error: {flag} {value}: {words}"), (prog, err)
+
+
+def test_an_output_file_is_replaced_only_with_force_and_whole(fixtures, tmp_path, capsys):
+    """--json/--out files follow the rule of output dirs: refused when they exist, replaced with
+    --force by a rename (no temp file left), never half-written."""
+    ctx = Ctx(tmp_path, *fixtures)
+    report = _file(ctx)
+    args = ["--engine", str(ctx.engine), "--json", str(report), "--max-new-tokens", "2", "--tree-steps", "1"]
+    assert check.main(args) == 2 and report.read_text() == "keep me"
+    assert check.main([*args, "--force"]) == 0
+    assert json.loads(report.read_text())["passed"] is True
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
 
 
 def test_os_errors_are_one_line(fixtures, tmp_path, capsys, monkeypatch):
