@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,6 +16,7 @@ from medusa_trt.engines.options import BackendOptions, BuildError, BuildOptions
 from medusa_trt.engines.ort.build import INT4_DEFAULT_ACCURACY_LEVEL, INT4_DEFAULT_BLOCK_SIZE, OrtOptions
 from medusa_trt.engines.trt.build import TrtOptions
 from medusa_trt.engines.trtllm.build import TrtllmOptions
+from medusa_trt.outputs import check_output_dir
 
 PROG = "medusa-build"
 
@@ -98,19 +100,30 @@ def _main(argv: Sequence[str] | None = None) -> int:
         opset=args.opset, device=args.device, attention=args.attention, force=args.force,
         progress=not args.quiet, backend_options=backend_options(args),
     )
-    result = build_engine(opts)
+    also, repo_written = None, []
     if args.triton_repo:
         from medusa_trt.serving.triton_repo import RepoError, write_triton_repo
 
-        try:
-            write_triton_repo(result.out, args.triton_repo, max_batch_size=args.max_batch_size, force=args.force)
-        except RepoError as e:
-            print(f"{PROG}: error: engine written to {result.out}, but the Triton repository failed: {e}",
-                  file=sys.stderr)
-            return 2
-        if not args.quiet:
-            print(f"{PROG}: wrote Triton model repository {args.triton_repo} (serve it: medusa-serve --repo "
-                  f"{args.triton_repo})")
+        check_output_dir(args.triton_repo, args.force, RepoError)  # before the build, not after it
+
+        def also(engine_tmp: Path) -> None:  # the repository, from the engine still in its temp dir
+            try:
+                write_triton_repo(engine_tmp, args.triton_repo, max_batch_size=args.max_batch_size, force=args.force,
+                                  engine_dir_as=args.out)
+                repo_written.append(args.triton_repo)
+            except RepoError as e:
+                why = str(e).replace(str(engine_tmp.resolve()), str(args.out))  # the temp dir is ours, not the user's
+                raise RepoError(f"--triton-repo {args.triton_repo}: {why}; no engine written either") from None
+    try:
+        result = build_engine(opts, also=also)
+    except BaseException:
+        # The engine's rename failed after the repository's (rare: the same filesystem): no half pair.
+        for repo in repo_written:
+            shutil.rmtree(repo, ignore_errors=True)
+        raise
+    if args.triton_repo and not args.quiet:
+        print(f"{PROG}: wrote Triton model repository {args.triton_repo} (serve it: medusa-serve --repo "
+              f"{args.triton_repo})")
     if not args.quiet:
         e = result.engine
         size = sum(a["bytes"] for a in e["artifacts"].values())

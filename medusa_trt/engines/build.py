@@ -92,8 +92,10 @@ def check_options(opts: BuildOptions, config: dict) -> None:
                          f"{max_pos} ({path})")
 
 
-def build_engine(opts: BuildOptions) -> BuildResult:
-    """Validates the checkpoint, builds the engine in a temp dir and renames it to opts.out."""
+def build_engine(opts: BuildOptions, also: Callable[[Path], None] | None = None) -> BuildResult:
+    """Validates the checkpoint, builds the engine in a temp dir and renames it to opts.out.
+    `also(tmp)` writes another output from the finished engine while it is still in its temp dir
+    (medusa-build --triton-repo): if it fails, no engine appears either."""
     start = time.perf_counter()
     opts.checkpoint, opts.out = Path(opts.checkpoint), Path(opts.out)
     try:
@@ -113,6 +115,8 @@ def build_engine(opts: BuildOptions) -> BuildResult:
         engine = engine_json(opts, config, backend_part, tmp, time.perf_counter() - start)
         validate_engine(engine, opts.out / ENGINE_JSON)  # the writer obeys the schema its readers check
         (tmp / ENGINE_JSON).write_text(json.dumps(engine, indent=2) + "\n")
+        if also is not None:
+            also(tmp)
     return BuildResult(opts.out, engine, time.perf_counter() - start)
 
 

@@ -149,14 +149,15 @@ def write_triton_repo(
     posterior_threshold: float = 0.09, posterior_alpha: float = 0.3, max_input_len: int | None = None,
     max_output_len: int | None = None, max_queue_delay_us: int = 1000, instance_count: int = 1,
     device: str | None = None, dtype: str | None = None, intra_op_threads: int = 0,
-    tokenizer_dir: str | Path | None = None, force: bool = False,
+    tokenizer_dir: str | Path | None = None, force: bool = False, engine_dir_as: str | Path | None = None,
 ) -> Path:
     """Writes the repository that serves `engine_dir`; returns out_dir.
 
     Our engines and merged checkpoints get the Python-backend model; a TensorRT-LLM engine gets the
     tensorrtllm_backend layout (write_trtllm_triton_repo), so `medusa-build --triton-repo` needs one
     call whatever it built. `medusa_choices` (any form tree.parse_medusa_choices accepts; default
-    mc_sim_7b_63) is the default tree; requests may send their own."""
+    mc_sim_7b_63) is the default tree; requests may send their own. `engine_dir_as`: the path the
+    model loads the engine from, when `engine_dir` is where it is being written (medusa-build's temp dir)."""
     info = read_engine_info(engine_dir)
     if info.kind == "tensorrt-llm":
         return write_trtllm_triton_repo(info.directory, out_dir, tokenizer_dir or info.directory, medusa_choices,
@@ -188,7 +189,7 @@ def write_triton_repo(
         raise RepoError(f"instance_count {instance_count}, max_queue_delay_us {max_queue_delay_us}, "
                         f"intra_op_threads {intra_op_threads}: expected >= 1, >= 0, >= 0")
     params = {
-        "engine_dir": str(info.directory),
+        "engine_dir": str(Path(engine_dir_as).resolve() if engine_dir_as is not None else info.directory),
         "medusa_choices": tree_to_brace(tree),
         "acceptance": acceptance,
         "temperature": repr(float(temperature)),

@@ -442,6 +442,39 @@ def test_an_output_file_is_replaced_only_with_force_and_whole(fixtures, tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
 
 
+def test_build_writes_the_engine_and_its_triton_repo_or_neither(fixtures, tmp_path, capsys):
+    """The engine builds, then its Triton repository fails (the checkpoint has no tokenizer for the
+    server): neither --out nor --triton-repo appears, and the error names --out, not a temp dir."""
+    ctx = Ctx(tmp_path, *fixtures)
+    ckpt = ctx.copy(ctx.ckpt, "ck")
+    for f in ckpt.glob("tokenizer*"):
+        f.unlink()
+    repo = tmp_path / "repo"
+    capsys.readouterr()
+    assert build_cli.main(build_args(ctx, ckpt, None, "--triton-repo", str(repo))) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--triton-repo" in err[0] and "no tokenizer" in err[0], err
+    assert f"{ctx.out}: no tokenizer" in err[0] and ".tmp-" not in err[0], err
+    assert not ctx.out.exists() and not repo.exists() and not _leftovers(tmp_path)
+
+
+def test_an_os_error_names_the_out_the_user_gave(fixtures, tmp_path, capsys, monkeypatch):
+    """Permission denied inside the temp dir is reported on --out (root ignores chmod: the error is raised)."""
+    import medusa_trt.engines.build as build
+
+    ctx = Ctx(tmp_path, *fixtures)
+
+    def denied(opts, config, workdir):
+        raise PermissionError(13, "Permission denied", str(workdir / "model.onnx"))
+
+    monkeypatch.setitem(build.BUILDERS, "onnxruntime", denied)
+    capsys.readouterr()
+    assert build_cli.main(build_args(ctx)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"medusa-build: error: {ctx.out / 'model.onnx'}: Permission denied"], err
+    assert not ctx.out.exists() and not _leftovers(tmp_path)
+
+
 def test_os_errors_are_one_line(fixtures, tmp_path, capsys, monkeypatch):
     """No space left on device half-way through writing: one line naming the file and the reason."""
     ctx = Ctx(tmp_path, *fixtures)
