@@ -51,11 +51,14 @@ class TensorSpec:
     scalar: bool = False  # `reshape: { shape: [ ] }`: the backend gets [B], not [B, 1] (tensorrtllm_backend)
 
 
-# The Python-backend model's interface: tensorrtllm_backend's ensemble names where one exists, so
-# clients written for it work unchanged. triton_model reads these same specs to check requests.
+# The Python-backend model's interface: tensorrtllm_backend's ensemble names where one exists (its
+# max_tokens is INT32; ours is INT64, below). triton_model reads these same specs to check requests.
 MODEL_INPUTS = (
     TensorSpec("text_input", "TYPE_STRING", (1,)),
-    TensorSpec("max_tokens", "TYPE_INT32", (1,)),
+    # INT64: Triton's HTTP/JSON front end wraps an INT32 value beyond 2**31 (5000000000 arrives as
+    # 705032704) before the model sees it; as INT64 every count a client can send arrives as sent and
+    # the model checks it against max_output_len.
+    TensorSpec("max_tokens", "TYPE_INT64", (1,)),
     TensorSpec("medusa_choices", "TYPE_STRING", (1,), optional=True),
     TensorSpec("temperature", "TYPE_FP32", (1,), optional=True),
     TensorSpec("acceptance", "TYPE_STRING", (1,), optional=True),

@@ -514,7 +514,7 @@ def test_request_values_are_refused_by_the_triton_model(fixtures):
                                          max_output_len=8), decoupled=False)
 
     def req(**extra):
-        out = {"text_input": np.array([[b"Hi"]], dtype=np.object_), "max_tokens": np.array([[4]], dtype=np.int32)}
+        out = {"text_input": np.array([[b"Hi"]], dtype=np.object_), "max_tokens": np.array([[4]], dtype=np.int64)}
         out.update(extra)
         return out
 
@@ -523,7 +523,7 @@ def test_request_values_are_refused_by_the_triton_model(fixtures):
          "temperature"),
         (req(medusa_choices=np.array([[b"[[0], [999]]"]], dtype=np.object_)), "rank 999"),
         (req(medusa_choices=np.array([[b"[" * 5000]], dtype=np.object_)), "nested 5000 levels"),
-        (req(max_tokens=np.array([[-3]], dtype=np.int32)), "max_tokens"),
+        (req(max_tokens=np.array([[-3]], dtype=np.int64)), "max_tokens"),
     ]
     for inputs, message in cases:
         with pytest.raises(RequestError, match=message) as e:
