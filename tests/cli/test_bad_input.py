@@ -475,6 +475,23 @@ def test_an_os_error_names_the_out_the_user_gave(fixtures, tmp_path, capsys, mon
     assert not ctx.out.exists() and not _leftovers(tmp_path)
 
 
+def test_serve_refuses_a_port_in_use(tmp_path, capsys):
+    """Another server on --http-port would answer the readiness probe: refused first, one line, exit 2."""
+    import socket
+
+    (tmp_path / "repo" / "m").mkdir(parents=True)
+    (tmp_path / "repo" / "m" / "config.pbtxt").write_text('name: "m"\n')
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        capsys.readouterr()
+        assert serve_main(["--repo", str(tmp_path / "repo"), "--http-port", str(port), "--grpc-port", "0",
+                           "--metrics-port", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"medusa-serve: error: --http-port {port}: 127.0.0.1:{port} is in use"), err
+
+
 def test_os_errors_are_one_line(fixtures, tmp_path, capsys, monkeypatch):
     """No space left on device half-way through writing: one line naming the file and the reason."""
     ctx = Ctx(tmp_path, *fixtures)

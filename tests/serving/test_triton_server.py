@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import queue
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -410,13 +412,48 @@ def test_server_that_cannot_load_its_model_fails_with_its_log(served, tmp_path):
     for f in engine.iterdir():
         f.unlink()
     t0 = time.perf_counter()
-    with pytest.raises(ServerError, match=r"(?s)exited with status .*neither engine.json nor config.json"):
+    with pytest.raises(ServerError, match=r"(?s)exited with status .*neither engine.json nor config.json") as e:
         with running_server(repo, timeout=120):
             pass
     assert time.perf_counter() - t0 < 100
+    log = Path(re.search(r"\(full log: (.*?)\)", str(e.value)).group(1))
+    assert log.is_file() and "neither engine.json nor config.json" in log.read_text()  # the log it cites is kept
+    shutil.rmtree(log.parent)
     with pytest.raises(ServerError, match="not a model repository"):
         with running_server(tmp_path):
             pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")  # a zombie has exited already
+
+
+def test_medusa_serve_killed_leaves_no_tritonserver(served):
+    """SIGKILL runs none of medusa-serve's cleanup: the parent-death signal stops tritonserver anyway."""
+    proc = subprocess.Popen([sys.executable, "-m", "medusa_trt.cli.serve", "--repo", str(served["repo"]),
+                             "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("medusa-serve: ready"), line + (proc.stdout.read() if proc.poll() is not None else "")
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        assert len(children) == 1
+        server = int(children[0])
+        assert "tritonserver" in Path(f"/proc/{server}/cmdline").read_text()
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 60
+        while _alive(server) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not _alive(server)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def test_medusa_serve_cli_prints_endpoints_and_stops_on_ctrl_c(served):
