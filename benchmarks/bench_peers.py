@@ -31,8 +31,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -292,6 +294,81 @@ def markdown(results: dict[str, dict[str, dict]]) -> str:
     return "\n".join(lines)
 
 
+# -- each system in its own process ------------------------------------------------------------
+
+
+class PeerCrashed(RuntimeError):
+    """A system's process died (a segfault in a native library): it is skipped, the others' figures stay."""
+
+
+def exit_description(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with status {code}"
+
+
+def _peer_main(make, conn) -> None:
+    """The child: open the system, report its group (or why it failed), then answer generate calls."""
+    try:
+        system = make()
+    except BaseException as e:  # noqa: BLE001 - every failure to open is the parent's to report
+        conn.send(("error", e if isinstance(e, ImportError) else RuntimeError(f"{type(e).__name__}: {e}")))
+        return
+    conn.send(("ok", system.group))
+    while True:
+        request = conn.recv()
+        if request is None:
+            return
+        prompt, max_new_tokens = request
+        conn.send(("ok", system.generate(prompt, max_new_tokens)))
+
+
+class PeerProcess:
+    """A system opened and run in a child process (forked: the closures that open the systems need no
+    pickling). llama-cpp-python built for an AVX-512/AMX Xeon segfaults at load there; in-process
+    that ends the whole run, here it raises PeerCrashed naming the signal. The parent still calls
+    the systems in turn, so the round robin and the timings (measured in the child) are as before."""
+
+    def __init__(self, name: str, make):
+        self.name = name
+        ctx = multiprocessing.get_context("fork")
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_peer_main, args=(make, child), daemon=True)
+        self.process.start()
+        child.close()
+        status, payload = self._receive()
+        if status == "error":
+            self.close()
+            raise payload
+        self.group = payload
+
+    def _receive(self):
+        try:
+            return self.conn.recv()
+        except (EOFError, ConnectionError):
+            self.process.join(10)
+            raise PeerCrashed(f"{self.name}: its process {exit_description(self.process.exitcode)}") from None
+
+    def generate(self, prompt: Prompt, max_new_tokens: int) -> Output:
+        self.conn.send((prompt, max_new_tokens))
+        return self._receive()[1]
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            try:
+                self.conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+            self.process.join(30)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        self.conn.close()
+
+
 # -- the run ---------------------------------------------------------------------------------
 
 
@@ -309,7 +386,9 @@ def open_systems(names: list[str], threads: int, ctx: dict, skipped: dict[str, s
         if name not in names or name in skipped:
             return
         try:
-            systems[name] = make()
+            systems[name] = PeerProcess(name, make)
+        except PeerCrashed as e:
+            skipped[name] = f"crashed: {e}"
         except ImportError as e:
             skipped[name] = f"not installed ({e}); pip install -e '.[bench]'"
         except Exception as e:  # a peer that fails to build or load is reported, the others still run
@@ -382,29 +461,49 @@ def run(args, ctx: dict) -> dict:
             break
         if tokenization is None and "llama.cpp Q4_1" in systems:
             tokenization = check_llama_tokenizer(systems["llama.cpp Q4_1"], prompts)
-        for s in systems.values():  # first calls pay for allocation and lazy initialization
-            s.generate(prompts[0], min(8, args.max_new_tokens))
+        for name in list(systems):  # first calls pay for allocation and lazy initialization
+            try:
+                systems[name].generate(prompts[0], min(8, args.max_new_tokens))
+            except PeerCrashed as e:
+                skipped[name] = f"crashed: {e}"
+                del systems[name]
         names = list(systems)
         tallies = {name: Tally(systems[name].group) for name in names}
         modes = {name: ModeSummary() for name in names if name.startswith("ours")}
         outputs: dict[str, list[list[int]]] = {name: [] for name in names}
+        crashed: set[str] = set()
         for i, prompt in enumerate(tqdm(prompts, desc=f"{PROG} {threads} thread(s)", leave=False, file=sys.stderr,
                                         disable=args.quiet)):
             k = i % len(names)
             row = {"threads": threads, "prompt": i, "kind": prompt.kind, "prompt_tokens": len(prompt.ids)}
             for name in names[k:] + names[:k]:  # round robin, rotated by one each prompt
-                out = systems[name].generate(prompt, args.max_new_tokens)
+                if name in crashed:
+                    continue
+                try:
+                    out = systems[name].generate(prompt, args.max_new_tokens)
+                    first = systems[name].generate(prompt, 1)  # right after: the same state of the machine
+                except PeerCrashed as e:  # its figures go; every other system's stay
+                    skipped[name] = f"crashed: {e}"
+                    crashed.add(name)
+                    continue
                 outputs[name].append(out.tokens)
                 t = tallies[name]
                 t.tokens += len(out.tokens)
                 t.wall_s += out.wall_s
                 if name in modes:
                     modes[name].add(out.run)
-                first = systems[name].generate(prompt, 1)  # right after: the same state of the machine
                 t.add_split(first.wall_s, out.wall_s, len(out.tokens))
                 row[name] = {"tokens": len(out.tokens), "wall_s": round(out.wall_s, 5),
                              "first_token_wall_s": round(first.wall_s, 5)}
             per_prompt.append(row)
+        for system in systems.values():
+            system.close()
+        for name in crashed:
+            del tallies[name], outputs[name]
+            modes.pop(name, None)
+            for row in per_prompt:
+                row.pop(name, None)
+        names = [n for n in names if n not in crashed]
         for name, same in equal_to_plain(outputs).items():
             tallies[name].equal_to_plain = same
         if reference is None and REFERENCE in outputs:

@@ -59,8 +59,8 @@ def synthetic_checkpoint(work: Path) -> Path:
 def make_inputs(grpcclient, text: str, max_tokens: int) -> list:
     a = grpcclient.InferInput("text_input", [1, 1], "BYTES")
     a.set_data_from_numpy(np.array([[text.encode()]], dtype=np.object_))
-    b = grpcclient.InferInput("max_tokens", [1, 1], "INT32")
-    b.set_data_from_numpy(np.array([[max_tokens]], dtype=np.int32))
+    b = grpcclient.InferInput("max_tokens", [1, 1], "INT64")
+    b.set_data_from_numpy(np.array([[max_tokens]], dtype=np.int64))
     return [a, b]
 
 

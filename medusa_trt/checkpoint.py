@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from medusa_trt.errors import CheckpointError, read_json_object, require
-from medusa_trt.safetensors_io import SafetensorsFile, SafetensorsWriter
+from medusa_trt.safetensors_io import SafetensorsFile, SafetensorsWriter, check_finite
 
 # ----------------------------------------------------------------------------------------------
 # TensorRT-LLM names and the expected tensors of a config
@@ -455,6 +455,27 @@ _POSITIVE_INTS = ("num_hidden_layers", "num_attention_heads", "num_key_value_hea
                   "intermediate_size", "vocab_size", "max_position_embeddings", "max_draft_len")
 
 
+MIN_DRAFT_VOCAB = 16  # a step takes each head's top-10 within the draft vocabulary
+
+
+def check_draft_vocab(ids: object, vocab_size: int | None, where: str, error: type[CheckpointError] = CheckpointError,
+                      min_size: int = MIN_DRAFT_VOCAB) -> list[int]:
+    """A draft vocabulary (heads config.json `draft_vocab`, merged config.json `medusa_trt.draft_vocab`):
+    at least `min_size` distinct token ids below vocab_size. An id outside the vocabulary would index
+    past the lm_head rows at the first step, so every reader refuses it here, naming `where`."""
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise error(f"{where} must be a list of token ids, got {str(ids)[:60]}")
+    limit = vocab_size if isinstance(vocab_size, int) and not isinstance(vocab_size, bool) else None
+    bad = [i for i in ids if i < 0 or (limit is not None and i >= limit)]
+    if bad:
+        expected = f"0..{limit - 1}" if limit is not None else "non-negative ids"
+        raise error(f"{where} holds token id {bad[0]}, outside the vocabulary; expected ids in {expected}")
+    if len(set(ids)) != len(ids) or len(ids) < min_size:
+        raise error(f"{where} has {len(ids)} ids ({len(set(ids))} distinct); expected at least {min_size} distinct "
+                    "token ids")
+    return sorted(ids)
+
+
 def validate_config(config: dict, path: Path) -> None:
     """Types and ranges of the config.json fields this project reads; absent fields are left to
     validate_checkpoint's list of missing keys."""
@@ -497,6 +518,11 @@ def validate_config(config: dict, path: Path) -> None:
         if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and v >= 0) and not (
                 isinstance(v, list) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in v)):
             raise CheckpointError(f"{path}: {key} {v!r}; expected a token id, a list of token ids or null")
+    ours = req(config, "medusa_trt", dict)
+    if ours is not None:
+        req(ours, "drafter", str, "medusa_trt.")
+        if ours.get("draft_vocab") is not None:
+            check_draft_vocab(ours["draft_vocab"], config.get("vocab_size"), f"{path}: medusa_trt.draft_vocab")
     if config.get("num_attention_heads") and config.get("num_key_value_heads") and (
             config["num_attention_heads"] % config["num_key_value_heads"]):
         raise CheckpointError(f"{path}: num_attention_heads {config['num_attention_heads']} is not a multiple of "
@@ -557,6 +583,18 @@ def validate_checkpoint(directory: str | os.PathLike, *, strict: bool = True) ->
     return problems
 
 
+def check_finite_weights(directory: str | os.PathLike) -> None:
+    """Every tensor of every rank file is finite, or a CheckpointError naming the file and tensor
+    (a checkpoint edited after medusa-convert, which checks what it writes). One tensor at a time,
+    so a builder that hands the directory to another tool (trtllm-build) is covered too."""
+    directory = Path(directory)
+    for rank in range(tp_size_of(read_config(directory))):
+        path = rank_file(directory, rank)
+        with SafetensorsFile(path) as f:
+            for name in f.keys():
+                check_finite(f.read(name), f"{path}: tensor {name!r}")
+
+
 def load_checkpoint(directory: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
     """Config and full (unsharded) weights of a merged checkpoint, ranks merged when tp_size > 1.
 
@@ -568,8 +606,13 @@ def load_checkpoint(directory: str | os.PathLike) -> tuple[dict, dict[str, torch
     config = read_config(directory)
     files = [SafetensorsFile(rank_file(directory, r)) for r in range(tp_size_of(config))]
     try:
-        return config, {name: merge_ranks(name, [f.read(name) for f in files], config)
-                        for name in files[0].keys()}
+        weights = {}
+        for name in files[0].keys():
+            parts = [f.read(name) for f in files]
+            for f, part in zip(files, parts, strict=True):  # the reference never runs on NaN either
+                check_finite(part, f"{f.path}: tensor {name!r}")
+            weights[name] = merge_ranks(name, parts, config)
+        return config, weights
     finally:
         for f in files:
             f.close()

@@ -91,7 +91,7 @@ def sharegpt_shaped(path: str | Path) -> bool:
         with open(path, encoding="utf-8") as f:
             first = next((line for line in f if line.strip()), "")
         return isinstance(obj := json.loads(first), dict) and "conversations" in obj
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):  # arrays nested too deep
         return False  # read_samples names the problem
 
 

@@ -51,7 +51,7 @@ def require(obj: Any, key: str, kind: type | tuple[type, ...], *, file: str | Pa
     if not ok and float in kinds and isinstance(value, int) and not isinstance(value, bool):
         ok, value = True, float(value)
     if not ok:
-        raise error(f"{_where(file, name)}: {_short(value)} is a {_json_type(value)}; expected {_kind_name(kind)}")
+        raise error(f"{_where(file, name)}: {_short(value)} is {_a(_json_type(value))}; expected {_kind_name(kind)}")
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         if isinstance(value, float) and not math.isfinite(value):
             raise error(f"{_where(file, name)}: {value}; expected a finite number")
@@ -141,6 +141,10 @@ def _kind_name(kind: type | tuple[type, ...]) -> str:
 def _json_type(value: Any) -> str:
     return {bool: "boolean", int: "integer", float: "number", str: "string", list: "list", dict: "JSON object",
             type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _a(noun: str) -> str:
+    return f"{'an' if noun[:1] in 'aeiou' else 'a'} {noun}"
 
 
 def _short(value: Any, limit: int = 60) -> str:

@@ -59,9 +59,20 @@ def atomic_output_dir(out: str | Path, force: bool = False,
             shutil.rmtree(old, ignore_errors=True)
         else:
             tmp.rename(out)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         for d in created:  # innermost first; rmdir removes only what is still empty
             with suppress(OSError):
                 d.rmdir()
+        if isinstance(e, OSError):
+            _name_out(e, tmp, out)
         raise
+
+
+def _name_out(e: OSError, tmp: Path, out: Path) -> None:
+    """An OSError on the temp dir or a file in it names the --out the user gave instead: the hidden
+    `.out.tmp-*` dir is ours, and gone by the time the message is read."""
+    for attr in ("filename", "filename2"):
+        name = getattr(e, attr)
+        if isinstance(name, (str, Path)) and (str(name) == str(tmp) or str(name).startswith(f"{tmp}/")):
+            setattr(e, attr, str(out) + str(name)[len(str(tmp)):])

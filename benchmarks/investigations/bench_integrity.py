@@ -1,7 +1,7 @@
 """What the integrity checks cost (issue 14), as ratios measured side by side in one run:
 - sha256 of a 538 MB graph data file vs creating an ONNX Runtime session on it (decides what
   engine_dir.LOAD_DIGEST_BYTES hashes at every load);
-- converter.hf_base.check_finite (aminmax) vs the dtype cast every converted tensor goes through.
+- safetensors_io.check_finite (aminmax) vs the dtype cast every converted tensor goes through.
 
     python benchmarks/investigations/bench_integrity.py [--mb 538] [--workdir DIR]
 """
@@ -42,8 +42,8 @@ def measure(args, work: Path) -> None:
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    from medusa_trt.converter.hf_base import check_finite
     from medusa_trt.engine_dir import sha256_file
+    from medusa_trt.safetensors_io import check_finite
 
     rows = 4096
     w = np.random.rand(rows, args.mb * 10**6 // 4 // rows).astype(np.float32)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from medusa_trt.cli.common import (
     ENGINE_OR_CHECKPOINT_HELP,
+    add_force_arg,
     add_json_report_arg,
     add_max_new_tokens_arg,
     add_prompts_arg,
@@ -23,11 +24,14 @@ from medusa_trt.cli.common import (
     add_spin_arg,
     add_threads_arg,
     add_tree_arg,
+    check_output_file,
     new_parser,
     ort_session_options,
+    positive_int,
     refuse_inapplicable_sampling,
     run_cli,
     sampling_options,
+    write_output_file,
 )
 from medusa_trt.tools import bench
 from medusa_trt.tools.bench import (
@@ -47,8 +51,8 @@ def parser() -> argparse.ArgumentParser:
     add_prompts_arg(p, required=True)
     add_tree_arg(p)
     add_max_new_tokens_arg(p, default=128)
-    p.add_argument("--limit", type=int, help="use the first N prompts")
-    p.add_argument("--repeat", type=int, default=1, help="measure each prompt N times (default 1)")
+    p.add_argument("--limit", type=positive_int, help="use the first N prompts")
+    p.add_argument("--repeat", type=positive_int, default=1, help="measure each prompt N times (default 1)")
     p.add_argument("--hf-model", type=Path, help="HF model dir for the transformers baseline "
                    "(default: the base recorded in the engine's checkpoint)")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers generate baseline")
@@ -57,6 +61,7 @@ def parser() -> argparse.ArgumentParser:
     add_sampling_args(p, typical=False, seed=0, seed_help="sample: generator seed of every run",
                       acceptance_help="Medusa acceptance; typical and sample are compared with plain sampling")
     add_json_report_arg(p, help="write all figures to this file")
+    add_force_arg(p, help="replace an existing --json file")
     add_quiet_arg(p)
     return p
 
@@ -71,12 +76,10 @@ def _main(argv: list[str] | None = None) -> int:
 
         hf_logging.disable_progress_bar()
 
+    check_output_file(args.json, args.force, "--json")  # before the run, not after it
     try:
         if not args.engine.is_dir():
             raise BenchError(f"{args.engine}: --engine directory not found")
-        if args.max_new_tokens < 1 or args.repeat < 1 or (args.threads is not None and args.threads < 1):
-            raise BenchError(f"--max-new-tokens {args.max_new_tokens} / --repeat {args.repeat} / --threads "
-                             f"{args.threads}: expected >= 1")
         hf_dir, hf_note = None, None
         if args.hf_model is not None:
             if not (args.hf_model / "config.json").is_file():
@@ -122,8 +125,7 @@ def _main(argv: list[str] | None = None) -> int:
         report["plain"]["speedup_vs_hf_generate"] = round(report["plain"]["tokens_per_s"] / hf["tokens_per_s"], 4)
     print(format_report(report))
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        write_output_file(args.json, json.dumps(report, indent=2) + "\n", args.force, "--json")
     return 0
 
 

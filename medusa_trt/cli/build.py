@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from medusa_trt.cli.common import add_quiet_arg, new_parser, run_cli
+from medusa_trt.cli.common import add_quiet_arg, new_parser, positive_int, run_cli
 from medusa_trt.engine_dir import DEVICES, DTYPES
 from medusa_trt.engines.build import BUILDERS, build_engine
 from medusa_trt.engines.onnx.attention import ATTENTION_FORMS
@@ -15,6 +16,7 @@ from medusa_trt.engines.options import BackendOptions, BuildError, BuildOptions
 from medusa_trt.engines.ort.build import INT4_DEFAULT_ACCURACY_LEVEL, INT4_DEFAULT_BLOCK_SIZE, OrtOptions
 from medusa_trt.engines.trt.build import TrtOptions
 from medusa_trt.engines.trtllm.build import TrtllmOptions
+from medusa_trt.outputs import check_output_dir
 
 PROG = "medusa-build"
 
@@ -27,12 +29,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default="onnxruntime", choices=list(BUILDERS), help="default: onnxruntime")
     p.add_argument("--dtype", choices=list(DTYPES),
                    help="compute dtype (default: float32 for --device cpu, the checkpoint's for cuda)")
-    p.add_argument("--max-batch-size", type=int, default=8, help="largest batch the engine runs (default 8)")
-    p.add_argument("--max-seq-len", type=int, help="prompt + generated + tree depth (default: the model's "
+    p.add_argument("--max-batch-size", type=positive_int, default=8, help="largest batch the engine runs (default 8)")
+    p.add_argument("--max-seq-len", type=positive_int, help="prompt + generated + tree depth (default: the model's "
                    "max_position_embeddings)")
-    p.add_argument("--max-draft-len", type=int, help="largest Medusa tree, root excluded (default: the "
+    p.add_argument("--max-draft-len", type=positive_int, help="largest Medusa tree, root excluded (default: the "
                    "checkpoint's max_draft_len)")
-    p.add_argument("--opset", type=int, help="ONNX opset (default 23)")
+    p.add_argument("--opset", type=positive_int, help="ONNX opset (default 23)")
     p.add_argument("--attention", choices=list(ATTENTION_FORMS),
                    help="ONNX attention form (default: chain_f32 for --weights int4, whose Medusa greedy then "
                         "equals its plain greedy for chain trees, the runtime running any other tree as its main "
@@ -44,7 +46,7 @@ def parser() -> argparse.ArgumentParser:
                    "with a dense mask, for comparison")
     p.add_argument("--keep-onnx", action="store_true",
                    help="--backend tensorrt: keep the exported (and rewritten) ONNX graphs in <out>/onnx")
-    p.add_argument("--max-input-len", type=int,
+    p.add_argument("--max-input-len", type=positive_int,
                    help="--backend tensorrt-llm: longest prompt (default: max-seq-len minus one tree)")
     p.add_argument("--no-prepack", dest="prepack_weights", action="store_false",
                    help="onnxruntime: sessions compute from one shared mapping of the weights instead of "
@@ -58,7 +60,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--weights", default="float", choices=["float", "int4"],
                    help="onnxruntime: int4 = 4-bit weight-only MatMulNBits for the decoder linears and the "
                         "lm_head (default: float, the engine dtype)")
-    p.add_argument("--int4-block-size", type=int, default=INT4_DEFAULT_BLOCK_SIZE,
+    p.add_argument("--int4-block-size", type=positive_int, default=INT4_DEFAULT_BLOCK_SIZE,
                    help=f"--weights int4: weights per scale/zero point along K (default {INT4_DEFAULT_BLOCK_SIZE})")
     p.add_argument("--int4-accuracy-level", type=int, default=INT4_DEFAULT_ACCURACY_LEVEL, choices=[0, 4],
                    help="--weights int4: MatMulNBits accuracy_level, 4 = int8 activations per block (default), "
@@ -101,19 +103,30 @@ def _main(argv: Sequence[str] | None = None) -> int:
         opset=args.opset, device=args.device, attention=args.attention, force=args.force,
         progress=not args.quiet, backend_options=backend_options(args), tree=args.tree,
     )
-    result = build_engine(opts)
+    also, repo_written = None, []
     if args.triton_repo:
         from medusa_trt.serving.triton_repo import RepoError, write_triton_repo
 
-        try:
-            write_triton_repo(result.out, args.triton_repo, max_batch_size=args.max_batch_size, force=args.force)
-        except RepoError as e:
-            print(f"{PROG}: error: engine written to {result.out}, but the Triton repository failed: {e}",
-                  file=sys.stderr)
-            return 2
-        if not args.quiet:
-            print(f"{PROG}: wrote Triton model repository {args.triton_repo} (serve it: medusa-serve --repo "
-                  f"{args.triton_repo})")
+        check_output_dir(args.triton_repo, args.force, RepoError)  # before the build, not after it
+
+        def also(engine_tmp: Path) -> None:  # the repository, from the engine still in its temp dir
+            try:
+                write_triton_repo(engine_tmp, args.triton_repo, max_batch_size=args.max_batch_size, force=args.force,
+                                  engine_dir_as=args.out)
+                repo_written.append(args.triton_repo)
+            except RepoError as e:
+                why = str(e).replace(str(engine_tmp.resolve()), str(args.out))  # the temp dir is ours, not the user's
+                raise RepoError(f"--triton-repo {args.triton_repo}: {why}; no engine written either") from None
+    try:
+        result = build_engine(opts, also=also)
+    except BaseException:
+        # The engine's rename failed after the repository's (rare: the same filesystem): no half pair.
+        for repo in repo_written:
+            shutil.rmtree(repo, ignore_errors=True)
+        raise
+    if args.triton_repo and not args.quiet:
+        print(f"{PROG}: wrote Triton model repository {args.triton_repo} (serve it: medusa-serve --repo "
+              f"{args.triton_repo})")
     if not args.quiet:
         e = result.engine
         size = sum(a["bytes"] for a in e["artifacts"].values())

@@ -9,16 +9,21 @@ from collections.abc import Sequence
 
 from medusa_trt.cli.common import (
     add_device_arg,
+    add_force_arg,
     add_json_report_arg,
     add_max_new_tokens_arg,
     add_prompts_arg,
     add_quiet_arg,
     add_source_args,
+    check_output_file,
     new_parser,
+    nonnegative_float,
+    nonnegative_int,
     read_prompts,
     run_cli,
+    write_output_file,
 )
-from medusa_trt.tools.parity import CheckInputError, run_check
+from medusa_trt.tools.parity import run_check
 
 PROG = "medusa-check"
 
@@ -29,21 +34,21 @@ def parser() -> argparse.ArgumentParser:
     add_source_args(p, checkpoint="reference")
     add_prompts_arg(p, help=".txt (one prompt a line) or .jsonl with 'text' (default: three built-in prompts)")
     add_json_report_arg(p)
+    add_force_arg(p, help="replace an existing --json file")
     add_max_new_tokens_arg(p, default=32, help="tokens per greedy decode (default 32)")
-    p.add_argument("--tree-steps", type=int, default=4, help="tree-verify steps to compare (default 4)")
+    p.add_argument("--tree-steps", type=nonnegative_int, default=4, help="tree-verify steps to compare (default 4)")
     add_device_arg(p, help="the engine's device: cpu or cuda (default: the engine's own)")
-    p.add_argument("--atol", type=float, help="override the dtype's logits tolerance")
+    p.add_argument("--atol", type=nonnegative_float, help="override the dtype's logits tolerance")
     add_quiet_arg(p, help="no progress bar")
     return p
 
 
 def _main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    check_output_file(args.json, args.force, "--json")
     prompts = None
     if args.prompts is not None:
         prompts = read_prompts(args.prompts)
-    if args.max_new_tokens < 1 or args.tree_steps < 0:
-        raise CheckInputError("--max-new-tokens must be >= 1 and --tree-steps >= 0")
     report = run_check(args.engine, args.checkpoint, prompts, max_new_tokens=args.max_new_tokens,
                        tree_steps=args.tree_steps, device=args.device, atol=args.atol, progress=not args.quiet)
     print(f"{PROG}: {report.engine} ({report.backend}, {report.dtype}) vs {report.checkpoint} (PyTorch float32)")
@@ -57,7 +62,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
     print(f"{PROG}: {'PASS' if report.passed else 'FAIL'} ({len(report.rows) - failed}/{len(report.rows)} checks "
           f"passed{note})")
     if args.json:
-        args.json.write_text(json.dumps(report.as_dict(), indent=2) + "\n")
+        write_output_file(args.json, json.dumps(report.as_dict(), indent=2) + "\n", args.force, "--json")
     return 0 if report.passed else 1
 
 

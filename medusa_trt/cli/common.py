@@ -8,6 +8,10 @@
   remove temporary output run exactly as they do for Ctrl-C.
 Anything else is a bug and keeps its traceback.
 
+Numeric flags take their range from one validator here (`positive_int`, `nonnegative_float`, ...), given
+as argparse's `type=`, so a flag is refused the same way in every command that has it, before any
+work; `new_parser`'s parser reports that (and every other usage error) as one line and exit code 2.
+
 The flag groups (`add_*`) give one concept one flag name in every command: `--engine`/`--checkpoint`,
 `--medusa-choices`, `--max-new-tokens`, the sampling flags, `--threads`, `--prompts`, `--quiet`.
 Spellings a command used before (`--batch-file`, `--intra-op-threads`, `--new-tokens`, ...) stay
@@ -21,8 +25,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
+import os
+import re
 import signal
 import sys
+import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -122,14 +130,53 @@ class RawHelpFormatter(HelpFormatter, argparse.RawDescriptionHelpFormatter):
     """The same, keeping the description's line breaks (module docstrings)."""
 
 
+class Parser(argparse.ArgumentParser):
+    """A usage error is one line `prog: error: ...` and exit code 2, as every other bad input is
+    (argparse would print the whole usage first); --help still shows it."""
+
+    def error(self, message: str):
+        # A validator's "argument --threads/--intra-op-threads: -1: expected ..." reads as "--threads -1: expected ...".
+        m = re.fullmatch(r"argument ([^/: ]+)(?:/\S+)?: (.*?): (expected .*)", message, re.S)
+        if m:
+            message = f"{m[1]} {m[2]}: {m[3]}"
+        self.exit(EXIT_BAD_INPUT, error_line(self.prog, message) + "\n")
+
+
 def new_parser(prog: str, description: str | None, *, raw: bool = False) -> argparse.ArgumentParser:
-    """Every command's parser: the shared help formatter and --version (one place for both)."""
+    """Every command's parser: the shared help formatter, one-line usage errors (Parser) and
+    --version (one place for all three)."""
     from medusa_trt import __version__
 
-    p = argparse.ArgumentParser(prog=prog, description=description,
-                                formatter_class=RawHelpFormatter if raw else HelpFormatter)
+    p = Parser(prog=prog, description=description, formatter_class=RawHelpFormatter if raw else HelpFormatter)
     p.add_argument("--version", action="version", version=f"%(prog)s (medusa-trt) {__version__}")
     return p
+
+
+# -- numeric flag validators (argparse `type=`): one range per kind of value, the same in every command --
+
+
+def _number(kind: type, expected: str, ok: Callable[[float], bool]) -> Callable[[str], int | float]:
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text}: expected {expected}") from None
+        if not (math.isfinite(value) and ok(value)):  # float("inf") and float("nan") parse; they are no count
+            raise argparse.ArgumentTypeError(f"{text}: expected {expected}")
+        return value
+
+    parse.__name__ = expected  # argparse names the type by it in its own messages
+    return parse
+
+
+positive_int = _number(int, "a positive integer", lambda v: v > 0)
+nonnegative_int = _number(int, "a non-negative integer", lambda v: v >= 0)
+positive_float = _number(float, "a positive finite number", lambda v: v > 0)
+nonnegative_float = _number(float, "a non-negative finite number", lambda v: v >= 0)
+probability = _number(float, "a number in (0, 1]", lambda v: 0 < v <= 1)
+fraction = _number(float, "a fraction in [0, 1)", lambda v: 0 <= v < 1)
+seed_int = _number(int, "an integer in [0, 2**63)", lambda v: 0 <= v < 2**63)
+port = _number(int, "a TCP port 1..65535 (0: pick a free one)", lambda v: 0 <= v <= 65535)
 
 
 def _add(group, name: str, old: Sequence[str] = (), **kwargs) -> argparse.Action:
@@ -171,7 +218,7 @@ def add_tree_arg(p: argparse.ArgumentParser, *, default: str | None = None,
 
 def add_max_new_tokens_arg(p: argparse.ArgumentParser, *, default: int, help: str | None = None,
                            old: Sequence[str] = ()) -> None:
-    _add(p, "--max-new-tokens", old, type=int, default=default,
+    _add(p, "--max-new-tokens", old, type=positive_int, default=default,
          help=help or f"tokens to generate per prompt at most (default {default})")
 
 
@@ -186,15 +233,16 @@ def add_sampling_args(p: argparse.ArgumentParser, *, typical: bool = True, seed:
     p.add_argument("--acceptance", choices=list(ACCEPTANCE), default="greedy", help=acceptance_help)
     # Defaults are None here and filled in by sampling_options, so a flag that cannot apply to the
     # chosen acceptance is told apart from one left alone (refuse_inapplicable_sampling).
-    p.add_argument("--temperature", type=float, default=None,
+    p.add_argument("--temperature", type=nonnegative_float, default=None,
                    help=f"typical and sample acceptance temperature (default {SAMPLING_DEFAULTS['temperature']})")
-    p.add_argument("--top-k", type=int, default=None, help="sample: keep the k most likely tokens (default: all)")
-    p.add_argument("--top-p", type=float, default=None, help="sample: nucleus mass in (0, 1] (default 1)")
-    p.add_argument("--seed", type=int, default=None, help=seed_help)
+    p.add_argument("--top-k", type=positive_int, default=None,
+                   help="sample: keep the k most likely tokens (default: all)")
+    p.add_argument("--top-p", type=probability, default=None, help="sample: nucleus mass in (0, 1] (default 1)")
+    p.add_argument("--seed", type=seed_int, default=None, help=seed_help)
     p.set_defaults(seed_default=seed)
     if typical:
-        p.add_argument("--posterior-threshold", type=float, default=0.09, help="typical acceptance epsilon")
-        p.add_argument("--posterior-alpha", type=float, default=0.3, help="typical acceptance delta")
+        p.add_argument("--posterior-threshold", type=nonnegative_float, default=0.09, help="typical acceptance epsilon")
+        p.add_argument("--posterior-alpha", type=nonnegative_float, default=0.3, help="typical acceptance delta")
 
 
 SAMPLING_DEFAULTS = {"temperature": 0.7, "top_p": 1.0}
@@ -225,8 +273,10 @@ def refuse_inapplicable_sampling(args: argparse.Namespace) -> None:
 
 
 def add_threads_arg(p: argparse.ArgumentParser, *, default: int | None = None,
-                    help: str = "engine intra-op threads (default: one per core)", old: Sequence[str] = ()) -> None:
-    _add(p, "--threads", old, type=int, default=default, help=help)
+                    help: str = "engine intra-op threads (default: one per core)", old: Sequence[str] = (),
+                    zero: bool = False) -> None:
+    """--threads N >= 1 (`zero`: 0 also, for "the library's default")."""
+    _add(p, "--threads", old, type=nonnegative_int if zero else positive_int, default=default, help=help)
 
 
 def add_device_arg(p: argparse.ArgumentParser, *,
@@ -275,3 +325,41 @@ def add_json_report_arg(p: argparse.ArgumentParser, *, help: str = "also write t
     """--json FILE: the commands whose report is a document (check, bench). medusa-run's --json is a
     switch instead (one JSON object per prompt on stdout), as it always was."""
     p.add_argument("--json", type=Path, help=help)
+
+
+def add_force_arg(p: argparse.ArgumentParser, *, help: str = "replace an existing output file") -> None:
+    p.add_argument("--force", action="store_true", help=help)
+
+
+# -- output files: the rule of output directories (medusa_trt/outputs.py) for single files -----------
+
+
+def check_output_file(path: Path | None, force: bool, flag: str = "--out") -> None:
+    """Refuses, before any work, what write_output_file would refuse: an existing file without
+    --force (never silently replaced), a directory, or a parent that is a file."""
+    if path is None:
+        return
+    if path.is_dir():
+        raise MedusaTrtError(f"{path}: {flag} is a directory; expected a file path")
+    if (path.exists() or path.is_symlink()) and not force:
+        raise MedusaTrtError(f"{path}: {flag} exists; pass --force to replace it")
+    ancestor = path.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise MedusaTrtError(f"{path}: cannot create it: {ancestor} is not a directory")
+
+
+def write_output_file(path: Path, text: str, force: bool, flag: str = "--out") -> None:
+    """Writes `text` to a temp file beside `path` and renames it into place: a failed or interrupted
+    write leaves no half file, and `path` is whole or as it was. An OSError names `path`."""
+    check_output_file(path, force, flag)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:12]}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, str(path)) from None
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from medusa_trt.checkpoint import DEFAULT_MAX_DRAFT_LEN
-from medusa_trt.cli.common import add_quiet_arg, new_parser, run_cli
+from medusa_trt.cli.common import add_quiet_arg, new_parser, positive_int, run_cli
 from medusa_trt.converter.merge import convert
 from medusa_trt.converter.quantize import KV_CACHE_DTYPES, QUANTIZE_CHOICES, QuantOptions
 
@@ -25,8 +25,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output checkpoint directory")
     p.add_argument("--dtype", choices=["float16", "bfloat16", "float32"],
                    help="output dtype (default: the base's dtype)")
-    p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks to write (default 1)")
-    p.add_argument("--max-draft-len", type=int, default=DEFAULT_MAX_DRAFT_LEN,
+    p.add_argument("--tp-size", type=positive_int, default=1, help="tensor-parallel ranks to write (default 1)")
+    p.add_argument("--max-draft-len", type=positive_int, default=DEFAULT_MAX_DRAFT_LEN,
                    help=f"largest Medusa tree the engine will verify (default {DEFAULT_MAX_DRAFT_LEN})")
     q = p.add_argument_group("FP8 quantization (TensorRT-LLM per-tensor FP8, calibrated)")
     q.add_argument("--quantize", choices=QUANTIZE_CHOICES,
@@ -35,9 +35,9 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, help="FP8 KV cache scales (calibrated)")
     q.add_argument("--calib-data", help="calibration text: .txt with one sample per line, or .jsonl with a "
                                         "'text' field; required with --quantize or --kv-cache-dtype")
-    q.add_argument("--calib-samples", type=int,
+    q.add_argument("--calib-samples", type=positive_int,
                    help="use the first N samples (default 512)")
-    q.add_argument("--calib-seq-len", type=int,
+    q.add_argument("--calib-seq-len", type=positive_int,
                    help="cut samples to L tokens (default: whole samples, an error past the model's "
                         "max_position_embeddings)")
     q.add_argument("--quantize-heads", action="store_true",

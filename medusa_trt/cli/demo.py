@@ -13,6 +13,7 @@ from medusa_trt.cli.common import (
     add_threads_arg,
     add_tree_arg,
     new_parser,
+    positive_int,
 )
 from medusa_trt.tools import demo
 
@@ -28,7 +29,7 @@ def parser() -> argparse.ArgumentParser:
                    help="the Medusa heads to compare; default the shipped ones")
     add_prompts_arg(p, default=demo.ASSETS / "prompts_heldout.jsonl",
                     help=".jsonl with 'text' and 'kind' (chat or code) (default: the held-out SmolLM2 prompts)")
-    p.add_argument("--num-prompts", type=int, default=4, help="held-out prompts to answer, half chat half code")
+    p.add_argument("--num-prompts", type=positive_int, default=4, help="held-out prompts to answer, half chat half code")
     add_max_new_tokens_arg(p, default=128)
     add_tree_arg(p, help="tree (default: the one the engine records, the tuned tree beside the heads)")
     add_threads_arg(p, help="ONNX Runtime intra-op threads")

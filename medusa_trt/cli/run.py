@@ -22,7 +22,7 @@ from medusa_trt.cli.common import (
     run_cli,
     sampling_options,
 )
-from medusa_trt.errors import MedusaTrtError, check_number, check_utf8
+from medusa_trt.errors import MedusaTrtError, check_utf8
 from medusa_trt.runtime.chat import encode_chat, has_chat_template, is_rendered, messages_for
 from medusa_trt.runtime.decoding import GenerationConfig, SequenceStats, generate, resolve_tree, step_tree
 from medusa_trt.runtime.loading import load_backend, load_tokenizer, stop_tokens
@@ -82,12 +82,7 @@ def _main(argv: list[str] | None = None) -> int:
         if args.no_medusa and args.medusa_choices is not None:
             raise MedusaTrtError(f"--medusa-choices {args.medusa_choices}: --no-medusa decodes without a tree; "
                                  "drop one of them")
-        check_number(args.temperature, "--temperature", nonnegative=True)
-        check_number(args.posterior_threshold, "--posterior-threshold", nonnegative=True)
-        check_number(args.posterior_alpha, "--posterior-alpha", nonnegative=True)
-        check_number(args.max_new_tokens, "--max-new-tokens", positive=True)
-        check_number(args.threads, "--threads", positive=True)
-        refuse_inapplicable_sampling(args)  # after the values' own checks: a bad value is named as such
+        refuse_inapplicable_sampling(args)  # after the values' own checks (the parser's): a bad value is named
         directory = args.engine or args.checkpoint
         backend = load_backend(directory, dtype=args.dtype, device=args.device,
                                ort_options=ort_session_options(args))

@@ -10,7 +10,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from medusa_trt.cli.common import new_parser, run_cli
+from medusa_trt.cli.common import new_parser, nonnegative_int, port, positive_float, run_cli
 from medusa_trt.serving.server import running_server
 
 PROG = "medusa-serve"
@@ -21,12 +21,12 @@ def parser() -> argparse.ArgumentParser:
                    "with tritonserver on 127.0.0.1.")
     p.add_argument("--repo", required=True, type=Path, action="append",
                    help="model repository (repeat to serve several)")
-    p.add_argument("--http-port", type=int, default=8000)
-    p.add_argument("--grpc-port", type=int, default=8001)
-    p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--http-port", type=port, default=8000)
+    p.add_argument("--grpc-port", type=port, default=8001)
+    p.add_argument("--metrics-port", type=port, default=8002)
     p.add_argument("--model", action="append", help="load only this model (repeat); default: all")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for readiness (default 300)")
-    p.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
+    p.add_argument("--timeout", type=positive_float, default=300.0, help="seconds to wait for readiness (default 300)")
+    p.add_argument("--log-verbose", type=nonnegative_int, default=0, help="tritonserver --log-verbose level")
     p.add_argument("--workdir", type=Path, help="keep the server log and backend copy here (default: temp dir)")
     return p
 

@@ -38,7 +38,18 @@ import sys
 import time
 from pathlib import Path
 
-from medusa_trt.cli.common import add_max_new_tokens_arg, add_quiet_arg, add_threads_arg, new_parser, run_cli
+from medusa_trt.cli.common import (
+    add_max_new_tokens_arg,
+    add_quiet_arg,
+    add_threads_arg,
+    fraction,
+    new_parser,
+    nonnegative_int,
+    positive_float,
+    positive_int,
+    run_cli,
+    seed_int,
+)
 from medusa_trt.errors import MedusaTrtError
 
 PROG = "medusa-train-heads"
@@ -58,31 +69,34 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, type=Path, help="directory for the head file + config.json")
     p.add_argument("--arch", default="medusa", help="the drafter: medusa (default) or amphista")
     p.add_argument("--cache", type=Path, help="--arch amphista: keep distilled chunks here and resume from them")
-    p.add_argument("--sal-intermediate", type=int, default=0,
+    p.add_argument("--sal-intermediate", type=nonnegative_int, default=0,
                    help="--arch amphista: the adaptation layers' MLP width (default: the base's)")
-    p.add_argument("--draft-vocab", type=int, default=4096,
+    p.add_argument("--draft-vocab", type=positive_int, default=4096,
                    help="--arch amphista: draft vocabulary size (the targets' most frequent tokens; default 4096)")
-    p.add_argument("--num-heads", type=int, default=4, help="heads to train; head k predicts the token k+2 "
+    p.add_argument("--num-heads", type=positive_int, default=4, help="heads to train; head k predicts the token k+2 "
                    "positions ahead (default 4)")
-    p.add_argument("--num-layers", type=int, default=1, help="ResBlocks per head (default 1)")
+    p.add_argument("--num-layers", type=positive_int, default=1, help="ResBlocks per head (default 1)")
     p.add_argument("--self-distill", action="store_true", help="targets = the base's greedy continuations")
     p.add_argument("--shared-lm-head", action="store_true",
                    help="v2 heads: ResBlocks only, logits through the base's frozen lm_head (smaller, cheaper "
                         "to run: an engine computes every head's logits in one MatMul)")
-    p.add_argument("--prompt-tokens", type=int, default=48, help="self-distill: snippet length (default 48)")
+    p.add_argument("--prompt-tokens", type=positive_int, default=48, help="self-distill: snippet length (default 48)")
     add_max_new_tokens_arg(p, default=128, help="self-distill: greedy tokens per snippet (default 128)",
                            old=["--new-tokens"])
-    p.add_argument("--num-prompts", type=int, default=1024, help="self-distill: snippets to continue (default 1024)")
-    p.add_argument("--seq-len", type=int, default=256, help="plain: window length (default 256)")
-    p.add_argument("--steps", type=int, default=600, help="optimizer steps (default 600)")
-    p.add_argument("--lr", type=float, default=3e-3, help="AdamW peak learning rate, cosine schedule (default 3e-3)")
-    p.add_argument("--batch-tokens", type=int, default=4096, help="positions per step (default 4096)")
-    p.add_argument("--heldout", type=float, default=0.05, help="fraction of sequences kept for accuracy (default 0.05)")
+    p.add_argument("--num-prompts", type=positive_int, default=1024,
+                   help="self-distill: snippets to continue (default 1024)")
+    p.add_argument("--seq-len", type=positive_int, default=256, help="plain: window length (default 256)")
+    p.add_argument("--steps", type=positive_int, default=600, help="optimizer steps (default 600)")
+    p.add_argument("--lr", type=positive_float, default=3e-3,
+                   help="AdamW peak learning rate, cosine schedule (default 3e-3)")
+    p.add_argument("--batch-tokens", type=positive_int, default=4096, help="positions per step (default 4096)")
+    p.add_argument("--heldout", type=fraction, default=0.05,
+                   help="fraction of sequences kept for accuracy (default 0.05)")
     p.add_argument("--dtype", choices=DTYPES, help="dtype of the saved heads (default: the base's)")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast matmuls while training (faster on CPUs with "
                    "AVX512-BF16/AMX; master weights stay float32)")
     add_threads_arg(p, help="torch threads (default: torch's)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the data split, sampling and initialization "
+    p.add_argument("--seed", type=seed_int, default=0, help="seed of the data split, sampling and initialization "
                    "(default 0)")
     p.add_argument("--force", action="store_true", help="replace existing heads in --out")
     add_quiet_arg(p)
@@ -97,14 +111,6 @@ def _check(args) -> None:
     if args.arch == "amphista" and (args.shared_lm_head or args.num_layers != 1):
         raise TrainError("--shared-lm-head and --num-layers are Medusa head options; an Amphista drafter "
                          "drafts through the base lm_head over its draft vocabulary")
-    for name in ("num_heads", "num_layers", "prompt_tokens", "max_new_tokens", "num_prompts", "seq_len", "steps",
-                 "batch_tokens"):
-        if getattr(args, name) < 1:
-            raise TrainError(f"--{name.replace('_', '-')} {getattr(args, name)}: expected a positive integer")
-    if not 0 <= args.heldout < 1:
-        raise TrainError(f"--heldout {args.heldout}: expected a fraction in [0, 1)")
-    if args.lr <= 0:
-        raise TrainError(f"--lr {args.lr}: expected > 0")
     if not (args.base / "config.json").is_file():
         raise TrainError(f"{args.base}: no config.json; expected a Hugging Face model directory")
     if args.out.exists() and not args.out.is_dir():

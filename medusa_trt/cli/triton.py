@@ -14,6 +14,8 @@ from medusa_trt.cli.common import (
     add_threads_arg,
     add_tree_arg,
     new_parser,
+    nonnegative_int,
+    positive_int,
     run_cli,
 )
 from medusa_trt.runtime.decoding import ACCEPTANCE
@@ -28,18 +30,22 @@ def parser() -> argparse.ArgumentParser:
     add_source_args(p, engine_help="engine dir, merged checkpoint or TensorRT-LLM engine")
     p.add_argument("--out", required=True, type=Path, help="model repository dir to write")
     p.add_argument("--model-name", default="medusa", help="Python-backend model name (default: medusa)")
-    p.add_argument("--max-batch-size", type=int, help="largest dynamic batch (default: the engine's limit, or 8)")
+    p.add_argument("--max-batch-size", type=positive_int,
+                   help="largest dynamic batch (default: the engine's limit, or 8)")
     add_tree_arg(p, help="default tree: preset name, list, JSON/YAML file or brace form (default: the tree the "
                  "engine records, medusa-build --tree)")
     p.add_argument("--decoupled", action="store_true", help="decoupled model: needed for streaming responses")
     p.add_argument("--acceptance", choices=list(ACCEPTANCE), default="greedy",
                    help="default acceptance (default greedy; sample: lossless sampling, requests may send a seed)")
-    p.add_argument("--max-input-len", type=int, help="longest prompt in tokens (default: all the engine allows)")
-    p.add_argument("--max-output-len", type=int, help="largest max_tokens (default: all the engine allows)")
-    p.add_argument("--max-queue-delay-us", type=int, default=1000, help="dynamic batcher delay (default 1000)")
+    p.add_argument("--max-input-len", type=positive_int,
+                   help="longest prompt in tokens (default: all the engine allows)")
+    p.add_argument("--max-output-len", type=positive_int, help="largest max_tokens (default: all the engine allows)")
+    p.add_argument("--max-queue-delay-us", type=nonnegative_int, default=1000,
+                   help="dynamic batcher delay (default 1000)")
     add_device_arg(p, help="device for the engine: cpu or cuda (default: the engine's own)")
     add_threads_arg(p, default=0, help="ONNX Runtime intra-op threads per model instance (the PyTorch reference's "
-                    "torch threads for a merged checkpoint; default 0: one per core)", old=["--intra-op-threads"])
+                    "torch threads for a merged checkpoint; default 0: one per core)", old=["--intra-op-threads"],
+                    zero=True)
     p.add_argument("--tokenizer-dir", type=Path, help="tokenizer for a TensorRT-LLM engine (default: --engine)")
     p.add_argument("--force", action="store_true", help="replace an existing --out")
     return p

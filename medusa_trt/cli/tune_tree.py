@@ -11,15 +11,19 @@ from pathlib import Path
 from medusa_trt.cli.common import (
     ENGINE_OR_CHECKPOINT_HELP,
     add_device_arg,
+    add_force_arg,
     add_max_new_tokens_arg,
     add_prompts_arg,
     add_quiet_arg,
     add_source_args,
     add_spin_arg,
     add_threads_arg,
+    check_output_file,
     new_parser,
     ort_session_options,
+    positive_int,
     run_cli,
+    write_output_file,
 )
 from medusa_trt.tools import tune_tree as tt
 from medusa_trt.tree import CANDIDATE_TOPK, DEFAULT_TREE
@@ -35,22 +39,23 @@ def parser() -> argparse.ArgumentParser:
     add_prompts_arg(p, required=True, help="calibration prompts: .txt (one prompt a line) or .jsonl with 'text'",
                     old=["--calib-data"])
     p.add_argument("--out", required=True, type=Path, help="tree.json to write (loadable by --medusa-choices)")
-    p.add_argument("--max-nodes", type=int, default=64, help="largest tree considered (default 64, at most the "
+    p.add_argument("--max-nodes", type=positive_int, default=64, help="largest tree considered (default 64, at most the "
                    "engine's max_draft_len)")
     add_max_new_tokens_arg(p, default=128, help="greedy tokens per calibration prompt (default 128)")
-    p.add_argument("--limit", type=int, default=32, help="calibration prompts used (default 32)")
-    p.add_argument("--topk", type=int, default=CANDIDATE_TOPK,
+    p.add_argument("--limit", type=positive_int, default=32, help="calibration prompts used (default 32)")
+    p.add_argument("--topk", type=positive_int, default=CANDIDATE_TOPK,
                    help=f"ranks measured per head (default {CANDIDATE_TOPK})")
-    p.add_argument("--reps", type=int, default=5,
+    p.add_argument("--reps", type=positive_int, default=5,
                    help=f"step-time repetitions per tree size, blocks of {tt.BLOCK} steps (default 5)")
     add_prompts_arg(p, name="--eval-prompts", old=["--eval-data"],
                     help="prompts for the measured comparison (default: --prompts)")
-    p.add_argument("--eval-limit", type=int, default=8, help="prompts for the measured comparison (default 8)")
+    p.add_argument("--eval-limit", type=positive_int, default=8, help="prompts for the measured comparison (default 8)")
     p.add_argument("--no-measure", action="store_true", help="predict only; skip the measured comparison")
     add_threads_arg(p, help="engine intra-op threads (default: one per core); tune with the setting you will "
                     "decode with")
     add_spin_arg(p)
     add_device_arg(p)
+    add_force_arg(p, help="replace an existing --out file")
     add_quiet_arg(p)
     return p
 
@@ -60,10 +65,8 @@ def _main(argv: list[str] | None = None) -> int:
     from medusa_trt.runtime.loading import load_backend, load_tokenizer, stop_tokens
     from medusa_trt.tools.bench import BenchError, compare, load_prompts
 
+    check_output_file(args.out, args.force)  # before the minutes of tuning, not after
     try:
-        for name in ("max_nodes", "max_new_tokens", "limit", "topk", "reps", "eval_limit", "threads"):
-            if getattr(args, name) is not None and getattr(args, name) < 1:
-                raise BenchError(f"--{name.replace('_', '-')} {getattr(args, name)}: expected >= 1")
         if not args.engine.is_dir():
             raise BenchError(f"{args.engine}: --engine directory not found")
         backend = load_backend(args.engine, device=args.device, ort_options=ort_session_options(args))
@@ -92,8 +95,7 @@ def _main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # BenchError, TreeError, EngineError, DataError: bad input, explained
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(tt.dump_json(result))
+    write_output_file(args.out, tt.dump_json(result), args.force)
     print(tt.format_report(result))
     print(f"{PROG}: wrote {args.out} ({len(result['medusa_choices'])} nodes; use --medusa-choices {args.out})")
     return 0

@@ -25,7 +25,13 @@ from pathlib import Path
 
 import torch
 
-from medusa_trt.converter.hf_base import BaseModel, ConvertError, TensorSource, base_model_type
+from medusa_trt.converter.hf_base import (
+    BaseModel,
+    ConvertError,
+    TensorSource,
+    base_model_type,
+    check_base_config,
+)
 
 log = logging.getLogger("medusa_trt.converter")
 
@@ -126,6 +132,7 @@ def read_gguf_base(path: Path) -> BaseModel:
         tensors.pop("lm_head.weight", None)
     generation = {k: hf_config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
                   if hf_config.get(k) is not None}
+    check_base_config(hf_config, path, generation)
     log.info("%s: %s GGUF (%s), dequantized to float32", path, info["architecture"],
              ", ".join(f"{n} {k}" for k, n in info["tensor_types"].items()))
     return BaseModel(path.parent, path, hf_config, model_type, TensorSource.in_memory(tensors, path),

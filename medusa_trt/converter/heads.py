@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from medusa_trt.checkpoint import medusa_linear_prefix, medusa_lm_head
+from medusa_trt.checkpoint import check_draft_vocab, medusa_linear_prefix, medusa_lm_head
 from medusa_trt.converter.hf_base import (
     BaseModel,
     ConvertError,
@@ -284,20 +284,10 @@ def head_pieces(heads: MedusaHeads, base: BaseModel, config: dict) -> dict[str, 
     return pieces
 
 
-def draft_vocab(heads: MedusaHeads, vocab_size: int, min_size: int = 16) -> list[int] | None:
+def draft_vocab(heads: MedusaHeads, vocab_size: int) -> list[int] | None:
     """The heads' draft vocabulary (config.json `draft_vocab`, written by medusa-train-heads when the
-    heads were trained over a vocabulary subset), checked: distinct token ids below vocab_size, at
-    least `min_size` of them (a step takes each head's top-10 within it), in ascending order."""
+    heads were trained over a vocabulary subset), checked as every reader checks it, in ascending order."""
     ids = heads.config.get("draft_vocab")
     if ids is None:
         return None
-    where = heads.config_path or heads.path
-    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-        raise ConvertError(f"{where}: draft_vocab must be a list of token ids, got {str(ids)[:60]}")
-    bad = [i for i in ids if not 0 <= i < vocab_size]
-    if bad:
-        raise ConvertError(f"{where}: draft_vocab holds token id {bad[0]}; expected ids in 0..{vocab_size - 1}")
-    if len(set(ids)) != len(ids) or len(ids) < min_size:
-        raise ConvertError(f"{where}: draft_vocab has {len(ids)} ids ({len(set(ids))} distinct); expected at "
-                           f"least {min_size} distinct token ids")
-    return sorted(ids)
+    return check_draft_vocab(ids, vocab_size, f"{heads.config_path or heads.path}: draft_vocab", ConvertError)

@@ -21,7 +21,7 @@ from medusa_trt.checkpoint import (
     layer_prefix,
 )
 from medusa_trt.errors import CheckpointError, read_json_object, require
-from medusa_trt.safetensors_io import SafetensorsFile
+from medusa_trt.safetensors_io import SafetensorsFile, check_finite
 
 log = logging.getLogger("medusa_trt.converter")
 
@@ -196,6 +196,8 @@ def read_base(base_dir: Path) -> BaseModel:
         raise ConvertError(f"{config_path}: not found; --base must be a Hugging Face model directory")
     hf_config = read_json(config_path)
     model_type = base_model_type(hf_config, config_path)
+    generation = _read_generation_config(base_dir / "generation_config.json")
+    check_base_config(hf_config, config_path, generation)
     files = find_weight_files(base_dir)
     if files is None:
         raise ConvertError(f"{base_dir}: no weights found; expected model.safetensors, "
@@ -206,16 +208,20 @@ def read_base(base_dir: Path) -> BaseModel:
     except BaseException:
         weights.close()
         raise
-    gen_path = base_dir / "generation_config.json"
-    generation = read_json(gen_path) if gen_path.exists() else {}
     return BaseModel(base_dir, config_path, hf_config, model_type, weights, generation)
+
+
+def _read_generation_config(path: Path) -> dict:
+    return read_json(path) if path.exists() else {}
 
 
 def base_model_type(hf_config: dict, path: Path) -> str:
     """The HF model_type of a supported base, or a ConvertError naming what was found."""
-    archs = hf_config.get("architectures") or []
+    archs = require(hf_config, "architectures", list, file=path, error=ConvertError, default=[])
     arch = archs[0] if archs else None
-    model_type = hf_config.get("model_type")
+    if arch is not None and not isinstance(arch, str):
+        raise ConvertError(f"{path}: architectures[0] {arch!r}; expected a class name (a string)")
+    model_type = require(hf_config, "model_type", str, file=path, error=ConvertError, default=None)
     expected = ", ".join(KNOWN_ARCHITECTURES)
     if arch in KNOWN_ARCHITECTURES:
         if model_type is not None and model_type != KNOWN_ARCHITECTURES[arch]:
@@ -230,24 +236,29 @@ def base_model_type(hf_config: dict, path: Path) -> str:
 
 
 def normalize_rope(hf_config: dict, path: Path) -> tuple[float, dict | None]:
-    """(rotary_base, rotary_scaling) from either HF config form.
+    """(rotary_base, rotary_scaling) from either HF config form, every value checked (a number
+    given as text is one ConvertError naming the key, not a float() traceback or a silent cast).
 
     transformers >= 5 writes `rope_parameters: {rope_theta, rope_type, ...}`; older configs have
     `rope_theta` and `rope_scaling: {type | rope_type, ...}`.
     """
-    params = hf_config.get("rope_parameters")
-    if isinstance(params, dict) and params:
+    def req(obj, key, kind, prefix="", **kw):
+        return require(obj, key, kind, file=path, error=ConvertError, prefix=prefix, **kw)
+
+    theta = req(hf_config, "rope_theta", float, positive=True, default=10000.0)
+    params = req(hf_config, "rope_parameters", dict, default={})
+    if params:
         if "rope_theta" not in params and "rope_type" not in params:
             raise ConvertError(f"{path}: rope_parameters per layer type ({sorted(params)}) are not "
                                f"supported; expected one {{rope_theta, rope_type}} object")
-        theta = params.get("rope_theta", hf_config.get("rope_theta", 10000.0))
-        scaling = params
+        theta = req(params, "rope_theta", float, "rope_parameters.", positive=True, default=theta)
+        scaling, where = params, "rope_parameters."
     else:
-        theta = hf_config.get("rope_theta", 10000.0)
-        scaling = hf_config.get("rope_scaling") or {}
-    rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
+        scaling, where = req(hf_config, "rope_scaling", dict, default={}), "rope_scaling."
+    rope_type = (req(scaling, "rope_type", str, where, default=None) or req(scaling, "type", str, where, default=None)
+                 or "default")
     if rope_type == "default":
-        return float(theta), None
+        return theta, None
     if rope_type not in ("linear", "llama3"):
         raise ConvertError(f"{path}: rope type {rope_type!r} is not supported; expected default, linear "
                            f"or llama3")
@@ -257,12 +268,13 @@ def normalize_rope(hf_config: dict, path: Path) -> tuple[float, dict | None]:
     missing = [k for k in keys if k not in scaling]
     if missing:
         raise ConvertError(f"{path}: rope type {rope_type!r} lacks {missing}")
-    out: dict = {"type": rope_type, "factor": float(scaling["factor"])}
+    out: dict = {"type": rope_type, "factor": req(scaling, "factor", float, where, positive=True)}
     if rope_type == "llama3":
-        out["low_freq_factor"] = float(scaling["low_freq_factor"])
-        out["high_freq_factor"] = float(scaling["high_freq_factor"])
-        out["original_max_position_embeddings"] = int(scaling["original_max_position_embeddings"])
-    return float(theta), out
+        out["low_freq_factor"] = req(scaling, "low_freq_factor", float, where, positive=True)
+        out["high_freq_factor"] = req(scaling, "high_freq_factor", float, where, positive=True)
+        out["original_max_position_embeddings"] = req(scaling, "original_max_position_embeddings", int, where,
+                                                      positive=True)
+    return theta, out
 
 
 def source_dtype(base: BaseModel) -> str:
@@ -276,10 +288,11 @@ def source_dtype(base: BaseModel) -> str:
     return "float32"
 
 
-def base_config(base: BaseModel) -> dict:
-    """The TensorRT-LLM config keys that describe the base model."""
-    c, path = base.hf_config, base.config_path
-
+def check_base_config(c: dict, path: Path, generation: dict | None = None) -> None:
+    """Every config.json value the converter reads, checked once where the config is read (read_base,
+    read_gguf_base): its type (a number given as text is refused, naming the file and key), its
+    range, and what this converter supports. The readers after it (base_config, normalize_rope,
+    the heads) may then trust the values."""
     def req(key, kind, **kw):
         return require(c, key, kind, file=path, error=ConvertError, **kw)
 
@@ -290,19 +303,33 @@ def base_config(base: BaseModel) -> dict:
     nkv = req("num_key_value_heads", int, positive=True, default=nq)
     if nq % nkv:
         raise ConvertError(f"{path}: num_attention_heads {nq} is not a multiple of num_key_value_heads {nkv}")
-    head_size = req("head_dim", int, positive=True, default=c["hidden_size"] // nq)
-    max_pos = req("max_position_embeddings", int, positive=True, default=2048)
-    norm_eps = req("rms_norm_eps", float, positive=True, default=1e-6)
+    req("head_dim", int, positive=True, default=None)
+    req("max_position_embeddings", int, positive=True, default=None)
+    req("rms_norm_eps", float, positive=True, default=None)
     for key in ("mlp_bias", "attention_bias", "tie_word_embeddings", "use_sliding_window"):
         req(key, bool, default=False)
     req("sliding_window", int, positive=True, default=None)
+    for key in ("dtype", "torch_dtype"):
+        req(key, str, default=None)
     for key in ("bos_token_id", "eos_token_id"):
         _token_ids(c, key, path)
-        _token_ids(base.generation_config, key, path.with_name("generation_config.json"))
+        _token_ids(generation or {}, key, path.with_name("generation_config.json"))
     if req("hidden_act", str, default="silu") != "silu":
         raise ConvertError(f"{path}: hidden_act {c.get('hidden_act')!r} is not supported; expected 'silu'")
     if c.get("mlp_bias"):
         raise ConvertError(f"{path}: mlp_bias true is not supported")
+    normalize_rope(c, path)
+
+
+def base_config(base: BaseModel) -> dict:
+    """The TensorRT-LLM config keys that describe the base model (its values checked by
+    check_base_config when the base was read)."""
+    c, path = base.hf_config, base.config_path
+    nq = c["num_attention_heads"]
+    nkv = c.get("num_key_value_heads") or nq
+    head_size = c.get("head_dim") or c["hidden_size"] // nq
+    max_pos = c.get("max_position_embeddings") or 2048
+    norm_eps = float(c.get("rms_norm_eps") or 1e-6)
     if base.model_type != "qwen2" and c.get("attention_bias"):
         raise ConvertError(f"{path}: attention_bias true is not supported for {base.model_type}")
     rotary_base, rotary_scaling = normalize_rope(c, path)
@@ -405,22 +432,8 @@ class Piece:
         out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
         out = out.to(dtype)
         # Once, on what is written: NaN/Inf in a source stays NaN/Inf here, and a cast that overflows shows too.
-        check_finite(out, f"{_files(self.source)}: tensor {', '.join(map(repr, self.keys))} (as {dtype})")
+        check_finite(out, f"{_files(self.source)}: tensor {', '.join(map(repr, self.keys))} (as {dtype})", ConvertError)
         return out
-
-
-def check_finite(t: torch.Tensor, what: str) -> None:
-    """NaN or Inf in a weight is refused, naming the tensor: it would convert, build and decode
-    without a word and give garbage. aminmax propagates NaN and shows an Inf as min or max, without
-    a mask the size of the tensor: about a tenth of the cast's cost (BENCHMARKS.md)."""
-    if not t.is_floating_point() or t.numel() == 0:
-        return
-    x = t if t.element_size() > 1 else t.to(torch.float32)  # float8 has no aminmax kernel
-    lo, hi = torch.aminmax(x)
-    if not (bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))):
-        bad = int((~torch.isfinite(x)).sum())
-        raise ConvertError(f"{what}: {bad} of {t.numel()} values are NaN or Inf; expected finite weights "
-                           "(a corrupt or overflowed file)")
 
 
 def _files(source: TensorSource) -> str:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from medusa_trt.checkpoint import read_config, validate_checkpoint
+from medusa_trt.checkpoint import check_finite_weights, read_config, validate_checkpoint
 from medusa_trt.engine_dir import (
     DEVICES,
     ENGINE_FORMAT_VERSION,
@@ -100,14 +100,17 @@ def check_options(opts: BuildOptions, config: dict) -> None:
                          f"{max_pos} ({path})")
 
 
-def build_engine(opts: BuildOptions) -> BuildResult:
-    """Validates the checkpoint, builds the engine in a temp dir and renames it to opts.out."""
+def build_engine(opts: BuildOptions, also: Callable[[Path], None] | None = None) -> BuildResult:
+    """Validates the checkpoint, builds the engine in a temp dir and renames it to opts.out.
+    `also(tmp)` writes another output from the finished engine while it is still in its temp dir
+    (medusa-build --triton-repo): if it fails, no engine appears either."""
     start = time.perf_counter()
     opts.checkpoint, opts.out = Path(opts.checkpoint), Path(opts.out)
     _refuse_hf_model_dir(opts.checkpoint)
     try:
         validate_checkpoint(opts.checkpoint)
         config = read_config(opts.checkpoint)
+        check_finite_weights(opts.checkpoint)  # every backend, before any work (trtllm-build reads the files itself)
     except CheckpointError as e:
         raise BuildError(str(e)) from None
     check_options(opts, config)
@@ -118,12 +121,15 @@ def build_engine(opts: BuildOptions) -> BuildResult:
 
     with atomic_output_dir(opts.out, opts.force, BuildError) as tmp:
         backend_part = BUILDERS[opts.backend](opts, config, tmp)
-        _copy_tokenizer(opts.checkpoint, tmp)
+        _copy_tokenizer(opts.checkpoint, tmp, (config.get("medusa_trt") or {}).get("base_model_type")
+                        or config.get("model_type"))
         engine = engine_json(opts, config, backend_part, tmp, time.perf_counter() - start)
         if tree is not None:
             engine["medusa"].update(tree=tree[0], tree_source=tree[1])
         validate_engine(engine, opts.out / ENGINE_JSON)  # the writer obeys the schema its readers check
         (tmp / ENGINE_JSON).write_text(json.dumps(engine, indent=2) + "\n")
+        if also is not None:
+            also(tmp)
     return BuildResult(opts.out, engine, time.perf_counter() - start)
 
 
@@ -218,9 +224,23 @@ def tool_versions() -> dict[str, str]:
     return versions
 
 
-def _copy_tokenizer(checkpoint: Path, workdir: Path) -> None:
-    """Everything in the checkpoint that is not weights or its config: tokenizer, generation config."""
+def _copy_tokenizer(checkpoint: Path, workdir: Path, model_type: str | None) -> None:
+    """Everything in the checkpoint that is not weights or its config: tokenizer, generation config.
+
+    A tokenizer_config.json may name a generic class (TokenizersBackend), which transformers replaces
+    by the class of the model config's model_type (Qwen2Tokenizer, which tokenizes differently). An
+    engine dir has no HF config.json, so the tokenizer is saved again as that class loads it: plain
+    `AutoTokenizer.from_pretrained(engine_dir)` then gives the ids the engine's own loader gives."""
     for path in sorted(checkpoint.iterdir()):
         if path.is_file() and path.name not in _CHECKPOINT_ONLY and not path.name.endswith(".safetensors"):
             shutil.copy2(path, workdir / path.name)
+    if not model_type or not (workdir / "tokenizer_config.json").is_file():
+        return
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        config = AutoConfig.for_model(model_type)
+    except ValueError:  # a model_type this transformers does not know: the files stay as they are
+        return
+    AutoTokenizer.from_pretrained(str(workdir), config=config).save_pretrained(str(workdir))
 

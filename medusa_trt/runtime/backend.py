@@ -141,6 +141,8 @@ def scatter_pending(keys: torch.Tensor, values: torch.Tensor, pending: tuple | N
     new_k, new_v = pending
     if len(counts) == 1:  # batch 1, the latency case: two slice copies, cheaper than the indexed path
         c, start = int(counts[0]), int(lengths[0])
+        if c == 0:  # a finished or empty row keeps nothing: a legal commit, and there is no first slot to read
+            return lengths + counts
         if keys.is_cpu and keys.dtype != torch.bfloat16:
             # Through numpy views, with as few calls as possible: a commit follows every step, when the
             # engine's run has evicted the host code's caches and each small call is costly

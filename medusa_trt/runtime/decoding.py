@@ -10,6 +10,8 @@ greedy decoding would; sample acceptance emits tokens distributed exactly as pla
 from __future__ import annotations
 
 import functools
+import math
+import os
 import secrets
 import time
 from collections.abc import Callable, Iterator
@@ -51,8 +53,11 @@ class GenerationConfig:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.acceptance not in ACCEPTANCE:
             raise ValueError(f"acceptance must be one of {', '.join(ACCEPTANCE)}, got {self.acceptance!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):  # inf would divide logits to NaN
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        for name in ("posterior_threshold", "posterior_alpha"):
+            if not (getattr(self, name) >= 0 and math.isfinite(getattr(self, name))):
+                raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
         if self.acceptance == "sample" and not self.temperature > 0:
             raise ValueError(f"temperature {self.temperature} with acceptance 'sample': expected > 0 "
                              "(for temperature 0 use acceptance 'greedy')")
@@ -116,7 +121,9 @@ def resolve_tree(info: ModelInfo, medusa_choices: object = None) -> tuple[object
     """The tree a decode runs and a one-line description of it, for the commands to print: the one
     given; else the one the engine records (medusa-build --tree); else DEFAULT_TREE cut to the engine."""
     if medusa_choices is not None:
-        given = medusa_choices if isinstance(medusa_choices, str) else f"{len(medusa_choices)} paths given"
+        # A name, spec or file (str or Path) describes itself; a list of paths is counted.
+        given = medusa_choices if isinstance(medusa_choices, (str, os.PathLike)) else \
+            f"{len(medusa_choices)} paths given"
         return medusa_choices, str(given)
     if info.tree:
         return [list(p) for p in info.tree], f"{info.tree_source or 'the tree'} ({len(info.tree)} nodes, recorded " \

@@ -104,6 +104,37 @@ def server_env(install: TritonInstall) -> dict[str, str]:
     return env
 
 
+def check_ports_free(**ports: int) -> None:
+    """Each given port (0: none asked for) can be bound on 127.0.0.1, or one ServerError naming it. Another
+    server there would answer our readiness probe and we would report it ready."""
+    for name, port in ports.items():
+        if not port:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError as e:
+                flag = "--" + name.replace("_", "-")
+                raise ServerError(f"{flag} {port}: 127.0.0.1:{port} is in use ({e.strerror}); stop what listens "
+                                  f"there or pick another port (0: a free one)") from None
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: the kernel sends tritonserver SIGTERM when the process that started
+    it dies, even by SIGKILL, which runs no cleanup of ours (the server is in its own session, so no
+    terminal signal reaches it). Linux only; elsewhere stop_server is the only stop."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() == 1:  # the parent died before prctl took effect: the signal will never come
+            os._exit(1)
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -163,6 +194,7 @@ def start_server(repos: Path | Sequence[Path], workdir: Path, *, http_port: int 
         if not repo.is_dir() or not any(repo.glob("*/config.pbtxt")):
             raise ServerError(f"{repo}: not a model repository (expected <model>/config.pbtxt; write one with "
                               "medusa-triton)")
+    check_ports_free(http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port)
     install = find_triton()
     backends = prepare_backends(install, workdir / "backends")
     http_port, grpc_port, metrics_port = (p or free_port() for p in (http_port, grpc_port, metrics_port))
@@ -183,7 +215,7 @@ def start_server(repos: Path | Sequence[Path], workdir: Path, *, http_port: int 
     with open(log_path, "wb") as log:
         # Own session: a Ctrl-C in the terminal reaches us only, and we stop the server in order.
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   env=server_env(install), start_new_session=True)
+                                   env=server_env(install), start_new_session=True, preexec_fn=_die_with_parent)
     server = RunningServer(process, http_port, grpc_port, metrics_port, log_path)
     try:
         wait_ready(server, timeout)
@@ -237,14 +269,21 @@ def running_server(repos: Path | Sequence[Path], *, http_port: int = 0, grpc_por
     own = workdir is None
     work = Path(tempfile.mkdtemp(prefix="medusa-triton-")) if own else Path(workdir)
     work.mkdir(parents=True, exist_ok=True)
+    failed = True  # until the server stopped as asked: a failure keeps the log its error message cites
     try:
         server = start_server(repos, work, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
                               models=models, log_verbose=log_verbose, timeout=timeout)
         try:
             yield server
+            failed = server.process.poll() is not None  # it died on its own while serving
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: how medusa-serve is stopped
+            failed = server.process.poll() is not None
+            raise
         finally:
             stop_server(server)
     finally:
-        if own:
+        if own and (not failed or not (work / "tritonserver.log").exists()):
             shutil.rmtree(work, ignore_errors=True)
+        elif own:
+            shutil.rmtree(work / "backends", ignore_errors=True)  # a copy of the wheel's; the log is what matters
 

@@ -45,7 +45,7 @@ from medusa_trt.tree import TreeError, parse_medusa_choices, validate_and_expand
 log = logging.getLogger(__name__)
 
 # numpy dtypes Triton hands the stub for each declared data type.
-_NUMPY_KINDS = {"TYPE_STRING": (np.object_, np.bytes_, np.str_), "TYPE_INT32": (np.int32,),
+_NUMPY_KINDS = {"TYPE_STRING": (np.object_, np.bytes_, np.str_), "TYPE_INT32": (np.int32,), "TYPE_INT64": (np.int64,),
                 "TYPE_FP32": (np.float32,), "TYPE_BOOL": (np.bool_,), "TYPE_UINT64": (np.uint64,)}
 _INPUTS = {s.name: s for s in MODEL_INPUTS}
 
@@ -169,7 +169,7 @@ def parse_request(service: Service, inputs: Mapping[str, np.ndarray], index: int
                            "\"content\": ...}], rendered with the model's chat template)")
     source = given[0]
     if "max_tokens" not in inputs:
-        raise RequestError("max_tokens: missing; expected an INT32 tensor with the number of tokens to generate")
+        raise RequestError("max_tokens: missing; expected an INT64 tensor with the number of tokens to generate")
     rows = inputs[source].shape[0] if inputs[source].ndim else 1
     values = {name: _rows(name, array, rows) for name, array in inputs.items()}
     stream = any(bool(v[0]) for v in values.get("stream", []))
@@ -481,6 +481,12 @@ class TritonPythonModel:
             return True
 
         serve_batch(self.service, batch, send)
+        if not decoupled and all(r.has_error() for r in responses):
+            # Triton counts a returned error response as a successful request (nv_inference_request_success);
+            # only an exception from execute() is counted as a failure. A batch of rejected requests
+            # alone (the usual case: a bad request rarely shares a batch) fails that way, each request
+            # getting the messages. In a batch with good requests the bad ones can only get error responses.
+            raise pb.TritonModelException("; ".join(r.error().message() for r in responses))
         return None if decoupled else responses
 
     def finalize(self) -> None:

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from medusa_trt.checkpoint import validate_config
 from medusa_trt.engine_dir import ENGINE_JSON, EngineError, read_engine
 from medusa_trt.errors import MedusaTrtError, read_json_object
 from medusa_trt.outputs import atomic_output_dir
@@ -51,14 +52,17 @@ class TensorSpec:
     scalar: bool = False  # `reshape: { shape: [ ] }`: the backend gets [B], not [B, 1] (tensorrtllm_backend)
 
 
-# The Python-backend model's interface: tensorrtllm_backend's ensemble names where one exists, so
-# clients written for it work unchanged. triton_model reads these same specs to check requests.
+# The Python-backend model's interface: tensorrtllm_backend's ensemble names where one exists (its
+# max_tokens is INT32; ours is INT64, below). triton_model reads these same specs to check requests.
 MODEL_INPUTS = (
     # The prompt: raw text (text_input), or chat turns rendered with the model's chat template
     # (messages: JSON [{"role": ..., "content": ...}, ...]); a request sends exactly one of them.
     TensorSpec("text_input", "TYPE_STRING", (1,), optional=True),
     TensorSpec("messages", "TYPE_STRING", (1,), optional=True),
-    TensorSpec("max_tokens", "TYPE_INT32", (1,)),
+    # INT64: Triton's HTTP/JSON front end wraps an INT32 value beyond 2**31 (5000000000 arrives as
+    # 705032704) before the model sees it; as INT64 every count a client can send arrives as sent and
+    # the model checks it against max_output_len.
+    TensorSpec("max_tokens", "TYPE_INT64", (1,)),
     TensorSpec("medusa_choices", "TYPE_STRING", (1,), optional=True),
     TensorSpec("temperature", "TYPE_FP32", (1,), optional=True),
     TensorSpec("acceptance", "TYPE_STRING", (1,), optional=True),
@@ -144,6 +148,7 @@ def read_engine_info(engine_dir: str | Path) -> EngineInfo:
     if c.get("architecture") != "MedusaForCausalLM":
         raise RepoError(f"{d / 'config.json'}: architecture {c.get('architecture')!r} is neither a merged "
                         "checkpoint ('MedusaForCausalLM') nor a TensorRT-LLM engine config")
+    validate_config(c, d / "config.json")  # the checks every command that loads a checkpoint makes
     return EngineInfo(d.resolve(), "checkpoint", int(c.get("num_medusa_heads") or 0),
                       int(c.get("max_draft_len") or 63), int(c["max_position_embeddings"]), None)
 
@@ -154,14 +159,16 @@ def write_triton_repo(
     posterior_threshold: float = 0.09, posterior_alpha: float = 0.3, max_input_len: int | None = None,
     max_output_len: int | None = None, max_queue_delay_us: int = 1000, instance_count: int = 1,
     device: str | None = None, dtype: str | None = None, intra_op_threads: int = 0,
-    tokenizer_dir: str | Path | None = None, force: bool = False,
+    tokenizer_dir: str | Path | None = None, force: bool = False, engine_dir_as: str | Path | None = None,
 ) -> Path:
     """Writes the repository that serves `engine_dir`; returns out_dir.
 
     Our engines and merged checkpoints get the Python-backend model; a TensorRT-LLM engine gets the
     tensorrtllm_backend layout (write_trtllm_triton_repo), so `medusa-build --triton-repo` needs one
     call whatever it built. `medusa_choices` (any form tree.parse_medusa_choices accepts; default: the
-    engine's own, see default_tree) is the default tree; requests may send their own."""
+    engine's own, see default_tree) is the default tree; requests may send their own. `engine_dir_as`: the
+    path the model loads the engine from, when `engine_dir` is where it is being written (medusa-build's
+    temp dir)."""
     info = read_engine_info(engine_dir)
     if info.kind == "tensorrt-llm":
         return write_trtllm_triton_repo(info.directory, out_dir, tokenizer_dir or info.directory, medusa_choices,
@@ -193,7 +200,7 @@ def write_triton_repo(
         raise RepoError(f"instance_count {instance_count}, max_queue_delay_us {max_queue_delay_us}, "
                         f"intra_op_threads {intra_op_threads}: expected >= 1, >= 0, >= 0")
     params = {
-        "engine_dir": str(info.directory),
+        "engine_dir": str(Path(engine_dir_as).resolve() if engine_dir_as is not None else info.directory),
         "medusa_choices": tree_to_brace(tree),
         "acceptance": acceptance,
         "temperature": repr(float(temperature)),

@@ -350,6 +350,18 @@ def _sizes(order, steps: StepTimes, tokens_per_step) -> list[dict]:
     return rows
 
 
+def _usable(candidates: dict[str, list[dict]], required: bool = True) -> dict[str, list[dict]]:
+    """The candidate orders that hold a node. An order is empty when no calibration row's true token
+    was among the heads' top-k where it could be drafted (a joint order; any order of a chains-only
+    engine whose heads never ranked it first); with none left, no tree can be chosen."""
+    usable = {name: rows for name, rows in candidates.items() if rows}
+    if required and not usable:
+        raise ValueError("calibration gave no usable step: at no calibration position did the heads' top-k hold "
+                         "the token a tree could accept; use more or longer prompts, a larger --max-new-tokens, "
+                         "or heads trained for this base")
+    return usable
+
+
 def choose_tree(accuracy: Sequence[Sequence[float]], steps: StepTimes, max_nodes: int,
                 rank_paths: list[list[tuple[int, ...]]] | None = None, rounds: int = 3,
                 chains_only: bool = False) -> TreeChoice:
@@ -367,18 +379,20 @@ def choose_tree(accuracy: Sequence[Sequence[float]], steps: StepTimes, max_nodes
 
     def allowed(order: list[tuple[tuple[int, ...], float]]) -> list[tuple[tuple[int, ...], float]]:
         # An order is prefix-closed, so its all-zero paths come parent first: a chain at every size.
-        return [(p, v) for p, v in order if not any(p)] if chains_only else order
+        # A node never accepted (value 0, as are all below it) adds step time and no token: left out.
+        return [(p, v) for p, v in order if v > 0 and not (chains_only and any(p))]
 
     if rank_paths is None:
         estimator = "product"
         orders = {"product": allowed(greedy_tree(accuracy, max_nodes))}
-        candidates = {"product": _sizes(orders["product"], steps, lambda tree: expected_tokens_per_step(accuracy, tree))}
+        candidates = _usable({"product": _sizes(orders["product"], steps,
+                                                lambda tree: expected_tokens_per_step(accuracy, tree))})
     else:
         estimator = "replay"
         replay = lambda tree: simulate(rank_paths, tree)[0]  # noqa: E731
         orders = {"product": allowed(greedy_tree(accuracy, max_nodes)),
                   "joint": allowed(joint_tree(rank_paths, max_nodes))}
-        candidates = {name: _sizes(order, steps, replay) for name, order in orders.items()}
+        candidates = _usable({name: _sizes(order, steps, replay) for name, order in orders.items()})
         for r in range(rounds):
             name, rows = max(candidates.items(), key=lambda kv: max(row["speedup_vs_plain"] for row in kv[1]))
             best = max(rows, key=lambda row: row["speedup_vs_plain"])
@@ -388,7 +402,8 @@ def choose_tree(accuracy: Sequence[Sequence[float]], steps: StepTimes, max_nodes
                 for t in here:
                     weights[i][t] = 1.0
             orders[f"joint@starts{r + 1}"] = allowed(joint_tree(rank_paths, max_nodes, weights))
-            candidates[f"joint@starts{r + 1}"] = _sizes(orders[f"joint@starts{r + 1}"], steps, replay)
+            candidates.update(_usable({f"joint@starts{r + 1}": _sizes(orders[f"joint@starts{r + 1}"], steps, replay)},
+                                      required=False))
     name, rows = max(candidates.items(), key=lambda kv: max(row["speedup_vs_plain"] for row in kv[1]))
     best = max(range(len(rows)), key=lambda i: (rows[i]["speedup_vs_plain"], -i))
     row = rows[best]

@@ -179,6 +179,13 @@ def run_ckpt_args(c: Ctx, src=None, *extra):
 YAML_BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]\n" \
             "c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b]\nmedusa_choices: [*c, *c, *c]\n"
 
+def _bad_draft_vocab(c: Ctx) -> Path:
+    """A merged checkpoint whose recorded draft vocabulary names id 300 of a 256-token vocabulary."""
+    return _ckpt_with("medusa_trt.draft_vocab", [*range(16), 300])(c)
+
+
+DRAFT_VOCAB_ERROR = ["config.json", "medusa_trt.draft_vocab", "token id 300", "0..255"]
+
 # (id, cli, argv(ctx), substrings the error line must hold)
 CASES = [
     # -- medusa-convert: HF base config.json, weights, --out --------------------------------------
@@ -192,6 +199,13 @@ CASES = [
      ["num_hidden_layers", "positive"]),
     ("convert-eps-as-string", CONVERT, lambda c: convert_args(c, base=_base_with("rms_norm_eps", "tiny")(c)),
      ["rms_norm_eps", "'tiny'"]),
+    ("convert-rope-theta-as-text", CONVERT, lambda c: convert_args(c, base=_base_with("rope_theta", "10000")(c)),
+     ["config.json", "rope_theta", "'10000'", "number"]),
+    ("convert-rope-factor-as-text", CONVERT,
+     lambda c: convert_args(c, base=_base_with("rope_parameters", {"rope_type": "linear", "factor": "2"})(c)),
+     ["config.json", "rope_parameters.factor", "'2'", "number"]),
+    ("convert-architectures-not-a-list", CONVERT, lambda c: convert_args(c, base=_base_with("architectures", 5)(c)),
+     ["config.json", "architectures", "list"]),
     ("convert-bad-eos", CONVERT, lambda c: convert_args(c, base=_base_with("eos_token_id", "</s>")(c)),
      ["eos_token_id", "token id"]),
     ("convert-config-is-a-list", CONVERT,
@@ -231,6 +245,13 @@ CASES = [
      ["a_file", "not a directory"]),
     ("build-max-batch-zero", BUILD, lambda c: build_args(c, None, None, "--max-batch-size", "0"),
      ["--max-batch-size 0"]),
+    ("build-nan-in-checkpoint", BUILD,
+     lambda c: build_args(c, _poison(c.ckpt, c, "ck", "rank0.safetensors", float("nan"))),
+     ["rank0.safetensors", "tensor", "NaN or Inf"]),
+    ("build-inf-in-checkpoint", BUILD,
+     lambda c: build_args(c, _poison(c.ckpt, c, "ck", "rank0.safetensors", float("inf"))),
+     ["rank0.safetensors", "tensor", "NaN or Inf"]),
+    ("build-draft-vocab-beyond-vocab", BUILD, lambda c: build_args(c, _bad_draft_vocab(c)), DRAFT_VOCAB_ERROR),
     # -- medusa-run: engine.json, graphs, digests, run-time values --------------------------------
     ("run-missing-engine", RUN, lambda c: run_args(c, c.tmp / "nope"), ["nope"]),
     ("run-engine-vocab-as-string", RUN, lambda c: run_args(c, _engine_dir_with(c, _set("model.vocab_size", "x"))),
@@ -270,12 +291,17 @@ CASES = [
     ("run-truncated-checkpoint", RUN, lambda c: run_ckpt_args(c, _truncate(c)), ["rank0.safetensors"]),
     ("run-checkpoint-negative-heads", RUN, lambda c: run_ckpt_args(c, _ckpt_with("num_medusa_heads", -1)(c)),
      ["num_medusa_heads", "-1"]),
+    ("run-nan-in-checkpoint", RUN, lambda c: run_ckpt_args(c, _poison(c.ckpt, c, "ck", "rank0.safetensors", float("nan"))),
+     ["rank0.safetensors", "tensor", "NaN or Inf"]),
+    ("run-draft-vocab-beyond-vocab", RUN, lambda c: run_ckpt_args(c, _bad_draft_vocab(c)), DRAFT_VOCAB_ERROR),
     # -- medusa-check ------------------------------------------------------------------------------
     ("check-wrong-recorded-digest", CHECK, lambda c: ["--engine", str(_wrong_digest(c))],
      ["tokenizer.json", "sha256 differs"]),
     ("check-negative-atol", CHECK, lambda c: ["--engine", str(c.engine), "--atol", "-1"], ["--atol -1"]),
     ("check-prompts-not-utf8", CHECK, lambda c: ["--engine", str(c.engine), "--prompts", str(c.write("p.txt", b"\xff\n"))],
      ["p.txt", "UTF-8"]),
+    ("check-draft-vocab-beyond-vocab", CHECK, lambda c: ["--engine", str(c.engine), "--checkpoint", str(_bad_draft_vocab(c))],
+     DRAFT_VOCAB_ERROR),
     # -- medusa-triton -----------------------------------------------------------------------------
     ("triton-out-is-a-file-force", TRITON, lambda c: ["--engine", str(c.ckpt), "--out", str(_file(c)), "--force"],
      ["a_file", "not a directory"]),
@@ -289,6 +315,8 @@ CASES = [
      lambda c: ["--engine", str(_trtllm_engine(c)), "--out", str(c.out), "--tokenizer-dir", str(c.ckpt),
                 "--medusa-choices", "[[0], [16]]"],
      ["rank 16", "4 bits"]),
+    ("triton-draft-vocab-beyond-vocab", TRITON, lambda c: ["--engine", str(_bad_draft_vocab(c)), "--out", str(c.out)],
+     DRAFT_VOCAB_ERROR),
     ("serve-invalid-port", ("medusa-serve", serve_main),
      lambda c: ["--repo", str(c.copy(c.ckpt, "repo")), "--http-port", "70000"], ["--http-port 70000", "65535"]),
     # -- medusa-tune-tree, medusa-bench, medusa-train-heads ---------------------------------------
@@ -296,6 +324,23 @@ CASES = [
      lambda c: ["--engine", str(c.ckpt), "--calib-data", str(c.write("cal.txt", "a\n")), "--out", str(c.out / "t.json"),
                 "--max-new-tokens", "1", "--no-measure", "--quiet"],
      ["calibration"]),
+    ("tune-tree-draft-vocab-beyond-vocab", TUNE,
+     lambda c: ["--engine", str(_bad_draft_vocab(c)), "--prompts", str(c.write("cal.txt", "a b c\n")),
+                "--out", str(c.out / "t.json"), "--no-measure", "--quiet"], DRAFT_VOCAB_ERROR),
+    ("bench-draft-vocab-beyond-vocab", BENCH,
+     lambda c: ["--engine", str(_bad_draft_vocab(c)), "--prompts", str(c.write("p.txt", "a b c\n")), "--no-hf"],
+     DRAFT_VOCAB_ERROR),
+    ("tune-tree-out-file-exists", TUNE,
+     lambda c: ["--engine", str(c.ckpt), "--prompts", str(c.write("cal.txt", "a b c\n")), "--out", str(_file(c)),
+                "--no-measure", "--quiet"], ["a_file", "--out exists", "--force"]),
+    ("check-json-file-exists", CHECK, lambda c: ["--engine", str(c.engine), "--json", str(_file(c))],
+     ["a_file", "--json exists", "--force"]),
+    ("bench-json-file-exists", BENCH,
+     lambda c: ["--engine", str(c.ckpt), "--prompts", str(c.write("p.txt", "a b c\n")), "--json", str(_file(c))],
+     ["a_file", "--json exists", "--force"]),
+    ("bench-json-is-a-directory", BENCH,
+     lambda c: ["--engine", str(c.ckpt), "--prompts", str(c.write("p.txt", "a b c\n")), "--json", str(c.tmp)],
+     ["--json is a directory"]),
     ("bench-prompts-not-utf8", BENCH, lambda c: ["--engine", str(c.ckpt), "--prompts", str(c.write("p.txt", b"\xfe\n"))],
      ["p.txt", "UTF-8"]),
     ("train-data-deep-jsonl", TRAIN,
@@ -303,6 +348,14 @@ CASES = [
                 "--quiet"],
      ["d.jsonl:1", "not valid JSON"]),
 ]
+
+
+def exit_code(main: Callable[[list[str]], int], args: list[str]) -> int:
+    """main's exit code, whether returned (run_cli) or raised (a flag refused while parsing)."""
+    try:
+        return main(args)
+    except SystemExit as e:
+        return e.code
 
 
 @pytest.fixture(scope="module")
@@ -322,7 +375,7 @@ def test_bad_input(name, cli, argv, expected, fixtures, tmp_path, capsys):
     before = {p: p.read_bytes() for p in tmp_path.glob("a_file")}
     capsys.readouterr()
     prog, main = cli
-    assert main(args) == 2
+    assert exit_code(main, args) == 2
     captured = capsys.readouterr()
     err = captured.err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"{prog}: error: "), err
@@ -339,6 +392,106 @@ def test_the_corpus_covers_every_console_script():
                .split("\n\n")[0].strip().splitlines()]
     covered = {c[1][0] for c in CASES}
     assert set(scripts) <= covered and len(CASES) >= 40
+
+
+# Every command that has a numeric flag refuses the same bad value in the same words while parsing,
+# before any work: (flag, bad value, the words, the commands with their other required arguments).
+_REQ = {RUN: ["--engine", "e", "--prompt", "x"], BENCH: ["--engine", "e", "--prompts", "p"],
+        TUNE: ["--engine", "e", "--prompts", "p", "--out", "t.json"], CHECK: ["--engine", "e"],
+        TRAIN: ["--base", "b", "--data", "d", "--out", "o"], TRITON: ["--engine", "e", "--out", "o"],
+        BUILD: ["--checkpoint", "c", "--out", "o"], CONVERT: ["--base", "b", "--out", "o"],
+        ("medusa-serve", serve_main): ["--repo", "r"]}
+FLAGS = [
+    ("--threads", "-1", "expected a positive integer", [RUN, BENCH, TUNE, TRAIN]),
+    ("--threads", "0", "expected a positive integer", [RUN, BENCH, TUNE, TRAIN]),
+    ("--threads", "-1", "expected a non-negative integer", [TRITON]),  # 0 there: torch's own default
+    ("--limit", "-1", "expected a positive integer", [BENCH, TUNE]),
+    ("--max-new-tokens", "0", "expected a positive integer", [RUN, BENCH, TUNE, CHECK, TRAIN]),
+    ("--temperature", "inf", "expected a non-negative finite number", [RUN, BENCH]),
+    ("--temperature", "nan", "expected a non-negative finite number", [RUN, BENCH]),
+    ("--top-p", "1.5", "expected a number in (0, 1]", [RUN, BENCH]),
+    ("--seed", "-1", "expected an integer in [0, 2**63)", [RUN, BENCH, TRAIN]),
+    ("--max-batch-size", "0", "expected a positive integer", [BUILD, TRITON]),
+    ("--max-draft-len", "0", "expected a positive integer", [BUILD, CONVERT]),
+    ("--max-input-len", "-5", "expected a positive integer", [BUILD, TRITON]),
+    ("--lr", "inf", "expected a positive finite number", [TRAIN]),
+    ("--draft-vocab", "0", "expected a positive integer", [TRAIN]),  # --arch amphista's flags too
+    ("--sal-intermediate", "-1", "expected a non-negative integer", [TRAIN]),  # 0: the base's width
+    ("--atol", "-1", "expected a non-negative finite number", [CHECK]),
+    ("--http-port", "70000", "expected a TCP port", [("medusa-serve", serve_main)]),
+]
+
+
+@pytest.mark.parametrize("flag,value,words,clis", FLAGS, ids=[f"{f[0]}={f[1]}" for f in FLAGS])
+def test_a_numeric_flag_is_refused_alike_by_every_command(flag, value, words, clis, capsys):
+    for prog, main in clis:
+        with pytest.raises(SystemExit) as e:
+            main([*_REQ[(prog, main)], flag, value])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1, (prog, err)
+        assert err[0].startswith(f"{prog}: error: {flag} {value}: {words}"), (prog, err)
+
+
+def test_an_output_file_is_replaced_only_with_force_and_whole(fixtures, tmp_path, capsys):
+    """--json/--out files follow the rule of output dirs: refused when they exist, replaced with
+    --force by a rename (no temp file left), never half-written."""
+    ctx = Ctx(tmp_path, *fixtures)
+    report = _file(ctx)
+    args = ["--engine", str(ctx.engine), "--json", str(report), "--max-new-tokens", "2", "--tree-steps", "1"]
+    assert check.main(args) == 2 and report.read_text() == "keep me"
+    assert check.main([*args, "--force"]) == 0
+    assert json.loads(report.read_text())["passed"] is True
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
+
+
+def test_build_writes_the_engine_and_its_triton_repo_or_neither(fixtures, tmp_path, capsys):
+    """The engine builds, then its Triton repository fails (the checkpoint has no tokenizer for the
+    server): neither --out nor --triton-repo appears, and the error names --out, not a temp dir."""
+    ctx = Ctx(tmp_path, *fixtures)
+    ckpt = ctx.copy(ctx.ckpt, "ck")
+    for f in ckpt.glob("tokenizer*"):
+        f.unlink()
+    repo = tmp_path / "repo"
+    capsys.readouterr()
+    assert build_cli.main(build_args(ctx, ckpt, None, "--triton-repo", str(repo))) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--triton-repo" in err[0] and "no tokenizer" in err[0], err
+    assert f"{ctx.out}: no tokenizer" in err[0] and ".tmp-" not in err[0], err
+    assert not ctx.out.exists() and not repo.exists() and not _leftovers(tmp_path)
+
+
+def test_an_os_error_names_the_out_the_user_gave(fixtures, tmp_path, capsys, monkeypatch):
+    """Permission denied inside the temp dir is reported on --out (root ignores chmod: the error is raised)."""
+    import medusa_trt.engines.build as build
+
+    ctx = Ctx(tmp_path, *fixtures)
+
+    def denied(opts, config, workdir):
+        raise PermissionError(13, "Permission denied", str(workdir / "model.onnx"))
+
+    monkeypatch.setitem(build.BUILDERS, "onnxruntime", denied)
+    capsys.readouterr()
+    assert build_cli.main(build_args(ctx)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"medusa-build: error: {ctx.out / 'model.onnx'}: Permission denied"], err
+    assert not ctx.out.exists() and not _leftovers(tmp_path)
+
+
+def test_serve_refuses_a_port_in_use(tmp_path, capsys):
+    """Another server on --http-port would answer the readiness probe: refused first, one line, exit 2."""
+    import socket
+
+    (tmp_path / "repo" / "m").mkdir(parents=True)
+    (tmp_path / "repo" / "m" / "config.pbtxt").write_text('name: "m"\n')
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        capsys.readouterr()
+        assert serve_main(["--repo", str(tmp_path / "repo"), "--http-port", str(port), "--grpc-port", "0",
+                           "--metrics-port", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"medusa-serve: error: --http-port {port}: 127.0.0.1:{port} is in use"), err
 
 
 def test_os_errors_are_one_line(fixtures, tmp_path, capsys, monkeypatch):
@@ -380,7 +533,7 @@ def test_request_values_are_refused_by_the_triton_model(fixtures):
                                          max_output_len=8), decoupled=False)
 
     def req(**extra):
-        out = {"text_input": np.array([[b"Hi"]], dtype=np.object_), "max_tokens": np.array([[4]], dtype=np.int32)}
+        out = {"text_input": np.array([[b"Hi"]], dtype=np.object_), "max_tokens": np.array([[4]], dtype=np.int64)}
         out.update(extra)
         return out
 
@@ -389,7 +542,7 @@ def test_request_values_are_refused_by_the_triton_model(fixtures):
          "temperature"),
         (req(medusa_choices=np.array([[b"[[0], [999]]"]], dtype=np.object_)), "rank 999"),
         (req(medusa_choices=np.array([[b"[" * 5000]], dtype=np.object_)), "nested 5000 levels"),
-        (req(max_tokens=np.array([[-3]], dtype=np.int32)), "max_tokens"),
+        (req(max_tokens=np.array([[-3]], dtype=np.int64)), "max_tokens"),
     ]
     for inputs, message in cases:
         with pytest.raises(RequestError, match=message) as e:

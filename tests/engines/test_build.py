@@ -109,3 +109,19 @@ def test_backend_options_of_another_backend_are_refused(tmp_path, tiny_merged, c
     assert "--weights int4: only --backend onnxruntime builds int4 engines" in capsys.readouterr().err
     assert not (tmp_path / "e").exists()
     assert ENGINE_FORMAT_VERSION == 8
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_plain_transformers_loads_the_engine_tokenizer_the_engine_uses(ort_engine, tiny_base, arch):
+    """AutoTokenizer.from_pretrained(engine_dir), with no model config.json beside it, gives the ids
+    of the base's own tokenizer (a Qwen2 base's tokenizer_config names a generic class that
+    transformers swaps for Qwen2Tokenizer only when it sees the model config)."""
+    from transformers import AutoTokenizer
+
+    from medusa_trt.runtime.loading import load_tokenizer
+
+    text = "Hello world, the quick Brown fox 123!  two  spaces"
+    want = AutoTokenizer.from_pretrained(str(tiny_base(arch))).encode(text)
+    engine = ort_engine(arch)
+    assert AutoTokenizer.from_pretrained(str(engine)).encode(text) == want
+    assert load_tokenizer(engine).encode(text) == want

@@ -138,6 +138,27 @@ def test_outputs_are_not_reused(ort_engine):
     assert torch.equal(first, kept)
 
 
+@pytest.mark.parametrize("use_binding", [False, True], ids=["session.run", "iobinding"])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_commit_of_zero_tokens_keeps_nothing(ort_engine, tiny_merged, use_binding, batch):
+    """A finished or empty row commits zero tokens: legal on every backend and batch size, the
+    lengths stay, and the next step's logits are those of the unchanged cache."""
+    ort = OrtBackend(ort_engine("llama"))
+    ort.cache_mode = BoundCache if use_binding else ReturnedCache
+    ref = TorchBackend(MedusaModel.from_checkpoint(tiny_merged("llama")))
+    ids = torch.tensor([[5, 7, 9]] * batch)
+    mask = torch.ones(batch, 3, 3, dtype=torch.bool).tril()
+    for b in (ort, ref):
+        b.start(batch, 16)
+        b.forward(ids, torch.arange(3).expand(batch, 3), mask)
+        b.commit(torch.arange(3).expand(batch, 3), torch.full((batch,), 3))
+        b.forward(torch.tensor([[11, 12]] * batch), torch.tensor([[3, 4]] * batch), mask[:, :2, :2])
+        b.commit(torch.zeros(batch, 2, dtype=torch.long), torch.zeros(batch, dtype=torch.long))
+        assert b.lengths.tolist() == [3] * batch
+    outs = [b.forward(torch.tensor([[13]] * batch), torch.tensor([[3]] * batch), mask[:, :1, :1]) for b in (ort, ref)]
+    torch.testing.assert_close(outs[0][0], outs[1][0], atol=1e-4, rtol=0)
+
+
 def test_limits_and_errors(ort_engine):
     engine_dir = ort_engine("llama")
     backend = OrtBackend(engine_dir)

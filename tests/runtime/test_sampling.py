@@ -308,7 +308,8 @@ def test_same_seed_same_tokens_on_onnx_runtime(ort_engine, tiny_merged):
 
 @pytest.mark.parametrize("kw,message", [
     (dict(temperature=0.0), "temperature 0.0 with acceptance 'sample'.*use acceptance 'greedy'"),
-    (dict(temperature=-1.0), "temperature must be >= 0"),
+    (dict(temperature=-1.0), "temperature must be a finite number >= 0"),
+    (dict(temperature=float("inf")), "temperature must be a finite number >= 0, got inf"),
     (dict(top_p=0.0), r"top_p 0.0: expected a value in \(0, 1\]"),
     (dict(top_p=1.5), "top_p 1.5"),
     (dict(top_k=0), "top_k 0: expected an integer >= 1"),
@@ -330,12 +331,15 @@ def test_medusa_run_sample_flags(small, capsys):
     first = json.loads(capsys.readouterr().out)
     assert run_main(args) == 0
     assert json.loads(capsys.readouterr().out)["output_ids"] == first["output_ids"]
-    for bad, said in ((["--temperature", "0"], "temperature 0.0"), (["--top-p", "1.2"], "top_p 1.2"),
-                      (["--top-k", "0"], "top_k 0")):
-        assert run_main(args + bad) == 2
+    assert run_main(args + ["--temperature", "0"]) == 2  # a rule between two flags: GenerationConfig's
+    err = capsys.readouterr().err
+    assert "temperature 0.0" in err and len(err.strip().splitlines()) == 1, err
+    for bad, said in ((["--top-p", "1.2"], "--top-p 1.2: expected a number in (0, 1]"),
+                      (["--top-k", "0"], "--top-k 0: expected a positive integer"),
+                      (["--seed", "1.5"], "--seed 1.5: expected an integer"),
+                      (["--temperature", "inf"], "--temperature inf: expected a non-negative finite number")):
+        with pytest.raises(SystemExit) as exit_info:  # the flag's own range: refused while parsing
+            run_main(args + bad)
         err = capsys.readouterr().err
-        assert said in err and len(err.strip().splitlines()) == 1, err
-    with pytest.raises(SystemExit) as exit_info:
-        run_main(args + ["--seed", "1.5"])
-    assert exit_info.value.code == 2 and "'1.5'" in capsys.readouterr().err
+        assert exit_info.value.code == 2 and said in err and len(err.strip().splitlines()) == 1, err
 

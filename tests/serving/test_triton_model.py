@@ -27,7 +27,7 @@ def service(tiny_merged):
 
 def request(texts, max_tokens, **extra) -> dict:
     out = {"text_input": np.array([[t.encode()] for t in texts], dtype=np.object_),
-           "max_tokens": np.array([[m] for m in max_tokens], dtype=np.int32)}
+           "max_tokens": np.array([[m] for m in max_tokens], dtype=np.int64)}
     for name, values in extra.items():
         sample = values[0]
         dtype = np.object_ if isinstance(sample, (str, list)) else np.float32 if isinstance(sample, float) else \
@@ -95,17 +95,17 @@ def test_stop_words_cut_after_the_completing_token(service):
 
 
 @pytest.mark.parametrize("inputs,message", [
-    ({"max_tokens": np.array([[4]], dtype=np.int32)}, "text_input and messages: missing"),
+    ({"max_tokens": np.array([[4]], dtype=np.int64)}, "text_input and messages: missing"),
     ({"text_input": np.array([[b"a"]], dtype=np.object_)}, "max_tokens: missing"),
     ({"text_input": np.array([[b"a"]], dtype=np.object_), "max_tokens": np.array([[4.0]], dtype=np.float32)},
-     "max_tokens: data type float32; expected INT32"),
-    ({"text_input": np.array([[b"a"], [b"b"]], dtype=np.object_), "max_tokens": np.array([[4]], dtype=np.int32)},
+     "max_tokens: data type float32; expected INT64"),
+    ({"text_input": np.array([[b"a"], [b"b"]], dtype=np.object_), "max_tokens": np.array([[4]], dtype=np.int64)},
      "max_tokens: 1 rows; expected 2"),
-    ({"text_input": np.array([[b"\xff"]], dtype=np.object_), "max_tokens": np.array([[4]], dtype=np.int32)},
+    ({"text_input": np.array([[b"\xff"]], dtype=np.object_), "max_tokens": np.array([[4]], dtype=np.int64)},
      "text_input: not valid UTF-8"),
-    ({"text_input": np.array([[b"a"]], dtype=np.object_), "max_tokens": np.array([[65]], dtype=np.int32)},
+    ({"text_input": np.array([[b"a"]], dtype=np.object_), "max_tokens": np.array([[65]], dtype=np.int64)},
      r"max_tokens: 65; expected 1..64 \(max_output_len"),
-    ({"text_input": np.array([[b"a" * 120]], dtype=np.object_), "max_tokens": np.array([[4]], dtype=np.int32)},
+    ({"text_input": np.array([[b"a" * 120]], dtype=np.object_), "max_tokens": np.array([[4]], dtype=np.int64)},
      r"prompt is 122 tokens; .* at most 100 \(max_input_len"),
 ])
 def test_request_checks_name_the_input(service, inputs, message):
@@ -172,7 +172,7 @@ def test_messages_input_is_rendered_with_the_chat_template(service):
 
         turns = [{"role": "system", "content": "Be brief"}, {"role": "user", "content": "Hi"}]
         batch = {"messages": np.array([[json.dumps(turns).encode()]], dtype=np.object_),
-                 "max_tokens": np.array([[8]], dtype=np.int32)}
+                 "max_tokens": np.array([[8]], dtype=np.int64)}
         parsed = parse_request(service, batch)
         assert parsed.jobs[0].prompt == encode_chat(tok, turns)
         for inputs, message in (({**batch, "text_input": batch["messages"]}, "text_input and messages: both given"),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import queue
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,6 +21,7 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -96,7 +98,7 @@ def expected(served, case: dict) -> dict:
 def inputs(client, case: dict, *, stream: bool | None = None, overrides: dict | None = None) -> list:
     """tritonclient InferInputs for `case`, each [1, n] as a max_batch_size > 0 model takes them."""
     values = {"text_input": np.array([[case["text"].encode()]], dtype=np.object_),
-              "max_tokens": np.array([[case["max_tokens"]]], dtype=np.int32)}
+              "max_tokens": np.array([[case["max_tokens"]]], dtype=np.int64)}
     for name in ("medusa_choices", "acceptance"):
         if name in case:
             values[name] = np.array([[case[name].encode()]], dtype=np.object_)
@@ -110,7 +112,7 @@ def inputs(client, case: dict, *, stream: bool | None = None, overrides: dict | 
     if stream is not None:
         values["stream"] = np.array([[stream]], dtype=np.bool_)
     values.update(overrides or {})
-    dtypes = {np.object_: "BYTES", np.int32: "INT32", np.float32: "FP32", np.bool_: "BOOL"}
+    dtypes = {np.object_: "BYTES", np.int32: "INT32", np.int64: "INT64", np.float32: "FP32", np.bool_: "BOOL"}
     result = []
     for name, array in values.items():
         tensor = client.InferInput(name, list(array.shape), dtypes[array.dtype.type])
@@ -219,8 +221,8 @@ def test_request_with_several_rows(served):
     with httpclient.InferenceServerClient(served["server"].http_url) as client:
         text = httpclient.InferInput("text_input", [2, 1], "BYTES")
         text.set_data_from_numpy(np.array([[b"Hello world"], [b"a"]], dtype=np.object_))
-        n = httpclient.InferInput("max_tokens", [2, 1], "INT32")
-        n.set_data_from_numpy(np.array([[16], [5]], dtype=np.int32))
+        n = httpclient.InferInput("max_tokens", [2, 1], "INT64")
+        n.set_data_from_numpy(np.array([[16], [5]], dtype=np.int64))
         result = client.infer(MODEL, [text, n])
     ids, texts = result.as_numpy("output_ids"), result.as_numpy("text_output")
     for row, case in enumerate((a, b)):
@@ -315,10 +317,53 @@ def test_bad_request_gets_an_error_and_the_server_keeps_serving(served, case, me
         same(infer(served, CASES[0]), want)
 
 
+def _post_json(served, body: dict) -> tuple[int, str]:
+    """A raw HTTP/JSON request (what curl sends), bypassing tritonclient's own typing."""
+    import json
+    import urllib.error
+
+    request = urllib.request.Request(f"http://{served['server'].http_url}/v2/models/{MODEL}/infer",
+                                     data=json.dumps(body).encode(), method="POST")
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with direct.open(request, timeout=60) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def _request_counts(served) -> tuple[int, int]:
+    """(nv_inference_request_success, nv_inference_request_failure summed over reasons) of MODEL."""
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    text = direct.open(served["server"].metrics_url, timeout=10).read().decode()
+    counts = [0, 0]
+    for line in text.splitlines():
+        for i, name in enumerate(("nv_inference_request_success{", "nv_inference_request_failure{")):
+            if line.startswith(name) and f'model="{MODEL}"' in line:
+                counts[i] += int(float(line.rsplit(" ", 1)[1]))
+    return counts[0], counts[1]
+
+
+def test_max_tokens_beyond_int32_is_refused_and_rejections_count_as_failures(served):
+    """JSON max_tokens 4294967297 (2**32 + 1) would arrive as 1 through an INT32 input and answer one
+    token; declared INT64 it arrives whole and is refused. A refused request is a failure in
+    Triton's metrics, not a success."""
+    success, failure = _request_counts(served)
+    body = {"inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1, 1], "data": ["Hi"]},
+                       {"name": "max_tokens", "datatype": "INT64", "shape": [1, 1], "data": [2**32 + 1]}]}
+    status, text = _post_json(served, body)
+    assert status >= 400 and "max_tokens" in text and "4294967297" in text, (status, text)
+    assert _request_counts(served) == (success, failure + 1)
+    body["inputs"][1]["data"] = [4]
+    status, text = _post_json(served, body)
+    assert status == 200, text
+    assert _request_counts(served) == (success + 1, failure + 1)
+
+
 def test_wrong_dtype_is_refused_by_name(served):
     wrong = {"max_tokens": np.array([[16.0]], dtype=np.float32)}
     for infer in (http_infer, grpc_infer):
-        with pytest.raises(InferenceServerException, match="max_tokens.*(FP32|INT32)"):
+        with pytest.raises(InferenceServerException, match="max_tokens.*(FP32|INT64)"):
             infer(served, CASES[0], overrides=wrong)
     with pytest.raises(InferenceServerException, match="text_input"):
         http_infer(served, CASES[0], overrides={"text_input": np.array([[1]], dtype=np.int32)})
@@ -383,13 +428,48 @@ def test_server_that_cannot_load_its_model_fails_with_its_log(served, tmp_path):
     for f in engine.iterdir():
         f.unlink()
     t0 = time.perf_counter()
-    with pytest.raises(ServerError, match=r"(?s)exited with status .*neither engine.json nor config.json"):
+    with pytest.raises(ServerError, match=r"(?s)exited with status .*neither engine.json nor config.json") as e:
         with running_server(repo, timeout=120):
             pass
     assert time.perf_counter() - t0 < 100
+    log = Path(re.search(r"\(full log: (.*?)\)", str(e.value)).group(1))
+    assert log.is_file() and "neither engine.json nor config.json" in log.read_text()  # the log it cites is kept
+    shutil.rmtree(log.parent)
     with pytest.raises(ServerError, match="not a model repository"):
         with running_server(tmp_path):
             pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")  # a zombie has exited already
+
+
+def test_medusa_serve_killed_leaves_no_tritonserver(served):
+    """SIGKILL runs none of medusa-serve's cleanup: the parent-death signal stops tritonserver anyway."""
+    proc = subprocess.Popen([sys.executable, "-m", "medusa_trt.cli.serve", "--repo", str(served["repo"]),
+                             "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("medusa-serve: ready"), line + (proc.stdout.read() if proc.poll() is not None else "")
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        assert len(children) == 1
+        server = int(children[0])
+        assert "tritonserver" in Path(f"/proc/{server}/cmdline").read_text()
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 60
+        while _alive(server) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not _alive(server)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def test_medusa_serve_cli_prints_endpoints_and_stops_on_ctrl_c(served):

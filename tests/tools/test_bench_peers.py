@@ -97,3 +97,48 @@ def test_no_peer_in_a_group_leaves_the_ratio_empty():
     rows = bench_peers.summarize({"ours int4 plain": _tally(bench_peers.FOUR_BIT, 10, 1.0)})
     assert rows["ours int4 plain"]["vs_fastest_peer"] is None
     assert "equal_to_reference" not in rows["ours int4 plain"]
+
+
+class _Echo:
+    """A fake peer: answers with the prompt's ids; segfaults (a real SIGSEGV) on a prompt of kind 'crash'."""
+
+    group = "float32"
+
+    def generate(self, prompt, max_new_tokens):
+        import os
+        import signal
+
+        if prompt.kind == "crash":
+            os.kill(os.getpid(), signal.SIGSEGV)
+        return bench_peers.Output(list(prompt.ids)[:max_new_tokens], 0.001)
+
+
+def _segfault_at_load():
+    import os
+    import signal
+
+    os.kill(os.getpid(), signal.SIGSEGV)
+
+
+def test_a_crashing_peer_is_reported_with_its_signal_and_the_others_run_on():
+    from common import Prompt
+
+    with pytest.raises(bench_peers.PeerCrashed, match="killed by SIGSEGV"):
+        bench_peers.PeerProcess("llama.cpp Q4_1", _segfault_at_load)
+    good, bad = bench_peers.PeerProcess("good", _Echo), bench_peers.PeerProcess("bad", _Echo)
+    try:
+        assert good.group == "float32" and good.generate(Prompt("x", "chat", [1, 2, 3]), 2).tokens == [1, 2]
+        with pytest.raises(bench_peers.PeerCrashed, match="bad: its process killed by SIGSEGV"):
+            bad.generate(Prompt("x", "crash", [1]), 2)
+        assert good.generate(Prompt("y", "chat", [4, 5]), 8).tokens == [4, 5]  # the other peer is untouched
+    finally:
+        good.close()
+        bad.close()
+
+
+def test_a_peer_that_fails_to_open_raises_its_error():
+    def missing():
+        raise ImportError("no module named llama_cpp")
+
+    with pytest.raises(ImportError, match="llama_cpp"):
+        bench_peers.PeerProcess("llama.cpp Q4_1", missing)

@@ -107,6 +107,21 @@ def test_replay_estimator_is_used_when_rows_are_given():
     assert choose_tree(ACC, steps([1.0] * 10), 6).estimator == "product"
 
 
+@pytest.mark.parametrize("chains_only", [False, True])
+def test_calibration_without_a_usable_step_is_one_clear_error(chains_only):
+    """No head ever ranked a calibration token in its top-k (every row missed): no order has a
+    node to offer, and the tuner says so instead of failing inside max()."""
+    misses = [[(-1, -1)] * 4, [(-1, -1)] * 5]
+    zero = [[0.0] * 3 for _ in range(2)]
+    with pytest.raises(ValueError, match="calibration gave no usable step"):
+        choose_tree(zero, steps([1.0] * 10), 6, rank_paths=misses, chains_only=chains_only)
+    # A chains-only engine whose heads ranked the right token second, never first: no chain to draft.
+    second = [[(1, -1)] * 4]
+    if chains_only:
+        with pytest.raises(ValueError, match="calibration gave no usable step"):
+            choose_tree([[0.0, 0.5], [0.0, 0.0]], steps([1.0] * 10), 1, rank_paths=second, chains_only=True)
+
+
 def steps(forward: list[float], host_plain=0.0, host_tree=(0.0, 0.0)) -> StepTimes:
     return StepTimes(forward, forward, forward[0], host_plain, host_tree)
 
