@@ -21,7 +21,7 @@ ARCHS = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
          "mistral": ("MistralConfig", "MistralForCausalLM"),
          "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}
 WEIGHTS_FORMATS = ("safetensors", "sharded", "bin", "sharded_bin")
-HEAD_FORMATS = ("medusa_v1", "medusa_v2", "medusa2_full", "modelopt", "amphista")
+HEAD_FORMATS = ("medusa_v1", "medusa_v2", "medusa2_full", "modelopt")  # Medusa's; "amphista" too (make_amphista)
 BOS, EOS = 1, 2
 # Bases with a sliding window far shorter than the tests' sequences (make_base's extra_config):
 # Mistral slides in every layer; Qwen2 from max_window_layers on, so layer 0 attends to all and
@@ -192,8 +192,8 @@ def make_heads(target: str | Path, fmt: str, base_dir: str | Path, *, num_heads:
     """
     from safetensors.torch import save_file
 
-    if fmt not in HEAD_FORMATS:
-        raise ValueError(f"fmt {fmt!r}: expected one of {', '.join(HEAD_FORMATS)}")
+    if fmt not in (*HEAD_FORMATS, "amphista"):
+        raise ValueError(f"fmt {fmt!r}: expected one of {', '.join(HEAD_FORMATS)}, amphista")
     base_dir, target = Path(base_dir), Path(target)
     if fmt == "amphista":
         return make_amphista(target, base_dir, num_heads=num_heads, seed=seed)

@@ -81,11 +81,13 @@ def test_medusa_greedy_equals_transformers(smollm2, oracle):
     backend = load_backend(smollm2[2], ort_options=OrtSessionOptions(threads=1))
     tuned = str(ASSETS / "tree.json") if (ASSETS / "tree.json").is_file() else "mc_sim_7b_63"
     for tree in (tuned, "mc_sim_7b_63"):
-        res = decode(backend, prompts, GenerationConfig(max_new_tokens=NEW_TOKENS, medusa_choices=tree))
+        res = decode(backend, prompts, GenerationConfig(max_new_tokens=NEW_TOKENS, medusa_choices=tree,
+                                                        stop_token_ids=()))  # as generate(eos_token_id=None)
         assert res.tokens == expected, tree
         if tree == "mc_sim_7b_63":  # trained heads: a wide tree accepts drafts on real prompts (~2 tokens/step)
             assert sum(s.new_tokens for s in res.stats) / sum(s.steps for s in res.stats) > 1.5
-    single = decode(backend, prompts[:1], GenerationConfig(max_new_tokens=NEW_TOKENS, medusa_choices=tuned))
+    single = decode(backend, prompts[:1], GenerationConfig(max_new_tokens=NEW_TOKENS, medusa_choices=tuned,
+                                                           stop_token_ids=()))
     assert single.tokens[0] == expected[0]
 
 

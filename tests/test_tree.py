@@ -291,7 +291,7 @@ def test_leaves_expand_to_all_prefixes(caplog):
     with caplog.at_level(logging.INFO, logger="medusa_trt.tree"):
         nodes = validate_and_expand([[1, 2, 0], [0, 3]], num_heads=3, max_draft_len=None)
     assert nodes == [[0], [1], [0, 3], [1, 2], [1, 2, 0]]
-    assert any(r.levelno == logging.INFO and "added 3" in r.getMessage() for r in caplog.records)
+    assert any(r.levelno >= logging.INFO and "3 of the paths' parents were not given" in r.getMessage() for r in caplog.records)
 
 
 def test_complete_tree_logs_nothing(caplog):

@@ -128,6 +128,7 @@ class Amphista(Drafter):
         self.register_buffer("draft_ids", None, persistent=False)
         self.register_buffer("draft_lm", None, persistent=False)
         self.num_kv_heads, self.head_dim = cfg.num_kv_heads, cfg.head_dim
+        self.fp8, self.draft_int4 = None, None  # it stays float in FP8 and int4 builds (drafters/base.py)
 
     def set_draft_vocab(self, ids, base_lm_head: torch.Tensor | None = None) -> None:
         """Drafts over the token ids `ids` alone; with the base's lm_head, its rows for them are kept

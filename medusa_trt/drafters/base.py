@@ -23,11 +23,11 @@ class Drafter(nn.Module):
     reads_tokens: ClassVar[bool] = False
     has_cache: ClassVar[bool] = False
     num_heads: int
-    # What an int4 build records of a drafter (medusa_trt.quant sets them on Medusa heads): whether
-    # it reads the base lm_head module, and int4 draft matrices of its own (None: none).
+    # What an int4 build records of a drafter (medusa_trt.quant sets it on Medusa heads): whether it
+    # reads the base lm_head module. Every drafter also has the instance attributes `draft_int4` (int4
+    # draft matrices of its own) and `fp8` (FP8 forms of its weights), None when it has none: set in
+    # __init__, as a module assigned later must not be shadowed by a class attribute.
     uses_base_lm_head = False
-    draft_int4 = None
-    fp8 = None  # FP8 forms of its weights (Medusa ResBlocks with --quantize-heads); other drafters stay float
 
     def forward(self, hidden: torch.Tensor, next_tokens: torch.Tensor | None, lm_head: nn.Module,
                 embed: nn.Module | None = None) -> torch.Tensor:

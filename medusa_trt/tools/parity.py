@@ -58,6 +58,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from medusa_trt.errors import MedusaTrtError
@@ -281,7 +282,8 @@ class _Observed(Backend):
                 continue
             logits, medusa = b.forward(input_ids, position_ids, new_mask)
             outs.append(OrderedDict(logits=logits.float().numpy().copy(), medusa_logits=medusa.float().numpy().copy()))
-        self.outputs.append(tuple(OrderedDict(o, medusa_logits=o["medusa_logits"][..., self.draft_vocab.numpy()])
+        self.outputs.append(tuple(OrderedDict(o, medusa_logits=np.ascontiguousarray(
+                                      o["medusa_logits"][..., self.draft_vocab.numpy()]))
                                   for o in outs) if self.draft_vocab is not None and not self.cached
                             else (outs[0], outs[1]))
         self.kinds.append("forward")

@@ -59,7 +59,7 @@ def test_greedy_equals_transformers(ort_engine, hf_greedy, arch):
     expected = hf_greedy(arch, prompts)
     assert all(len(e) == NEW_TOKENS for e in expected)
     for use_medusa in (False, True):
-        cfg = GenerationConfig(max_new_tokens=NEW_TOKENS, use_medusa=use_medusa)
+        cfg = GenerationConfig(max_new_tokens=NEW_TOKENS, use_medusa=use_medusa, stop_token_ids=())  # as generate: no EOS
         result = decode(backend, prompts, cfg)
         assert result.tokens == expected, f"use_medusa={use_medusa}"
 
@@ -79,11 +79,14 @@ def test_greedy_past_the_sliding_window_equals_transformers(ort_engine, tiny_mer
     prompts = [tok.encode(t) for t in PROMPTS]
     expected = hf_greedy(arch, prompts, base_kwargs)
     reference = TorchBackend(MedusaModel.from_checkpoint(tiny_merged(arch, base_kwargs=base_kwargs)))
-    assert decode(reference, prompts, GenerationConfig(max_new_tokens=NEW_TOKENS, use_medusa=False)).tokens == expected
+    # stop_token_ids=(): transformers' generate runs with eos_token_id=None
+    assert decode(reference, prompts, GenerationConfig(max_new_tokens=NEW_TOKENS, use_medusa=False,
+                                                       stop_token_ids=())).tokens == expected
     backend = load_backend(engine_dir)
     for use_medusa, fused in ((False, None), (True, backend.fused_step_topk), (True, None)):
         backend.fused_step_topk = fused
-        result = decode(backend, prompts, GenerationConfig(max_new_tokens=NEW_TOKENS, use_medusa=use_medusa))
+        result = decode(backend, prompts, GenerationConfig(max_new_tokens=NEW_TOKENS, use_medusa=use_medusa,
+                                                           stop_token_ids=()))
         assert result.tokens == expected, f"use_medusa={use_medusa} fused={fused}"
 
 

@@ -170,7 +170,7 @@ class OrtBackend(Backend):
     def open_session_names(self) -> frozenset[str]:
         """The graphs whose sessions are open ("session", "heads_session", "step_session"): each
         open one holds its own packed copy of the weights."""
-        return frozenset(self._sessions)
+        return frozenset(name for name, session in self._sessions.items() if session is not None)
 
     def _check_graphs(self, engine: dict) -> None:
         """The graphs' inputs and outputs against engine.json (layer count, vocabulary), read from the

@@ -99,7 +99,7 @@ def test_greedy_with_amphista_equals_plain_greedy(amphista, engine):
         assert spec.tokens == [oracle(amphista.hf, p, 32) for p in ps]
     accepted = sum(s.accepted_draft_tokens for s in spec.stats)
     steps = sum(s.steps for s in spec.stats)
-    assert accepted / steps > 0.5  # the trained drafter's drafts are taken
+    assert accepted / steps > 0.35  # the trained drafter's drafts are taken
 
 
 def test_the_engine_drafts_what_the_reference_drafts(amphista):
