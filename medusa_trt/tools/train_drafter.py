@@ -58,15 +58,16 @@ def draft_vocabulary(samples: list[Sample], size: int, vocab_size: int) -> tuple
 
 
 def _batch(samples: list[Sample], max_len: int) -> dict[str, torch.Tensor]:
-    """Right-padded tensors of a few sequences: h [B, S, d] float32, the token after each row
-    tokens [B, S], the tokens from row 2 on for targets, and where drafting rows start."""
+    """Right-padded tensors of a few sequences, on the device of their hidden states: h [B, S, d]
+    float32, the token after each row tokens [B, S], the tokens from row 2 on for targets, and where
+    drafting rows start."""
     rows = [min(len(s.hidden), max_len) for s in samples]
     s_max, d = max(rows), samples[0].hidden.shape[1]
-    h = torch.zeros(len(samples), s_max, d)
+    dev = samples[0].hidden.device
+    h = torch.zeros(len(samples), s_max, d, device=dev)
     after = torch.zeros(len(samples), s_max, dtype=torch.long)
     target = torch.full((len(samples), s_max + 1), -1, dtype=torch.long)  # target[t] = token t + 2
     first = torch.zeros(len(samples), dtype=torch.long)  # first row that drafts: the prompt's last token
-    n = torch.tensor(rows)
     for i, (s, r) in enumerate(zip(samples, rows, strict=True)):
         start = len(s.hidden) - r
         h[i, :r] = s.hidden[start:].float()
@@ -74,7 +75,8 @@ def _batch(samples: list[Sample], max_len: int) -> dict[str, torch.Tensor]:
         after[i, :r] = tok[1:]
         target[i, : r - 1] = tok[2:]
         first[i] = max(s.prompt_len - 1 - start, 0)
-    return {"h": h, "after": after, "target": target, "first": first, "rows": n}
+    return {"h": h, "after": after.to(dev), "target": target.to(dev), "first": first.to(dev),
+            "rows": torch.tensor(rows, device=dev)}
 
 
 class MedusaResBlocks(nn.Module):
@@ -101,10 +103,82 @@ def drafter_features(drafter: nn.Module, arch: str, h: torch.Tensor, after: torc
         return resblocks(x.unsqueeze(0).expand(drafter.num_heads, *x.shape), stacked_linear(drafter.w, drafter.b),
                          range(drafter.num_layers))
     b, s, _ = h.shape
-    positions = torch.arange(s).expand(b, s)  # RoPE is relative: a window's offset changes nothing
-    mask = torch.ones(s, s, dtype=torch.bool).tril().expand(b, s, s)
+    positions = torch.arange(s, device=h.device).expand(b, s)  # RoPE is relative: a window's offset changes nothing
+    mask = torch.ones(s, s, dtype=torch.bool, device=h.device).tril().expand(b, s, s)
     h1, h2, _, _ = drafter.adapt(h, after, embed, positions, mask)
     return drafter.features(h1[rows], h2[rows])
+
+
+@dataclass
+class Objective:
+    """What a training step scores against: the base's output rows over the draft vocabulary and
+    the map from a token id to its draft index (-100: outside the draft vocabulary, ignored)."""
+
+    w_sub: torch.Tensor  # [V', d] float32
+    remap: torch.Tensor  # [V + 1] long; index -1 (padding) maps to -100 too
+
+    @classmethod
+    def make(cls, lm_head: torch.Tensor, vocab: torch.Tensor) -> Objective:
+        vocab = vocab.to(lm_head.device)
+        remap = torch.full((lm_head.shape[0] + 1,), -100, dtype=torch.long, device=lm_head.device)
+        remap[vocab] = torch.arange(len(vocab), device=lm_head.device)
+        return cls(lm_head[vocab].float(), remap)
+
+
+def step_loss(drafter: nn.Module, arch: str, bt: dict[str, torch.Tensor], obj: Objective, embed: nn.Module,
+              opts: TrainOptions, noise_gen: torch.Generator | None = None) -> torch.Tensor:
+    """The training loss of one batch (`_batch`), on the batch's device (module docstring)."""
+    h = bt["h"]
+    b, s, _ = h.shape
+    with torch.no_grad():
+        teacher = torch.softmax(h @ obj.w_sub.T, dim=-1)  # [B, S, V'] the base's distribution at each row
+    if opts.noise:
+        rms = h.pow(2).mean(-1, keepdim=True).sqrt()
+        h = h + opts.noise * rms * torch.randn(h.shape, generator=noise_gen, device=h.device)
+    row = torch.arange(s, device=h.device)
+    drafting = (row[None] >= bt["first"][:, None]) & (row[None] + 1 < bt["rows"][:, None])  # [B, S] head 0's rows
+    z = drafter_features(drafter, arch, h, bt["after"], embed, drafting)  # [K, N, d]
+    loss = h.new_zeros(())
+    for k in range(z.shape[0]):
+        # rows t that draft, with the target row t + 1 + k inside the sequence
+        valid = drafting & (row[None] + 1 + k < bt["rows"][:, None])  # [B, S]
+        if not valid.any():
+            continue
+        logp = torch.log_softmax((z[k][valid[drafting]] @ obj.w_sub.T).float(), dim=-1)  # [N, V']
+        t_rows = (row[None] + 1 + k).clamp(max=s - 1).expand(b, s)[valid]
+        soft = -(teacher[torch.nonzero(valid)[:, 0], t_rows] * logp).sum(-1).mean()
+        hard_t = obj.remap[bt["target"].gather(1, (row + k).clamp(max=s).expand(b, s))[valid]]
+        hard = F.nll_loss(logp, hard_t, ignore_index=-100) if (hard_t >= 0).any() else logp.new_zeros(())
+        loss = loss + opts.head_decay**k * (opts.align_weight * soft + opts.lm_weight * hard)
+    return loss
+
+
+def optimizer(drafter: nn.Module, opts: TrainOptions):
+    """AdamW with a linear warm-up and a cosine decay over opts.steps, read at each step (a run that
+    sizes its steps to a time budget may set them after a few timed steps)."""
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=opts.lr, weight_decay=opts.weight_decay)
+
+    def factor(i: int) -> float:
+        warmup = max(1, opts.steps // 20)
+        return min(1.0, (i + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(i, opts.steps) / opts.steps))
+
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+def update(drafter: nn.Module, opt, sched, loss: torch.Tensor) -> None:
+    opt.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_([p for p in drafter.parameters() if p.requires_grad], 1.0)
+    opt.step()
+    sched.step()
+
+
+def neighbours(order: list[int], n: int, g: torch.Generator) -> list[int]:
+    """n neighbours in length order around a random sequence: little padding, random content."""
+    j = int(torch.randint(0, len(order), (1,), generator=g))
+    lo = min(max(0, j - n // 2), max(0, len(order) - n))
+    return order[lo : lo + n]
 
 
 def train_drafter(drafter: nn.Module, arch: str, samples: list[Sample], lm_head: torch.Tensor, embed: nn.Module,
@@ -112,50 +186,16 @@ def train_drafter(drafter: nn.Module, arch: str, samples: list[Sample], lm_head:
     """Fits `drafter` (Amphista, or MedusaHeads with their ResBlocks trained and the base's lm_head)
     in place; returns the loss of every step. lm_head [V, d] is the base's output matrix."""
     g = torch.Generator().manual_seed(opts.seed)
-    w_sub = lm_head[vocab].float()  # [V', d]
-    remap = torch.full((lm_head.shape[0] + 1,), -100, dtype=torch.long)  # token -> draft index; -1 -> ignored
-    remap[vocab] = torch.arange(len(vocab))
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=opts.lr, weight_decay=opts.weight_decay)
-    warmup = max(1, opts.steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda i: min(1.0, (i + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(i, opts.steps) / opts.steps)))
+    obj = Objective.make(lm_head, vocab)
+    opt, sched = optimizer(drafter, opts)
     history: list[float] = []
     order = sorted(range(len(samples)), key=lambda i: len(samples[i].hidden))
     drafter.train()
     bar = tqdm(range(opts.steps), desc=f"training {arch}", disable=not progress)
     for _ in bar:
-        # Neighbours in length order around a random sequence: little padding, random content.
-        j = int(torch.randint(0, len(order), (1,), generator=g))
-        lo = min(max(0, j - opts.batch_samples // 2), max(0, len(order) - opts.batch_samples))
-        idx = order[lo : lo + opts.batch_samples]
-        bt = _batch([samples[i] for i in idx], opts.max_len)
-        h = bt["h"]
-        b, s, _ = h.shape
-        with torch.no_grad():
-            teacher = torch.softmax(h @ w_sub.T, dim=-1)  # [B, S, V'] the base's distribution at each row
-        rms = h.pow(2).mean(-1, keepdim=True).sqrt()
-        noisy = h + opts.noise * rms * torch.randn(h.shape, generator=g) if opts.noise else h
-        row = torch.arange(s)
-        drafting = (row[None] >= bt["first"][:, None]) & (row[None] + 1 < bt["rows"][:, None])  # [B, S] head 0's rows
-        z = drafter_features(drafter, arch, noisy, bt["after"], embed, drafting)  # [K, N, d]
-        loss = h.new_zeros(())
-        for k in range(z.shape[0]):
-            # rows t that draft, with the target row t + 1 + k inside the sequence
-            valid = drafting & (row[None] + 1 + k < bt["rows"][:, None])  # [B, S]
-            if not valid.any():
-                continue
-            logp = torch.log_softmax((z[k][valid[drafting]] @ w_sub.T).float(), dim=-1)  # [N, V']
-            t_rows = (row[None] + 1 + k).clamp(max=s - 1).expand(b, s)[valid]
-            soft = -(teacher[torch.nonzero(valid)[:, 0], t_rows] * logp).sum(-1).mean()
-            hard_t = remap[bt["target"].gather(1, (row + k).clamp(max=s).expand(b, s))[valid]]
-            hard = F.nll_loss(logp, hard_t, ignore_index=-100) if (hard_t >= 0).any() else logp.new_zeros(())
-            loss = loss + opts.head_decay**k * (opts.align_weight * soft + opts.lm_weight * hard)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
+        bt = _batch([samples[i] for i in neighbours(order, opts.batch_samples, g)], opts.max_len)
+        loss = step_loss(drafter, arch, bt, obj, embed, opts, g)
+        update(drafter, opt, sched, loss)
         history.append(loss.item())
         bar.set_postfix(loss=f"{loss.item():.3f}")
     drafter.eval()
@@ -167,23 +207,24 @@ def evaluate(drafter: nn.Module, arch: str, samples: list[Sample], lm_head: torc
              vocab: torch.Tensor | None, topk: int = 5) -> list[list[float]]:
     """[K][topk] cumulative top-r accuracy of each head over every drafting row of `samples`, against
     the data's token, full vocabulary (a token outside the draft vocabulary is a miss)."""
-    w = lm_head.float() if vocab is None else lm_head[vocab].float()
+    w = lm_head.float() if vocab is None else lm_head[vocab.to(lm_head.device)].float()
     hits, total = None, None
     for s in samples:
         bt = _batch([s], 10**9)
         rows = int(bt["rows"][0])
-        z = drafter_features(drafter, arch, bt["h"], bt["after"], embed, torch.ones(1, rows, dtype=torch.bool))
+        z = drafter_features(drafter, arch, bt["h"], bt["after"], embed,
+                             torch.ones(1, rows, dtype=torch.bool, device=bt["h"].device))
         k_heads = z.shape[0]
         if hits is None:
             hits, total = torch.zeros(k_heads, topk), torch.zeros(k_heads)
         for k in range(k_heads):
-            t = torch.arange(int(bt["first"][0]), rows - 1 - k)
+            t = torch.arange(int(bt["first"][0]), rows - 1 - k, device=z.device)
             if len(t) == 0:
                 continue
-            top = (z[k, t] @ w.T).topk(topk, dim=-1).indices  # [N, topk]
+            top = (z[k, t] @ w.T).topk(topk, dim=-1).indices.cpu()  # [N, topk]
             if vocab is not None:
-                top = vocab[top]
-            want = bt["target"][0, k + t]
+                top = vocab.cpu()[top]
+            want = bt["target"][0, k + t].cpu()
             hits[k] += (top == want[:, None]).float().sum(0)
             total[k] += len(t)
     return [[round(float(v), 4) for v in (hits[k].cumsum(0) / total[k].clamp(min=1))] for k in range(len(hits))]
