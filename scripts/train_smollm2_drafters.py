@@ -410,6 +410,34 @@ def _with_hidden(model, samples: list) -> list:
     return [Sample(s.tokens, s.prompt_len, h[r, : len(s.tokens) - 1], s.kind) for r, s in enumerate(samples)]
 
 
+def _save_decoded(path: Path, held: list, train: list) -> None:
+    import numpy as np
+
+    arrays = {}
+    for name, samples in (("held", held), ("train", train)):
+        arrays[name], arrays[f"{name}_offsets"] = _ragged([s.tokens for s in samples])
+        arrays[f"{name}_prompt_len"] = np.array([s.prompt_len for s in samples], dtype=np.int64)
+        arrays[f"{name}_code"] = np.array([s.kind == "code" for s in samples])
+    tmp = path.with_name(path.stem + ".tmp.npz")
+    np.savez_compressed(tmp, **arrays)
+    tmp.replace(path)
+
+
+def _load_decoded(path: Path) -> tuple[list, list]:
+    import numpy as np
+
+    from medusa_trt.tools.distill import Sample
+
+    z = np.load(path)
+    out = []
+    for name in ("held", "train"):
+        seqs = _unragged(z[name], z[f"{name}_offsets"])
+        kinds = ["code" if c else ("eval" if name == "held" else "chat") for c in z[f"{name}_code"].tolist()]
+        out.append([Sample(t, int(n), None, k) for t, n, k in zip(seqs, z[f"{name}_prompt_len"].tolist(), kinds,
+                                                                 strict=True)])
+    return out[0], out[1]
+
+
 def cuda_stage(args) -> dict:
     """Decode, then train Medusa heads and an Amphista drafter together (one base forward per step
     feeds both), each step's hidden states computed on the GPU; steps sized to --budget."""
@@ -446,10 +474,16 @@ def cuda_stage(args) -> dict:
     model = model.to(dev).eval()
     print(f"base loaded in {time.perf_counter() - t0:.0f} s")
     end = t0 + args.budget
-    held = _cuda_decode(model, eval_prompts, ["eval"] * len(eval_prompts), args.new_tokens, eos, args.gen_batch, end,
-                        "decoding held-out")
-    train = _cuda_decode(model, train_prompts, ["code" if c else "chat" for c in is_code], args.gen_tokens, eos,
-                         args.gen_batch, t0 + args.gen_share * args.budget, "decoding training prompts")
+    decoded = args.out / "decoded.npz"  # the decoded text, kept: a later run trains without decoding again
+    if decoded.is_file():
+        held, train = _load_decoded(decoded)
+        print(f"{decoded}: decoded text of an earlier run reused")
+    else:
+        held = _cuda_decode(model, eval_prompts, ["eval"] * len(eval_prompts), args.new_tokens, eos, args.gen_batch,
+                            end, "decoding held-out")
+        train = _cuda_decode(model, train_prompts, ["code" if c else "chat" for c in is_code], args.gen_tokens, eos,
+                             args.gen_batch, t0 + args.gen_share * args.budget, "decoding training prompts")
+        _save_decoded(decoded, held, train)
     t_gen = time.perf_counter() - t0
     rows = sum(len(s.tokens) - 1 for s in train)
     print(f"decoded {len(train)} training sequences ({rows} rows) and {len(held)} held-out in {t_gen:.0f} s")
