@@ -25,7 +25,7 @@ named in docs/formats.md, and its graph form.
 
 from __future__ import annotations
 
-from medusa_trt.checkpoint import ModelConfig
+from medusa_trt.config import ModelConfig
 from medusa_trt.drafters.amphista import Amphista
 from medusa_trt.drafters.base import Drafter
 from medusa_trt.drafters.medusa import MedusaHeads

@@ -31,8 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from medusa_trt.checkpoint import ModelConfig
+from medusa_trt.config import ModelConfig
 from medusa_trt.drafters.base import Drafter, scatter_full_vocab
+from medusa_trt.layers import DecoderLayer, RMSNorm, rope_inv_freq
 
 PREFIX = "amphista."  # its tensors' names in a merged checkpoint (docs/formats.md)
 LM_HEAD_KINDS = ("base", "own")
@@ -85,8 +86,6 @@ class AutoEmbeddingLayer(nn.Module):
 
     def __init__(self, d: int, heads: int, eps: float):
         super().__init__()
-        from medusa_trt.modeling import RMSNorm
-
         self.heads = heads
         self.norm = RMSNorm(d, eps)
         self.qkv = nn.Linear(d, 3 * d, bias=False)
@@ -108,8 +107,6 @@ class Amphista(Drafter):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        from medusa_trt.modeling import DecoderLayer, rope_inv_freq
-
         a = AmphistaConfig.from_dict(cfg.drafter_options)
         d, v = cfg.hidden_size, cfg.vocab_size
         self.options = a

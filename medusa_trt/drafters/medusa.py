@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from medusa_trt.checkpoint import ModelConfig
+from medusa_trt.config import ModelConfig
 from medusa_trt.drafters.base import Drafter, scatter_full_vocab
 
 HeadLinear = Callable[[torch.Tensor, int], torch.Tensor]  # (x, layer) -> W_layer x + b_layer
