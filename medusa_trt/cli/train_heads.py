@@ -255,12 +255,16 @@ def _main(argv: list[str] | None = None) -> int:
     if accuracy is not None:
         summary["heldout_top1"] = [round(float(a), 4) for a in accuracy[:, 0]]
         summary["heldout_top5"] = [round(float(a), 4) for a in accuracy.sum(1)]
+    return _summary(args, summary, f"{args.num_heads} heads x {args.num_layers} layer(s), {summary['dtype']}, "
+                    f"{summary['targets']} targets, {summary['positions']} positions, final loss "
+                    f"{summary['final_loss']:.3f} (summed over the heads, head k weighted 0.8^k)")
+
+
+def _summary(args, summary: dict, what: str) -> int:
+    """training_summary.json beside the output, and the two lines that say what was written."""
     (args.out / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print(f"{PROG}: wrote {path} ({args.num_heads} heads x {args.num_layers} layer(s), {summary['dtype']}, "
-          f"{summary['targets']} targets, {summary['positions']} positions, final loss {summary['final_loss']:.3f} "
-          f"(summed over the heads, head k weighted 0.8^k), "
-          f"{summary['seconds']:.0f} s)")
-    if accuracy is not None:
+    print(f"{PROG}: wrote {summary['out']} ({what}, {summary['seconds']:.0f} s)")
+    if "heldout_top1" in summary:
         print(f"{PROG}: held-out top-1 accuracy per head: " + ", ".join(f"{a:.3f}" for a in summary["heldout_top1"])
               + "; top-5: " + ", ".join(f"{a:.3f}" for a in summary["heldout_top5"]))
     return 0
@@ -273,7 +277,7 @@ def _train_amphista(args, model, seqs: list[list[int]], starts: list[int], t0: f
 
     import torch
 
-    from medusa_trt.checkpoint import ModelConfig
+    from medusa_trt.config import ModelConfig
     from medusa_trt.converter.hf_base import ConvertError, base_config, read_base
     from medusa_trt.drafters.amphista import Amphista
     from medusa_trt.tools.train_drafter import (
@@ -314,14 +318,8 @@ def _train_amphista(args, model, seqs: list[list[int]], starts: list[int], t0: f
     if accuracy is not None:
         summary["heldout_top1"] = [a[0] for a in accuracy]
         summary["heldout_top5"] = [a[-1] for a in accuracy]
-    (args.out / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print(f"{PROG}: wrote {path} (Amphista, {args.num_heads} heads, draft vocabulary {len(vocab)} tokens covering "
-          f"{100 * coverage:.1f}% of targets, {summary['rows']} rows, final loss {summary['final_loss']:.3f}, "
-          f"{summary['seconds']:.0f} s)")
-    if accuracy is not None:
-        print(f"{PROG}: held-out top-1 accuracy per head: " + ", ".join(f"{a:.3f}" for a in summary["heldout_top1"])
-              + "; top-5: " + ", ".join(f"{a:.3f}" for a in summary["heldout_top5"]))
-    return 0
+    return _summary(args, summary, f"Amphista, {args.num_heads} heads, draft vocabulary {len(vocab)} tokens covering "
+                    f"{100 * coverage:.1f}% of targets, {summary['rows']} rows, final loss {summary['final_loss']:.3f}")
 
 
 CHUNK = 256  # sequences per --cache chunk
