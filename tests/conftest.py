@@ -13,11 +13,21 @@ import pytest
 import torch
 from synthetic import make_base, make_heads
 
+from medusa_trt import tree as medusa_tree
 from medusa_trt.converter.merge import convert
 
 # The fixtures are tiny: intra-op threads only add sync overhead, and on a 2-core machine shared
 # with another process they make every small matmul wait (measured: 6x slower decodes).
 torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _tree_warnings_said_anew():
+    """medusa_trt.tree says each tree warning once per process (functools.cache); a test asserting
+    that it is said must not depend on whether an earlier test in the same worker said it first
+    (test_amphista_engine's 6-node tree and test_int4_decoding's have the same main chain)."""
+    medusa_tree._warn_chain.cache_clear()
+    medusa_tree._warn_prefixes.cache_clear()
 
 
 def _key(*args, **kwargs) -> str:
