@@ -27,6 +27,35 @@ from medusa_trt.converter.merge import convert
 torch.set_num_threads(1)
 
 
+# The files that take minutes on a 2-core machine (engines, the real model, a tritonserver of their
+# own), longest first. make test runs whole files per worker (--dist loadfile), and xdist hands them
+# out in collection order (with its --loadscope-reorder off, below: that one puts the files with the
+# most tests first, which sent the 6-minute test_real_model, 3 tests, last): long files first keep
+# one worker from running a long file alone at the end while the other has nothing left.
+SLOW_FILES = (
+    "tests/test_real_model.py",
+    "tests/engines/ort/test_amphista_engine.py",
+    "tests/runtime/test_ort_backend.py",
+    "tests/runtime/test_int4_decoding.py",
+    "tests/cli/test_first_hour.py",
+    "tests/engines/trt/test_rewrite.py",
+    "tests/tools/test_parity.py",
+    "tests/tools/test_train_heads.py",
+    "tests/serving/test_triton_server.py",
+    "tests/engines/trt/test_rewrite_window.py",
+)
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist's --loadscope-reorder, on by default
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {path: i for i, path in enumerate(SLOW_FILES)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest keep their order
+
+
 @pytest.fixture(autouse=True)
 def _tree_warnings_said_anew():
     """medusa_trt.tree says each tree warning once per process (functools.cache); a test asserting
