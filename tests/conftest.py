@@ -1,18 +1,25 @@
-"""Shared fixtures: tiny real checkpoints, built once per session and cached by their arguments.
+"""Shared fixtures: tiny real checkpoints, built once per run and cached by their arguments.
 
 Factories rather than plain fixtures so tests can ask for exactly the variant they need
 (`tiny_base("qwen2", tied=True)`); callers must treat the returned directories as read-only.
+Under pytest-xdist the workers share what they build (see _built_once).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+from filelock import FileLock
 from synthetic import make_base, make_heads
 
+from medusa_trt import tree as medusa_tree
 from medusa_trt.converter.merge import convert
 
 # The fixtures are tiny: intra-op threads only add sync overhead, and on a 2-core machine shared
@@ -20,8 +27,68 @@ from medusa_trt.converter.merge import convert
 torch.set_num_threads(1)
 
 
+# The files that take minutes on a 2-core machine (engines, the real model, a tritonserver of their
+# own), longest first. make test runs whole files per worker (--dist loadfile), and xdist hands them
+# out in collection order (with its --loadscope-reorder off, below: that one puts the files with the
+# most tests first, which sent the 6-minute test_real_model, 3 tests, last): long files first keep
+# one worker from running a long file alone at the end while the other has nothing left.
+SLOW_FILES = (
+    "tests/test_real_model.py",
+    "tests/engines/ort/test_amphista_engine.py",
+    "tests/runtime/test_ort_backend.py",
+    "tests/runtime/test_int4_decoding.py",
+    "tests/cli/test_first_hour.py",
+    "tests/engines/trt/test_rewrite.py",
+    "tests/tools/test_parity.py",
+    "tests/tools/test_train_heads.py",
+    "tests/serving/test_triton_server.py",
+    "tests/engines/trt/test_rewrite_window.py",
+)
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist's --loadscope-reorder, on by default
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {path: i for i, path in enumerate(SLOW_FILES)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest keep their order
+
+
+@pytest.fixture(autouse=True)
+def _tree_warnings_said_anew():
+    """medusa_trt.tree says each tree warning once per process (functools.cache); a test asserting
+    that it is said must not depend on whether an earlier test in the same worker said it first
+    (test_amphista_engine's 6-node tree and test_int4_decoding's have the same main chain)."""
+    medusa_tree._warn_chain.cache_clear()
+    medusa_tree._warn_prefixes.cache_clear()
+
+
 def _key(*args, **kwargs) -> str:
     return json.dumps([args, kwargs], sort_keys=True, default=str)
+
+
+def _built_once(tmp_path_factory, kind: str, key: str, build: Callable[[Path], Path]) -> Path:
+    """What `build(folder)` makes in an empty folder (the path it returns), built once per run for `key`.
+
+    Without xdist: a fresh temp folder of this session. Under xdist (make test: two workers, whole
+    files each) every worker would otherwise build its own copy of the same engines, and an ONNX
+    export takes ~40 s on the CI's 2 cores; so the workers share a folder under their common
+    basetemp parent (this run's own), keyed by `key`, and whichever asks first builds while the
+    other waits on the lock. The builds are deterministic, so which worker built one does not
+    matter, and its paths (engine.json records the checkpoint's) are the same for every worker."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return build(tmp_path_factory.mktemp(kind))
+    folder = tmp_path_factory.getbasetemp().parent / "shared" / f"{kind}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    folder.mkdir(parents=True, exist_ok=True)
+    work, done = folder / "work", folder / "done"  # done: the built path, relative to work
+    with FileLock(folder / "lock"):
+        if not done.exists():
+            shutil.rmtree(work, ignore_errors=True)  # left by a worker that died while building it
+            work.mkdir()
+            done.write_text(str(build(work).relative_to(work)))
+    return work / done.read_text()
 
 
 @pytest.fixture(scope="session")
@@ -32,7 +99,8 @@ def tiny_base(tmp_path_factory):
     def make(arch: str = "llama", **kwargs) -> Path:
         key = _key(arch, **kwargs)
         if key not in cache:
-            cache[key] = make_base(tmp_path_factory.mktemp(f"base-{arch}") / "model", arch, **kwargs)
+            cache[key] = _built_once(tmp_path_factory, f"base-{arch}", key,
+                                     lambda folder: make_base(folder / "model", arch, **kwargs))
         return cache[key]
 
     return make
@@ -46,10 +114,8 @@ def tiny_heads(tmp_path_factory):
     def make(fmt: str, base_dir: Path, *, file_name: str | None = None, **kwargs) -> Path:
         key = _key(fmt, str(base_dir), file_name, **kwargs)
         if key not in cache:
-            target = tmp_path_factory.mktemp(f"heads-{fmt}") / "heads"
-            if file_name:
-                target = target / file_name
-            cache[key] = make_heads(target, fmt, base_dir, **kwargs)
+            cache[key] = _built_once(tmp_path_factory, f"heads-{fmt}", key, lambda folder: make_heads(
+                folder / "heads" / file_name if file_name else folder / "heads", fmt, base_dir, **kwargs))
         return cache[key]
 
     return make
@@ -67,9 +133,12 @@ def tiny_merged(tmp_path_factory, tiny_base, tiny_heads):
         if key not in cache:
             base = tiny_base(arch, **(base_kwargs or {}))
             heads = tiny_heads(fmt, base, **(heads_kwargs or {}))
-            out = tmp_path_factory.mktemp(f"merged-{arch}-{fmt}") / "ckpt"
-            convert(base, heads, out, dtype=dtype, tp_size=tp_size, progress=False)
-            cache[key] = out
+
+            def build(folder: Path) -> Path:
+                convert(base, heads, folder / "ckpt", dtype=dtype, tp_size=tp_size, progress=False)
+                return folder / "ckpt"
+
+            cache[key] = _built_once(tmp_path_factory, f"merged-{arch}-{fmt}", key, build)
         return cache[key]
 
     return make
@@ -88,10 +157,13 @@ def ort_engine(tmp_path_factory, tiny_merged):
     def make(arch: str = "llama", base_kwargs: dict | None = None, **options) -> Path:
         key = _key(arch, base_kwargs, **options)
         if key not in cache:
-            out = tmp_path_factory.mktemp(f"engine-{arch}") / "engine"
             checkpoint = tiny_merged(arch, base_kwargs=base_kwargs)
-            build_engine(BuildOptions(checkpoint=checkpoint, out=out, progress=False, **options))
-            cache[key] = out
+
+            def build(folder: Path) -> Path:
+                build_engine(BuildOptions(checkpoint=checkpoint, out=folder / "engine", progress=False, **options))
+                return folder / "engine"
+
+            cache[key] = _built_once(tmp_path_factory, f"engine-{arch}", key, build)
         return cache[key]
 
     return make

@@ -344,6 +344,16 @@ def _request_counts(served) -> tuple[int, int]:
     return counts[0], counts[1]
 
 
+def _request_counts_once_changed(served, before: tuple[int, int]) -> tuple[int, int]:
+    """_request_counts once they differ from `before` (or after 10 s), for one request's outcome: the
+    Python backend reports a request's statistics only after sending its response, so a client can
+    hold the answer before either counter moves (a loaded CI run read both unchanged)."""
+    deadline = time.monotonic() + 10
+    while (counts := _request_counts(served)) == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return counts
+
+
 def test_max_tokens_beyond_int32_is_refused_and_rejections_count_as_failures(served):
     """JSON max_tokens 4294967297 (2**32 + 1) would arrive as 1 through an INT32 input and answer one
     token; declared INT64 it arrives whole and is refused. A refused request is a failure in
@@ -353,11 +363,11 @@ def test_max_tokens_beyond_int32_is_refused_and_rejections_count_as_failures(ser
                        {"name": "max_tokens", "datatype": "INT64", "shape": [1, 1], "data": [2**32 + 1]}]}
     status, text = _post_json(served, body)
     assert status >= 400 and "max_tokens" in text and "4294967297" in text, (status, text)
-    assert _request_counts(served) == (success, failure + 1)
+    assert _request_counts_once_changed(served, (success, failure)) == (success, failure + 1)
     body["inputs"][1]["data"] = [4]
     status, text = _post_json(served, body)
     assert status == 200, text
-    assert _request_counts(served) == (success + 1, failure + 1)
+    assert _request_counts_once_changed(served, (success, failure + 1)) == (success + 1, failure + 1)
 
 
 def test_wrong_dtype_is_refused_by_name(served):
