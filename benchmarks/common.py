@@ -60,7 +60,7 @@ class Prompt:
 def read_prompts(path: Path, tokenizer, limit: int | None = None) -> list[Prompt]:
     """.jsonl lines {"text": ..., "kind": "code"|"chat"}; a chat text is rendered with the tokenizer's
     chat template (one user turn, generation prompt added) unless it already is (it holds the
-    template's special tokens, as scripts/train_smollm2_heads.py writes them); code is continued as
+    template's special tokens, as scripts/train_smollm2_drafters.py writes them); code is continued as
     it is."""
     if not path.is_file():
         raise BenchInputError(f"{path}: prompts file not found")
