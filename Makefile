@@ -20,8 +20,9 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(PY) -m medusa_trt.cli.demo --workdir build/demo
 
-# Two workers, whole files per worker (session fixtures built at most once per worker): ~13 min instead
-# of ~19 serially on a 2-core machine.
+# Two workers, whole files per worker; the workers share the tiny checkpoints and engines they build,
+# and the slowest files start first (tests/conftest.py). 27 min on a 2-core machine shared with a
+# benchmark run (2026-11-26); less alone.
 TEST_WORKERS ?= 2
 test: setup
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
