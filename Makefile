@@ -21,8 +21,7 @@ demo: setup
 	$(PY) -m medusa_trt.cli.demo --workdir build/demo
 
 # Two workers, whole files per worker; the workers share the tiny checkpoints and engines they build,
-# and the slowest files start first (tests/conftest.py). 27 min on a 2-core machine shared with a
-# benchmark run (2026-11-26); less alone.
+# and the slowest files start first (tests/conftest.py). 17.5 min on an idle 2-core machine (2026-11-26).
 TEST_WORKERS ?= 2
 test: setup
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
