@@ -367,6 +367,20 @@ def prefill(backend: Backend, prompts: list[list[int]], heads: bool = True, pick
     return logits, root, medusa
 
 
+def drafts_at_every_row(backend: Backend, ids: torch.Tensor, first: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The base's logits [1, K, V] and the drafts [H, 1, K, V] at rows first..S-2 of one sequence ids
+    [1, S], for a drafter with a cache of its own (medusa-tune-tree's head accuracy): the whole sequence through the decoder, every row up to `first`
+    into the drafter, then one row at a time, each call drafting at its row (the decoding loop's
+    calls, one token accepted per step)."""
+    s = ids.shape[1]
+    rows = torch.arange(s)[None]
+    logits, _ = backend.forward(ids, rows, torch.ones(s, s, dtype=torch.bool).tril()[None], rows, with_heads=False)
+    drafts = [backend.draft(rows[:, : first + 1], torch.tensor([first + 1]), ids[:, 1 : first + 2])]
+    for t in range(first + 1, s - 1):
+        drafts.append(backend.draft(rows[:, t : t + 1], torch.ones(1, dtype=torch.long), ids[:, t + 1 : t + 2]))
+    return logits[:, first : s - 1], torch.stack(drafts, dim=2)  # [H, 1, K, V]
+
+
 def _prefill(backend: Backend, prompts: list[list[int]], sampler: _Sampler | None, heads: bool) -> Carry:
     """prefill, and the first root: the base model's pick at each prompt's last token."""
     _, root, medusa = prefill(backend, prompts, heads=heads, pick=sampler.draw if sampler else None)

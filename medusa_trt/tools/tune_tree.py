@@ -70,7 +70,7 @@ def measure_head_accuracy(backend, prompts: list[list[int]], max_new_tokens: int
     Also returns each prompt + continuation."""
     from tqdm import tqdm
 
-    from medusa_trt.runtime.decoding import GenerationConfig, decode
+    from medusa_trt.runtime.decoding import GenerationConfig, decode, drafts_at_every_row
 
     heads = backend.info.num_medusa_heads
     if heads == 0:
@@ -93,7 +93,7 @@ def measure_head_accuracy(backend, prompts: list[list[int]], max_new_tokens: int
         ids = torch.tensor([seq])
         positions = torch.arange(s)[None]
         if backend.info.drafter_cache:
-            logits, medusa = _cached_drafts(backend, ids, first)
+            logits, medusa = drafts_at_every_row(backend, ids, first)
         else:
             logits, medusa = backend.forward(ids, positions, torch.ones(s, s, dtype=torch.bool).tril()[None],
                                              torch.arange(first, s - 1)[None])  # [1, K, V], [H, 1, K, V]
@@ -114,20 +114,6 @@ def measure_head_accuracy(backend, prompts: list[list[int]], max_new_tokens: int
                          "(raise --max-new-tokens or check the stop tokens)")
     acc = (hits.double() / counts.clamp(min=1)[:, None]).tolist()
     return HeadAccuracy(acc, counts.tolist(), agree / max(total, 1), rank_paths), seqs
-
-
-def _cached_drafts(backend, ids: torch.Tensor, first: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """measure_head_accuracy's logits [1, K, V] and drafts [H, 1, K, V] at rows first..S-2 for a
-    drafter with a cache of its own: the whole sequence through the decoder, every row up to `first`
-    into the drafter, then one row at a time, each call drafting at its row (the decoding loop's
-    calls, one token accepted per step)."""
-    s = ids.shape[1]
-    rows = torch.arange(s)[None]
-    logits, _ = backend.forward(ids, rows, torch.ones(s, s, dtype=torch.bool).tril()[None], rows, with_heads=False)
-    drafts = [backend.draft(rows[:, : first + 1], torch.tensor([first + 1]), ids[:, 1 : first + 2])]
-    for t in range(first + 1, s - 1):
-        drafts.append(backend.draft(rows[:, t : t + 1], torch.ones(1, dtype=torch.long), ids[:, t + 1 : t + 2]))
-    return logits[:, first : s - 1], torch.stack(drafts, dim=2)  # [H, 1, K, V]
 
 
 # -- the greedy construction ----------------------------------------------------------------------
