@@ -14,20 +14,37 @@ import torch
 def greedy_accept(retrieve: torch.Tensor, tokens: torch.Tensor, argmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Longest accepted path per sequence.
 
-    retrieve [N, D+1] root..leaf slots of each path (-1 padded), tokens [B, T] the tree's tokens,
+    retrieve [N, D+1] root..leaf slots of each path (-1 padded), or [B, N, D+1] per sequence (trees
+    chosen per step, runtime/dynamic.py), tokens [B, T] the tree's tokens,
     argmax [B, T] the base model's greedy token after each slot. A path's draft token at depth d is
     accepted when it equals the argmax of the slot before it and every shallower one was accepted.
     Returns (best path [B], accepted draft tokens [B]); ties go to the first path (argmax returns
     the first maximum in torch and in ONNX)."""
-    n, depth = retrieve.shape[0], retrieve.shape[1] - 1
-    valid = retrieve[:, 1:] >= 0  # [N, D]
-    # index_select on flat indices: one Gather each in the exported graph (2-D indexing is several ops)
-    cand = tokens.index_select(1, retrieve[:, 1:].clamp(min=0).reshape(-1)).reshape(-1, n, depth)  # [B, N, D]
-    prev = argmax.index_select(1, retrieve[:, :-1].clamp(min=0).reshape(-1)).reshape(-1, n, depth)
+    n, depth = retrieve.shape[-2], retrieve.shape[-1] - 1
+    valid = retrieve[..., 1:] >= 0  # [N, D] or [B, N, D]
+    cand, prev = path_tokens(retrieve, tokens), path_tokens(retrieve, argmax, parents=True)  # [B, N, D]
     miss = ((cand != prev) | ~valid).long()
     accepted = (miss.cumsum(-1) == 0).long().sum(-1)  # leading run of hits: [B, N]
     best = accepted.argmax(-1)
     return best, accepted.gather(1, best[:, None]).squeeze(1)
+
+
+def path_tokens(retrieve: torch.Tensor, values: torch.Tensor, parents: bool = False) -> torch.Tensor:
+    """values [B, T] at each path's slots of depth 1..D ([B, N, D]), or at their parents' slots with
+    `parents`, for retrieve [N, D+1] shared by the batch or [B, N, D+1] per sequence; padding (-1)
+    reads slot 0. Flat gathers: one Gather each in the exported graph (2-D indexing is several ops)."""
+    slots = (retrieve[..., :-1] if parents else retrieve[..., 1:]).clamp(min=0)
+    n, depth = slots.shape[-2], slots.shape[-1]
+    if slots.dim() == 2:
+        return values.index_select(1, slots.reshape(-1)).reshape(-1, n, depth)
+    return values.gather(1, slots.reshape(slots.shape[0], -1)).reshape(-1, n, depth)
+
+
+def path_of(retrieve: torch.Tensor, best: torch.Tensor) -> torch.Tensor:
+    """Each sequence's best path's slots [B, D+1] (retrieve [N, D+1] or [B, N, D+1], best [B])."""
+    if retrieve.dim() == 2:
+        return retrieve[best]
+    return retrieve.gather(1, best[:, None, None].expand(-1, 1, retrieve.shape[-1]))[:, 0]
 
 
 def tree_candidates(root: torch.Tensor, medusa: torch.Tensor, index: torch.Tensor, k: int) -> torch.Tensor:
@@ -58,14 +75,14 @@ def typical_accept(retrieve: torch.Tensor, tokens: torch.Tensor, logits: torch.T
 
     retrieve [N, D+1], tokens [B, T], logits [B, T, V]. Returns (best path [B], accepted [B]): the
     longest accepted run, ties to the larger sum of log-probabilities."""
-    valid = retrieve[:, 1:] >= 0
-    cand = tokens[:, retrieve[:, 1:].clamp(min=0)]  # [B, N, D] candidate at each depth
-    prev = retrieve[:, :-1].clamp(min=0)  # [N, D] slot whose logits judge it
+    valid = retrieve[..., 1:] >= 0
+    cand = path_tokens(retrieve, tokens)  # [B, N, D] candidate at each depth
+    prev = retrieve[..., :-1].clamp(min=0).expand(cand.shape)  # [B, N, D] slot whose logits judge it
     # Posterior per slot, then one flat gather of p(candidate | previous slot): [B, N, D].
     probs, threshold = typical_posterior(logits, temperature, epsilon, delta)
     v = probs.shape[-1]
     p = probs.flatten(1).gather(1, (prev * v + cand).flatten(1)).view(cand.shape)
-    ok, logp = p > threshold[:, prev], torch.log(p + 1e-10)
+    ok, logp = p > threshold.gather(1, prev.flatten(1)).view(cand.shape), torch.log(p + 1e-10)
     keep = (ok & valid).long().cumprod(-1)
     accepted = keep.sum(-1)
     score = (logp * keep).sum(-1).masked_fill(accepted < accepted.max(-1, keepdim=True).values, -torch.inf)

@@ -48,6 +48,9 @@ class Backend:
     lengths: torch.Tensor  # [B] int64 committed length of each sequence
     # The per-head top-k of the fused greedy step's candidates (tree.candidate_topk); None: no fused step.
     fused_step_topk: int | None = None
+    # Whether the fused step takes a tree per sequence (retrieve [B, N, D+1]) and returns the drafter's
+    # top-k ids and log-probs: per-step trees (runtime/dynamic.py) then run on it.
+    fused_step_dynamic: bool = False
     # Torch threads for the decoding loop's own small ops while this backend computes (decoding.generate);
     # None: leave torch's setting alone.
     host_threads: int | None = None
@@ -88,9 +91,11 @@ class Backend:
     def fused_step(self, input_ids: torch.Tensor, position_ids: torch.Tensor, new_mask: torch.Tensor,
                    retrieve: torch.Tensor, candidate_index: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Greedy decoding in one call per step, where fused_step_topk is set: verifies the tree,
-        accepts and drafts the next tree (the math of medusa_trt/acceptance.py). Returns best path
-        [B], accepted draft tokens [B] and the next tree's tokens [B, 1 + C]; the new tokens' KV
-        stays pending until `commit`."""
+        accepts and drafts the next tree (the math of medusa_trt/acceptance.py). retrieve is [N, D+1]
+        for the batch, or [B, N, D+1] per sequence where fused_step_dynamic. Returns best path [B],
+        accepted draft tokens [B] and the next tree's tokens [B, 1 + C], then (fused_step_dynamic)
+        the drafter's top-k ids and log-probs [B, H, k] at the new root, H = min(D, heads); the new
+        tokens' KV stays pending until `commit`."""
         raise NotImplementedError(f"{type(self).__name__} has no fused step (fused_step_topk is None)")
 
     def open_sessions(self) -> None:

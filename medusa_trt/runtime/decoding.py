@@ -28,15 +28,19 @@ from medusa_trt.acceptance import (
     typical_accept,
 )
 from medusa_trt.runtime.backend import Backend, ModelInfo
-from medusa_trt.tree import DEFAULT_TREE, StepTree, build_tree, tree_for_engine
+from medusa_trt.runtime.dynamic import BatchTree, Context, DynamicTree, dynamic_tree, step_trees, topk_logp
+from medusa_trt.tree import DEFAULT_TREE, StepTree, build_tree, candidate_topk, tree_for_engine
 
 
 @dataclass
 class GenerationConfig:
     max_new_tokens: int = 64
-    # Anything tree.parse_medusa_choices accepts; None: the engine's own tree (resolve_tree).
+    # Anything tree.parse_medusa_choices accepts, or "dynamic:N" (N nodes chosen per step,
+    # runtime/dynamic.py); None: the engine's own tree (resolve_tree).
     medusa_choices: object = None
     use_medusa: bool = True
+    # Per-step trees: continuations found in the prompt and generated text compete for the budget.
+    context_candidates: bool = True
     acceptance: str = "greedy"  # "greedy" | "typical" | "sample" (lossless sampling, docs/sampling.md)
     temperature: float = 0.7  # typical and sample; typical with 0 means greedy, sample needs > 0
     posterior_threshold: float = 0.09  # epsilon
@@ -133,10 +137,15 @@ def resolve_tree(info: ModelInfo, medusa_choices: object = None) -> tuple[object
                    "medusa-tune-tree and rebuild with medusa-build --tree)")
 
 
-def step_tree(info: ModelInfo, medusa_choices: object = None) -> StepTree:
+def step_tree(info: ModelInfo, medusa_choices: object = None, context: bool = True) -> StepTree | DynamicTree:
     """The tree a decode of `medusa_choices` (resolve_tree) runs on this engine, checked against it
-    (heads, max_draft_len, vocabulary); a bad tree raises here, before any decoding."""
+    (heads, max_draft_len, vocabulary); a bad tree raises here, before any decoding. "dynamic:N"
+    gives the DynamicTree of per-step trees (with context candidates unless `context` is False)."""
     spec = resolve_tree(info, medusa_choices)[0]
+    dynamic = dynamic_tree(spec, info.num_medusa_heads, candidate_topk(info.vocab_size), info.max_draft_len,
+                           info.chains_only, context)
+    if dynamic is not None:
+        return dynamic
     return StepTree.of(build_tree(spec, info.num_medusa_heads, info.max_draft_len, info.chains_only), info.vocab_size)
 
 
@@ -197,16 +206,22 @@ def generate(backend: Backend, prompts: list[list[int]], cfg: GenerationConfig,
 class Carry:
     """What one step hands the next, a row per active sequence: the next root token [B] and the
     drafter's logits there [H, B, V] (two-call and plain steps), or the next tree's tokens [B, T]
-    (fused steps, whose root is the next token)."""
+    (fused steps, whose root is the next token); per-step trees: the root and the drafter's top-k
+    ids and log-probs ([B, H, k] each; fused), and the context candidates' state."""
 
     root: torch.Tensor | None = None
     medusa: torch.Tensor | None = None
     tokens: torch.Tensor | None = None
+    top: tuple[torch.Tensor, torch.Tensor] | None = None
+    context: Context | None = None
+    slots: int | None = None  # the slots the step just verified, where the tree was chosen per step
 
     def keep(self, rows: torch.Tensor) -> Carry:
         return Carry(None if self.root is None else self.root[rows],
                      None if self.medusa is None else self.medusa[:, rows],
-                     None if self.tokens is None else self.tokens[rows])
+                     None if self.tokens is None else self.tokens[rows],
+                     None if self.top is None else (self.top[0][rows], self.top[1][rows]),
+                     None if self.context is None else self.context.keep(rows.tolist()))
 
 
 @dataclass(frozen=True)
@@ -223,12 +238,14 @@ class StepPlan:
     compute: Callable[..., object]
 
 
-def step_plan(backend: Backend, cfg: GenerationConfig, tree: StepTree | None) -> StepPlan:
+def step_plan(backend: Backend, cfg: GenerationConfig, tree: StepTree | DynamicTree | None) -> StepPlan:
     """The one place that decides which step a decode of `tree` (None: plain decoding) runs on
     `backend`: the decoding loop, medusa-tune-tree's step timings and medusa-bench's timer all go
     through it. A backend with a fused greedy step verifies, accepts and drafts the next tree in
     one call; its graph has argmax acceptance and the top-k of its own `fused_step_topk` built in,
     so `sample` and typical acceptance, and trees that need another top-k, take the two-call path."""
+    if isinstance(tree, DynamicTree):
+        return _dynamic_plan(backend, cfg, tree)
     if tree is None:
         return StepPlan("plain", functools.partial(_prefill, backend, heads=False), functools.partial(_plain_step, backend),
                         functools.partial(_plain_compute, backend))
@@ -265,6 +282,8 @@ def _generate(backend: Backend, prompts: list[list[int]], cfg: GenerationConfig,
 
     t0 = time.perf_counter()
     carry = plan.prefill(prompts, sampler)
+    if isinstance(tree, DynamicTree) and tree.context:
+        carry.context = Context.of(prompts)
     for s in stats:
         s.prefill_s = time.perf_counter() - t0
         s.accepted_per_depth = [0] * depth
@@ -289,7 +308,7 @@ def _generate(backend: Backend, prompts: list[list[int]], cfg: GenerationConfig,
             produced[idx] += len(toks)
             out[idx] = toks
             if tree is not None:  # the drafts it kept: none past a stop token or max_new_tokens
-                _count_accepted(stats[idx], step, min(kept[row], len(toks) - 1))
+                _count_accepted(stats[idx], carry.slots or step.num_slots, min(kept[row], len(toks) - 1))
             st = stats[idx]
             st.steps += 1
             st.new_tokens += len(toks)
@@ -397,7 +416,7 @@ def _fused_prefill(backend: Backend, tree: StepTree, prompts: list[list[int]], s
     ids, pos, mask, slots, lens = _pad_prompts(prompts)
     retrieve = torch.full((1, tree.retrieve.shape[1]), -1, dtype=torch.long)
     retrieve[0, 0] = ids.shape[1] - 1
-    _, _, tokens = backend.fused_step(ids, pos, mask, retrieve, tree.candidate_index)
+    tokens = backend.fused_step(ids, pos, mask, retrieve, tree.candidate_index)[2]
     backend.commit(slots, lens)
     return Carry(tokens=tokens)
 
@@ -443,10 +462,12 @@ def _plain_step(backend: Backend, tree: None, carry: Carry, sampler: _Sampler | 
     return emitted, None, Carry(root=sampler.draw(logits[:, 0]) if sampler else argmax(logits[:, 0]))
 
 
-def _tree_compute(backend: Backend, tokens: torch.Tensor, positions: torch.Tensor, tree: StepTree) -> torch.Tensor:
+def _tree_compute(backend: Backend, tokens: torch.Tensor, positions: torch.Tensor,
+                  tree: StepTree | BatchTree) -> torch.Tensor:
     """A two-call tree step's verification: logits [B, T, V] over the tree's slots (the drafter comes
-    after acceptance, at the committed slots)."""
-    logits, _ = backend.forward(tokens, positions, tree.mask[None].expand(len(tokens), -1, -1), with_heads=False)
+    after acceptance, at the committed slots). A StepTree's mask [T, T] serves every sequence; a
+    BatchTree has one per sequence."""
+    logits, _ = backend.forward(tokens, positions, tree.mask.expand(len(tokens), -1, -1), with_heads=False)
     return logits
 
 
@@ -461,9 +482,16 @@ def tree_step(backend: Backend, tree: StepTree, root: torch.Tensor, medusa: torc
     [H, B, V] is verified, accepted (cfg.acceptance) and its accepted path committed. Returns the
     emitted tokens per sequence, the accepted draft tokens [B], and the next root [B] and medusa
     logits [H, B, V]. medusa-check drives it too."""
-    b = len(root)
     tokens = tree_candidates(root, medusa, tree.candidate_index, tree.topk)[:, : tree.num_slots]  # [B, T]
-    logits = _tree_compute(backend, tokens, backend.lengths[:, None] + tree.position_offsets[None], tree)  # [B, T, V]
+    return verify(backend, tree, tokens, cfg, sampler)
+
+
+def verify(backend: Backend, tree: StepTree | BatchTree, tokens: torch.Tensor, cfg: GenerationConfig,
+           sampler: _Sampler | None = None):
+    """The two-call path's verification of a tree's tokens [B, T]: forward, acceptance, commit of the
+    accepted path, and the drafter at the committed rows. Returns tree_step's four values."""
+    b = len(tokens)
+    logits = _tree_compute(backend, tokens, backend.lengths[:, None] + tree.position_offsets, tree)  # [B, T, V]
     if sampler:
         best, accepted, picks = sample_accept(tree.retrieve, tokens, sampler.probs(logits), sampler.uniforms(tree.num_slots))
     else:
@@ -482,10 +510,12 @@ def tree_step(backend: Backend, tree: StepTree, root: torch.Tensor, medusa: torc
     return emitted, accepted, root, backend.draft(rows, accepted + 1, torch.tensor(after))
 
 
-def _fused_compute(backend: Backend, tokens: torch.Tensor, positions: torch.Tensor, tree: StepTree):
-    """A fused step's one backend call: best path [B], accepted [B] and the next tree's tokens."""
-    return backend.fused_step(tokens, positions, tree.mask[None].expand(len(tokens), -1, -1), tree.retrieve,
-                              tree.candidate_index)
+def _fused_compute(backend: Backend, tokens: torch.Tensor, positions: torch.Tensor, tree: StepTree | BatchTree,
+                   candidate_index: torch.Tensor | None = None):
+    """A fused step's one backend call: best path [B], accepted [B] and the next tree's tokens (then,
+    on engines whose step graph returns them, the drafter's top-k ids and log-probs [B, H, k])."""
+    return backend.fused_step(tokens, positions, tree.mask.expand(len(tokens), -1, -1), tree.retrieve,
+                              tree.candidate_index if candidate_index is None else candidate_index)
 
 
 def _fused_tree_step(backend: Backend, tree: StepTree, carry: Carry, sampler: None = None):
@@ -493,22 +523,25 @@ def _fused_tree_step(backend: Backend, tree: StepTree, carry: Carry, sampler: No
     fewer), accepts greedily and drafts the next tree's tokens; then the accepted path's commit."""
     tokens = carry.tokens[:, : tree.num_slots]
     best, accepted, next_tokens = _fused_compute(backend, tokens, backend.lengths[:, None] + tree.position_offsets[None],
-                                                 tree)
+                                                 tree)[:3]
     emitted, _, _ = _commit_path(backend, tree, tokens, best, accepted)
     return emitted, accepted, Carry(tokens=next_tokens)
 
 
-def _emitted(tree: StepTree, tokens, best, accepted) -> tuple[list[list[int]], list[list[int]], list[int]]:
+def _emitted(tree: StepTree | BatchTree, tokens, best, accepted) -> tuple[list[list[int]], list[list[int]], list[int]]:
     """Each sequence's emitted tokens (its accepted path's), the path's slots [B] (root..leaf, -1
     as 0) and its accepted count. In Python lists: right after an engine step each torch call costs
     tens of microseconds (cold caches), a list lookup well under one."""
-    rows = [tree.paths[p] for p in best.tolist()]
+    if isinstance(tree, BatchTree):  # a tree per sequence
+        rows = [paths[p] for paths, p in zip(tree.paths, best.tolist(), strict=True)]
+    else:
+        rows = [tree.paths[p] for p in best.tolist()]
     kept = accepted.tolist()
     toks = tokens.tolist()
     return [[toks[i][s] for s in row[: a + 1]] for i, (row, a) in enumerate(zip(rows, kept, strict=True))], rows, kept
 
 
-def _commit_path(backend, tree: StepTree, tokens, best, accepted):
+def _commit_path(backend, tree: StepTree | BatchTree, tokens, best, accepted):
     """Commits each sequence's accepted path; returns the emitted tokens, the path's slots [B, D+1]
     (the rows committed, the first accepted + 1 of each) and the slot whose logits continue [B]."""
     emitted, rows, kept = _emitted(tree, tokens, best, accepted)
@@ -517,8 +550,69 @@ def _commit_path(backend, tree: StepTree, tokens, best, accepted):
     return emitted, slots, torch.tensor([row[a] for row, a in zip(rows, kept, strict=True)])
 
 
-def _count_accepted(st: SequenceStats, tree: StepTree, accepted: int) -> None:
+def _count_accepted(st: SequenceStats, slots: int, accepted: int) -> None:
     st.accepted_draft_tokens += accepted
-    st.draft_tokens += tree.num_slots - 1
+    st.draft_tokens += slots - 1
     for d in range(accepted):
         st.accepted_per_depth[d] += 1
+
+
+# -- trees chosen per step (runtime/dynamic.py) ----------------------------------------------------
+
+
+def _dynamic_plan(backend: Backend, cfg: GenerationConfig, tree: DynamicTree) -> StepPlan:
+    """Per-step trees: greedy decodes on an engine whose fused step graph returns the drafter's top-k
+    log-probs verify, accept and draft in one call per step, the tree chosen on the host between
+    calls; everything else takes the two-call path, choosing from the drafter's logits."""
+    if _greedy(cfg) and backend.fused_step_dynamic and backend.fused_step_topk == tree.topk:
+        prefill = _cached_dynamic_prefill if backend.info.drafter_cache else _dynamic_fused_prefill
+        return StepPlan("fused", functools.partial(prefill, backend, tree), functools.partial(_dynamic_fused_step, backend),
+                        functools.partial(_fused_compute, backend))
+    return StepPlan("two_call", functools.partial(_prefill, backend, heads=True),
+                    functools.partial(_dynamic_two_call_step, backend, cfg), functools.partial(_tree_compute, backend))
+
+
+def _filler(slots: int) -> torch.Tensor:
+    """A per-step tree's candidate_index for the fused step graph: its length sets how many of the
+    last slots get logits (all T of the tree); the next_tokens it selects are not read."""
+    return torch.zeros(max(slots - 1, 1), dtype=torch.long)
+
+
+def _dynamic_fused_prefill(backend: Backend, tree: DynamicTree, prompts: list[list[int]], sampler: None = None) -> Carry:
+    """_fused_prefill for per-step trees: the root and the drafter's top-k at each prompt's last token."""
+    ids, pos, mask, slots, lens = _pad_prompts(prompts)
+    retrieve = torch.full((len(prompts), 1, tree.heads + 1), -1, dtype=torch.long)  # all heads draft
+    retrieve[:, 0, 0] = ids.shape[1] - 1
+    _, _, tokens, top_ids, top_logp = backend.fused_step(ids, pos, mask, retrieve, _filler(1))[:5]
+    backend.commit(slots, lens)
+    return Carry(root=tokens[:, 0], top=(top_ids, top_logp))
+
+
+def _cached_dynamic_prefill(backend: Backend, tree: DynamicTree, prompts: list[list[int]], sampler: None = None) -> Carry:
+    """The drafter with a cache of its own reads every prompt row: prefill, then its top-k there."""
+    _, root, medusa = prefill(backend, prompts)
+    return Carry(root=root, top=topk_logp(medusa, tree.topk))
+
+
+def _dynamic_fused_step(backend: Backend, tree: DynamicTree, carry: Carry, sampler: None = None):
+    """Chooses each sequence's tree from the carried top-k and context, then one backend call verifies
+    it, accepts greedily and returns the drafter's next top-k; then the accepted path's commit."""
+    bt = step_trees(tree, carry.root, *carry.top, carry.context, min_depth=tree.heads)
+    best, accepted, next_tokens, top_ids, top_logp = _fused_compute(
+        backend, bt.tokens, backend.lengths[:, None] + bt.position_offsets, bt, _filler(bt.num_slots))[:5]
+    emitted, _, _ = _commit_path(backend, bt, bt.tokens, best, accepted)
+    root = next_tokens[:, 0]
+    if carry.context is not None:
+        carry.context.advance(emitted, root.tolist())
+    return emitted, accepted, Carry(root=root, top=(top_ids, top_logp), context=carry.context, slots=bt.num_slots)
+
+
+def _dynamic_two_call_step(backend: Backend, cfg: GenerationConfig, tree: DynamicTree, carry: Carry,
+                           sampler: _Sampler | None):
+    """Chooses each sequence's tree from the drafter's logits and context, then verifies it as
+    tree_step does (any acceptance)."""
+    bt = step_trees(tree, carry.root, *topk_logp(carry.medusa, tree.topk), carry.context)
+    emitted, accepted, root, medusa = verify(backend, bt, bt.tokens, cfg, sampler)
+    if carry.context is not None:
+        carry.context.advance(emitted, root.tolist())
+    return emitted, accepted, Carry(root=root, medusa=medusa, context=carry.context, slots=bt.num_slots)

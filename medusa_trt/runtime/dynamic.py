@@ -1,0 +1,359 @@
+"""Trees chosen per step (`medusa_choices="dynamic:N"`) and context candidates.
+
+Each step keeps the N nodes of highest path probability (the product of the drafter's probabilities
+along the path, EAGLE-2's rule) out of every path the drafter's top-k allows, then verifies that
+tree. A path's probability never exceeds its parent's, so the best N always form a tree (ties go to
+the shallower node). Medusa heads and the Amphista drafter both give one distribution per depth,
+independent of the path above it, so a node is a token path whose depth-d token is one of head d's
+top-k.
+
+Context candidates (prompt lookup) join the same budget: the runtime keeps each sequence's tokens,
+finds the longest recent n-gram match of its last tokens (n = MAX_NGRAM..1) in the prompt and the
+generated text, and offers what followed it as a chain. A chain node's score is the measured
+probability that a chain of that match length is right that deep, counted per request (a prior
+until measured). Where a chain node and a drafter node are the same token path they are one node,
+with the higher score. A loop (what followed the match is the suffix itself) continues
+periodically, so a two-token loop offers a chain as deep as the budget allows.
+
+Everything here is host work on a few dozen numbers per sequence; the engine call is the same one
+a static tree makes (docs/design.md, per-step trees).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from medusa_trt.tree import TreeError
+
+DYNAMIC_PREFIX = "dynamic:"
+MAX_NGRAM = 4  # longest n-gram looked up
+MAX_CONTEXT_DEPTH = 16  # deepest context chain offered (a loop continues periodically up to it)
+# Prior for a chain node at depth j of an n-gram match: q_n^j, worth PRIOR_WEIGHT observations, until
+# the request has measured it (ContextStats).
+PRIOR_WEIGHT = 2.0
+# An engine that verifies chains only: a chain node is kept while the chance that it is accepted is at
+# least this (a chain slot costs a fraction of a step; a node this unlikely rarely pays for it).
+CHAIN_MIN_PROB = 0.1
+
+
+def _prior(n: int) -> float:
+    return min(0.3 + 0.1 * n, 0.7)
+
+
+@dataclass(frozen=True)
+class DynamicTree:
+    """A per-step tree spec: `budget` nodes (root excluded) each step, from a drafter of `heads`
+    heads and top-`topk` each; `context`: whether context candidates compete for the budget;
+    `chains_only`: an engine that verifies chains only gets the best single chain."""
+
+    budget: int
+    heads: int
+    topk: int
+    context: bool = True
+    chains_only: bool = False
+
+    @property
+    def num_slots(self) -> int:
+        return self.budget + 1
+
+    @property
+    def max_depth(self) -> int:
+        """The deepest path a step can verify: a drafter path, or a context chain."""
+        deepest = max(self.heads, min(self.budget, MAX_CONTEXT_DEPTH) if self.context else 0)
+        return min(deepest, self.budget)
+
+    def within_block(self, lengths: torch.Tensor, block: int | None) -> DynamicTree:
+        """This step's spec on an engine whose tree must stay in one key block (StepTree.within_block):
+        near a block edge, a smaller budget (the root at least). Chains need no cut."""
+        if block is None or self.chains_only:
+            return self
+        room = min(block - n % block for n in lengths.tolist())
+        if room >= self.num_slots:
+            return self
+        return DynamicTree(max(room - 1, 0), self.heads, self.topk, self.context, self.chains_only)
+
+
+_DYNAMIC = re.compile(r"dynamic:(.*)", re.IGNORECASE)
+
+
+def parse_dynamic(spec: object) -> int | None:
+    """The budget N of "dynamic:N"; None when `spec` is not a dynamic spec. A malformed budget
+    raises TreeError naming it."""
+    if not isinstance(spec, str):
+        return None
+    m = _DYNAMIC.fullmatch(spec.strip())
+    if m is None:
+        return None
+    text = m.group(1).strip()
+    try:
+        budget = int(text)
+    except ValueError:
+        raise TreeError(f"medusa_choices {spec!r}: budget {text!r} is not an integer; expected dynamic:N with "
+                        "N >= 1 nodes per step, e.g. dynamic:16") from None
+    if budget < 1:
+        raise TreeError(f"medusa_choices {spec!r}: budget {budget}; expected dynamic:N with N >= 1 nodes per step")
+    return budget
+
+
+def dynamic_tree(spec: object, heads: int, topk: int, max_draft_len: int, chains_only: bool = False,
+                 context: bool = True) -> DynamicTree | None:
+    """The DynamicTree of a "dynamic:N" spec checked against the engine (None: not a dynamic spec)."""
+    budget = parse_dynamic(spec)
+    if budget is None:
+        return None
+    if budget > max_draft_len:
+        raise TreeError(f"medusa_choices {spec!r}: budget {budget} exceeds the engine's max_draft_len "
+                        f"{max_draft_len}; expected dynamic:N with N <= {max_draft_len}")
+    if budget > heads * topk:
+        raise TreeError(f"medusa_choices {spec!r}: budget {budget} exceeds the drafter's {heads} heads x top-{topk} "
+                        f"= {heads * topk} candidates; expected dynamic:N with N <= {heads * topk}")
+    return DynamicTree(budget, heads, topk, context, chains_only)
+
+
+# -- context candidates -------------------------------------------------------------------------
+
+
+class ContextIndex:
+    """One sequence's tokens and, for each n <= MAX_NGRAM, where every n-gram last ended. An n-gram
+    is indexed once, when the token after it arrives, so a lookup of the current suffix finds its
+    latest earlier occurrence: O(MAX_NGRAM) dictionary work per token, amortized."""
+
+    def __init__(self, tokens: list[int]):
+        self.tokens: list[int] = []
+        self.ends: list[dict[tuple[int, ...], int]] = [{} for _ in range(MAX_NGRAM + 1)]
+        self.indexed = 0  # n-grams ending before this position are in `ends`
+        self.extend(tokens)
+
+    def extend(self, tokens: list[int]) -> None:
+        self.tokens.extend(tokens)
+
+    def _index(self) -> None:
+        toks, last = self.tokens, len(self.tokens) - 1
+        for end in range(self.indexed, last):  # every end but the current one
+            for n in range(1, min(MAX_NGRAM, end + 1) + 1):
+                self.ends[n][tuple(toks[end - n + 1 : end + 1])] = end
+        self.indexed = max(self.indexed, last)
+
+    def lookup(self, depth: int) -> tuple[int, list[int]]:
+        """(n, up to `depth` tokens that followed the latest earlier occurrence of the last n tokens),
+        longest n first; (0, []) without a match. A match whose continuation reaches the current end
+        repeats with its period (a loop)."""
+        if depth < 1 or len(self.tokens) < 2:
+            return 0, []
+        self._index()
+        toks, last = self.tokens, len(self.tokens) - 1
+        for n in range(min(MAX_NGRAM, last), 0, -1):
+            end = self.ends[n].get(tuple(toks[last - n + 1 :]))
+            if end is not None:
+                period = last - end
+                return n, [toks[end + 1 + j % period] for j in range(depth)]
+        return 0, []
+
+
+@dataclass
+class ContextStats:
+    """Per request: how often a context chain of match length n was right at depth j (its first j
+    tokens all the base model's own), which scores the chains of the next steps."""
+
+    proposed: np.ndarray = field(default_factory=lambda: np.zeros((MAX_NGRAM + 1, MAX_CONTEXT_DEPTH + 1)))
+    right: np.ndarray = field(default_factory=lambda: np.zeros((MAX_NGRAM + 1, MAX_CONTEXT_DEPTH + 1)))
+
+    def scores(self, n: int, depth: int) -> list[float]:
+        """Log-probabilities that a chain of an n-gram match is right through depth 1..depth,
+        non-increasing (a deeper node is never likelier than its parent)."""
+        out, best = [], 0.0
+        q = _prior(n)
+        for j in range(1, depth + 1):
+            p = (self.right[n, j] + PRIOR_WEIGHT * q**j) / (self.proposed[n, j] + PRIOR_WEIGHT)
+            best = min(best, math.log(max(p, 1e-9)))
+            out.append(best)
+        return out
+
+    def record(self, n: int, chain: list[int], truth: list[int]) -> None:
+        """A chain offered after an n-gram match against what the base model chose after the root
+        (the accepted drafts and the next root): the depths it can be judged at are counted."""
+        run = 0
+        while run < min(len(chain), len(truth)) and chain[run] == truth[run]:
+            run += 1
+        judged = min(len(chain), len(truth))
+        self.proposed[n, 1 : judged + 1] += 1
+        self.right[n, 1 : run + 1] += 1
+
+
+@dataclass
+class Context:
+    """The context candidates' state of one request: an index per sequence (its row in the batch)
+    and the shared statistics."""
+
+    indexes: list[ContextIndex]
+    stats: ContextStats = field(default_factory=ContextStats)
+    offered: list[tuple[int, list[int]]] = field(default_factory=list)  # last step's (n, chain) per row
+
+    @classmethod
+    def of(cls, prompts: list[list[int]]) -> Context:
+        return cls([ContextIndex(list(p)) for p in prompts])
+
+    def keep(self, rows: list[int]) -> Context:
+        return Context([self.indexes[i] for i in rows], self.stats,
+                       [self.offered[i] for i in rows] if self.offered else [])
+
+    def chains(self, roots: list[int], depth: int) -> list[tuple[int, list[int]]]:
+        """Each sequence's chain after its root (the root is the next token, not yet emitted)."""
+        out = []
+        for index, root in zip(self.indexes, roots, strict=True):
+            index.tokens.append(root)  # looked up with the root as the last token, then taken back
+            out.append(index.lookup(depth))
+            index.tokens.pop()
+        self.offered = out
+        return out
+
+    def advance(self, emitted: list[list[int]], roots: list[int]) -> None:
+        """After a step: each sequence's emitted tokens join its history, and the chain it was
+        offered is judged against them (emitted[1:] then the next root: the tokens after the root)."""
+        for row, (toks, root) in enumerate(zip(emitted, roots, strict=True)):
+            if self.offered and self.offered[row][0]:
+                n, chain = self.offered[row]
+                self.stats.record(n, chain, toks[1:] + [root])
+            self.indexes[row].extend(toks)
+
+
+# -- selection ----------------------------------------------------------------------------------
+
+
+def best_paths(ids: list[list[int]], logp: list[list[float]], budget: int) -> list[tuple[float, tuple[int, ...]]]:
+    """The `budget` token paths of highest path log-probability from per-depth top-k lists (ids and
+    logp [H][k], each sorted by probability), best first, parents before children: a best-first
+    walk whose frontier holds each popped node's first child and next sibling."""
+    heads, k = len(ids), len(ids[0]) if ids else 0
+    if not heads or not k:
+        return []
+    out: list[tuple[float, tuple[int, ...]]] = []
+    frontier = [(-logp[0][0], (0,))]
+    while frontier and len(out) < budget:
+        neg, ranks = heapq.heappop(frontier)
+        d = len(ranks) - 1
+        out.append((-neg, tuple(ids[i][r] for i, r in enumerate(ranks))))
+        if d + 1 < heads:
+            heapq.heappush(frontier, (neg - logp[d + 1][0], ranks + (0,)))
+        if ranks[-1] + 1 < k:
+            heapq.heappush(frontier, (neg + logp[d][ranks[-1]] - logp[d][ranks[-1] + 1], ranks[:-1] + (ranks[-1] + 1,)))
+    return out
+
+
+def best_chain(ids: list[list[int]], logp: list[list[float]], budget: int) -> list[tuple[float, tuple[int, ...]]]:
+    """The drafter's main chain (each head's most likely token), at most `budget` deep."""
+    out, score = [], 0.0
+    for d in range(min(len(ids), budget)):
+        score += logp[d][0]
+        out.append((score, tuple(ids[i][0] for i in range(d + 1))))
+    return out
+
+
+def choose_nodes(tree: DynamicTree, ids: list[list[int]], logp: list[list[float]],
+                 chain: list[int], chain_scores: list[float]) -> list[tuple[int, ...]]:
+    """One sequence's nodes (token paths, root excluded) for this step, sorted by depth (parents
+    first): the budget's best of the drafter's paths and the context chain, a node in both scored
+    by the higher."""
+    if tree.budget == 0:
+        return []
+    if tree.chains_only:  # one chain, the drafter's or the context's: whichever expects more accepted tokens
+        drafted = best_chain(ids, logp, tree.budget)
+        offered = [(s, tuple(chain[: j + 1])) for j, s in enumerate(chain_scores[: tree.budget])]
+        expect = [sum(math.exp(s) for s, _ in nodes) for nodes in (drafted, offered)]
+        nodes = offered if expect[1] > expect[0] else drafted
+        return [p for j, (s, p) in enumerate(nodes) if j == 0 or math.exp(s) >= CHAIN_MIN_PROB]
+    score: dict[tuple[int, ...], float] = {}
+    for s, path in best_paths(ids, logp, tree.budget):
+        score[path] = s
+    for j, s in enumerate(chain_scores[: tree.budget]):
+        path = tuple(chain[: j + 1])
+        score[path] = max(s, score.get(path, -math.inf))
+    # Best first, ties to the shallower node, so a kept node's parent is always kept.
+    kept = sorted(score, key=lambda p: (-score[p], len(p)))[: tree.budget]
+    return sorted(kept, key=len)
+
+
+@dataclass(frozen=True)
+class BatchTree:
+    """One step's trees, one per sequence, all of T slots: what the engine verifies and the loop
+    commits. Slot 0 of each is its root."""
+
+    tokens: torch.Tensor  # [B, T]
+    position_offsets: torch.Tensor  # [B, T] each slot's depth
+    mask: torch.Tensor  # [B, T, T] root, ancestors and self
+    retrieve: torch.Tensor  # [B, N, D+1] root..leaf slots of each path, -1 padded
+    paths: list[list[list[int]]]  # [B][N] retrieve's rows as lists, -1 padding as slot 0
+    num_slots: int
+
+
+def build_batch(trees: list[list[tuple[int, ...]]], roots: list[int], min_depth: int = 0) -> BatchTree:
+    """The BatchTree of each sequence's nodes (choose_nodes) under its root. retrieve is at least
+    `min_depth` + 1 wide: the fused step drafts with as many heads as retrieve is deep."""
+    t = 1 + len(trees[0])
+    b = len(trees)
+    tokens = np.zeros((b, t), dtype=np.int64)
+    depth = np.zeros((b, t), dtype=np.int64)
+    mask = np.zeros((b, t, t), dtype=bool)
+    seqs = []
+    for i, (nodes, root) in enumerate(zip(trees, roots, strict=True)):
+        slot = {(): 0}
+        parent = [0] * t
+        tokens[i, 0] = root
+        mask[i, 0, 0] = True
+        for s, path in enumerate(nodes, start=1):
+            slot[path] = s
+            parent[s] = slot[path[:-1]]
+            tokens[i, s] = path[-1]
+            depth[i, s] = len(path)
+            mask[i, s] = mask[i, parent[s]]
+            mask[i, s, s] = True
+        inner = set(parent[1:])
+        seq = []
+        for leaf in (s for s in range(t) if s not in inner):  # slot 0 alone is a leaf of a root-only tree
+            chain = [leaf]
+            while chain[-1]:
+                chain.append(parent[chain[-1]])
+            seq.append(chain[::-1])
+        seqs.append(seq)
+    width = max(min_depth, int(depth.max())) + 1
+    n = max(len(s) for s in seqs)
+    retrieve = np.full((b, n, width), -1, dtype=np.int64)
+    for i, seq in enumerate(seqs):
+        for j, chain in enumerate(seq):
+            retrieve[i, j, : len(chain)] = chain
+    paths = [[[max(x, 0) for x in row] for row in rows] for rows in retrieve.tolist()]
+    return BatchTree(torch.from_numpy(tokens), torch.from_numpy(depth), torch.from_numpy(mask),
+                     torch.from_numpy(retrieve), paths, t)
+
+
+def step_trees(tree: DynamicTree, roots: torch.Tensor, top_ids: torch.Tensor, top_logp: torch.Tensor,
+               context: Context | None, min_depth: int = 0) -> BatchTree:
+    """This step's BatchTree: per sequence, the budget's best nodes from the drafter's top-k (ids and
+    log-probs [B, H, k], sorted) and its context chain."""
+    roots_l = roots.tolist()
+    ids, logp = top_ids[:, : tree.heads, : tree.topk].tolist(), top_logp[:, : tree.heads, : tree.topk].tolist()
+    depth = min(tree.budget, MAX_CONTEXT_DEPTH)
+    chains = context.chains(roots_l, depth) if context is not None and tree.context else [(0, [])] * len(roots_l)
+    trees = []
+    for i, (n, chain) in enumerate(chains):
+        scores = context.stats.scores(n, len(chain)) if n else []
+        trees.append(choose_nodes(tree, ids[i], logp[i], chain, scores))
+    longest = max(len(t) for t in trees)
+    for nodes in trees:  # chains of a batch verify together: a shorter one runs on with token 0 (rejected or right)
+        while len(nodes) < longest:
+            nodes.append(nodes[-1] + (0,) if nodes else (0,))
+    return build_batch(trees, roots_l, min_depth)
+
+
+def topk_logp(medusa: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each head's k most likely tokens and their log-probabilities, [B, H, k] each, from the
+    drafter's logits [H, B, V] (the two-call path; the fused step graph returns them itself)."""
+    top = medusa.topk(k, dim=-1)
+    logp = top.values - medusa.logsumexp(-1, keepdim=True)
+    return top.indices.permute(1, 0, 2), logp.permute(1, 0, 2)

@@ -1,0 +1,165 @@
+"""Trees chosen per step (dynamic:N) and context candidates: the selection, the context index, and
+decoding that stays equal to plain greedy with them."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+import torch
+
+from medusa_trt.runtime.decoding import GenerationConfig, decode
+from medusa_trt.runtime.dynamic import (
+    MAX_NGRAM,
+    ContextIndex,
+    ContextStats,
+    DynamicTree,
+    best_paths,
+    build_batch,
+    choose_nodes,
+    dynamic_tree,
+    parse_dynamic,
+)
+from medusa_trt.tree import TreeError
+from tests.runtime.test_decoding import EOS, distilled, oracle, prompts  # noqa: F401 (distilled: a fixture)
+
+
+def _random_topk(rng: random.Random, heads: int, k: int) -> tuple[list[list[int]], list[list[float]]]:
+    ids, logp = [], []
+    for _ in range(heads):
+        p = sorted((rng.random() for _ in range(k)), reverse=True)
+        total = sum(p) / rng.uniform(0.5, 1.0)  # the top-k holds part of the mass
+        logp.append([math.log(x / total) for x in p])
+        ids.append(rng.sample(range(1000), k))
+    return ids, logp
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_best_paths_are_the_most_probable_and_form_a_tree(seed):
+    rng = random.Random(seed)
+    heads, k, budget = rng.randint(1, 4), rng.randint(1, 6), rng.randint(1, 20)
+    ids, logp = _random_topk(rng, heads, k)
+    got = best_paths(ids, logp, budget)
+    every = [sum(logp[d][r] for d, r in enumerate(ranks))
+             for depth in range(1, heads + 1) for ranks in itertools.product(range(k), repeat=depth)]
+    best = sorted(every, reverse=True)[: len(got)]
+    assert len(got) == min(budget, len(every))
+    assert [s for s, _ in got] == pytest.approx(best)  # best first, and no better path left out
+    paths = {p for _, p in got}
+    assert all(p[:-1] in paths for p in paths if len(p) > 1)  # every parent kept
+
+
+def test_context_chain_and_drafter_share_a_budget():
+    tree = DynamicTree(budget=6, heads=2, topk=3)
+    ids = [[10, 11, 12], [20, 21, 22]]
+    logp = [[math.log(0.5), math.log(0.2), math.log(0.1)], [math.log(0.4), math.log(0.3), math.log(0.1)]]
+    # A confident chain that starts with the drafter's second choice: its nodes outrank the drafter's deeper ones.
+    nodes = choose_nodes(tree, ids, logp, [11, 30, 31, 32], [math.log(0.9)] * 2 + [math.log(0.8)] * 2)
+    assert len(nodes) == 6
+    assert {(11,), (11, 30), (11, 30, 31), (11, 30, 31, 32)} <= set(nodes)
+    assert (10,) in nodes and (10, 20) in nodes  # the drafter's best two: 0.5 and 0.2 beat the rest
+    assert all(p[:-1] in nodes for p in nodes if len(p) > 1)
+    assert [len(p) for p in nodes] == sorted(len(p) for p in nodes)  # parents before children
+    chain = choose_nodes(DynamicTree(6, 2, 3, chains_only=True), ids, logp, [11, 30, 31, 32], [math.log(0.9)] * 4)
+    assert chain == [(11,), (11, 30), (11, 30, 31), (11, 30, 31, 32)]  # the chain expecting more
+
+
+def test_batch_tree_buffers():
+    bt = build_batch([[(5,), (6,), (5, 7)], [(8,), (8, 9), (8, 9, 4)]], [1, 2], min_depth=4)
+    assert bt.tokens.tolist() == [[1, 5, 6, 7], [2, 8, 9, 4]]
+    assert bt.position_offsets.tolist() == [[0, 1, 1, 2], [0, 1, 2, 3]]
+    assert bt.mask[0].int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]
+    assert bt.mask[1].int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]
+    assert bt.retrieve.shape == (2, 2, 5)  # widened to min_depth + 1; the batch's most leaves
+    assert bt.retrieve[0].tolist() == [[0, 2, -1, -1, -1], [0, 1, 3, -1, -1]]
+    assert bt.retrieve[1, 0].tolist() == [0, 1, 2, 3, -1]
+    assert build_batch([[]], [3]).retrieve.tolist() == [[[0]]]  # the root alone
+
+
+def test_context_index_finds_the_latest_longest_match_and_loops():
+    index = ContextIndex([1, 2, 3, 4, 9, 2, 3, 5])
+    index.tokens.append(2)
+    index.tokens.append(3)  # ... 2 3: the latest earlier "2 3" was followed by 5
+    assert index.lookup(3) == (2, [5, 2, 3])
+    loop = ContextIndex([7, 8, 7, 8])
+    assert loop.lookup(5) == (2, [7, 8, 7, 8, 7])  # a loop continues with its period
+    assert ContextIndex([1, 2, 3]).lookup(4) == (0, [])
+    long = ContextIndex(list(range(100)) * 3)
+    n, chain = long.lookup(4)
+    assert n == MAX_NGRAM and chain == [0, 1, 2, 3]
+
+
+def test_context_stats_learn_from_what_was_right():
+    stats = ContextStats()
+    prior = stats.scores(2, 3)
+    assert prior == sorted(prior, reverse=True)
+    for _ in range(20):
+        stats.record(2, [5, 6, 7], [5, 6, 7, 8])
+    assert stats.scores(2, 3)[2] > math.log(0.85)
+    for _ in range(40):
+        stats.record(1, [5, 6], [4, 6])
+    assert stats.scores(1, 1)[0] < math.log(0.1)
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("dynamic:0", "budget 0; expected dynamic:N with N >= 1"),
+    ("dynamic:-3", "budget -3; expected dynamic:N with N >= 1"),
+    ("dynamic:abc", "budget 'abc' is not an integer"),
+    ("dynamic:64", "budget 64 exceeds the engine's max_draft_len 63"),
+    ("dynamic:41", "budget 41 exceeds the drafter's 4 heads x top-10 = 40"),
+])
+def test_bad_budgets_name_the_value_and_the_limit(spec, message):
+    with pytest.raises(TreeError, match=message):
+        dynamic_tree(spec, heads=4, topk=10, max_draft_len=63)
+    assert parse_dynamic("mc_sim_7b_63") is None and parse_dynamic([[0]]) is None
+
+
+def _cfg(tree, **kw) -> GenerationConfig:
+    return GenerationConfig(max_new_tokens=48, medusa_choices=tree, stop_token_ids=(EOS,), **kw)
+
+
+@pytest.mark.parametrize("context", [True, False])
+@pytest.mark.parametrize("budget", [1, 8, 16])
+def test_dynamic_trees_equal_transformers_greedy_batch4(distilled, budget, context):
+    m = distilled("llama")
+    ps = prompts(7)
+    result = decode(m.backend, ps, _cfg(f"dynamic:{budget}", context_candidates=context))
+    assert result.tokens == [oracle(m.hf, p) for p in ps]
+    assert sum(s.accepted_draft_tokens for s in result.stats) > 0
+    assert all(s.draft_tokens == budget * s.steps for s in result.stats)
+
+
+def test_dynamic_trees_beat_a_static_tree_of_the_same_size(distilled):
+    m = distilled("llama")
+    ps = prompts(8, lengths=[6] * 8)
+    static = decode(m.backend, ps, _cfg([[0], [0, 0], [1], [0, 0, 0], [2], [0, 1], [1, 0], [0, 0, 0, 0]],
+                                        context_candidates=False))
+    dynamic = decode(m.backend, ps, _cfg("dynamic:8", context_candidates=False))
+    assert dynamic.tokens == static.tokens
+
+    def per_step(r):
+        return sum(s.new_tokens for s in r.stats) / sum(s.steps for s in r.stats)
+    assert per_step(dynamic) >= per_step(static) * 0.98  # tiny heads: at least as good; SmolLM2 in BENCHMARKS.md
+
+
+def test_context_candidates_follow_a_repeating_prompt(distilled):
+    """A prompt that repeats a phrase: the continuation the base model chooses is greedy either way,
+    and context candidates may only add accepted tokens, never change them."""
+    m = distilled("llama")
+    phrase = [17, 42, 99, 23, 5, 61]
+    ps = [phrase * 5, [3] + phrase * 4]
+    with_ctx = decode(m.backend, ps, _cfg("dynamic:8"))
+    assert with_ctx.tokens == [oracle(m.hf, p) for p in ps]
+
+
+def test_typical_and_sample_acceptance_run_on_per_step_trees(distilled):
+    m = distilled("llama")
+    ps = prompts(9)
+    typical = decode(m.backend, ps, _cfg("dynamic:8", acceptance="typical", temperature=0.0))
+    assert typical.tokens == [oracle(m.hf, p) for p in ps]
+    a = decode(m.backend, ps, _cfg("dynamic:8", acceptance="sample", seed=3))
+    b = decode(m.backend, ps, _cfg("dynamic:8", acceptance="sample", seed=3))
+    assert a.tokens == b.tokens  # per-sequence seeds: reproducible
+    assert torch.tensor([s.steps for s in a.stats]).sum() > 0
