@@ -20,7 +20,6 @@ def greedy_accept(retrieve: torch.Tensor, tokens: torch.Tensor, argmax: torch.Te
     accepted when it equals the argmax of the slot before it and every shallower one was accepted.
     Returns (best path [B], accepted draft tokens [B]); ties go to the first path (argmax returns
     the first maximum in torch and in ONNX)."""
-    n, depth = retrieve.shape[-2], retrieve.shape[-1] - 1
     valid = retrieve[..., 1:] >= 0  # [N, D] or [B, N, D]
     cand, prev = path_tokens(retrieve, tokens), path_tokens(retrieve, argmax, parents=True)  # [B, N, D]
     miss = ((cand != prev) | ~valid).long()

@@ -28,7 +28,8 @@ ENGINE_FORMAT_VERSION = 8
 # those it uses, and a reader refuses one that requires a feature it does not know, rather than
 # ignoring its keys and running it wrong. A new optional feature is a new name here, not a new
 # ENGINE_FORMAT_VERSION.
-KNOWN_FEATURES = ("key_block", "cache_in_place", "chains_only", "int4_offsets", "lm_head_bits", "drafter_graph")
+KNOWN_FEATURES = ("key_block", "cache_in_place", "chains_only", "int4_offsets", "lm_head_bits", "drafter_graph",
+                  "step_dynamic")
 ENGINE_JSON = "engine.json"
 BACKENDS = ("onnxruntime", "tensorrt", "tensorrt-llm")
 SECTIONS = {"onnxruntime": "onnx", "tensorrt": "tensorrt", "tensorrt-llm": "tensorrt_llm"}
@@ -43,7 +44,10 @@ INPUT_NAMES = ("input_ids", "position_ids", "past_lengths", "new_mask", "logit_p
 OUTPUT_NAMES = ("logits", "hidden", "present_keys", "present_values")
 HEADS_INPUT, HEADS_OUTPUT = "hidden", "medusa_logits"
 STEP_INPUT_NAMES = ("input_ids", "position_ids", "past_lengths", "new_mask", "retrieve", "candidate_index")
-STEP_OUTPUT_NAMES = ("best_path", "accepted", "next_tokens", "present_keys", "present_values")
+STEP_OUTPUT_NAMES = ("best_path", "accepted", "next_tokens", "next_topk", "next_logp", "present_keys", "present_values")
+# A step graph built before trees chosen per step (engine.json without onnx.step_dynamic): retrieve
+# [paths, depth + 1] for the whole batch, and no top-k outputs.
+STATIC_STEP_OUTPUT_NAMES = ("best_path", "accepted", "next_tokens", "present_keys", "present_values")
 # A drafter with a cache of its own (Amphista): its graph appends committed rows and drafts at the
 # last (engines/onnx/export.py, drafter graph); its past inputs are past_names(2) (two layers).
 DRAFTER_INPUT_NAMES = ("hidden", "next_tokens", "position_ids", "past_lengths", "new_mask", "last")
@@ -55,12 +59,13 @@ DRAFTER_STEP_INPUTS = ("drafter_past_lengths", *(f"drafter_{n}" for n in ("past_
 DRAFTER_STEP_OUTPUTS = ("drafter_present_keys", "drafter_present_values")
 
 
-def step_outputs(cached_drafter: bool) -> tuple[str, ...]:
-    """The fused step graph's outputs (STEP_OUTPUT_NAMES, with the drafter's K/V for a drafter with its
-    own cache)."""
+def step_outputs(cached_drafter: bool, dynamic: bool = True) -> tuple[str, ...]:
+    """The fused step graph's outputs (STEP_OUTPUT_NAMES, or STATIC_STEP_OUTPUT_NAMES of an engine
+    without onnx.step_dynamic; with the drafter's K/V for a drafter with its own cache)."""
+    names = STEP_OUTPUT_NAMES if dynamic else STATIC_STEP_OUTPUT_NAMES
     if not cached_drafter:
-        return STEP_OUTPUT_NAMES
-    return (*STEP_OUTPUT_NAMES[:-2], *DRAFTER_STEP_OUTPUTS, *STEP_OUTPUT_NAMES[-2:])
+        return names
+    return (*names[:-2], *DRAFTER_STEP_OUTPUTS, *names[-2:])
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -95,6 +100,7 @@ def required_features(engine: dict) -> list[str]:
         "int4_offsets": bool(weights.get("offsets")),  # int4 blocks with float offsets, no zero points
         "lm_head_bits": weights.get("lm_head_bits", 4) != 4,  # an lm_head of other than 4 bits
         "drafter_graph": bool(onnx.get("drafter_file")),  # a drafter with its own cache and graph (Amphista)
+        "step_dynamic": bool(onnx.get("step_dynamic")),  # a step graph with a tree per sequence and top-k outputs
     }
     return [name for name in KNOWN_FEATURES if used[name]]
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -165,5 +167,37 @@ def ort_engine(tmp_path_factory, tiny_merged):
 
             cache[key] = _built_once(tmp_path_factory, f"engine-{arch}", key, build)
         return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def distilled(tmp_path_factory, tiny_base):
+    """distilled(arch): a base with Medusa heads fitted (self-distillation, a few seconds) to the base's
+    own greedy continuations, converted by medusa-convert. Heads that predict make the acceptance
+    path run, not only the bonus token."""
+    cache = {}
+
+    def make(arch: str = "llama"):
+        if arch not in cache:
+            from transformers import AutoModelForCausalLM
+
+            from medusa_trt.modeling import MedusaModel
+            from medusa_trt.runtime.torch_backend import TorchBackend
+            from medusa_trt.tools.train_heads import greedy_continuations, save_heads, train_heads
+
+            base = tiny_base(arch)
+            hf = AutoModelForCausalLM.from_pretrained(base).eval()
+            rng = random.Random(100)
+            train = [[rng.randrange(3, 256) for _ in range(6)] for _ in range(96)]  # tests/runtime/test_decoding.py: prompts
+            # llama's heads carry the acceptance-rate and fused-step tests (250 steps); the other
+            # archs need heads that get drafts accepted at all (asserted in the batch-4 test): 100.
+            steps = 250 if arch == "llama" else 100
+            state = train_heads(hf, greedy_continuations(hf, train, 64), num_heads=4, steps=steps, batch_tokens=2048, progress=False)
+            root = tmp_path_factory.mktemp(f"distilled-{arch}")
+            save_heads(state, root / "heads", base, num_heads=4, num_layers=1)
+            convert(base, root / "heads", root / "ckpt", progress=False)
+            cache[arch] = SimpleNamespace(hf=hf, ckpt=root / "ckpt", backend=TorchBackend(MedusaModel.from_checkpoint(root / "ckpt")))
+        return cache[arch]
 
     return make

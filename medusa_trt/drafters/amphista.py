@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from medusa_trt.config import ModelConfig
-from medusa_trt.drafters.base import Drafter, scatter_full_vocab
+from medusa_trt.drafters.base import Drafter, scatter_full_vocab, topk_logp
 from medusa_trt.layers import DecoderLayer, RMSNorm, rope_inv_freq
 
 PREFIX = "amphista."  # its tensors' names in a merged checkpoint (docs/formats.md)
@@ -184,9 +184,10 @@ class Amphista(Drafter):
             z = layer(z)
         return z.movedim(-2, 0)
 
-    def topk(self, h1: torch.Tensor, h2: torch.Tensor, lm_head: nn.Module, k: int) -> torch.Tensor:
-        """Token ids [B, K, k] of each head's k most likely drafts from the adapted states [B, d] (the
-        fused step graph's form: logits over the draft vocabulary only, never scattered)."""
+    def topk(self, h1: torch.Tensor, h2: torch.Tensor, lm_head: nn.Module, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids [B, K, k] of each head's k most likely drafts from the adapted states [B, d], and
+        their log-probabilities (the fused step graph's form: logits over the draft vocabulary only,
+        never scattered)."""
         z = self.features(h1, h2)  # [K, B, d]
         if self.lm_heads is not None:
             w = self.lm_heads if self.draft_ids is None else self.lm_heads[:, self.draft_ids]
@@ -195,8 +196,8 @@ class Amphista(Drafter):
             logits = z @ self.draft_lm.T
         else:
             logits = lm_head(z)
-        top = logits.float().topk(k, dim=-1).indices.transpose(0, 1)  # [B, K, k]
-        return top if self.draft_ids is None else self.draft_ids[top]
+        top, logp = topk_logp(logits.transpose(0, 1), k)  # [B, K, k]
+        return (top if self.draft_ids is None else self.draft_ids[top]), logp
 
     def heads(self, h1: torch.Tensor, h2: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
         """Logits [K, ..., V] float32 from the adapted states [..., d] of the rows to draft at."""

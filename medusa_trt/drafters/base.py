@@ -56,3 +56,12 @@ def scatter_full_vocab(sub: torch.Tensor, ids: torch.Tensor, vocab_size: int) ->
     elsewhere (top-k then never picks a token outside it)."""
     out = torch.full((*sub.shape[:-1], vocab_size), OUTSIDE_DRAFT_LOGIT, dtype=sub.dtype, device=sub.device)
     return out.scatter(-1, ids.expand(*sub.shape[:-1], -1), sub)
+
+
+def topk_logp(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k most likely token indices [..., k] of logits [..., V] and their log-probabilities (a tree
+    chosen per step ranks paths by them; runtime/dynamic.py). Over a draft vocabulary the
+    normalizer is the draft vocabulary's, as the drafter was trained."""
+    logits = logits.float()
+    top = logits.topk(k, dim=-1)
+    return top.indices, top.values - logits.logsumexp(-1, keepdim=True)

@@ -28,7 +28,7 @@ from medusa_trt.acceptance import (
     typical_accept,
 )
 from medusa_trt.runtime.backend import Backend, ModelInfo
-from medusa_trt.runtime.dynamic import BatchTree, Context, DynamicTree, dynamic_tree, step_trees, topk_logp
+from medusa_trt.runtime.dynamic import BatchTree, Context, DynamicTree, drafts_topk, dynamic_tree, step_trees
 from medusa_trt.tree import DEFAULT_TREE, StepTree, build_tree, candidate_topk, tree_for_engine
 
 
@@ -591,7 +591,7 @@ def _dynamic_fused_prefill(backend: Backend, tree: DynamicTree, prompts: list[li
 def _cached_dynamic_prefill(backend: Backend, tree: DynamicTree, prompts: list[list[int]], sampler: None = None) -> Carry:
     """The drafter with a cache of its own reads every prompt row: prefill, then its top-k there."""
     _, root, medusa = prefill(backend, prompts)
-    return Carry(root=root, top=topk_logp(medusa, tree.topk))
+    return Carry(root=root, top=drafts_topk(medusa, tree.topk))
 
 
 def _dynamic_fused_step(backend: Backend, tree: DynamicTree, carry: Carry, sampler: None = None):
@@ -611,7 +611,7 @@ def _dynamic_two_call_step(backend: Backend, cfg: GenerationConfig, tree: Dynami
                            sampler: _Sampler | None):
     """Chooses each sequence's tree from the drafter's logits and context, then verifies it as
     tree_step does (any acceptance)."""
-    bt = step_trees(tree, carry.root, *topk_logp(carry.medusa, tree.topk), carry.context)
+    bt = step_trees(tree, carry.root, *drafts_topk(carry.medusa, tree.topk), carry.context)
     emitted, accepted, root, medusa = verify(backend, bt, bt.tokens, cfg, sampler)
     if carry.context is not None:
         carry.context.advance(emitted, root.tolist())

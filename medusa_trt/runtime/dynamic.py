@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from medusa_trt.drafters.base import topk_logp
 from medusa_trt.tree import TreeError
 
 DYNAMIC_PREFIX = "dynamic:"
@@ -351,9 +352,8 @@ def step_trees(tree: DynamicTree, roots: torch.Tensor, top_ids: torch.Tensor, to
     return build_batch(trees, roots_l, min_depth)
 
 
-def topk_logp(medusa: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def drafts_topk(medusa: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each head's k most likely tokens and their log-probabilities, [B, H, k] each, from the
     drafter's logits [H, B, V] (the two-call path; the fused step graph returns them itself)."""
-    top = medusa.topk(k, dim=-1)
-    logp = top.values - medusa.logsumexp(-1, keepdim=True)
-    return top.indices.permute(1, 0, 2), logp.permute(1, 0, 2)
+    ids, logp = topk_logp(medusa, k)
+    return ids.permute(1, 0, 2), logp.permute(1, 0, 2)

@@ -23,7 +23,7 @@ from medusa_trt.runtime.dynamic import (
     parse_dynamic,
 )
 from medusa_trt.tree import TreeError
-from tests.runtime.test_decoding import EOS, distilled, oracle, prompts  # noqa: F401 (distilled: a fixture)
+from tests.runtime.test_decoding import EOS, oracle, prompts
 
 
 def _random_topk(rng: random.Random, heads: int, k: int) -> tuple[list[list[int]], list[list[float]]]:

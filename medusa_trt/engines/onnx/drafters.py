@@ -4,7 +4,7 @@ runs fast. `graph_form` is the one place export.py asks for a drafter's form; a 
 adds its form to GRAPH_FORMS.
 
 A form is an nn.Module with `rows(hidden [N, d]) -> [N, H, V]` float32 logits (the heads graph) and
-`topk(hidden [N, d], k, used) -> [N, used, k]` token ids of the first `used` heads (the fused step),
+`topk(hidden [N, d], k, used) -> [N, used, k]` token ids and log-probs of the first `used` heads (the fused step),
 and `shared_lm_head` (engine.json records whether the heads' logits go through the base lm_head).
 """
 
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from medusa_trt.drafters.base import Drafter
+from medusa_trt.drafters.base import Drafter, topk_logp
 from medusa_trt.drafters.medusa import MedusaHeads, resblocks
 from medusa_trt.quant import FP8Linear
 
@@ -86,12 +86,13 @@ class MedusaGraphHeads(nn.Module):
             return self.heads.full_vocab(self._draft_rows(x0))
         return self._rows(x0)
 
-    def topk(self, x0: torch.Tensor, k: int, used: int | None = None) -> torch.Tensor:
-        """Token ids [N, H, k] of each head's k most likely drafts at hidden rows x0 [N, d], of the
-        first `used` heads only when given (H = used)."""
+    def topk(self, x0: torch.Tensor, k: int, used: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids [N, H, k] of each head's k most likely drafts at hidden rows x0 [N, d], and their
+        log-probabilities [N, H, k], of the first `used` heads only when given (H = used)."""
         if not self.draft_matrices:
-            return self._rows(x0, used=used).topk(k, dim=-1).indices
-        return self.heads.draft_ids[self._draft_rows(x0, used).topk(k, dim=-1).indices]
+            return topk_logp(self._rows(x0, used=used), k)
+        ids, logp = topk_logp(self._draft_rows(x0, used), k)
+        return self.heads.draft_ids[ids], logp
 
     def _draft_matmul(self, z: torch.Tensor, head: int) -> torch.Tensor:
         """z [..., d] -> head `head`'s draft logits [..., V'] (head 0 when the heads share one matrix)."""

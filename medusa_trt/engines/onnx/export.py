@@ -51,11 +51,16 @@ the decoder over a tree's tokens, greedy acceptance, the heads at the last accep
 next tree's tokens (medusa_trt/acceptance.py, the functions the decoding loop runs eagerly):
 
   inputs   input_ids, position_ids, past_lengths, new_mask, past_*   as above (new = tree slots)
-           retrieve         [paths, depth + 1] int64  root..leaf slots of each path, -1 padded;
-                            heads 0..depth-1 draft the next tree, the others are not computed
-           candidate_index  [slots - 1] int64  next tree's slots in the heads' flat top-k
+           retrieve         [batch, paths, depth + 1] int64  root..leaf slots of each sequence's
+                            paths, -1 padded (a tree per sequence: trees chosen per step); heads
+                            0..min(depth, heads)-1 draft the next tree, the others are not computed
+           candidate_index  [slots - 1] int64  next tree's slots in the heads' flat top-k (its
+                            length also sets how many of the last slots get logits: a tree's)
   outputs  best_path, accepted  [batch] int64
-           next_tokens      [batch, slots] int64  the next step's input_ids
+           next_tokens      [batch, slots] int64  the next step's input_ids (a static tree's)
+           next_topk, next_logp  [batch, used heads, k] int64, float32  each drafting head's top-k
+                            token ids and log-probabilities: what a tree chosen per step is
+                            chosen from (runtime/dynamic.py)
            present_keys, present_values  as above
 """
 
@@ -71,7 +76,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from medusa_trt.acceptance import candidates_from_topk, greedy_accept
+from medusa_trt.acceptance import candidates_from_topk, greedy_accept, path_of
 from medusa_trt.engine_dir import (
     DRAFTER_INPUT_NAMES,
     DRAFTER_OUTPUT_NAMES,
@@ -235,27 +240,29 @@ class _FusedStepModule(nn.Module):
         argmax = logits.argmax(-1)
         argmax = torch.cat([argmax.new_zeros(b, start), argmax], dim=1)  # [B, S] by slot; < start never read
         best, accepted = greedy_accept(retrieve, input_ids, argmax)
-        last = retrieve[best].gather(1, accepted[:, None])  # [B, 1] slot whose outputs continue
+        path = path_of(retrieve, best)  # [B, D+1]
+        last = path.gather(1, accepted[:, None])  # [B, 1] slot whose outputs continue
         root = argmax.gather(1, last).squeeze(1)
         h = hidden.gather(1, (last - start)[:, :, None].expand(-1, -1, hidden.shape[-1]))[:, 0]  # [B, d]
         # A tree of depth D drafts with heads 0..D-1 only: the others' lm_head rows are not computed
-        # (on an int4 engine with tree [[0]], 1 of 4 rows; docs/benchmarks/issue-13-int4.md).
-        depth = retrieve.shape[1] - 1
+        # (on an int4 engine with tree [[0]], 1 of 4 rows; docs/benchmarks/issue-13-int4.md). A tree
+        # chosen per step is as deep as its deepest path (a context chain may be deeper than the heads).
+        depth = retrieve.shape[-1] - 1
         torch._check(depth >= 1)
-        torch._check(depth <= self.decoder.model.drafter.num_heads)
+        used = torch.sym_min(depth, self.decoder.model.drafter.num_heads)
         if drafter_past is not None:  # a drafter with its own cache: it takes the committed path first
-            top, dk, dv = self._cached_draft(retrieve[best], accepted, argmax, hidden, start, drafter_past_lengths,
-                                             drafter_past)
-            return (best, accepted, candidates_from_topk(root, top.narrow(1, 0, depth), candidate_index), dk, dv,
-                    new_k, new_v)
-        top = self.decoder.draft.topk(h, self.k, depth)  # [B, D, k]
-        return best, accepted, candidates_from_topk(root, top, candidate_index), new_k, new_v
+            top, logp, dk, dv = self._cached_draft(path, accepted, argmax, hidden, start, drafter_past_lengths,
+                                                   drafter_past)
+            top, logp = top.narrow(1, 0, used), logp.narrow(1, 0, used)
+            return best, accepted, candidates_from_topk(root, top, candidate_index), top, logp, dk, dv, new_k, new_v
+        top, logp = self.decoder.draft.topk(h, self.k, used)  # [B, used, k] each
+        return best, accepted, candidates_from_topk(root, top, candidate_index), top, logp, new_k, new_v
 
     def _cached_draft(self, path, accepted, argmax, hidden, start, past_lengths, past):
         """The accepted path's rows [B, D+1] (the first accepted + 1 valid) appended to the drafter's
         cache with the token chosen after each (the argmax at each node: the next accepted token, then
         the new root), drafts at the last. Returns the top-k ids [B, K, k] and the rows' K/V [2, B,
-        Hkv, D+1, hd], which the runtime commits (accepted + 1 of them)."""
+        Hkv, D+1, hd], which the runtime commits (accepted + 1 of them), and the log-probs [B, K, k]."""
         model = self.decoder.model
         b, n = path.shape
         j = torch.arange(n, device=path.device)
@@ -271,8 +278,8 @@ class _FusedStepModule(nn.Module):
         cache = (torch.stack([past[0], past[2]]), torch.stack([past[1], past[3]]))
         h1, h2, dk, dv = model.drafter.adapt(h, after, model.vocab_embedding, past_lengths[:, None] + j, mask, cache)
         rows = accepted[:, None, None].expand(b, 1, h1.shape[-1])
-        top = model.drafter.topk(h1.gather(1, rows)[:, 0], h2.gather(1, rows)[:, 0], model.lm_head, self.k)
-        return top, dk, dv
+        top, logp = model.drafter.topk(h1.gather(1, rows)[:, 0], h2.gather(1, rows)[:, 0], model.lm_head, self.k)
+        return top, logp, dk, dv
 
 
 def step_example_inputs(model: MedusaModel) -> dict:
@@ -282,7 +289,7 @@ def step_example_inputs(model: MedusaModel) -> dict:
     del inputs["logit_positions"]
     past = inputs.pop("past")
     depth = min(model.cfg.num_medusa_heads, 3)  # the graph drafts with as many heads as the tree is deep
-    retrieve = torch.tensor([[0, 1, 4, 5], [0, 2, -1, -1], [0, 3, -1, -1]])[:, :depth + 1]
+    retrieve = torch.tensor([[0, 1, 4, 5], [0, 2, -1, -1], [0, 3, -1, -1]])[:, :depth + 1].expand(2, -1, -1)
     out = {**inputs, "retrieve": retrieve, "candidate_index": torch.arange(7) % (depth * step_topk(model)),
            "past": past}
     if model.drafter.has_cache:  # the drafter's cache: 2 layers, 4 committed rows
@@ -457,7 +464,7 @@ def export_onnx(
         if cfg.num_medusa_heads and fused_step:
             step_inputs = step_example_inputs(model)
             step_shapes = {**{k: v for k, v in dynamic_shapes.items() if k != "logit_positions"},
-                           "retrieve": {0: Dim("paths"), 1: Dim("path_length")},
+                           "retrieve": {0: batch, 1: Dim("paths"), 2: Dim("path_length")},
                            "candidate_index": {0: Dim("candidates")}}
             if cached_drafter:
                 step_shapes.update(drafter_past_lengths={0: batch},

@@ -242,6 +242,9 @@ def build_onnxruntime(opts: BuildOptions, config: dict, workdir: Path) -> dict:
                  # whose ranks are all below step_topk.
                  "step_file": result.step_path.name if result.step_path else None,
                  "step_topk": result.step_topk,
+                 # Its retrieve is per sequence and it returns the drafter's top-k log-probs: trees chosen
+                 # per step run on it (runtime/dynamic.py).
+                 **({"step_dynamic": True} if result.step_path else {}),
                  # ONNX Runtime contrib ops written in place of plain ones (fusions.py).
                  "fusions": fusions},
     }

@@ -143,6 +143,7 @@ class OrtBackend(Backend):
         self.pad_one_row = bool(self.device == "cpu" and weights.get("format") == "int4"
                                 and one_row_kernel_differs(weights["block_size"], weights["accuracy_level"]))
         self.fused_step_topk = onnx_info.get("step_topk") if step_file else None
+        self.fused_step_dynamic = bool(step_file and onnx_info.get("step_dynamic"))
         self._check_graphs(engine)
         self.num_layers, self.num_kv_heads = model["num_layers"], model["num_kv_heads"]
         self.head_dim, self.num_medusa_heads = model["head_dim"], engine["medusa"]["num_heads"]
@@ -191,7 +192,8 @@ class OrtBackend(Backend):
         expected = {"session": ([*INPUT_NAMES, *past], graph_outputs(OUTPUT_NAMES, layers, self.in_place), ("logits",)),
                     "heads_session": ([HEADS_INPUT], [HEADS_OUTPUT], (HEADS_OUTPUT,)),
                     "step_session": ([*STEP_INPUT_NAMES, *past, *(DRAFTER_STEP_INPUTS if cached else ())],
-                                     graph_outputs(step_outputs(cached), layers, self.in_place), ()),
+                                     graph_outputs(step_outputs(cached, bool(engine["onnx"].get("step_dynamic"))), layers,
+                                                  self.in_place), ()),
                     "drafter_session": ([*DRAFTER_INPUT_NAMES, *past_names(2)], list(DRAFTER_OUTPUT_NAMES),
                                         (HEADS_OUTPUT,))}
         for name, file in self._graphs.items():
@@ -238,16 +240,23 @@ class OrtBackend(Backend):
     def fused_step(self, input_ids, position_ids, new_mask, retrieve, candidate_index):
         """Verifies a tree, accepts greedily and drafts the next tree's tokens in one call (the step
         graph, engines/onnx/export.py). Returns best path [B], accepted draft tokens [B] and the next
-        input_ids [B, 1 + C]; the new tokens' KV stays pending until `commit`. A drafter with its own
-        cache takes the accepted path in the same call; its rows are committed here."""
-        feeds, _ = self._feeds(input_ids, position_ids, new_mask, retrieve=retrieve, candidate_index=candidate_index)
+        input_ids [B, 1 + C], then, where fused_step_dynamic, the drafter's top-k ids and log-probs
+        [B, H, k] (None otherwise); the new tokens' KV stays pending until `commit`. A drafter with its
+        own cache takes the accepted path in the same call; its rows are committed here."""
         b = len(input_ids)
+        if self.fused_step_dynamic and retrieve.dim() == 2:  # one tree for the batch, as the graph takes it per sequence
+            retrieve = retrieve.expand(b, -1, -1)
+        feeds, _ = self._feeds(input_ids, position_ids, new_mask, retrieve=retrieve, candidate_index=candidate_index)
         outputs = {"best_path": ((b,), np.int64), "accepted": ((b,), np.int64),
                    "next_tokens": ((b, 1 + len(candidate_index)), np.int64)}
+        if self.fused_step_dynamic:
+            top = (b, min(retrieve.shape[-1] - 1, self.num_medusa_heads), self.fused_step_topk)
+            outputs.update(next_topk=(top, np.int64), next_logp=(top, np.float32))
         if not self.info.drafter_cache:
-            return tuple(self.cache.run(self.step_session, feeds, outputs))
+            out = self.cache.run(self.step_session, feeds, outputs)
+            return (*out, None, None) if len(out) == 3 else tuple(out)
         past = int(self.drafter_lengths.max())
-        n = retrieve.shape[1]
+        n = retrieve.shape[-1]  # the path's rows: depth + 1
         if past + n > self.drafter_keys.shape[3]:
             raise ValueError(f"drafter cache overflow: {past} + {n} rows > capacity {self.drafter_keys.shape[3]}")
         feeds["drafter_past_lengths"] = np.ascontiguousarray(self.drafter_lengths.numpy(), dtype=np.int64)
@@ -256,10 +265,10 @@ class OrtBackend(Backend):
             feeds[name] = np.ascontiguousarray(cache[i // 2, :, :, :past].numpy())
         shape = (2, b, self.num_kv_heads, n, self.head_dim)
         outputs.update(drafter_present_keys=(shape, self._np_dtype), drafter_present_values=(shape, self._np_dtype))
-        best, accepted, tokens, new_k, new_v = self.cache.run(self.step_session, feeds, outputs)
+        *out, new_k, new_v = self.cache.run(self.step_session, feeds, outputs)
         # The path's drafter rows are committed with the base's (commit: the first accepted + 1).
         self._drafter_pending = (new_k, new_v)
-        return best, accepted, tokens
+        return (*out, None, None) if len(out) == 3 else tuple(out)
 
     def _feeds(self, input_ids, position_ids, new_mask, logit_positions=None, **step_inputs):
         """A graph call's host feeds, with the rows as the kernel needs them: where pad_one_row, a lone
