@@ -143,8 +143,11 @@ def validate_engine(engine: Any, path: Path, backend: str | None = None) -> dict
     medusa = require_section(engine, "medusa", file=path, error=EngineError)
     req(medusa, "num_heads", int, "medusa.", nonnegative=True)
     req(medusa, "num_layers", int, "medusa.", nonnegative=True)
-    tree = req(medusa, "tree", list, "medusa.", default=None)  # medusa-build --tree: the default tree
-    if tree is not None and not (tree and all(
+    tree = medusa.get("tree")  # medusa-build --tree: the default tree, or "dynamic:N" (trees chosen per step)
+    if isinstance(tree, str):
+        if not re.fullmatch(r"dynamic:[1-9][0-9]*", tree):
+            raise EngineError(f"{path}: medusa.tree {tree[:60]!r}; expected a list of paths or 'dynamic:N' (N >= 1)")
+    elif tree is not None and not (isinstance(tree, list) and tree and all(
             isinstance(p, list) and p and all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in p)
             for p in tree)):
         raise EngineError(f"{path}: medusa.tree {str(tree)[:60]}; expected a non-empty list of paths such as [[0], [0, 0]]")

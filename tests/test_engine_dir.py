@@ -77,11 +77,12 @@ def _edited_copy(engine_dir, tmp_path, **changes):
 def test_engines_list_the_features_they_require(ort_engine):
     """An engine lists the optional features it uses, no more: a reader that knows them all reads it."""
     float_engine = read_engine(ort_engine("llama"))
-    assert float_engine["format_version"] == ENGINE_FORMAT_VERSION == 8 and float_engine["requires"] == []
-    assert read_engine(int4_engine(ort_engine, 4))["requires"] == ["cache_in_place", "chains_only"]
-    assert read_engine(int4_engine(ort_engine, 4, "row_exact_f32"))["requires"] == ["key_block", "cache_in_place"]
+    assert float_engine["format_version"] == ENGINE_FORMAT_VERSION == 8 and float_engine["requires"] == ["step_dynamic"]
+    assert read_engine(int4_engine(ort_engine, 4))["requires"] == ["cache_in_place", "chains_only", "step_dynamic"]
+    assert read_engine(int4_engine(ort_engine, 4, "row_exact_f32"))["requires"] == [
+        "key_block", "cache_in_place", "step_dynamic"]
     assert read_engine(exact_engine(ort_engine))["requires"] == [
-        "cache_in_place", "chains_only", "int4_offsets", "lm_head_bits"]
+        "cache_in_place", "chains_only", "int4_offsets", "lm_head_bits", "step_dynamic"]
     assert set(read_engine(exact_engine(ort_engine))["requires"]) <= set(KNOWN_FEATURES)
 
 

@@ -37,6 +37,7 @@ from medusa_trt.tools import bench
 from medusa_trt.tools.bench import (
     PROG,
     BenchError,
+    also_mode,
     compare,
     format_report,
     hf_generate,
@@ -50,6 +51,9 @@ def parser() -> argparse.ArgumentParser:
     add_source_args(p, engine_help=ENGINE_OR_CHECKPOINT_HELP)
     add_prompts_arg(p, required=True)
     add_tree_arg(p)
+    p.add_argument("--also", action="append", default=[], metavar="TREE",
+                   help="another tree measured in the same run, side by side (repeatable); TREE/no-context: a "
+                        "dynamic:N tree without context candidates")
     add_max_new_tokens_arg(p, default=128)
     p.add_argument("--limit", type=positive_int, help="use the first N prompts")
     p.add_argument("--repeat", type=positive_int, default=1, help="measure each prompt N times (default 1)")
@@ -68,7 +72,7 @@ def parser() -> argparse.ArgumentParser:
 
 def _main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    from medusa_trt.runtime.decoding import GenerationConfig, decode, resolve_tree
+    from medusa_trt.runtime.decoding import GenerationConfig, decode, resolve_tree, step_tree
     from medusa_trt.runtime.loading import load_backend, load_tokenizer, stop_tokens
 
     if args.quiet:
@@ -99,8 +103,11 @@ def _main(argv: list[str] | None = None) -> int:
         stops = stop_tokens(args.engine, tok)
         sampling = sampling_options(args)
         GenerationConfig(**sampling)  # bad values: one line, exit 2, before any work
-        result = compare(backend, prompts, tree, args.max_new_tokens, stops, args.repeat,
-                         progress=not args.quiet, sampling=sampling)
+        extra = {spec: also_mode(spec) for spec in args.also}
+        for mode in extra.values():
+            step_tree(backend.info, mode["medusa_choices"])  # a bad tree: one line, exit 2, before any work
+        result = compare(backend, prompts, tree, args.max_new_tokens, stops, args.repeat, progress=not args.quiet,
+                         extra_modes=extra, sampling=sampling, context_candidates=args.context_candidates)
         hf = {"skipped": hf_note} if hf_note else None
         if hf_dir is not None:
             plain_tokens = None
@@ -119,6 +126,7 @@ def _main(argv: list[str] | None = None) -> int:
         "acceptance": args.acceptance, "temperature": sampling["temperature"] if args.acceptance != "greedy" else None,
         "plain": result["modes"]["plain"], "medusa": {**result["modes"]["medusa"], **result["medusa"]},
         "hf_generate": hf, "per_prompt": result["per_prompt"],
+        "also": {spec: {**result["modes"][spec], **result[spec]} for spec in extra},
     }
     if hf and "tokens_per_s" in hf:
         report["medusa"]["speedup_vs_hf_generate"] = round(report["medusa"]["tokens_per_s"] / hf["tokens_per_s"], 4)

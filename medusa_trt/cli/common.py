@@ -208,12 +208,18 @@ def add_source_args(p: argparse.ArgumentParser, *, checkpoint: str | None = None
 
 
 def add_tree_arg(p: argparse.ArgumentParser, *, default: str | None = None,
-                 help: str = "tree: preset name, list of paths, file or brace form (default: the tree the engine "
-                             "records, medusa-build --tree)") -> None:
-    """--medusa-choices; its help names the presets, which are otherwise listed only in an error."""
+                 help: str = "tree: preset name, list of paths, file or brace form, or dynamic:N (the N most "
+                             "probable nodes chosen each step; default: the tree the engine records, medusa-build "
+                             "--tree)", context: bool = True) -> None:
+    """--medusa-choices; its help names the presets, which are otherwise listed only in an error. With
+    `context`, --no-context-candidates too (per-step trees' continuations from the context)."""
     from medusa_trt.tree import preset_names
 
     p.add_argument("--medusa-choices", default=default, help=f"{help}; presets: {', '.join(preset_names())}")
+    if context:
+        p.add_argument("--no-context-candidates", dest="context_candidates", action="store_false",
+                       help="dynamic:N trees: do not offer continuations found in the prompt and generated text "
+                            "(prompt lookup) as candidates")
 
 
 def add_max_new_tokens_arg(p: argparse.ArgumentParser, *, default: int, help: str | None = None,

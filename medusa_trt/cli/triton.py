@@ -32,7 +32,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model-name", default="medusa", help="Python-backend model name (default: medusa)")
     p.add_argument("--max-batch-size", type=positive_int,
                    help="largest dynamic batch (default: the engine's limit, or 8)")
-    add_tree_arg(p, help="default tree: preset name, list, JSON/YAML file or brace form (default: the tree the "
+    add_tree_arg(p, context=False, help="default tree: preset name, list, JSON/YAML file or brace form (default: the tree the "
                  "engine records, medusa-build --tree)")
     p.add_argument("--decoupled", action="store_true", help="decoupled model: needed for streaming responses")
     p.add_argument("--acceptance", choices=list(ACCEPTANCE), default="greedy",

@@ -147,18 +147,27 @@ def _refuse_hf_model_dir(checkpoint: Path) -> None:
                          "--checkpoint merged/")
 
 
-def recorded_tree(opts: BuildOptions, config: dict) -> tuple[list[list[int]], str] | None:
+def recorded_tree(opts: BuildOptions, config: dict) -> tuple[list[list[int]] | str, str] | None:
     """opts.tree as the engine records it: its nodes (prefixes added, checked against the heads and
-    max_draft_len before any work) and its source (a file's name, a preset's name or "given")."""
+    max_draft_len before any work), or "dynamic:N" for trees chosen per step, and its source (a
+    file's name, a preset's name or "given")."""
     if opts.tree is None:
         return None
-    from medusa_trt.tree import TreeError, parse_medusa_choices, validate_and_expand
+    from medusa_trt.runtime.dynamic import dynamic_tree, parse_dynamic
+    from medusa_trt.tree import TreeError, candidate_topk, parse_medusa_choices, validate_and_expand
 
     heads = int(config.get("num_medusa_heads") or 0)
     if heads == 0:
         raise BuildError(f"--tree: {opts.checkpoint} has no Medusa heads to draft a tree with")
+    limit = limits_for(opts, config).max_draft_len
     try:
-        nodes = validate_and_expand(parse_medusa_choices(opts.tree), heads, limits_for(opts, config).max_draft_len)
+        if parse_dynamic(opts.tree) is not None:
+            if opts.backend == "tensorrt-llm":
+                raise TreeError(f"{opts.tree!r}: TensorRT-LLM engines verify static trees only; expected a list of "
+                                "paths or a preset")
+            spec = f"dynamic:{dynamic_tree(opts.tree, heads, candidate_topk(int(config['vocab_size'])), limit).budget}"
+            return spec, "per-step trees" if spec == str(opts.tree).strip() else f"{Path(str(opts.tree)).name}: {spec}"
+        nodes = validate_and_expand(parse_medusa_choices(opts.tree), heads, limit)
     except TreeError as e:
         raise BuildError(f"--tree: {e}") from None
     spec = str(opts.tree) if isinstance(opts.tree, (str, Path)) else "given"

@@ -31,7 +31,7 @@ class ModelInfo:
     drafter_cache: bool = False
     # The tree the engine records (engine.json medusa.tree, from medusa-build --tree) and where it came
     # from: what a decode uses when its config names none (decoding.resolve_tree). None: none recorded.
-    tree: tuple[tuple[int, ...], ...] | None = None
+    tree: tuple[tuple[int, ...], ...] | str | None = None  # str: "dynamic:N" (runtime/dynamic.py)
     tree_source: str | None = None
     # Where a decode stops unless its config says otherwise: EOS of the model config, generation config
     # and tokenizer, and the chat template's end-of-turn tokens (loading.stop_tokens, set by load_backend).

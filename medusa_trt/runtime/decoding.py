@@ -129,6 +129,9 @@ def resolve_tree(info: ModelInfo, medusa_choices: object = None) -> tuple[object
         given = medusa_choices if isinstance(medusa_choices, (str, os.PathLike)) else \
             f"{len(medusa_choices)} paths given"
         return medusa_choices, str(given)
+    if isinstance(info.tree, str):
+        return info.tree, f"{info.tree} ({info.tree_source or 'trees chosen per step'}, recorded in the engine by " \
+                          "medusa-build --tree)"
     if info.tree:
         return [list(p) for p in info.tree], f"{info.tree_source or 'the tree'} ({len(info.tree)} nodes, recorded " \
                                              "in the engine by medusa-build --tree)"

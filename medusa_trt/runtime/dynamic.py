@@ -22,15 +22,18 @@ a static tree makes (docs/design.md, per-step trees).
 from __future__ import annotations
 
 import heapq
+import json
 import math
+import os
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from medusa_trt.drafters.base import topk_logp
-from medusa_trt.tree import TreeError
+from medusa_trt.tree import MAX_TREE_TEXT, TreeError
 
 DYNAMIC_PREFIX = "dynamic:"
 MAX_NGRAM = 4  # longest n-gram looked up
@@ -83,9 +86,26 @@ class DynamicTree:
 _DYNAMIC = re.compile(r"dynamic:(.*)", re.IGNORECASE)
 
 
+def _from_file(spec: object) -> object:
+    """A tree file's medusa_choices when it is a string ("dynamic:N", what medusa-tune-tree writes when
+    per-step trees won), else `spec` itself (a list file is parse_medusa_choices' to read)."""
+    if not isinstance(spec, (str, os.PathLike)) or not str(spec).lower().endswith(".json"):
+        return spec
+    try:
+        path = Path(spec)
+        if not path.is_file() or path.stat().st_size > MAX_TREE_TEXT:
+            return spec
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return spec  # parse_medusa_choices names the problem
+    choices = data.get("medusa_choices") if isinstance(data, dict) else None
+    return choices if isinstance(choices, str) else spec
+
+
 def parse_dynamic(spec: object) -> int | None:
-    """The budget N of "dynamic:N"; None when `spec` is not a dynamic spec. A malformed budget
-    raises TreeError naming it."""
+    """The budget N of "dynamic:N" (or of a tree file holding it); None when `spec` is not a dynamic
+    spec. A malformed budget raises TreeError naming it."""
+    spec = _from_file(spec)
     if not isinstance(spec, str):
         return None
     m = _DYNAMIC.fullmatch(spec.strip())
@@ -108,6 +128,7 @@ def dynamic_tree(spec: object, heads: int, topk: int, max_draft_len: int, chains
     budget = parse_dynamic(spec)
     if budget is None:
         return None
+    spec = _from_file(spec)
     if budget > max_draft_len:
         raise TreeError(f"medusa_choices {spec!r}: budget {budget} exceeds the engine's max_draft_len "
                         f"{max_draft_len}; expected dynamic:N with N <= {max_draft_len}")

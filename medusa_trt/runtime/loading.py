@@ -31,7 +31,9 @@ def load_backend(directory: str | Path, dtype: str | None = None, device: str | 
     tree, source = None, None
     if (directory / ENGINE_JSON).exists():
         medusa = read_engine(directory)["medusa"]
-        tree = tuple(tuple(p) for p in medusa["tree"]) if medusa.get("tree") else None
+        tree = medusa.get("tree") or None
+        if isinstance(tree, list):
+            tree = tuple(tuple(p) for p in tree)
         source = medusa.get("tree_source")
     backend.info = replace(backend.info, tree=tree, tree_source=source, stop_token_ids=stop_tokens(directory))
     return backend

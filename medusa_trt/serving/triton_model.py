@@ -37,7 +37,8 @@ import numpy as np
 
 from medusa_trt.errors import MedusaTrtError
 from medusa_trt.runtime.chat import ChatError, encode_chat, parse_messages
-from medusa_trt.runtime.decoding import ACCEPTANCE, GenerationConfig, SequenceStats, generate
+from medusa_trt.runtime.decoding import ACCEPTANCE, GenerationConfig, SequenceStats, generate, step_tree
+from medusa_trt.runtime.dynamic import parse_dynamic
 from medusa_trt.runtime.loading import load_backend, load_tokenizer, stop_tokens
 from medusa_trt.serving.triton_repo import MODEL_INPUTS
 from medusa_trt.tree import TreeError, parse_medusa_choices, validate_and_expand
@@ -202,14 +203,18 @@ def parse_request(service: Service, inputs: Mapping[str, np.ndarray], index: int
         spec = one("medusa_choices")
         spec = _text("medusa_choices", spec, where) if spec is not None else s.medusa_choices
         try:
-            nodes = validate_and_expand(parse_medusa_choices(spec), info.num_medusa_heads, info.max_draft_len)
+            if parse_dynamic(spec) is not None:  # a tree chosen per step: "dynamic:N"
+                tree = step_tree(info, spec)
+                nodes, depth = f"dynamic:{tree.budget}", tree.max_depth
+            else:
+                nodes = validate_and_expand(parse_medusa_choices(spec), info.num_medusa_heads, info.max_draft_len)
+                depth = max(len(p) for p in nodes)
         except TreeError as err:
             raise RequestError(f"medusa_choices{where}: {err}") from None
-        rank = max(max(p) for p in nodes)
+        rank = 0 if isinstance(nodes, str) else max(max(p) for p in nodes)
         if rank >= info.vocab_size:
             raise RequestError(f"medusa_choices{where}: rank {rank} is beyond the vocabulary ({info.vocab_size} "
                                f"tokens); expected ranks < {info.vocab_size}")
-        depth = max(len(p) for p in nodes)
         if len(prompt) + max_tokens + depth > info.max_seq_len:
             raise RequestError(f"text_input{where}: prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) + tree "
                                f"depth ({depth}) exceeds the engine's max_seq_len {info.max_seq_len}")
@@ -250,7 +255,7 @@ def parse_request(service: Service, inputs: Mapping[str, np.ndarray], index: int
         else:
             acceptance = "greedy" if acceptance == "greedy" or temperature == 0 else "typical"
             knobs = None if acceptance == "greedy" else (temperature, threshold, alpha)  # typical knobs only
-        key = (tuple(map(tuple, nodes)), acceptance, knobs, stop_ids)
+        key = (nodes if isinstance(nodes, str) else tuple(map(tuple, nodes)), acceptance, knobs, stop_ids)
         jobs.append(Job(index, r, prompt, max_tokens, cfg, key, stop_words, seed if acceptance == "sample" else None))
     return Parsed(jobs, stream)
 

@@ -25,7 +25,9 @@ from medusa_trt.checkpoint import validate_config
 from medusa_trt.engine_dir import ENGINE_JSON, EngineError, read_engine
 from medusa_trt.errors import MedusaTrtError, read_json_object
 from medusa_trt.outputs import atomic_output_dir
+from medusa_trt.runtime.dynamic import dynamic_tree, parse_dynamic
 from medusa_trt.tree import (
+    CANDIDATE_TOPK,
     DEFAULT_TREE,
     TreeError,
     check_trtllm_ranks,
@@ -110,7 +112,7 @@ class EngineInfo:
     max_draft_len: int
     max_seq_len: int
     max_batch_size: int | None  # None: no limit recorded (a checkpoint runs any batch)
-    tree: list[list[int]] | None = None  # the tree the engine records (medusa-build --tree)
+    tree: list[list[int]] | str | None = None  # the tree the engine records (medusa-build --tree; str: dynamic:N)
     tree_source: str | None = None
 
 
@@ -181,7 +183,7 @@ def write_triton_repo(
         raise RepoError(f"model name {model_name!r}: expected letters, digits, '_', '.' or '-'")
     batch = _check_batch(max_batch_size, info)
     tree = default_tree(medusa_choices, info)[0]
-    depth = max(len(p) for p in tree)
+    depth = dynamic_depth(tree, info) if isinstance(tree, str) else max(len(p) for p in tree)
     room = info.max_seq_len - depth  # prompt + generated tokens must leave room for one tree
     max_input_len = room - 1 if max_input_len is None else max_input_len
     max_output_len = room - 1 if max_output_len is None else max_output_len
@@ -201,7 +203,7 @@ def write_triton_repo(
                         f"intra_op_threads {intra_op_threads}: expected >= 1, >= 0, >= 0")
     params = {
         "engine_dir": str(Path(engine_dir_as).resolve() if engine_dir_as is not None else info.directory),
-        "medusa_choices": tree_to_brace(tree),
+        "medusa_choices": tree if isinstance(tree, str) else tree_to_brace(tree),
         "acceptance": acceptance,
         "temperature": repr(float(temperature)),
         "posterior_threshold": repr(float(posterior_threshold)),
@@ -352,6 +354,9 @@ def write_trtllm_triton_repo(
     _check_tokenizer(tokenizer)
     batch = _check_batch(max_batch_size, info)
     tree = _default_tree(medusa_choices, info)
+    if isinstance(tree, str):
+        raise RepoError(f"default tree {tree!r} for the TensorRT-LLM engine {engine}: TensorRT-LLM verifies static "
+                        "trees only; expected a list of paths or a preset")
     try:
         check_trtllm_ranks(tree, f"default tree for the TensorRT-LLM engine {engine}")
     except TreeError as err:
@@ -447,9 +452,21 @@ def default_tree(medusa_choices: object, info: EngineInfo | None) -> tuple[list[
     return _default_tree(DEFAULT_TREE, info), DEFAULT_TREE
 
 
-def _default_tree(medusa_choices: object, info: EngineInfo | None) -> list[list[int]]:
+def dynamic_depth(spec: str, info: EngineInfo) -> int:
+    """The deepest tree a "dynamic:N" default verifies on the engine (tree depth bounds the prompt)."""
+    try:
+        return dynamic_tree(spec, info.num_heads, CANDIDATE_TOPK, info.max_draft_len).max_depth
+    except TreeError as err:
+        raise RepoError(f"default tree for {info.directory}: {err}") from None
+
+
+def _default_tree(medusa_choices: object, info: EngineInfo | None) -> list[list[int]] | str:
+    """The nodes of a static default tree, or a "dynamic:N" spec as it is (checked by dynamic_depth)."""
     spec = DEFAULT_TREE if medusa_choices is None else medusa_choices
     try:
+        budget = parse_dynamic(spec)
+        if budget is not None:
+            return f"dynamic:{budget}"
         paths = parse_medusa_choices(spec)
         if info is None:  # no head count known: check the shape only
             return validate_and_expand(paths, num_heads=max(len(p) for p in paths) if paths else 1)

@@ -77,6 +77,10 @@ class ForwardTimer(Backend):
         return self.backend.fused_step_topk
 
     @property
+    def fused_step_dynamic(self) -> bool:
+        return self.backend.fused_step_dynamic
+
+    @property
     def host_threads(self) -> int | None:
         return self.backend.host_threads
 
@@ -172,11 +176,20 @@ def medusa_ratios(plain: ModeSummary, medusa: ModeSummary) -> dict:
     }
 
 
+def also_mode(spec: str) -> dict:
+    """medusa-bench --also: GenerationConfig fields of TREE, or TREE/no-context (no context candidates)."""
+    tree, _, flag = spec.partition("/")
+    if flag not in ("", "no-context"):
+        raise BenchError(f"--also {spec!r}: unknown suffix /{flag}; expected TREE or TREE/no-context")
+    return {"medusa_choices": tree, "context_candidates": not flag}
+
+
 def compare(backend: Backend, prompts: list[list[int]], medusa_choices=None, max_new_tokens: int = 128,
             stop_token_ids: tuple[int, ...] = (), repeat: int = 1, warmup: bool = True,
-            progress: bool = True, extra_modes: dict | None = None, sampling: dict | None = None) -> dict:
-    """Plain vs Medusa (and any `extra_modes` {name: medusa_choices}) per prompt, interleaved;
-    medusa_choices None: the engine's own tree (decoding.resolve_tree).
+            progress: bool = True, extra_modes: dict | None = None, sampling: dict | None = None,
+            context_candidates: bool = True) -> dict:
+    """Plain vs Medusa (and any `extra_modes` {name: medusa_choices, or a dict of GenerationConfig
+    fields}) per prompt, interleaved; medusa_choices None: the engine's own tree (decoding.resolve_tree).
     `sampling`: GenerationConfig fields (acceptance, temperature, top_k, top_p, seed) for the Medusa
     modes; with typical or sample acceptance the plain baseline is plain sampling on the same backend.
 
@@ -190,9 +203,11 @@ def compare(backend: Backend, prompts: list[list[int]], medusa_choices=None, max
     modes = {"plain": GenerationConfig(max_new_tokens=max_new_tokens, use_medusa=False, stop_token_ids=stop_token_ids,
                                        **plain),
              "medusa": GenerationConfig(max_new_tokens=max_new_tokens, medusa_choices=medusa_choices,
-                                        stop_token_ids=stop_token_ids, **sampling)}
-    for name, tree in (extra_modes or {}).items():
-        modes[name] = GenerationConfig(max_new_tokens=max_new_tokens, medusa_choices=tree, stop_token_ids=stop_token_ids,
+                                        stop_token_ids=stop_token_ids, context_candidates=context_candidates,
+                                        **sampling)}
+    for name, mode in (extra_modes or {}).items():
+        fields = mode if isinstance(mode, dict) else {"medusa_choices": mode, "context_candidates": context_candidates}
+        modes[name] = GenerationConfig(max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids, **fields,
                                        **sampling)
     if warmup:  # first calls pay for allocation and ONNX Runtime's lazy initialization
         for cfg in modes.values():
@@ -324,6 +339,9 @@ def format_report(r: dict) -> str:
         f"{'medusa':<22}{m['tokens_per_s']:>10.1f}{m['step_ms']:>10.3f}{m['tokens_per_step']:>10.2f}"
         f"{m['host_overhead_share']:>12.1%}",
     ]
+    for spec, a in (r.get("also") or {}).items():
+        lines.append(f"{spec[:21]:<22}{a['tokens_per_s']:>10.1f}{a['step_ms']:>10.3f}{a['tokens_per_step']:>10.2f}"
+                     f"{a['host_overhead_share']:>12.1%}  {a['speedup']:.2f}x, equal to plain: {a['equal_to_plain']}")
     hf = hf if hf and "tokens_per_s" in hf else None
     if hf:
         lines.append(f"{'transformers generate':<22}{hf['tokens_per_s']:>10.1f}")
