@@ -281,6 +281,14 @@ CASES = [
      ["p.txt", "UTF-8"]),
     ("run-empty-medusa-choices", RUN, lambda c: run_args(c, None, "--medusa-choices", ""),
      ["medusa_choices ''", "empty"]),
+    ("run-dynamic-zero", RUN, lambda c: run_args(c, None, "--medusa-choices", "dynamic:0"),
+     ["dynamic:0", "budget 0", "N >= 1"]),
+    ("run-dynamic-negative", RUN, lambda c: run_args(c, None, "--medusa-choices", "dynamic:-3"),
+     ["dynamic:-3", "budget -3", "N >= 1"]),
+    ("run-dynamic-not-a-number", RUN, lambda c: run_args(c, None, "--medusa-choices", "dynamic:abc"),
+     ["dynamic:abc", "'abc' is not an integer"]),
+    ("run-dynamic-beyond-heads-topk", RUN, lambda c: run_args(c, None, "--medusa-choices", "dynamic:999"),
+     ["dynamic:999", "budget 999", "max_draft_len"]),
     ("run-yaml-alias-bomb", RUN, lambda c: run_args(c, None, "--medusa-choices", str(c.write("t.yaml", YAML_BOMB))),
      ["t.yaml", "aliases"]),
     ("run-json-tree-nested-deep", RUN,
@@ -542,6 +550,8 @@ def test_request_values_are_refused_by_the_triton_model(fixtures):
          "temperature"),
         (req(medusa_choices=np.array([[b"[[0], [999]]"]], dtype=np.object_)), "rank 999"),
         (req(medusa_choices=np.array([[b"[" * 5000]], dtype=np.object_)), "nested 5000 levels"),
+        (req(medusa_choices=np.array([[b"dynamic:0"]], dtype=np.object_)), "budget 0; expected dynamic:N with N >= 1"),
+        (req(medusa_choices=np.array([[b"dynamic:abc"]], dtype=np.object_)), "budget 'abc' is not an integer"),
         (req(max_tokens=np.array([[-3]], dtype=np.int64)), "max_tokens"),
     ]
     for inputs, message in cases:

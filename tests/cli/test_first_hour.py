@@ -160,6 +160,34 @@ def test_engine_records_its_tree_and_every_consumer_uses_it(ort_engine, tiny_mer
     assert "mc_sim_7b_63 cut to the engine" in err and "medusa-build --tree" in err
 
 
+def test_engine_records_per_step_trees(ort_engine, tiny_merged, tmp_path, capsys):
+    """A tree file holding "dynamic:N" (what medusa-tune-tree writes when per-step trees win) is
+    recorded as such, and the runtime, medusa-run and the Triton repository use it."""
+    from medusa_trt.engines.build import recorded_tree
+    from medusa_trt.engines.options import BuildOptions
+    from medusa_trt.serving.triton_repo import write_triton_repo
+
+    tree_file = tmp_path / "tree.json"
+    tree_file.write_text(json.dumps({"medusa_choices": "dynamic:6"}))
+    ckpt = tiny_merged("llama")
+    config = json.loads((ckpt / "config.json").read_text())
+    assert recorded_tree(BuildOptions(checkpoint=ckpt, out=tmp_path / "e", tree=str(tree_file)), config) == \
+        ("dynamic:6", "tree.json: dynamic:6")
+    engine = tmp_path / "engine"
+    shutil.copytree(ort_engine("llama"), engine)
+    data = json.loads((engine / "engine.json").read_text())
+    data["medusa"].update(tree="dynamic:6", tree_source="tree.json: dynamic:6")
+    (engine / "engine.json").write_text(json.dumps(data))
+    backend = load_backend(engine)
+    stats = decode(backend, [[5, 9, 17]], GenerationConfig(max_new_tokens=8, stop_token_ids=())).stats[0]
+    assert stats.draft_tokens == 6 * stats.steps
+    code, _, err = run(["--engine", str(engine), "--prompt", "Hi", "--max-new-tokens", "4"], capsys)
+    assert code == 0 and "medusa-run: tree dynamic:6 (tree.json: dynamic:6, recorded in the engine" in err
+    assert 'string_value: "dynamic:6"' in (write_triton_repo(engine, tmp_path / "repo") / "medusa" / "config.pbtxt").read_text()
+    with pytest.raises(Exception, match="TensorRT-LLM engines verify static trees only"):
+        recorded_tree(BuildOptions(checkpoint=ckpt, out=tmp_path / "e", tree="dynamic:6", backend="tensorrt-llm"), config)
+
+
 def test_build_refuses_a_tree_the_engine_cannot_run(tiny_merged, tmp_path, capsys):
     assert build_cli.main(["--checkpoint", str(tiny_merged("llama")), "--out", str(tmp_path / "e"),
                            "--tree", "[[0, 0, 0, 0, 0, 0, 0, 0, 0]]"]) == 2

@@ -60,12 +60,14 @@ def test_multi_row_request_and_mixed_trees_match_single_decodes(service):
         request(["Hello world", "a"], [16, 5]),  # two rows, different lengths: output_ids padded with -1
         request(["zzz"], [9], medusa_choices=["[[0], [1], [0, 0]]"]),  # another tree: its own group
         request(["The quick brown fox"], [12], acceptance=["typical"], temperature=[0.7]),
+        request(["Hello Hello Hello"], [10], medusa_choices=["dynamic:6"]),  # trees chosen per step
     ]
     sent = run(service, batch)
-    assert sorted(i for i, _, final in sent if final) == [0, 1, 2]  # one final response each
+    assert sorted(i for i, _, final in sent if final) == [0, 1, 2, 3]  # one final response each
     outputs = {i: p for i, p, _ in sent}
     rows = [(0, 0, "Hello world", 16, {}), (0, 1, "a", 5, {}), (1, 0, "zzz", 9, {"medusa_choices": [[0], [1], [0, 0]]}),
-            (2, 0, "The quick brown fox", 12, {"acceptance": "typical", "temperature": 0.7})]
+            (2, 0, "The quick brown fox", 12, {"acceptance": "typical", "temperature": 0.7}),
+            (3, 0, "Hello Hello Hello", 10, {"medusa_choices": "dynamic:6"})]
     for i, r, text, n, kw in rows:
         want = offline(service, text, n, **kw)
         ids = outputs[i]["output_ids"][r]
