@@ -50,7 +50,11 @@ def parser() -> argparse.ArgumentParser:
     add_prompts_arg(p, name="--eval-prompts", old=["--eval-data"],
                     help="prompts for the measured comparison (default: --prompts)")
     p.add_argument("--eval-limit", type=positive_int, default=8, help="prompts for the measured comparison (default 8)")
-    p.add_argument("--no-measure", action="store_true", help="predict only; skip the measured comparison")
+    p.add_argument("--no-measure", action="store_true", help="predict only; skip the measured comparison (and so "
+                   "the choice between the static tree and per-step trees)")
+    p.add_argument("--budgets", type=_budgets, default=None, metavar="N[,N...]",
+                   help="per-step tree budgets (dynamic:N) measured against the tuned static tree; the faster is "
+                        "written to --out (default: half, once and twice the tuned tree's nodes; 0: none)")
     add_threads_arg(p, help="engine intra-op threads (default: one per core); tune with the setting you will "
                     "decode with")
     add_spin_arg(p)
@@ -82,6 +86,8 @@ def _main(argv: list[str] | None = None) -> int:
             _, prompts = load_prompts(data, tok, args.eval_limit)
             ref_tree = DEFAULT_TREE
             extra = {ref_tree: ref_tree} if ref_tree in result["predicted"] else {}
+            budgets = tt.budgets_for(len(result["medusa_choices"]), backend.info, args.budgets)
+            extra.update({f"dynamic:{n}": f"dynamic:{n}" for n in budgets})
             measured = compare(backend, prompts, result["medusa_choices"], args.max_new_tokens, stops,
                                progress=not args.quiet, extra_modes=extra)
             result["measured"] = {"data": str(data), "num_prompts": len(prompts),
@@ -92,13 +98,30 @@ def _main(argv: list[str] | None = None) -> int:
                 result["measured"][ref_tree] = {**ref, "tokens_per_s": measured["modes"][ref_tree]["tokens_per_s"]}
                 result["measured"]["tuned_vs_" + ref_tree] = round(
                     result["measured"]["tuned"]["tokens_per_s"] / result["measured"][ref_tree]["tokens_per_s"], 4)
+            for n in budgets:
+                name = f"dynamic:{n}"
+                result["measured"][name] = {**measured[name], "tokens_per_s": measured["modes"][name]["tokens_per_s"]}
+            tt.choose_static_or_dynamic(result, budgets)
     except ValueError as e:  # BenchError, TreeError, EngineError, DataError: bad input, explained
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     write_output_file(args.out, tt.dump_json(result), args.force)
     print(tt.format_report(result))
-    print(f"{PROG}: wrote {args.out} ({len(result['medusa_choices'])} nodes; use --medusa-choices {args.out})")
+    chosen = result["medusa_choices"]
+    what = chosen if isinstance(chosen, str) else f"{len(chosen)} nodes"
+    print(f"{PROG}: wrote {args.out} ({what}; use --medusa-choices {args.out}, or record it: medusa-build --tree "
+          f"{args.out})")
     return 0
+
+
+def _budgets(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected node counts such as 4,8,16 (0: none)") from None
+    if any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected node counts >= 0")
+    return [v for v in values if v > 0]
 
 
 def main(argv: list[str] | None = None) -> int:

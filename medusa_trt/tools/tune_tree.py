@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from medusa_trt.tools.train_heads import rank_hits
-from medusa_trt.tree import CANDIDATE_TOPK, DEFAULT_TREE, StepTree
+from medusa_trt.tree import CANDIDATE_TOPK, DEFAULT_TREE, StepTree, candidate_topk
 
 # Ranks measured per head default to CANDIDATE_TOPK, so a tuned tree keeps the runtime's shared top-k
 # (and the fused step graph); DEFAULT_TREE is what the tuned tree is compared with.
@@ -541,6 +541,35 @@ def _tune(backend, calib, max_nodes, max_new_tokens, stop_token_ids, topk, reps,
     }
 
 
+def budgets_for(nodes: int, info, asked: list[int] | None = None) -> list[int]:
+    """The per-step budgets medusa-tune-tree measures beside a tuned tree of `nodes` nodes: `asked`, or
+    half, once and twice its size; within what the engine and drafter allow (runtime/dynamic.py)."""
+    limit = min(info.max_draft_len, info.num_medusa_heads * candidate_topk(info.vocab_size))
+    wanted = asked if asked is not None else [max(nodes // 2, 1), nodes, 2 * nodes]
+    return sorted({n for n in wanted if 1 <= n <= limit})
+
+
+def choose_static_or_dynamic(result: dict, budgets: list[int]) -> None:
+    """Between the tuned static tree and per-step budgets, keeps the fastest measured one as
+    result["medusa_choices"] (the static tree stays in result["static_tree"]) and says why."""
+    m = result["measured"]
+    static = m["tuned"]["tokens_per_s"]
+    best = max(budgets, key=lambda n: m[f"dynamic:{n}"]["tokens_per_s"], default=None)
+    result["static_tree"] = result["medusa_choices"]
+    if best is None:
+        result["choice"] = {"chosen": "static", "why": "no per-step budget measured"}
+        return
+    fast = m[f"dynamic:{best}"]
+    figures = (f"dynamic:{best} {fast['tokens_per_s']:.1f} tokens/s ({fast['tokens_per_step']:.2f} tokens/step), "
+               f"the {len(result['static_tree'])}-node static tree {static:.1f} tokens/s "
+               f"({m['tuned']['tokens_per_step']:.2f} tokens/step), measured on {m['num_prompts']} prompts")
+    if fast["tokens_per_s"] > static and fast["equal_to_plain"]:
+        result["medusa_choices"] = f"dynamic:{best}"
+        result["choice"] = {"chosen": f"dynamic:{best}", "why": f"faster: {figures}"}
+    else:
+        result["choice"] = {"chosen": "static", "why": f"the static tree is as fast or faster: {figures}"}
+
+
 def format_report(result: dict) -> str:
     p = result["predicted"]
     t = p["tuned"]
@@ -566,6 +595,11 @@ def format_report(result: dict) -> str:
             line += (f"; {DEFAULT_TREE} {r['tokens_per_step']:.2f} tokens/step, {r['speedup']:.2f}x vs plain; "
                      f"tuned / {DEFAULT_TREE} = {m['tuned_vs_' + DEFAULT_TREE]:.2f}x")
         lines.append(line)
+    for name, r in (m or {}).items():
+        if name.startswith("dynamic:"):
+            lines.append(f"per-step trees {name}: {r['tokens_per_step']:.2f} tokens/step, {r['speedup']:.2f}x vs plain")
+    if "choice" in result:
+        lines.append(f"chosen: {result['choice']['chosen']} ({result['choice']['why']})")
     if result["recommendation"] == "plain":
         lines.append(f"warning: no tree is predicted to beat plain decoding on this engine and machine (best "
                      f"{t['speedup_vs_plain']:.2f}x); use plain decoding (medusa-run --no-medusa)")

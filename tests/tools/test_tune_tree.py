@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from medusa_trt.cli import tune_tree as tune_cli
+from medusa_trt.runtime.dynamic import parse_dynamic
 from medusa_trt.tools import tune_tree as ts
 from medusa_trt.tools.train_heads import rank_hits
 from medusa_trt.tools.tune_tree import (
@@ -189,13 +190,18 @@ def test_cli_writes_a_loadable_tree_and_warns_for_random_heads(tiny_merged, tmp_
     out = tmp_path / "tree.json"
     ckpt = tiny_merged("llama")  # random heads: they rarely predict anything
     rc = tune_cli.main(["--engine", str(ckpt), "--calib-data", str(data), "--out", str(out), "--max-nodes", "12",
-                  "--max-new-tokens", "16", "--reps", "2", "--eval-limit", "1", "--quiet"])
+                  "--max-new-tokens", "16", "--reps", "2", "--eval-limit", "1", "--budgets", "3", "--quiet"])
     assert rc == 0
     printed = capsys.readouterr().out
     result = json.loads(out.read_text())
-    tree = parse_medusa_choices(out)
-    assert tree == result["medusa_choices"] and 1 <= len(tree) <= 12
-    build_tree(out, num_heads=4)  # valid: prefix-closed, depth <= heads
+    # The faster of the static tree and dynamic:3 (measured) is written; the static one is kept beside it.
+    assert result["choice"]["chosen"] in ("static", "dynamic:3") and "measured on 1 prompts" in result["choice"]["why"]
+    assert "dynamic:3" in result["measured"] and f"chosen: {result['choice']['chosen']}" in printed
+    if result["choice"]["chosen"] == "dynamic:3":
+        assert result["medusa_choices"] == "dynamic:3" and parse_dynamic(out) == 3
+    tree = parse_medusa_choices(json.dumps(result["static_tree"]))
+    assert (result["medusa_choices"] == "dynamic:3" or tree == result["medusa_choices"]) and 1 <= len(tree) <= 12
+    build_tree(tree, num_heads=4)  # valid: prefix-closed, depth <= heads
     assert len(result["head_accuracy"]["rank_accuracy"]) == 4
     assert len(result["step_time_ms"]["forward"]) >= 13
     assert result["head_accuracy"]["base_agreement"] > 0.9
@@ -206,6 +212,21 @@ def test_cli_writes_a_loadable_tree_and_warns_for_random_heads(tiny_merged, tmp_
     if result["recommendation"] == "plain":
         assert "use plain decoding" in printed
     assert "tuned tree:" in printed
+
+
+def test_the_faster_measured_of_static_and_per_step_trees_is_chosen():
+    def result(static, dynamic, equal=True):
+        return {"medusa_choices": [[0], [1]], "measured": {
+            "num_prompts": 4, "tuned": {"tokens_per_s": static, "tokens_per_step": 1.5},
+            "dynamic:2": {"tokens_per_s": dynamic, "tokens_per_step": 2.0, "equal_to_plain": equal},
+            "dynamic:4": {"tokens_per_s": dynamic - 1, "tokens_per_step": 2.2, "equal_to_plain": equal}}}
+    won = result(10.0, 12.0)
+    ts.choose_static_or_dynamic(won, [2, 4])
+    assert won["medusa_choices"] == "dynamic:2" and won["static_tree"] == [[0], [1]]
+    assert won["choice"]["why"].startswith("faster: dynamic:2 12.0 tokens/s")
+    for lost in (result(12.0, 10.0), result(10.0, 12.0, equal=False)):
+        ts.choose_static_or_dynamic(lost, [2, 4])
+        assert lost["medusa_choices"] == [[0], [1]] and lost["choice"]["chosen"] == "static"
 
 
 def test_cli_bad_input_exits_2(tiny_merged, tmp_path, capsys):
