@@ -268,7 +268,7 @@ def _generate(backend: Backend, prompts: list[list[int]], cfg: GenerationConfig,
         raise ValueError("every prompt needs at least one token")
     if cfg.use_medusa and info.num_medusa_heads == 0:
         raise ValueError("this model has no Medusa heads; decode with use_medusa=False")
-    tree = step_tree(info, cfg.medusa_choices) if cfg.use_medusa else None
+    tree = step_tree(info, cfg.medusa_choices, cfg.context_candidates) if cfg.use_medusa else None
     plan = step_plan(backend, cfg, tree)
     depth = tree.max_depth if tree else 0
     longest = max(len(p) for p in prompts)

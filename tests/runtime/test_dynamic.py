@@ -129,6 +129,8 @@ def test_dynamic_trees_equal_transformers_greedy_batch4(distilled, budget, conte
     assert result.tokens == [oracle(m.hf, p) for p in ps]
     assert sum(s.accepted_draft_tokens for s in result.stats) > 0
     assert all(s.draft_tokens == budget * s.steps for s in result.stats)
+    # Without context candidates no path is deeper than the heads (4); with them, a chain may reach the budget.
+    assert all(len(s.accepted_per_depth) == min(max(4, budget if context else 0), budget) for s in result.stats)
 
 
 def test_dynamic_trees_beat_a_static_tree_of_the_same_size(distilled):
