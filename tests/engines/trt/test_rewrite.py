@@ -42,6 +42,7 @@ from medusa_trt.engines.trt.tree_attention import kernel  # noqa: E402
 from medusa_trt.engines.trt.tree_attention.plugin import PLUGIN_NAME, PLUGIN_NAMESPACE  # noqa: E402
 from medusa_trt.modeling import MedusaModel  # noqa: E402
 from medusa_trt.runtime.decoding import GenerationConfig, decode  # noqa: E402
+from medusa_trt.runtime.dynamic import build_batch  # noqa: E402
 from medusa_trt.runtime.ort.backend import OrtBackend  # noqa: E402
 from medusa_trt.runtime.ort.session import make_session  # noqa: E402
 from medusa_trt.tree import build_tree, pack_mask  # noqa: E402
@@ -193,6 +194,14 @@ def test_matches_with_triton_kernel_in_interpreter(rewritten, tiny_merged, monke
                    head_dim=cfg.head_dim, vocab=cfg.vocab_size)
     _run_both(src, result.path, feeds, impl="kernel")
     assert len(calls) == cfg.num_layers  # the Triton kernel ran, once per plugin node
+    # Trees chosen per step: each sequence of the batch has a tree of its own (mask and depths).
+    per_step = build_batch([[(5,), (6,), (5, 7), (5, 7, 8)], [(9,), (9, 4), (9, 4, 3), (2,)]], [1, 1])
+    feeds = _feeds(np.random.default_rng(6), batch=2, new=per_step.num_slots, past=6, lengths=[6, 2],
+                   mask=per_step.mask.numpy(), positions=np.zeros(per_step.num_slots, dtype=np.int64), layers=cfg.num_layers, kv_heads=cfg.num_kv_heads,
+                   head_dim=cfg.head_dim, vocab=cfg.vocab_size)
+    feeds["position_ids"] = (np.array([6, 2])[:, None] + per_step.position_offsets.numpy()).astype(np.int64)
+    _run_both(src, result.path, feeds, impl="kernel")
+    assert len(calls) == 2 * cfg.num_layers
 
 
 def test_medusa_decode_through_rewritten_graph(ort_engine, rewritten):
@@ -208,6 +217,11 @@ def test_medusa_decode_through_rewritten_graph(ort_engine, rewritten):
     got = decode(backend, prompts, cfg)
     assert got.tokens == expected.tokens
     assert [s.steps for s in got.stats] == [s.steps for s in expected.stats]
+    # Trees chosen per step, on the two-call path a TensorRT engine takes: a mask per sequence.
+    backend.fused_step_topk = None
+    dynamic = decode(backend, prompts, GenerationConfig(max_new_tokens=24, medusa_choices="dynamic:6"))
+    assert dynamic.tokens == decode(OrtBackend(engine), prompts, GenerationConfig(max_new_tokens=24,
+                                                                                  use_medusa=False)).tokens
 
 
 @pytest.fixture(scope="module")
