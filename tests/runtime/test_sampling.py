@@ -91,10 +91,10 @@ def chi_square_p(samples: list[tuple[int, ...]], law: dict[tuple[int, ...], floa
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
 
 
-def sampled_prefixes(backend, tree, k_tokens: int, n: int, use_medusa: bool = True, **processing):
+def sampled_prefixes(backend, tree, k_tokens: int, n: int, use_medusa: bool = True, prompt=PROMPT, **processing):
     cfg = GenerationConfig(max_new_tokens=k_tokens, medusa_choices=tree, use_medusa=use_medusa,
                            acceptance="sample", seed=12345, **processing)
-    result = decode(backend, [PROMPT] * n, cfg)
+    result = decode(backend, [prompt] * n, cfg)
     return [tuple(t) for t in result.tokens], result.stats
 
 
@@ -103,13 +103,19 @@ CASES = [  # tree, tokens compared, processing: several trees, temperatures, top
     (WIDE, 3, dict(temperature=0.5, top_k=5)),
     (CHAIN, 3, dict(temperature=1.0, top_k=3)),
     (WIDE, 2, dict(temperature=0.8, top_p=0.6)),
+    # Trees chosen per step, with context candidates: a prompt that repeats itself, so the context's
+    # continuation joins the drafter's nodes in the tree.
+    ("dynamic:6", 3, dict(temperature=0.5, top_k=5, prompt=[5, 17, 30, 41, 5, 17, 30, 41, 5, 17])),
+    ("dynamic:4", 2, dict(temperature=0.8, top_p=0.6)),
 ]
 
 
 @pytest.mark.parametrize("tree,k_tokens,processing", CASES)
 def test_sample_acceptance_follows_plain_sampling(small, tree, k_tokens, processing):
-    law = exact_law(small.hf, PROMPT, k_tokens, **processing)
-    samples, stats = sampled_prefixes(small.backend, tree, k_tokens, 8000, **processing)
+    processing = dict(processing)
+    prompt = processing.pop("prompt", PROMPT)
+    law = exact_law(small.hf, prompt, k_tokens, **processing)
+    samples, stats = sampled_prefixes(small.backend, tree, k_tokens, 8000, prompt=prompt, **processing)
     # The acceptance path carries weight: accepted drafts within the k compared tokens (statistics count
     # none past max_new_tokens) in over 10% of the sequences (the T=0.8, top-p case: 16%).
     assert sum(s.accepted_draft_tokens for s in stats) > 0.1 * len(stats)
