@@ -343,7 +343,7 @@ def build_batch(trees: list[list[tuple[int, ...]]], roots: list[int], min_depth:
                 chain.append(parent[chain[-1]])
             seq.append(chain[::-1])
         seqs.append(seq)
-    width = max(min_depth, int(depth.max())) + 1
+    width = max(min_depth, int(depth.max()), 1) + 1  # a root-only tree keeps one -1 column: no empty gathers
     n = max(len(s) for s in seqs)
     retrieve = np.full((b, n, width), -1, dtype=np.int64)
     for i, seq in enumerate(seqs):

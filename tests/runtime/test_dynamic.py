@@ -75,7 +75,7 @@ def test_batch_tree_buffers():
     assert bt.retrieve.shape == (2, 2, 5)  # widened to min_depth + 1; the batch's most leaves
     assert bt.retrieve[0].tolist() == [[0, 2, -1, -1, -1], [0, 1, 3, -1, -1]]
     assert bt.retrieve[1, 0].tolist() == [0, 1, 2, 3, -1]
-    assert build_batch([[]], [3]).retrieve.tolist() == [[[0]]]  # the root alone
+    assert build_batch([[]], [3]).retrieve.tolist() == [[[0, -1]]]  # the root alone
 
 
 def test_context_index_finds_the_latest_longest_match_and_loops():

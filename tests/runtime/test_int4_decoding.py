@@ -143,6 +143,26 @@ def test_tree_cut_at_the_key_block_keeps_medusa_equal_to_plain(ort_engine):
         assert two_call.tokens == plain.tokens
 
 
+@pytest.mark.parametrize("attention", [None, "row_exact_f32"])
+def test_int4_per_step_trees_equal_plain(ort_engine, attention):
+    """dynamic:N on int4 engines: a chain_f32 engine verifies one chain per step (the drafter's or the
+    context's, as long as it pays), a row_exact_f32 engine whole trees cut at its key blocks (8 here,
+    so cuts run often); ragged batch, a prompt that repeats itself, fused step and two-call path."""
+    from dataclasses import replace
+
+    backend = OrtBackend(int4_engine(ort_engine, 4, attention))
+    if attention:
+        backend.info = replace(backend.info, key_block=8)
+    prompts = [[5, 9, 17, 33], [7, 8, 9, 10] * 5, list(range(20, 39))]
+    plain = decode(backend, prompts, GenerationConfig(max_new_tokens=32, use_medusa=False)).tokens
+    cfg = GenerationConfig(max_new_tokens=32, medusa_choices="dynamic:6")
+    fused = decode(backend, prompts, cfg)
+    assert fused.tokens == plain
+    assert sum(s.accepted_draft_tokens for s in fused.stats) > 0
+    backend.step_session, backend.fused_step_topk = None, None
+    assert decode(backend, prompts, cfg).tokens == plain
+
+
 def test_onnx_runtime_writes_the_bound_cache_in_place(ort_engine, capfd, monkeypatch):
     """The point of the in-place engine: ONNX Runtime's TensorScatter writes into the bound cache
     rather than copying it, which it reports (a warning) when it cannot. The same graph run through
