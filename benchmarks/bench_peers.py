@@ -51,9 +51,9 @@ DEFAULT_TREE_FILE = ASSETS / "tree.json"
 DEFAULT_INT4_TREE_FILE = ASSETS / "tree_int4.json"  # medusa-tune-tree on the int4 engine: its own step costs
 FLOAT32, FOUR_BIT = "float32", "4-bit"
 # In run order before rotation; the names are the --systems vocabulary.
-SYSTEMS = ("transformers", "ort-genai fp32", "ours plain", "ours medusa",
-           "ort-genai int4", "llama.cpp Q4_1", "ours int4 plain", "ours int4 medusa",
-           "ours int4 exact plain", "ours int4 exact medusa")
+SYSTEMS = ("transformers", "ort-genai fp32", "ours plain", "ours medusa", "ours dynamic",
+           "ort-genai int4", "llama.cpp Q4_1", "ours int4 plain", "ours int4 medusa", "ours int4 dynamic",
+           "ours int4 exact plain", "ours int4 exact medusa", "ours int4 exact dynamic")
 # Our engines by system-name prefix, with the option that names each.
 ENGINE_OPTIONS = {"ours": "engine", "ours int4": "engine_int4", "ours int4 exact": "engine_int4_exact"}
 REFERENCE = "transformers"
@@ -210,8 +210,13 @@ def equal_to_plain(outputs: dict[str, list[list[int]]]) -> dict[str, list[bool]]
     """Per Medusa system ("ours X medusa"), per prompt: its greedy tokens equal plain greedy's on the
     same engine ("ours X plain"). Exact for float32 engines; an int4 engine may differ where the tree
     step's batched int4 arithmetic rounds differently from the one-row step (issue 13 asks >= 97%)."""
-    return {name: [a == b for a, b in zip(out, outputs[name.replace("medusa", "plain")], strict=True)]
-            for name, out in outputs.items() if "medusa" in name and name.replace("medusa", "plain") in outputs}
+    return {name: [a == b for a, b in zip(out, outputs[_plain_of(name)], strict=True)]
+            for name, out in outputs.items() if _plain_of(name) != name and _plain_of(name) in outputs}
+
+
+def _plain_of(name: str) -> str:
+    """The plain system on the same engine as a Medusa one ("ours int4 dynamic" -> "ours int4 plain")."""
+    return name.replace("medusa", "plain").replace("dynamic", "plain")
 
 
 @dataclass
@@ -266,8 +271,8 @@ def summarize(tallies: dict[str, Tally], ours: dict[str, object] | None = None) 
                        position_agreement=round(statistics.fmean(t.agreement), 4))
         if t.equal_to_plain:
             row["equal_to_plain"] = f"{sum(t.equal_to_plain)}/{len(t.equal_to_plain)}"
-        plain = name.replace("medusa", "plain")
-        if name in ours and "medusa" in name and plain in ours:
+        plain = _plain_of(name)
+        if name in ours and plain != name and plain in ours:
             row.update(medusa_ratios(ours[plain], ours[name]))
         rows[name] = row
     return rows
@@ -410,7 +415,9 @@ def open_systems(names: list[str], threads: int, ctx: dict, skipped: dict[str, s
             raise ValueError(f"{engine}: the engine has no Medusa heads")
         group = FOUR_BIT if "int4" in prefix else FLOAT32
         tree = ctx["medusa_choices_int4"] if group == FOUR_BIT else ctx["medusa_choices"]
-        return Ours(timer, tree, group, mode == "medusa", ctx["stops"])
+        if mode == "dynamic":  # trees chosen per step, beside the static tree
+            tree = ctx["dynamic"]
+        return Ours(timer, tree, group, mode != "plain", ctx["stops"])
 
     def genai(precision: str):
         import onnxruntime_genai  # noqa: F401  (a clear skip before a long build when it is missing)
@@ -429,7 +436,7 @@ def open_systems(names: list[str], threads: int, ctx: dict, skipped: dict[str, s
     attempt("ort-genai int4", lambda: genai("int4"))
     attempt("llama.cpp Q4_1", lambda: LlamaCpp(ctx["gguf"], threads, ctx["stops"], ctx["n_ctx"]))
     for prefix in ENGINE_OPTIONS:
-        for mode in ("plain", "medusa"):
+        for mode in ("plain", "medusa", "dynamic"):
             attempt(f"{prefix} {mode}", lambda p=prefix, m=mode: ours(p, m))
     return {name: systems[name] for name in SYSTEMS if name in systems}
 
@@ -532,6 +539,8 @@ def _parser() -> argparse.ArgumentParser:
                    "the heads, medusa_trt/assets/smollm2/prompts_heldout.jsonl)")
     p.add_argument("--medusa-choices", help="tree for Medusa (default: the tuned tree beside the heads, "
                    "medusa_trt/assets/smollm2/tree.json, when present, else the preset default)")
+    p.add_argument("--dynamic", default="dynamic:8", help="the per-step trees of the 'dynamic' systems (default "
+                   "dynamic:8)")
     p.add_argument("--medusa-choices-int4", help="tree for the int4 engine (default: medusa_trt/assets/smollm2/"
                    "tree_int4.json when present, else --medusa-choices)")
     p.add_argument("--threads", default="1,2", help="comma-separated thread counts, each used by every system "
@@ -577,6 +586,7 @@ def parse_args(argv: list[str] | None):
 
 def main(argv: list[str] | None = None) -> int:
     from medusa_trt.errors import CheckpointError
+    from medusa_trt.runtime.dynamic import parse_dynamic
     from medusa_trt.tree import DEFAULT_TREE, parse_medusa_choices
 
     try:
@@ -598,12 +608,13 @@ def main(argv: list[str] | None = None) -> int:
         prompts = read_prompts(args.prompts, tok, args.limit)
         choices = args.medusa_choices or DEFAULT_TREE
         choices_int4 = args.medusa_choices_int4 or choices
-        parse_medusa_choices(choices)  # a bad tree fails here, in one line, not mid-run
-        parse_medusa_choices(choices_int4)
+        for tree in (choices, choices_int4, args.dynamic):  # a bad tree fails here, in one line, not mid-run
+            if parse_dynamic(tree) is None:
+                parse_medusa_choices(tree)
         longest = max(len(p.ids) for p in prompts)
         ctx = {"spin": args.spin, **{key: getattr(args, key) for key in ENGINE_OPTIONS.values()}, "hf_dir": hf_dir,
                "gguf": gguf,
-               "workdir": args.workdir, "medusa_choices": choices, "medusa_choices_int4": choices_int4, "stops": stop_tokens(hf_dir, tok),
+               "workdir": args.workdir, "medusa_choices": choices, "medusa_choices_int4": choices_int4, "dynamic": args.dynamic, "stops": stop_tokens(hf_dir, tok),
                "vocab_size": len(tok), "prompts": prompts, "n_ctx": longest + args.max_new_tokens + 16}
     except (ValueError, CheckpointError) as e:  # bad option, GGUF, wheel download or prompts: one line
         print(f"{PROG}: error: {e}", file=sys.stderr)
