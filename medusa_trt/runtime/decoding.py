@@ -28,7 +28,15 @@ from medusa_trt.acceptance import (
     typical_accept,
 )
 from medusa_trt.runtime.backend import Backend, ModelInfo
-from medusa_trt.runtime.dynamic import BatchTree, Context, DynamicTree, drafts_topk, dynamic_tree, step_trees
+from medusa_trt.runtime.dynamic import (
+    SLOT_COST,
+    BatchTree,
+    Context,
+    DynamicTree,
+    drafts_topk,
+    dynamic_tree,
+    step_trees,
+)
 from medusa_trt.tree import DEFAULT_TREE, StepTree, build_tree, candidate_topk, tree_for_engine
 
 
@@ -41,6 +49,9 @@ class GenerationConfig:
     use_medusa: bool = True
     # Per-step trees: continuations found in the prompt and generated text compete for the budget.
     context_candidates: bool = True
+    # Per-step trees: a slot's share of a plain step's time (dynamic.SLOT_COST when None); a step keeps
+    # the nodes worth their slots, up to the budget. 0: every step verifies the whole budget.
+    slot_cost: float | None = None
     acceptance: str = "greedy"  # "greedy" | "typical" | "sample" (lossless sampling, docs/sampling.md)
     temperature: float = 0.7  # typical and sample; typical with 0 means greedy, sample needs > 0
     posterior_threshold: float = 0.09  # epsilon
@@ -69,6 +80,8 @@ class GenerationConfig:
             raise ValueError(f"top_p {self.top_p}: expected a value in (0, 1]")
         if self.top_k is not None and (not _is_int(self.top_k) or self.top_k < 1):
             raise ValueError(f"top_k {self.top_k!r}: expected an integer >= 1")
+        if self.slot_cost is not None and not (self.slot_cost >= 0 and math.isfinite(self.slot_cost)):
+            raise ValueError(f"slot_cost {self.slot_cost!r}: expected a finite number >= 0")
         if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < 2**63):
             raise ValueError(f"seed {self.seed!r}: expected an integer in [0, 2**63)")
 
@@ -140,13 +153,14 @@ def resolve_tree(info: ModelInfo, medusa_choices: object = None) -> tuple[object
                    "medusa-tune-tree and rebuild with medusa-build --tree)")
 
 
-def step_tree(info: ModelInfo, medusa_choices: object = None, context: bool = True) -> StepTree | DynamicTree:
+def step_tree(info: ModelInfo, medusa_choices: object = None, context: bool = True,
+              slot_cost: float | None = None) -> StepTree | DynamicTree:
     """The tree a decode of `medusa_choices` (resolve_tree) runs on this engine, checked against it
     (heads, max_draft_len, vocabulary); a bad tree raises here, before any decoding. "dynamic:N"
     gives the DynamicTree of per-step trees (with context candidates unless `context` is False)."""
     spec = resolve_tree(info, medusa_choices)[0]
     dynamic = dynamic_tree(spec, info.num_medusa_heads, candidate_topk(info.vocab_size), info.max_draft_len,
-                           info.chains_only, context)
+                           info.chains_only, context, SLOT_COST if slot_cost is None else slot_cost)
     if dynamic is not None:
         return dynamic
     return StepTree.of(build_tree(spec, info.num_medusa_heads, info.max_draft_len, info.chains_only), info.vocab_size)
@@ -268,7 +282,7 @@ def _generate(backend: Backend, prompts: list[list[int]], cfg: GenerationConfig,
         raise ValueError("every prompt needs at least one token")
     if cfg.use_medusa and info.num_medusa_heads == 0:
         raise ValueError("this model has no Medusa heads; decode with use_medusa=False")
-    tree = step_tree(info, cfg.medusa_choices, cfg.context_candidates) if cfg.use_medusa else None
+    tree = step_tree(info, cfg.medusa_choices, cfg.context_candidates, cfg.slot_cost) if cfg.use_medusa else None
     plan = step_plan(backend, cfg, tree)
     depth = tree.max_depth if tree else 0
     longest = max(len(p) for p in prompts)

@@ -41,9 +41,10 @@ MAX_CONTEXT_DEPTH = 16  # deepest context chain offered (a loop continues period
 # Prior for a chain node at depth j of an n-gram match: q_n^j, worth PRIOR_WEIGHT observations, until
 # the request has measured it (ContextStats).
 PRIOR_WEIGHT = 2.0
-# An engine that verifies chains only: a chain node is kept while the chance that it is accepted is at
-# least this (a chain slot costs a fraction of a step; a node this unlikely rarely pays for it).
-CHAIN_MIN_PROB = 0.1
+# What one more tree slot adds to a step's time, as a share of a plain step: measured on SmolLM2-135M
+# float32 engines on a 2-core CPU, 0.07-0.09 per slot from 4 to 12 slots (BENCHMARKS.md, per-step
+# trees). A step keeps the n best nodes that maximize (1 + expected accepted tokens) / (1 + cost n).
+SLOT_COST = 0.08
 
 
 def _prior(n: int) -> float:
@@ -61,6 +62,9 @@ class DynamicTree:
     topk: int
     context: bool = True
     chains_only: bool = False
+    # Step time per slot over a plain step's (SLOT_COST): each step keeps as many of the budget's best
+    # nodes as pay for their slots; 0 fills the budget every step.
+    slot_cost: float = SLOT_COST
 
     @property
     def num_slots(self) -> int:
@@ -80,7 +84,7 @@ class DynamicTree:
         room = min(block - n % block for n in lengths.tolist())
         if room >= self.num_slots:
             return self
-        return DynamicTree(max(room - 1, 0), self.heads, self.topk, self.context, self.chains_only)
+        return DynamicTree(max(room - 1, 0), self.heads, self.topk, self.context, self.chains_only, self.slot_cost)
 
 
 _DYNAMIC = re.compile(r"dynamic:(.*)", re.IGNORECASE)
@@ -123,7 +127,7 @@ def parse_dynamic(spec: object) -> int | None:
 
 
 def dynamic_tree(spec: object, heads: int, topk: int, max_draft_len: int, chains_only: bool = False,
-                 context: bool = True) -> DynamicTree | None:
+                 context: bool = True, slot_cost: float = SLOT_COST) -> DynamicTree | None:
     """The DynamicTree of a "dynamic:N" spec checked against the engine (None: not a dynamic spec)."""
     budget = parse_dynamic(spec)
     if budget is None:
@@ -135,7 +139,7 @@ def dynamic_tree(spec: object, heads: int, topk: int, max_draft_len: int, chains
     if budget > heads * topk:
         raise TreeError(f"medusa_choices {spec!r}: budget {budget} exceeds the drafter's {heads} heads x top-{topk} "
                         f"= {heads * topk} candidates; expected dynamic:N with N <= {heads * topk}")
-    return DynamicTree(budget, heads, topk, context, chains_only)
+    return DynamicTree(budget, heads, topk, context, chains_only, slot_cost)
 
 
 # -- context candidates -------------------------------------------------------------------------
@@ -278,27 +282,39 @@ def best_chain(ids: list[list[int]], logp: list[list[float]], budget: int) -> li
 
 
 def choose_nodes(tree: DynamicTree, ids: list[list[int]], logp: list[list[float]],
-                 chain: list[int], chain_scores: list[float]) -> list[tuple[int, ...]]:
-    """One sequence's nodes (token paths, root excluded) for this step, sorted by depth (parents
-    first): the budget's best of the drafter's paths and the context chain, a node in both scored
-    by the higher."""
+                 chain: list[int], chain_scores: list[float]) -> list[tuple[float, tuple[int, ...]]]:
+    """One sequence's candidate nodes for this step, (log-probability, token path) best first (ties
+    to the shallower node, so every prefix of the list is a tree): the budget's best of the
+    drafter's paths and the context chain, a node in both scored by the higher. A node's
+    probability is the chance that it is accepted, so a prefix's expected accepted tokens is the sum."""
     if tree.budget == 0:
         return []
     if tree.chains_only:  # one chain, the drafter's or the context's: whichever expects more accepted tokens
         drafted = best_chain(ids, logp, tree.budget)
         offered = [(s, tuple(chain[: j + 1])) for j, s in enumerate(chain_scores[: tree.budget])]
         expect = [sum(math.exp(s) for s, _ in nodes) for nodes in (drafted, offered)]
-        nodes = offered if expect[1] > expect[0] else drafted
-        return [p for j, (s, p) in enumerate(nodes) if j == 0 or math.exp(s) >= CHAIN_MIN_PROB]
+        return offered if expect[1] > expect[0] else drafted
     score: dict[tuple[int, ...], float] = {}
     for s, path in best_paths(ids, logp, tree.budget):
         score[path] = s
     for j, s in enumerate(chain_scores[: tree.budget]):
         path = tuple(chain[: j + 1])
         score[path] = max(s, score.get(path, -math.inf))
-    # Best first, ties to the shallower node, so a kept node's parent is always kept.
-    kept = sorted(score, key=lambda p: (-score[p], len(p)))[: tree.budget]
-    return sorted(kept, key=len)
+    return sorted(((v, p) for p, v in score.items()), key=lambda n: (-n[0], len(n[1])))[: tree.budget]
+
+
+def worth(nodes: list[tuple[float, tuple[int, ...]]], slot_cost: float) -> int:
+    """How many of the best-first `nodes` a step should verify: the n that maximizes its tokens per
+    unit of time, (1 + expected accepted tokens of the first n) / (1 + slot_cost n); all of them
+    when slot_cost is 0."""
+    if slot_cost <= 0:
+        return len(nodes)
+    best, best_n, gained = 1.0, 0, 1.0
+    for n, (s, _) in enumerate(nodes, start=1):
+        gained += math.exp(s)
+        if gained / (1 + slot_cost * n) > best:
+            best, best_n = gained / (1 + slot_cost * n), n
+    return best_n
 
 
 @dataclass(frozen=True)
@@ -362,13 +378,16 @@ def step_trees(tree: DynamicTree, roots: torch.Tensor, top_ids: torch.Tensor, to
     ids, logp = top_ids[:, : tree.heads, : tree.topk].tolist(), top_logp[:, : tree.heads, : tree.topk].tolist()
     depth = min(tree.budget, MAX_CONTEXT_DEPTH)
     chains = context.chains(roots_l, depth) if context is not None and tree.context else [(0, [])] * len(roots_l)
-    trees = []
+    ranked = []
     for i, (n, chain) in enumerate(chains):
         scores = context.stats.scores(n, len(chain)) if n else []
-        trees.append(choose_nodes(tree, ids[i], logp[i], chain, scores))
-    longest = max(len(t) for t in trees)
-    for nodes in trees:  # chains of a batch verify together: a shorter one runs on with token 0 (rejected or right)
-        while len(nodes) < longest:
+        ranked.append(choose_nodes(tree, ids[i], logp[i], chain, scores))
+    # The batch verifies one width: the most any sequence's nodes are worth (the others fill it with
+    # their next best nodes, which cost nothing more).
+    width = max(worth(nodes, tree.slot_cost) for nodes in ranked)
+    trees = [sorted((p for _, p in nodes[:width]), key=len) for nodes in ranked]
+    for nodes in trees:  # a sequence with fewer candidates (a short chain) runs on with token 0 (rejected or right)
+        while len(nodes) < width:
             nodes.append(nodes[-1] + (0,) if nodes else (0,))
     return build_batch(trees, roots_l, min_depth)
 

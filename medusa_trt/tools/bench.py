@@ -177,11 +177,14 @@ def medusa_ratios(plain: ModeSummary, medusa: ModeSummary) -> dict:
 
 
 def also_mode(spec: str) -> dict:
-    """medusa-bench --also: GenerationConfig fields of TREE, or TREE/no-context (no context candidates)."""
-    tree, _, flag = spec.partition("/")
-    if flag not in ("", "no-context"):
-        raise BenchError(f"--also {spec!r}: unknown suffix /{flag}; expected TREE or TREE/no-context")
-    return {"medusa_choices": tree, "context_candidates": not flag}
+    """medusa-bench --also: GenerationConfig fields of TREE, with suffixes /no-context (no context
+    candidates) and /fill (a per-step tree fills its budget every step: slot_cost 0)."""
+    tree, *flags = spec.split("/")
+    unknown = [f for f in flags if f not in ("no-context", "fill")]
+    if unknown:
+        raise BenchError(f"--also {spec!r}: unknown suffix /{unknown[0]}; expected TREE[/no-context][/fill]")
+    return {"medusa_choices": tree, "context_candidates": "no-context" not in flags,
+            **({"slot_cost": 0.0} if "fill" in flags else {})}
 
 
 def compare(backend: Backend, prompts: list[list[int]], medusa_choices=None, max_new_tokens: int = 128,

@@ -21,6 +21,7 @@ from medusa_trt.runtime.dynamic import (
     choose_nodes,
     dynamic_tree,
     parse_dynamic,
+    worth,
 )
 from medusa_trt.tree import TreeError
 from tests.runtime.test_decoding import EOS, oracle, prompts
@@ -56,14 +57,24 @@ def test_context_chain_and_drafter_share_a_budget():
     ids = [[10, 11, 12], [20, 21, 22]]
     logp = [[math.log(0.5), math.log(0.2), math.log(0.1)], [math.log(0.4), math.log(0.3), math.log(0.1)]]
     # A confident chain that starts with the drafter's second choice: its nodes outrank the drafter's deeper ones.
-    nodes = choose_nodes(tree, ids, logp, [11, 30, 31, 32], [math.log(0.9)] * 2 + [math.log(0.8)] * 2)
+    ranked = choose_nodes(tree, ids, logp, [11, 30, 31, 32], [math.log(0.9)] * 2 + [math.log(0.8)] * 2)
+    assert [s for s, _ in ranked] == sorted((s for s, _ in ranked), reverse=True)
+    nodes = [p for _, p in ranked]
     assert len(nodes) == 6
     assert {(11,), (11, 30), (11, 30, 31), (11, 30, 31, 32)} <= set(nodes)
     assert (10,) in nodes and (10, 20) in nodes  # the drafter's best two: 0.5 and 0.2 beat the rest
     assert all(p[:-1] in nodes for p in nodes if len(p) > 1)
-    assert [len(p) for p in nodes] == sorted(len(p) for p in nodes)  # parents before children
+    assert all(p[:-1] in nodes[:i] for i, p in enumerate(nodes) if len(p) > 1)  # every prefix of the ranking is a tree
     chain = choose_nodes(DynamicTree(6, 2, 3, chains_only=True), ids, logp, [11, 30, 31, 32], [math.log(0.9)] * 4)
-    assert chain == [(11,), (11, 30), (11, 30, 31), (11, 30, 31, 32)]  # the chain expecting more
+    assert [p for _, p in chain] == [(11,), (11, 30), (11, 30, 31), (11, 30, 31, 32)]  # the chain expecting more
+
+
+def test_a_step_keeps_the_nodes_that_pay_for_their_slots():
+    sure, unsure = [(math.log(0.95), (1,) * (i + 1)) for i in range(8)], [(math.log(0.05), (i,)) for i in range(8)]
+    assert worth(sure, 0.08) == 8  # each slot adds 0.95 tokens for 8% of a step
+    assert worth(unsure, 0.08) == 0  # a 5% node never pays for its slot
+    assert worth(unsure[:3], 0.0) == 3  # no cost: the whole budget
+    assert worth(sure[:2] + unsure, 0.08) == 2
 
 
 def test_batch_tree_buffers():
@@ -125,10 +136,13 @@ def _cfg(tree, **kw) -> GenerationConfig:
 def test_dynamic_trees_equal_transformers_greedy_batch4(distilled, budget, context):
     m = distilled("llama")
     ps = prompts(7)
-    result = decode(m.backend, ps, _cfg(f"dynamic:{budget}", context_candidates=context))
+    result = decode(m.backend, ps, _cfg(f"dynamic:{budget}", context_candidates=context, slot_cost=0.0))
     assert result.tokens == [oracle(m.hf, p) for p in ps]
     assert sum(s.accepted_draft_tokens for s in result.stats) > 0
-    assert all(s.draft_tokens == budget * s.steps for s in result.stats)
+    assert all(s.draft_tokens == budget * s.steps for s in result.stats)  # slot_cost 0: the whole budget
+    paying = decode(m.backend, ps, _cfg(f"dynamic:{budget}", context_candidates=context))
+    assert paying.tokens == result.tokens
+    assert all(s.draft_tokens <= budget * s.steps for s in paying.stats)
     # Without context candidates no path is deeper than the heads (4); with them, a chain may reach the budget.
     assert all(len(s.accepted_per_depth) == min(max(4, budget if context else 0), budget) for s in result.stats)
 
@@ -138,7 +152,7 @@ def test_dynamic_trees_beat_a_static_tree_of_the_same_size(distilled):
     ps = prompts(8, lengths=[6] * 8)
     static = decode(m.backend, ps, _cfg([[0], [0, 0], [1], [0, 0, 0], [2], [0, 1], [1, 0], [0, 0, 0, 0]],
                                         context_candidates=False))
-    dynamic = decode(m.backend, ps, _cfg("dynamic:8", context_candidates=False))
+    dynamic = decode(m.backend, ps, _cfg("dynamic:8", context_candidates=False, slot_cost=0.0))
     assert dynamic.tokens == static.tokens
 
     def per_step(r):
