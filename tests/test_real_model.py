@@ -68,8 +68,8 @@ def test_engine_tokenizes_like_transformers(smollm2, oracle):
 
 
 def test_medusa_greedy_equals_transformers(smollm2, oracle):
-    """Four held-out prompts (2 code, 2 chat; ragged) at batch 4 with the tuned tree and a wide
-    preset, and at batch 1, against transformers' greedy generate on the same float32 weights."""
+    """Four held-out prompts (2 code, 2 chat; ragged) at batch 4 with the tuned tree, a wide preset
+    and per-step trees, and at batch 1, against transformers' greedy generate on the same float32 weights."""
     model, tok = oracle
     prompts = [tok.encode(t) for t in heldout("code", 2) + heldout("chat", 2)]
     expected = []
@@ -80,7 +80,7 @@ def test_medusa_greedy_equals_transformers(smollm2, oracle):
             expected.append(out[0, len(p):].tolist())
     backend = load_backend(smollm2[2], ort_options=OrtSessionOptions(threads=1))
     tuned = str(ASSETS / "tree.json") if (ASSETS / "tree.json").is_file() else "mc_sim_7b_63"
-    for tree in (tuned, "mc_sim_7b_63"):
+    for tree in (tuned, "mc_sim_7b_63", "dynamic:8"):  # and trees chosen per step, context candidates on
         res = decode(backend, prompts, GenerationConfig(max_new_tokens=NEW_TOKENS, medusa_choices=tree,
                                                         stop_token_ids=()))  # as generate(eos_token_id=None)
         assert res.tokens == expected, tree
