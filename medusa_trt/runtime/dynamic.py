@@ -43,7 +43,8 @@ MAX_CONTEXT_DEPTH = 16  # deepest context chain offered (a loop continues period
 PRIOR_WEIGHT = 2.0
 # What one more tree slot adds to a step's time, as a share of a plain step: measured on SmolLM2-135M
 # float32 engines on a 2-core CPU, 0.07-0.09 per slot from 4 to 12 slots (BENCHMARKS.md, per-step
-# trees). A step keeps the n best nodes that maximize (1 + expected accepted tokens) / (1 + cost n).
+# trees). A step keeps the n best nodes that maximize (1 + expected accepted tokens) / (1 + cost n),
+# summed over the batch's sequences.
 SLOT_COST = 0.08
 
 
@@ -303,17 +304,23 @@ def choose_nodes(tree: DynamicTree, ids: list[list[int]], logp: list[list[float]
     return sorted(((v, p) for p, v in score.items()), key=lambda n: (-n[0], len(n[1])))[: tree.budget]
 
 
-def worth(nodes: list[tuple[float, tuple[int, ...]]], slot_cost: float) -> int:
-    """How many of the best-first `nodes` a step should verify: the n that maximizes its tokens per
-    unit of time, (1 + expected accepted tokens of the first n) / (1 + slot_cost n); all of them
-    when slot_cost is 0."""
+def worth(ranked: list[list[tuple[float, tuple[int, ...]]]], slot_cost: float) -> int:
+    """How many nodes a step verifies per sequence, given each sequence's best-first nodes: the n
+    that maximizes the batch's tokens per unit of time, sum over sequences of (1 + expected accepted
+    tokens of its first n) / (1 + slot_cost n), the slots costing every sequence alike; the most any
+    sequence has when slot_cost is 0."""
+    longest = max((len(nodes) for nodes in ranked), default=0)
     if slot_cost <= 0:
-        return len(nodes)
-    best, best_n, gained = 1.0, 0, 1.0
-    for n, (s, _) in enumerate(nodes, start=1):
-        gained += math.exp(s)
-        if gained / (1 + slot_cost * n) > best:
-            best, best_n = gained / (1 + slot_cost * n), n
+        return longest
+    gains = [1.0] * len(ranked)
+    best, best_n = float(len(ranked)), 0
+    for n in range(1, longest + 1):
+        for b, nodes in enumerate(ranked):
+            if n <= len(nodes):
+                gains[b] += math.exp(nodes[n - 1][0])
+        value = sum(gains) / (1 + slot_cost * n)
+        if value > best:
+            best, best_n = value, n
     return best_n
 
 
@@ -382,9 +389,9 @@ def step_trees(tree: DynamicTree, roots: torch.Tensor, top_ids: torch.Tensor, to
     for i, (n, chain) in enumerate(chains):
         scores = context.stats.scores(n, len(chain)) if n else []
         ranked.append(choose_nodes(tree, ids[i], logp[i], chain, scores))
-    # The batch verifies one width: the most any sequence's nodes are worth (the others fill it with
-    # their next best nodes, which cost nothing more).
-    width = max(worth(nodes, tree.slot_cost) for nodes in ranked)
+    # The batch verifies one width, chosen for the batch's tokens per unit of time: a slot costs every
+    # sequence, so one sequence's long chain is not worth it when the others have nothing to verify.
+    width = worth(ranked, tree.slot_cost)
     trees = [sorted((p for _, p in nodes[:width]), key=len) for nodes in ranked]
     for nodes in trees:  # a sequence with fewer candidates (a short chain) runs on with token 0 (rejected or right)
         while len(nodes) < width:

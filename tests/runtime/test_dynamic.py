@@ -71,10 +71,13 @@ def test_context_chain_and_drafter_share_a_budget():
 
 def test_a_step_keeps_the_nodes_that_pay_for_their_slots():
     sure, unsure = [(math.log(0.95), (1,) * (i + 1)) for i in range(8)], [(math.log(0.05), (i,)) for i in range(8)]
-    assert worth(sure, 0.08) == 8  # each slot adds 0.95 tokens for 8% of a step
-    assert worth(unsure, 0.08) == 0  # a 5% node never pays for its slot
-    assert worth(unsure[:3], 0.0) == 3  # no cost: the whole budget
-    assert worth(sure[:2] + unsure, 0.08) == 2
+    assert worth([sure], 0.08) == 8  # each slot adds 0.95 tokens for 8% of a step
+    assert worth([unsure], 0.08) == 0  # a 5% node never pays for its slot
+    assert worth([unsure[:3]], 0.0) == 3  # no cost: the whole budget
+    assert worth([sure[:2] + unsure], 0.08) == 2
+    # A batch: one sure chain pays for slots that three unsure sequences also pay for, up to a point.
+    assert worth([sure], 0.3) == 8 and worth([sure] + [unsure] * 3, 0.3) == 0  # slots 3 of 4 would waste
+    assert worth([sure] * 4, 0.3) == 8
 
 
 def test_batch_tree_buffers():
