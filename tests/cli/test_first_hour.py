@@ -179,8 +179,8 @@ def test_engine_records_per_step_trees(ort_engine, tiny_merged, tmp_path, capsys
     data["medusa"].update(tree="dynamic:6", tree_source="tree.json: dynamic:6")
     (engine / "engine.json").write_text(json.dumps(data))
     backend = load_backend(engine)
-    stats = decode(backend, [[5, 9, 17]], GenerationConfig(max_new_tokens=8, stop_token_ids=())).stats[0]
-    assert stats.draft_tokens == 6 * stats.steps
+    stats = decode(backend, [[5, 9, 17]], GenerationConfig(max_new_tokens=8, stop_token_ids=(), slot_cost=0.0)).stats[0]
+    assert stats.draft_tokens == 6 * stats.steps  # the recorded budget, all of it every step with slot_cost 0
     code, _, err = run(["--engine", str(engine), "--prompt", "Hi", "--max-new-tokens", "4"], capsys)
     assert code == 0 and "medusa-run: tree dynamic:6 (tree.json: dynamic:6, recorded in the engine" in err
     assert 'string_value: "dynamic:6"' in (write_triton_repo(engine, tmp_path / "repo") / "medusa" / "config.pbtxt").read_text()
