@@ -76,7 +76,7 @@ def _as_path_list(obj: Any, where: str) -> list[list[Any]]:
     return [list(path) for path in obj]
 
 
-def _check_bounds(text: str, where: str, yaml_text: bool = False) -> None:
+def check_bounds(text: str, where: str, yaml_text: bool = False) -> None:
     if len(text) > MAX_TREE_TEXT:
         raise TreeError(f"{where}: {len(text)} characters; expected a tree of at most {MAX_TREE_TEXT}")
     depth = deepest = 0
@@ -141,7 +141,7 @@ def _parse_file(path: Path) -> list[list[Any]]:
         raise TreeError(f"{where}: cannot read it ({err.strerror or err})") from None
     except UnicodeDecodeError as err:
         raise TreeError(f"{where}: not valid UTF-8 ({err.reason} at byte {err.start})") from None
-    _check_bounds(text, where, yaml_text=suffix != ".json")
+    check_bounds(text, where, yaml_text=suffix != ".json")
     try:
         if suffix == ".json":
             data = json.loads(text)
@@ -179,7 +179,7 @@ def parse_medusa_choices(spec: str | os.PathLike | list | tuple) -> list[list[in
         raise TreeError(f"{where}: empty; expected a preset name ({', '.join(sorted(_presets()))}), a list such "
                         "as '[[0], [0, 1]]', a brace form '{0}, {0, 1}' or a .json/.yaml file")
     if text.startswith(("[", "{")):
-        _check_bounds(text, where)
+        check_bounds(text, where)
     if text in _presets():
         return [list(path) for path in _presets()[text]]
     if text.startswith("["):

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from medusa_trt.drafters.base import topk_logp
-from medusa_trt.tree import MAX_TREE_TEXT, TreeError
+from medusa_trt.tree import MAX_TREE_TEXT, TreeError, check_bounds
 
 DYNAMIC_PREFIX = "dynamic:"
 MAX_NGRAM = 4  # longest n-gram looked up
@@ -100,8 +100,10 @@ def _from_file(spec: object) -> object:
         path = Path(spec)
         if not path.is_file() or path.stat().st_size > MAX_TREE_TEXT:
             return spec
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        text = path.read_text(encoding="utf-8")
+        check_bounds(text, str(path))  # no parser on a file nested to exhaust the stack
+        data = json.loads(text)
+    except (OSError, ValueError, TreeError):
         return spec  # parse_medusa_choices names the problem
     choices = data.get("medusa_choices") if isinstance(data, dict) else None
     return choices if isinstance(choices, str) else spec
