@@ -15,8 +15,10 @@ until measured). Where a chain node and a drafter node are the same token path t
 with the higher score. A loop (what followed the match is the suffix itself) continues
 periodically, so a two-token loop offers a chain as deep as the budget allows.
 
-Everything here is host work on a few dozen numbers per sequence; the engine call is the same one
-a static tree makes (docs/design.md, per-step trees).
+N is a budget: since a node's probability is its chance of being accepted, a step keeps only the
+best nodes that pay for the step time their slots add (`worth`, SLOT_COST). Everything here is host
+work on a few dozen numbers per sequence; the engine call is the same one a static tree makes
+(docs/design.md, per-step trees).
 """
 
 from __future__ import annotations
@@ -35,7 +37,6 @@ import torch
 from medusa_trt.drafters.base import topk_logp
 from medusa_trt.tree import MAX_TREE_TEXT, TreeError, check_bounds
 
-DYNAMIC_PREFIX = "dynamic:"
 MAX_NGRAM = 4  # longest n-gram looked up
 MAX_CONTEXT_DEPTH = 16  # deepest context chain offered (a loop continues periodically up to it)
 # Prior for a chain node at depth j of an n-gram match: q_n^j, worth PRIOR_WEIGHT observations, until
