@@ -1,6 +1,6 @@
 """Output directories written atomically: a temp dir beside --out, renamed into place at the end.
 
-Used by medusa-convert, medusa-build and medusa-triton, so a failed, interrupted (SIGINT, SIGTERM)
+Used by medusa-convert, medusa-build and medusa-triton (and, file by file, medusa-train-heads), so a failed, interrupted (SIGINT, SIGTERM)
 or refused write leaves --out as it was and nothing else behind: no temp dir, no `.old` copy, no
 parent directories it created. The temp dir is made with mkdir (not mkdtemp, which makes it 0700),
 so the output keeps the usual umask permissions.
@@ -64,6 +64,35 @@ def atomic_output_dir(out: str | Path, force: bool = False,
         for d in created:  # innermost first; rmdir removes only what is still empty
             with suppress(OSError):
                 d.rmdir()
+        if isinstance(e, OSError):
+            _name_out(e, tmp, out)
+        raise
+
+
+@contextmanager
+def staged_files(out: str | Path, supersedes: tuple[str, ...] = ()) -> Iterator[Path]:
+    """with staged_files(out) as tmp: write files into tmp; on a normal exit each moves into `out`
+    (made if missing; other files there stay) and the files named in `supersedes` that the new ones
+    do not replace go; on any exception `out` is as it was and tmp is gone. For tools whose --out may
+    hold other files (medusa-train-heads), where atomic_output_dir would replace the whole dir."""
+    out = Path(out)
+    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:12]}"
+    made_out = not out.exists()
+    try:
+        tmp.mkdir(parents=True)
+        yield tmp
+        out.mkdir(parents=True, exist_ok=True)
+        for name in supersedes:
+            if not (tmp / name).exists():
+                (out / name).unlink(missing_ok=True)
+        for f in sorted(tmp.iterdir()):
+            f.replace(out / f.name)
+        tmp.rmdir()
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if made_out:
+            with suppress(OSError):
+                out.rmdir()  # only if the failure left it empty
         if isinstance(e, OSError):
             _name_out(e, tmp, out)
         raise

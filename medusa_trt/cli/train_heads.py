@@ -51,6 +51,7 @@ from medusa_trt.cli.common import (
     seed_int,
 )
 from medusa_trt.errors import MedusaTrtError
+from medusa_trt.outputs import staged_files
 
 PROG = "medusa-train-heads"
 DTYPES = ("float32", "float16", "bfloat16")
@@ -201,13 +202,6 @@ def _main(argv: list[str] | None = None) -> int:
         import torch
 
         from medusa_trt.data import DataError
-        from medusa_trt.tools.train_heads import (
-            head_accuracy,
-            head_pairs,
-            load_head_file,
-            save_heads,
-            train_heads,
-        )
 
         if args.threads:
             torch.set_num_threads(args.threads)
@@ -217,38 +211,55 @@ def _main(argv: list[str] | None = None) -> int:
         except DataError as e:
             raise TrainError(str(e)) from None
         seqs, starts = build_sequences(args, samples, tok, model, chat)
-        if args.arch == "amphista":
-            return _train_amphista(args, model, seqs, starts, t0)
-        # Held-out sequences (a seeded choice) measure the heads; the rest train them.
-        order = list(range(len(seqs)))
-        random.Random(args.seed).shuffle(order)
-        n_held = int(len(seqs) * args.heldout) if len(seqs) >= 20 else 0
-        held, train = order[:n_held], order[n_held:]
-        try:
-            pairs = head_pairs(model, [seqs[i] for i in train], args.num_heads, [starts[i] for i in train])
-        except ValueError as e:
-            raise TrainError(f"{args.data}: {e}") from None
-        history: list[float] = []
-        state = train_heads(model, [], num_heads=args.num_heads, num_layers=args.num_layers, steps=args.steps,
-                            lr=args.lr, batch_tokens=args.batch_tokens, seed=args.seed, progress=not args.quiet,
-                            bf16=args.bf16, history=history, pairs=pairs, shared_lm_head=args.shared_lm_head)
-        dtype = getattr(torch, args.dtype) if args.dtype else (_saved_dtype(args.base) or torch.float32)
-        for name in HEAD_FILES:  # --force: a head file of the other format would shadow the new one
-            (args.out / name).unlink(missing_ok=True)
-        path = save_heads(state, args.out, args.base, args.num_heads, args.num_layers, dtype=dtype)
-        accuracy = None
-        if held:
-            try:
-                held_pairs = head_pairs(model, [seqs[i] for i in held], args.num_heads, [starts[i] for i in held])
-                accuracy = head_accuracy(load_head_file(path), *held_pairs, args.num_heads, args.num_layers,
-                                         topk=5, lm_head=model.get_output_embeddings().weight.detach())
-            except ValueError:
-                accuracy = None  # held-out sequences too short to measure: say nothing rather than guess
+        # Everything is written into a staging dir and moves into --out only once all of it is:
+        # a failure or an interrupt leaves --out as it was.
+        with staged_files(args.out, supersedes=HEAD_FILES) as args.stage:
+            if args.arch == "amphista":
+                return _train_amphista(args, model, seqs, starts, t0)
+            return _train_medusa(args, model, seqs, starts, t0)
     except TrainError as e:
         print(f"{PROG}: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
+
+
+def _train_medusa(args, model, seqs: list[list[int]], starts: list[int], t0: float) -> int:
+    """Medusa heads: trained on (hidden state, later token) pairs, held-out accuracy, the
+    FasterDecoding files."""
+    import torch
+
+    from medusa_trt.tools.train_heads import (
+        head_accuracy,
+        head_pairs,
+        load_head_file,
+        save_heads,
+        train_heads,
+    )
+
+    # Held-out sequences (a seeded choice) measure the heads; the rest train them.
+    order = list(range(len(seqs)))
+    random.Random(args.seed).shuffle(order)
+    n_held = int(len(seqs) * args.heldout) if len(seqs) >= 20 else 0
+    held, train = order[:n_held], order[n_held:]
+    try:
+        pairs = head_pairs(model, [seqs[i] for i in train], args.num_heads, [starts[i] for i in train])
+    except ValueError as e:
+        raise TrainError(f"{args.data}: {e}") from None
+    history: list[float] = []
+    state = train_heads(model, [], num_heads=args.num_heads, num_layers=args.num_layers, steps=args.steps,
+                        lr=args.lr, batch_tokens=args.batch_tokens, seed=args.seed, progress=not args.quiet,
+                        bf16=args.bf16, history=history, pairs=pairs, shared_lm_head=args.shared_lm_head)
+    dtype = getattr(torch, args.dtype) if args.dtype else (_saved_dtype(args.base) or torch.float32)
+    path = save_heads(state, args.stage, args.base, args.num_heads, args.num_layers, dtype=dtype)
+    accuracy = None
+    if held:
+        try:
+            held_pairs = head_pairs(model, [seqs[i] for i in held], args.num_heads, [starts[i] for i in held])
+            accuracy = head_accuracy(load_head_file(path), *held_pairs, args.num_heads, args.num_layers,
+                                     topk=5, lm_head=model.get_output_embeddings().weight.detach())
+        except ValueError:
+            accuracy = None  # held-out sequences too short to measure: say nothing rather than guess
     tail = history[-min(50, len(history)):]
-    summary = {"out": str(path), "targets": "self-distillation" if args.self_distill else "data",
+    summary = {"out": str(args.out / path.name), "targets": "self-distillation" if args.self_distill else "data",
                "sequences": len(train), "positions": len(pairs[0]), "steps": args.steps,
                "final_loss": round(sum(tail) / len(tail), 4), "dtype": str(dtype).removeprefix("torch."),
                "seconds": round(time.perf_counter() - t0, 1)}
@@ -262,7 +273,7 @@ def _main(argv: list[str] | None = None) -> int:
 
 def _summary(args, summary: dict, what: str) -> int:
     """training_summary.json beside the output, and the two lines that say what was written."""
-    (args.out / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (args.stage / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(f"{PROG}: wrote {summary['out']} ({what}, {summary['seconds']:.0f} s)")
     if "heldout_top1" in summary:
         print(f"{PROG}: held-out top-1 accuracy per head: " + ", ".join(f"{a:.3f}" for a in summary["heldout_top1"])
@@ -307,10 +318,10 @@ def _train_amphista(args, model, seqs: list[list[int]], starts: list[int], t0: f
     opts = TrainOptions(steps=args.steps, lr=args.lr, batch_samples=max(1, args.batch_tokens // 256), seed=args.seed)
     history = train_drafter(drafter, "amphista", train, lm_head, embed, vocab, opts, progress=not args.quiet)
     dtype = getattr(torch, args.dtype) if args.dtype else (_saved_dtype(args.base) or torch.float32)
-    path = save_amphista(drafter, args.out, base=str(args.base), vocab=vocab, dtype=dtype)
+    path = save_amphista(drafter, args.stage, base=str(args.base), vocab=vocab, dtype=dtype)
     accuracy = evaluate(drafter, "amphista", held, lm_head, embed, vocab) if held else None
     tail = history[-min(50, len(history)):]
-    summary = {"out": str(path), "arch": "amphista", "targets": "self-distillation" if args.self_distill else "data",
+    summary = {"out": str(args.out / path.name), "arch": "amphista", "targets": "self-distillation" if args.self_distill else "data",
                "sequences": len(train), "rows": sum(len(s.hidden) for s in train), "steps": args.steps,
                "draft_vocab": len(vocab), "target_coverage": round(coverage, 4),
                "final_loss": round(sum(tail) / len(tail), 4), "dtype": str(dtype).removeprefix("torch."),

@@ -117,7 +117,7 @@ def test_shared_lm_head_writes_v2_heads_that_the_engine_runs_as_one_matmul(tiny_
     assert sum(s.new_tokens for s in medusa.stats) / sum(s.steps for s in medusa.stats) > 1.3
 
 
-def test_plain_targets_and_txt_data(tiny_base, tmp_path, capsys):
+def test_plain_targets_and_txt_data(tiny_base, tmp_path, capsys, monkeypatch):
     data = write_data(tmp_path / "data.txt", n=30)
     out = tmp_path / "heads"
     rc = train_cli.main(["--base", str(tiny_base("llama")), "--data", str(data), "--out", str(out),
@@ -131,6 +131,25 @@ def test_plain_targets_and_txt_data(tiny_base, tmp_path, capsys):
     # The existing file is kept unless --force.
     assert train_cli.main(["--base", str(tiny_base("llama")), "--data", str(data), "--out", str(out), "--quiet"]) == 2
     assert "pass --force" in capsys.readouterr().err
+    # --force with a run that fails after training: --out keeps what it had, and nothing else is left.
+    (out / "notes.txt").write_text("the user's own file")
+    before = {f.name: f.read_bytes() for f in out.iterdir()}
+
+    def interrupted(*_):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_cli, "_summary", interrupted)
+    assert train_cli.main(["--base", str(tiny_base("llama")), "--data", str(data), "--out", str(out), "--force",
+                           "--shared-lm-head", "--steps", "2", "--quiet"]) == 130
+    assert "interrupted" in capsys.readouterr().err
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "data.txt", "heads"]
+    # The same run completed: the v2 file supersedes the v1 file, the user's file stays.
+    monkeypatch.undo()
+    assert train_cli.main(["--base", str(tiny_base("llama")), "--data", str(data), "--out", str(out), "--force",
+                           "--shared-lm-head", "--steps", "2", "--quiet"]) == 0
+    assert sorted(f.name for f in out.iterdir()) == ["config.json", "medusa_lm_head.safetensors", "notes.txt",
+                                                     "training_summary.json"]
 
 
 @pytest.mark.parametrize("case", ["missing", "empty", "suffix", "bad_json", "no_text", "bad_base", "no_base",
