@@ -12,6 +12,7 @@ user would otherwise run; its tokens are also checked against plain decoding.
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import sys
@@ -44,7 +45,7 @@ class ForwardTimer(Backend):
         self.reset()
 
     def reset(self) -> None:
-        self.calls: list[tuple[int, float]] = []  # (commits before the call, seconds)
+        self.calls: list[tuple[int, float, str]] = []  # (commits before the call, seconds, the call's name)
         self._commits = 0
 
     def _timed(self, fn, *args, **kwargs):
@@ -52,15 +53,22 @@ class ForwardTimer(Backend):
         try:
             return fn(*args, **kwargs)
         finally:
-            self.calls.append((self._commits, time.perf_counter() - t0))
+            self.calls.append((self._commits, time.perf_counter() - t0, fn.__name__))
 
     @property
     def seconds(self) -> float:
-        return sum(dt for _, dt in self.calls)
+        return sum(dt for _, dt, _ in self.calls)
 
     @property
     def prefill_seconds(self) -> float:
-        return sum(dt for commits, dt in self.calls if commits == 0)
+        return sum(dt for commits, dt, _ in self.calls if commits == 0)
+
+    @property
+    def draft_seconds(self) -> list[float]:
+        """The drafter's own calls, one per step, each after a commit (the two-call path's `draft`:
+        heads, or an Amphista drafter's cache advance and drafting; a fused step's drafter is inside
+        fused_step)."""
+        return [dt for commits, dt, name in self.calls if commits > 0 and name == "draft"]
 
     # -- the Backend interface: compute timed, commits counted, the rest passed on -----------
 
@@ -116,6 +124,7 @@ class Run:
     wall_s: float  # prefill + decode, as a user waits for it
     forward_s: float  # inside the backend's compute calls (prefill included)
     step_forward_s: float  # inside the backend's compute calls during the decode steps
+    draft_s: tuple[float, int] = (0.0, 0)  # the drafter's own calls (two-call path): seconds, calls
 
     @property
     def step_s(self) -> float:
@@ -132,7 +141,8 @@ def timed_decode(timer: ForwardTimer, prompt: list[int], cfg: GenerationConfig) 
     t0 = time.perf_counter()
     result = decode(timer, [prompt], cfg)
     wall = time.perf_counter() - t0
-    return Run(result.tokens[0], result.stats[0], wall, timer.seconds, timer.seconds - timer.prefill_seconds)
+    return Run(result.tokens[0], result.stats[0], wall, timer.seconds, timer.seconds - timer.prefill_seconds,
+               (sum(timer.draft_seconds), len(timer.draft_seconds)))
 
 
 @dataclass
@@ -143,6 +153,8 @@ class ModeSummary:
     decode_s: float = 0.0
     prefill_s: float = 0.0
     forward_s: float = 0.0
+    draft_s: float = 0.0
+    drafts: int = 0
 
     def add(self, run: Run) -> None:
         self.tokens += run.stats.new_tokens
@@ -151,6 +163,8 @@ class ModeSummary:
         self.decode_s += run.stats.decode_s
         self.prefill_s += run.stats.prefill_s
         self.forward_s += run.forward_s
+        self.draft_s += run.draft_s[0]
+        self.drafts += run.draft_s[1]
 
     def figures(self) -> dict:
         return {
@@ -166,25 +180,40 @@ class ModeSummary:
 
 def medusa_ratios(plain: ModeSummary, medusa: ModeSummary) -> dict:
     """Medusa against plain decoding on the same engine: tokens/s ratios (wall and decode only),
-    tokens per step, and the cost of one tree step in plain steps."""
+    tokens per step, and the cost of one tree step in plain steps; on the two-call path also the
+    drafter's own cost per step in plain steps."""
     p, m = plain, medusa
+    plain_step = p.decode_s / max(p.steps, 1)
     return {
         "speedup": round(p.wall_s / m.wall_s * m.tokens / max(p.tokens, 1), 4),  # tokens/s ratio
         "decode_speedup": round(p.decode_s / m.decode_s * m.tokens / max(p.tokens, 1), 4),
         "tokens_per_step": round(m.tokens / max(m.steps, 1), 4),
-        "step_overhead": round((m.decode_s / max(m.steps, 1)) / (p.decode_s / max(p.steps, 1)), 4),
+        "step_overhead": round((m.decode_s / max(m.steps, 1)) / plain_step, 4),
+        **({"drafter_cost": round(m.draft_s / m.drafts / plain_step, 4)} if m.drafts else {}),
     }
 
 
 def also_mode(spec: str) -> dict:
     """medusa-bench --also: GenerationConfig fields of TREE, with suffixes /no-context (no context
-    candidates) and /fill (a per-step tree fills its budget every step: slot_cost 0)."""
+    candidates), /fill (a per-step tree fills its budget every step: slot_cost 0) and /cost=X (a
+    per-step tree's slot cost X, in plain steps per slot)."""
     tree, *flags = spec.split("/")
-    unknown = [f for f in flags if f not in ("no-context", "fill")]
+    cost = [f for f in flags if f.startswith("cost=")]
+    unknown = [f for f in flags if f not in ("no-context", "fill") and f not in cost]
+    expected = "expected TREE[/no-context][/fill][/cost=X]"
     if unknown:
-        raise BenchError(f"--also {spec!r}: unknown suffix /{unknown[0]}; expected TREE[/no-context][/fill]")
-    return {"medusa_choices": tree, "context_candidates": "no-context" not in flags,
-            **({"slot_cost": 0.0} if "fill" in flags else {})}
+        raise BenchError(f"--also {spec!r}: unknown suffix /{unknown[0]}; {expected}")
+    fields = {"medusa_choices": tree, "context_candidates": "no-context" not in flags}
+    if "fill" in flags:
+        fields["slot_cost"] = 0.0
+    for f in cost:
+        try:
+            fields["slot_cost"] = float(f[5:])
+        except ValueError:
+            raise BenchError(f"--also {spec!r}: /{f} is not a number; {expected}") from None
+        if not (fields["slot_cost"] >= 0 and math.isfinite(fields["slot_cost"])):
+            raise BenchError(f"--also {spec!r}: /{f}: expected a finite number >= 0")
+    return fields
 
 
 def compare(backend: Backend, prompts: list[list[int]], medusa_choices=None, max_new_tokens: int = 128,
@@ -351,7 +380,8 @@ def format_report(r: dict) -> str:
     lines += [
         f"speedup (Medusa / plain, same run): {m['speedup']:.2f}x (per prompt: median "
         f"{statistics.median(speedups):.2f}x, min {min(speedups):.2f}x, max {max(speedups):.2f}x)",
-        f"per-step overhead (Medusa step / plain step): {m['step_overhead']:.2f}x",
+        f"per-step overhead (Medusa step / plain step): {m['step_overhead']:.2f}x"
+        + (f"; the drafter's own calls: {m['drafter_cost']:.1%} of a plain step" if "drafter_cost" in m else ""),
         "acceptance per head (steps whose accepted path reached depth k): "
         + ", ".join(f"{a:.2f}" for a in m["acceptance_per_head"]),
         f"Medusa output equals plain greedy: {m['equal_to_plain']}" if r.get("acceptance", "greedy") == "greedy"

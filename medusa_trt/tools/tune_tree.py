@@ -426,7 +426,7 @@ def decode_steps_ms(timer, prompt: list[int], cfg) -> list[tuple[float, float]]:
     for _ in generate(timer, [prompt], cfg):
         now, calls = time.perf_counter(), len(timer.calls)
         if last_t is not None:
-            out.append((1e3 * (now - last_t), 1e3 * sum(dt for _, dt in timer.calls[last_calls:calls])))
+            out.append((1e3 * (now - last_t), 1e3 * sum(dt for _, dt, _ in timer.calls[last_calls:calls])))
         last_t, last_calls = now, calls
     return out
 

@@ -69,7 +69,7 @@ def test_bench_on_an_onnxruntime_engine(ort_engine, prompts_file, tmp_path):
 def test_forward_timer_splits_forward_and_host_time(tiny_merged):
     timer = bench.ForwardTimer(load_backend(tiny_merged("llama")))
     run = bench.timed_decode(timer, [1, 5, 9, 13], GenerationConfig(max_new_tokens=10, use_medusa=False))
-    prefill = [dt for commits, dt in timer.calls if commits == 0]
+    prefill = [dt for commits, dt, _ in timer.calls if commits == 0]
     assert 1 <= len(prefill) <= 2  # forward (+ heads where the backend computes them separately)
     assert len(timer.calls) - len(prefill) >= run.stats.steps  # at least one compute call per step
     assert 0 < run.step_forward_s < run.forward_s <= run.wall_s
@@ -77,6 +77,28 @@ def test_forward_timer_splits_forward_and_host_time(tiny_merged):
     # The wrapper is transparent: same tokens as the bare backend.
     assert run.tokens == decode(timer.backend, [[1, 5, 9, 13]], GenerationConfig(max_new_tokens=10,
                                                                                  use_medusa=False)).tokens[0]
+
+
+def test_forward_timer_times_the_drafter_calls_apart(ort_engine):
+    # The two-call path (sampling takes it) drafts in calls of its own: one per step, inside the
+    # step's compute time.
+    timer = bench.ForwardTimer(load_backend(ort_engine("llama")))
+    cfg = GenerationConfig(max_new_tokens=10, medusa_choices=[[0], [0, 0]], acceptance="sample", seed=0)
+    run = bench.timed_decode(timer, [1, 5, 9, 13], cfg)
+    drafts = [dt for commits, dt, name in timer.calls if name == "draft"]
+    assert len(drafts) == run.stats.steps + 1  # the prefill's commit is followed by a draft too
+    assert run.draft_s == (sum(drafts), len(drafts)) and 0 < sum(drafts) < run.step_forward_s
+
+
+def test_also_mode_suffixes():
+    assert bench.also_mode("dynamic:8") == {"medusa_choices": "dynamic:8", "context_candidates": True}
+    assert bench.also_mode("dynamic:8/no-context/fill") == {"medusa_choices": "dynamic:8", "context_candidates": False,
+                                                           "slot_cost": 0.0}
+    assert bench.also_mode("dynamic:8/cost=0.3")["slot_cost"] == 0.3
+    for bad, said in (("dynamic:8/wide", "unknown suffix /wide"), ("dynamic:8/cost=x", "/cost=x is not a number"),
+                      ("dynamic:8/cost=-1", "expected a finite number >= 0"), ("dynamic:8/cost=inf", ">= 0")):
+        with pytest.raises(bench.BenchError, match=said):
+            bench.also_mode(bad)
 
 
 def test_hf_model_dir_follows_engine_and_checkpoint(tiny_merged, ort_engine, tiny_base):
