@@ -208,9 +208,9 @@ def add_source_args(p: argparse.ArgumentParser, *, checkpoint: str | None = None
 
 
 def add_tree_arg(p: argparse.ArgumentParser, *, default: str | None = None,
-                 help: str = "tree: preset name, list of paths, file or brace form, or dynamic:N (the N most "
-                             "probable nodes chosen each step; default: the tree the engine records, medusa-build "
-                             "--tree)", context: bool = True) -> None:
+                 help: str = "tree: preset name, list of paths, file or brace form, or dynamic:N[,cost=C] (the "
+                             "N most probable nodes chosen each step, kept while worth C plain steps a slot; default: "
+                             "the tree the engine records, medusa-build --tree)", context: bool = True) -> None:
     """--medusa-choices; its help names the presets, which are otherwise listed only in an error. With
     `context`, --no-context-candidates too (per-step trees' continuations from the context)."""
     from medusa_trt.tree import preset_names

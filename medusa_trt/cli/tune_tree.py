@@ -87,21 +87,22 @@ def _main(argv: list[str] | None = None) -> int:
             ref_tree = DEFAULT_TREE
             extra = {ref_tree: ref_tree} if ref_tree in result["predicted"] else {}
             budgets = tt.budgets_for(len(result["medusa_choices"]), backend.info, args.budgets)
-            extra.update({f"dynamic:{n}": f"dynamic:{n}" for n in budgets})
+            result["slot_cost"] = tt.slot_cost(result, max(budgets, default=0) + 1)
+            specs = tt.dynamic_specs(budgets, result["slot_cost"])
+            extra.update({spec: spec for spec in specs})
             measured = compare(backend, prompts, result["medusa_choices"], args.max_new_tokens, stops,
                                progress=not args.quiet, extra_modes=extra)
             result["measured"] = {"data": str(data), "num_prompts": len(prompts),
                                   "plain_tokens_per_s": measured["modes"]["plain"]["tokens_per_s"],
                                   "tuned": {**measured["medusa"], "tokens_per_s": measured["modes"]["medusa"]["tokens_per_s"]}}
-            if extra:
+            if ref_tree in extra:
                 ref = measured[ref_tree]
                 result["measured"][ref_tree] = {**ref, "tokens_per_s": measured["modes"][ref_tree]["tokens_per_s"]}
                 result["measured"]["tuned_vs_" + ref_tree] = round(
                     result["measured"]["tuned"]["tokens_per_s"] / result["measured"][ref_tree]["tokens_per_s"], 4)
-            for n in budgets:
-                name = f"dynamic:{n}"
-                result["measured"][name] = {**measured[name], "tokens_per_s": measured["modes"][name]["tokens_per_s"]}
-            tt.choose_static_or_dynamic(result, budgets)
+            for spec in specs:
+                result["measured"][spec] = {**measured[spec], "tokens_per_s": measured["modes"][spec]["tokens_per_s"]}
+            tt.choose_static_or_dynamic(result, specs)
     except ValueError as e:  # BenchError, TreeError, EngineError, DataError: bad input, explained
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2

@@ -153,7 +153,7 @@ def recorded_tree(opts: BuildOptions, config: dict) -> tuple[list[list[int]] | s
     file's name, a preset's name or "given")."""
     if opts.tree is None:
         return None
-    from medusa_trt.runtime.dynamic import dynamic_tree, parse_dynamic
+    from medusa_trt.runtime.dynamic import dynamic_tree, parse_dynamic, spec_cost
     from medusa_trt.tree import TreeError, candidate_topk, parse_medusa_choices, validate_and_expand
 
     heads = int(config.get("num_medusa_heads") or 0)
@@ -165,7 +165,9 @@ def recorded_tree(opts: BuildOptions, config: dict) -> tuple[list[list[int]] | s
             if opts.backend == "tensorrt-llm":
                 raise TreeError(f"{opts.tree!r}: TensorRT-LLM engines verify static trees only; expected a list of "
                                 "paths or a preset")
-            spec = f"dynamic:{dynamic_tree(opts.tree, heads, candidate_topk(int(config['vocab_size'])), limit).budget}"
+            tree = dynamic_tree(opts.tree, heads, candidate_topk(int(config["vocab_size"])), limit)
+            cost = spec_cost(opts.tree)
+            spec = f"dynamic:{tree.budget}" + ("" if cost is None else f",cost={cost:g}")
             return spec, "per-step trees" if spec == str(opts.tree).strip() else f"{Path(str(opts.tree)).name}: {spec}"
         nodes = validate_and_expand(parse_medusa_choices(opts.tree), heads, limit)
     except TreeError as e:

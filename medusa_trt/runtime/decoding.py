@@ -29,7 +29,6 @@ from medusa_trt.acceptance import (
 )
 from medusa_trt.runtime.backend import Backend, ModelInfo
 from medusa_trt.runtime.dynamic import (
-    SLOT_COST,
     BatchTree,
     Context,
     DynamicTree,
@@ -49,8 +48,9 @@ class GenerationConfig:
     use_medusa: bool = True
     # Per-step trees: continuations found in the prompt and generated text compete for the budget.
     context_candidates: bool = True
-    # Per-step trees: a slot's share of a plain step's time (dynamic.SLOT_COST when None); a step keeps
-    # the nodes worth their slots, up to the budget. 0: every step verifies the whole budget.
+    # Per-step trees: a slot's share of a plain step's time (None: the spec's ",cost=C", else
+    # dynamic.SLOT_COST); a step keeps the nodes worth their slots, up to the budget. 0: every step
+    # verifies the whole budget.
     slot_cost: float | None = None
     acceptance: str = "greedy"  # "greedy" | "typical" | "sample" (lossless sampling, docs/sampling.md)
     temperature: float = 0.7  # typical and sample; typical with 0 means greedy, sample needs > 0
@@ -160,7 +160,7 @@ def step_tree(info: ModelInfo, medusa_choices: object = None, context: bool = Tr
     gives the DynamicTree of per-step trees (with context candidates unless `context` is False)."""
     spec = resolve_tree(info, medusa_choices)[0]
     dynamic = dynamic_tree(spec, info.num_medusa_heads, candidate_topk(info.vocab_size), info.max_draft_len,
-                           info.chains_only, context, SLOT_COST if slot_cost is None else slot_cost)
+                           info.chains_only, context, slot_cost)
     if dynamic is not None:
         return dynamic
     return StepTree.of(build_tree(spec, info.num_medusa_heads, info.max_draft_len, info.chains_only), info.vocab_size)

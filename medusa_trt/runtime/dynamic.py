@@ -111,15 +111,17 @@ def _from_file(spec: object) -> object:
 
 
 def parse_dynamic(spec: object) -> int | None:
-    """The budget N of "dynamic:N" (or of a tree file holding it); None when `spec` is not a dynamic
-    spec. A malformed budget raises TreeError naming it."""
+    """The budget N of "dynamic:N" or "dynamic:N,cost=C" (or of a tree file holding it); None when
+    `spec` is not a dynamic spec. A malformed budget or cost raises TreeError naming it."""
     spec = _from_file(spec)
     if not isinstance(spec, str):
         return None
     m = _DYNAMIC.fullmatch(spec.strip())
     if m is None:
         return None
-    text = m.group(1).strip()
+    text, _, option = m.group(1).strip().partition(",")
+    if option:
+        _cost(spec, option)
     try:
         budget = int(text)
     except ValueError:
@@ -130,12 +132,41 @@ def parse_dynamic(spec: object) -> int | None:
     return budget
 
 
+def _cost(spec: str, option: str) -> float:
+    """C of a spec's ",cost=C" option: the step time one slot adds on its engine, in plain steps."""
+    name, _, text = option.partition("=")
+    expected = "expected dynamic:N or dynamic:N,cost=C with C >= 0 plain steps per slot, e.g. dynamic:16,cost=0.08"
+    if name.strip().lower() != "cost":
+        raise TreeError(f"medusa_choices {spec!r}: unknown option {option.strip()!r}; {expected}")
+    try:
+        cost = float(text)
+    except ValueError:
+        raise TreeError(f"medusa_choices {spec!r}: cost {text.strip()!r} is not a number; {expected}") from None
+    if not (cost >= 0 and math.isfinite(cost)):
+        raise TreeError(f"medusa_choices {spec!r}: cost {cost}; {expected}")
+    return cost
+
+
+def spec_cost(spec: object) -> float | None:
+    """The slot cost a dynamic spec (or a tree file holding one) records, None when it records none:
+    medusa-tune-tree writes the engine's own, measured."""
+    spec = _from_file(spec)
+    if parse_dynamic(spec) is None:
+        return None
+    option = str(spec).strip().partition(",")[2]
+    return _cost(str(spec), option) if option else None
+
+
 def dynamic_tree(spec: object, heads: int, topk: int, max_draft_len: int, chains_only: bool = False,
-                 context: bool = True, slot_cost: float = SLOT_COST) -> DynamicTree | None:
-    """The DynamicTree of a "dynamic:N" spec checked against the engine (None: not a dynamic spec)."""
+                 context: bool = True, slot_cost: float | None = None) -> DynamicTree | None:
+    """The DynamicTree of a "dynamic:N" spec checked against the engine (None: not a dynamic spec).
+    Its slot cost: `slot_cost` when given, else the spec's own (",cost=C"), else SLOT_COST."""
     budget = parse_dynamic(spec)
     if budget is None:
         return None
+    if slot_cost is None:
+        slot_cost = spec_cost(spec)
+    slot_cost = SLOT_COST if slot_cost is None else slot_cost
     spec = _from_file(spec)
     if budget > max_draft_len:
         raise TreeError(f"medusa_choices {spec!r}: budget {budget} exceeds the engine's max_draft_len "

@@ -549,23 +549,39 @@ def budgets_for(nodes: int, info, asked: list[int] | None = None) -> list[int]:
     return sorted({n for n in wanted if 1 <= n <= limit})
 
 
-def choose_static_or_dynamic(result: dict, budgets: list[int]) -> None:
-    """Between the tuned static tree and per-step budgets, keeps the fastest measured one as
-    result["medusa_choices"] (the static tree stays in result["static_tree"]) and says why."""
+def slot_cost(result: dict, max_slots: int) -> float:
+    """What one more tree slot adds to a step on this engine, in plain steps: the slope of the
+    measured step compute over 1..max_slots slots, over a whole plain step. Per-step trees weigh
+    their nodes against it (runtime/dynamic.py: worth); it differs by engine (an int4 step of two
+    rows and more runs another kernel than a one-row step) and machine."""
+    st = result["step_time_ms"]
+    _, per_slot = fit_line({t + 1: ms for t, ms in enumerate(st["forward"][:max_slots])})
+    return round(max(per_slot, 0.0) / (st["plain_forward"] + max(st["rest_plain"], 0.0)), 3)
+
+
+def dynamic_specs(budgets: list[int], cost: float) -> list[str]:
+    """The per-step trees medusa-tune-tree measures: each budget with the engine's slot cost."""
+    return [f"dynamic:{n},cost={cost:g}" for n in budgets]
+
+
+def choose_static_or_dynamic(result: dict, specs: list[str]) -> None:
+    """Between the tuned static tree and the per-step trees `specs` (dynamic_specs), keeps the fastest
+    measured one as result["medusa_choices"] (the static tree stays in result["static_tree"]) and
+    says why."""
     m = result["measured"]
     static = m["tuned"]["tokens_per_s"]
-    best = max(budgets, key=lambda n: m[f"dynamic:{n}"]["tokens_per_s"], default=None)
+    best = max(specs, key=lambda spec: m[spec]["tokens_per_s"], default=None)
     result["static_tree"] = result["medusa_choices"]
     if best is None:
         result["choice"] = {"chosen": "static", "why": "no per-step budget measured"}
         return
-    fast = m[f"dynamic:{best}"]
-    figures = (f"dynamic:{best} {fast['tokens_per_s']:.1f} tokens/s ({fast['tokens_per_step']:.2f} tokens/step), "
+    fast = m[best]
+    figures = (f"{best} {fast['tokens_per_s']:.1f} tokens/s ({fast['tokens_per_step']:.2f} tokens/step), "
                f"the {len(result['static_tree'])}-node static tree {static:.1f} tokens/s "
                f"({m['tuned']['tokens_per_step']:.2f} tokens/step), measured on {m['num_prompts']} prompts")
     if fast["tokens_per_s"] > static and fast["equal_to_plain"]:
-        result["medusa_choices"] = f"dynamic:{best}"
-        result["choice"] = {"chosen": f"dynamic:{best}", "why": f"faster: {figures}"}
+        result["medusa_choices"] = best
+        result["choice"] = {"chosen": best, "why": f"faster: {figures}"}
     else:
         result["choice"] = {"chosen": "static", "why": f"the static tree is as fast or faster: {figures}"}
 
@@ -578,7 +594,8 @@ def format_report(result: dict) -> str:
         f"head top-1 accuracy: {', '.join(f'{a:.3f}' for a in acc['top1'])} "
         f"({min(acc['positions'])}-{max(acc['positions'])} positions)",
         f"step time: plain {p['plain']['step_ms']:.3f} ms; tree compute T=2 {result['step_time_ms']['forward'][1]:.3f} ms, "
-        f"T={len(result['step_time_ms']['forward'])} {result['step_time_ms']['forward'][-1]:.3f} ms",
+        f"T={len(result['step_time_ms']['forward'])} {result['step_time_ms']['forward'][-1]:.3f} ms"
+        + (f"; a slot adds {result['slot_cost']:.3f} plain steps" if "slot_cost" in result else ""),
         f"tuned tree: {t['nodes']} nodes, predicted {t['tokens_per_step']:.2f} tokens/step, {t['step_ms']:.3f} ms/step, "
         f"{t['speedup_vs_plain']:.2f}x vs plain",
     ]

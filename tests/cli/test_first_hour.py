@@ -4,6 +4,7 @@ answers, and one output format for medusa-run."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import re
@@ -16,7 +17,8 @@ from medusa_trt.cli import build as build_cli
 from medusa_trt.cli import run as run_cli
 from medusa_trt.engine_dir import artifact_checksums
 from medusa_trt.runtime.chat import encode_chat, messages_for
-from medusa_trt.runtime.decoding import GenerationConfig, decode, resolve_tree
+from medusa_trt.runtime.decoding import GenerationConfig, decode, resolve_tree, step_tree
+from medusa_trt.runtime.dynamic import SLOT_COST
 from medusa_trt.runtime.loading import load_backend, load_tokenizer, stop_tokens
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -173,12 +175,18 @@ def test_engine_records_per_step_trees(ort_engine, tiny_merged, tmp_path, capsys
     config = json.loads((ckpt / "config.json").read_text())
     assert recorded_tree(BuildOptions(checkpoint=ckpt, out=tmp_path / "e", tree=str(tree_file)), config) == \
         ("dynamic:6", "tree.json: dynamic:6")
+    # With the engine's measured slot cost (medusa-tune-tree), recorded and read back with it.
+    tree_file.write_text(json.dumps({"medusa_choices": "dynamic:6,cost=0.25"}))
+    recorded = recorded_tree(BuildOptions(checkpoint=ckpt, out=tmp_path / "e", tree=str(tree_file)), config)
+    assert recorded == ("dynamic:6,cost=0.25", "tree.json: dynamic:6,cost=0.25")
     engine = tmp_path / "engine"
     shutil.copytree(ort_engine("llama"), engine)
     data = json.loads((engine / "engine.json").read_text())
     data["medusa"].update(tree="dynamic:6", tree_source="tree.json: dynamic:6")
     (engine / "engine.json").write_text(json.dumps(data))
     backend = load_backend(engine)
+    assert step_tree(backend.info).slot_cost == SLOT_COST
+    assert step_tree(dataclasses.replace(backend.info, tree=recorded[0])).slot_cost == 0.25
     stats = decode(backend, [[5, 9, 17]], GenerationConfig(max_new_tokens=8, stop_token_ids=(), slot_cost=0.0)).stats[0]
     assert stats.draft_tokens == 6 * stats.steps  # the recorded budget, all of it every step with slot_cost 0
     code, _, err = run(["--engine", str(engine), "--prompt", "Hi", "--max-new-tokens", "4"], capsys)

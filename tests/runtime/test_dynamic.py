@@ -4,6 +4,7 @@ decoding that stays equal to plain greedy with them."""
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import random
 
@@ -13,6 +14,7 @@ import torch
 from medusa_trt.runtime.decoding import GenerationConfig, decode
 from medusa_trt.runtime.dynamic import (
     MAX_NGRAM,
+    SLOT_COST,
     ContextIndex,
     ContextStats,
     DynamicTree,
@@ -21,6 +23,7 @@ from medusa_trt.runtime.dynamic import (
     choose_nodes,
     dynamic_tree,
     parse_dynamic,
+    spec_cost,
     worth,
 )
 from medusa_trt.tree import TreeError
@@ -123,11 +126,25 @@ def test_context_stats_learn_from_what_was_right():
     ("dynamic:abc", "budget 'abc' is not an integer"),
     ("dynamic:64", "budget 64 exceeds the engine's max_draft_len 63"),
     ("dynamic:41", "budget 41 exceeds the drafter's 4 heads x top-10 = 40"),
+    ("dynamic:8,cost=x", "cost 'x' is not a number"),
+    ("dynamic:8,cost=-0.1", "cost -0.1; expected dynamic:N or dynamic:N,cost=C with C >= 0"),
+    ("dynamic:8,cost=nan", "cost nan"),
+    ("dynamic:8,width=3", "unknown option 'width=3'"),
 ])
 def test_bad_budgets_name_the_value_and_the_limit(spec, message):
     with pytest.raises(TreeError, match=message):
         dynamic_tree(spec, heads=4, topk=10, max_draft_len=63)
     assert parse_dynamic("mc_sim_7b_63") is None and parse_dynamic([[0]]) is None
+
+
+def test_a_spec_records_its_engine_slot_cost(tmp_path):
+    # medusa-tune-tree writes the engine's measured cost into the spec; a caller's own cost wins.
+    assert dynamic_tree("dynamic:8", 4, 10, 63).slot_cost == SLOT_COST
+    assert dynamic_tree("dynamic:8,cost=0.31", 4, 10, 63).slot_cost == 0.31
+    assert dynamic_tree("dynamic:8, COST = 0.31", 4, 10, 63, slot_cost=0.0).slot_cost == 0.0
+    tree_file = tmp_path / "tree.json"
+    tree_file.write_text(json.dumps({"medusa_choices": "dynamic:8,cost=0.31"}))
+    assert spec_cost(tree_file) == 0.31 and parse_dynamic(tree_file) == 8 and spec_cost("dynamic:8") is None
 
 
 def _cfg(tree, **kw) -> GenerationConfig:

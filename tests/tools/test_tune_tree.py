@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from medusa_trt.cli import tune_tree as tune_cli
-from medusa_trt.runtime.dynamic import parse_dynamic
+from medusa_trt.runtime.dynamic import parse_dynamic, spec_cost
 from medusa_trt.tools import tune_tree as ts
 from medusa_trt.tools.train_heads import rank_hits
 from medusa_trt.tools.tune_tree import (
@@ -195,12 +195,14 @@ def test_cli_writes_a_loadable_tree_and_warns_for_random_heads(tiny_merged, tmp_
     printed = capsys.readouterr().out
     result = json.loads(out.read_text())
     # The faster of the static tree and dynamic:3 (measured) is written; the static one is kept beside it.
-    assert result["choice"]["chosen"] in ("static", "dynamic:3") and "measured on 1 prompts" in result["choice"]["why"]
-    assert "dynamic:3" in result["measured"] and f"chosen: {result['choice']['chosen']}" in printed
-    if result["choice"]["chosen"] == "dynamic:3":
-        assert result["medusa_choices"] == "dynamic:3" and parse_dynamic(out) == 3
+    # Measured with the engine's own slot cost, which a chosen spec records.
+    spec = f"dynamic:3,cost={result['slot_cost']:g}"
+    assert result["choice"]["chosen"] in ("static", spec) and "measured on 1 prompts" in result["choice"]["why"]
+    assert spec in result["measured"] and f"chosen: {result['choice']['chosen']}" in printed
+    if result["choice"]["chosen"] == spec:
+        assert result["medusa_choices"] == spec and parse_dynamic(out) == 3 and spec_cost(out) == result["slot_cost"]
     tree = parse_medusa_choices(json.dumps(result["static_tree"]))
-    assert (result["medusa_choices"] == "dynamic:3" or tree == result["medusa_choices"]) and 1 <= len(tree) <= 12
+    assert (result["medusa_choices"] == spec or tree == result["medusa_choices"]) and 1 <= len(tree) <= 12
     build_tree(tree, num_heads=4)  # valid: prefix-closed, depth <= heads
     assert len(result["head_accuracy"]["rank_accuracy"]) == 4
     assert len(result["step_time_ms"]["forward"]) >= 13
@@ -218,15 +220,24 @@ def test_the_faster_measured_of_static_and_per_step_trees_is_chosen():
     def result(static, dynamic, equal=True):
         return {"medusa_choices": [[0], [1]], "measured": {
             "num_prompts": 4, "tuned": {"tokens_per_s": static, "tokens_per_step": 1.5},
-            "dynamic:2": {"tokens_per_s": dynamic, "tokens_per_step": 2.0, "equal_to_plain": equal},
-            "dynamic:4": {"tokens_per_s": dynamic - 1, "tokens_per_step": 2.2, "equal_to_plain": equal}}}
+            "dynamic:2,cost=0.3": {"tokens_per_s": dynamic, "tokens_per_step": 2.0, "equal_to_plain": equal},
+            "dynamic:4,cost=0.3": {"tokens_per_s": dynamic - 1, "tokens_per_step": 2.2, "equal_to_plain": equal}}}
+    specs = ts.dynamic_specs([2, 4], 0.3)
     won = result(10.0, 12.0)
-    ts.choose_static_or_dynamic(won, [2, 4])
-    assert won["medusa_choices"] == "dynamic:2" and won["static_tree"] == [[0], [1]]
-    assert won["choice"]["why"].startswith("faster: dynamic:2 12.0 tokens/s")
+    ts.choose_static_or_dynamic(won, specs)
+    assert won["medusa_choices"] == "dynamic:2,cost=0.3" and won["static_tree"] == [[0], [1]]
+    assert won["choice"]["why"].startswith("faster: dynamic:2,cost=0.3 12.0 tokens/s")
     for lost in (result(12.0, 10.0), result(10.0, 12.0, equal=False)):
-        ts.choose_static_or_dynamic(lost, [2, 4])
+        ts.choose_static_or_dynamic(lost, specs)
         assert lost["medusa_choices"] == [[0], [1]] and lost["choice"]["chosen"] == "static"
+
+
+def test_slot_cost_is_the_measured_slope_over_a_plain_step():
+    # 10 ms plain compute + 2 ms host; each slot adds 3 ms up to 4 slots, then 1 ms (beyond the fit).
+    result = {"step_time_ms": {"forward": [10.0, 13.0, 16.0, 19.0, 20.0, 21.0], "plain_forward": 10.0,
+                               "rest_plain": 2.0}}
+    assert ts.slot_cost(result, 4) == 0.25 and ts.slot_cost(result, 1) == 0.0
+    assert ts.dynamic_specs([4, 8], 0.25) == ["dynamic:4,cost=0.25", "dynamic:8,cost=0.25"]
 
 
 def test_cli_bad_input_exits_2(tiny_merged, tmp_path, capsys):
