@@ -65,10 +65,11 @@ class ForwardTimer(Backend):
 
     @property
     def draft_seconds(self) -> list[float]:
-        """The drafter's own calls, one per step, each after a commit (the two-call path's `draft`:
-        heads, or an Amphista drafter's cache advance and drafting; a fused step's drafter is inside
-        fused_step)."""
-        return [dt for commits, dt, name in self.calls if commits > 0 and name == "draft"]
+        """The drafter's own calls of the decode steps, one per step after its commit (the two-call
+        path's `draft`: heads, or an Amphista drafter's cache advance and drafting). The draft after
+        the prefill's commit (commits == 1) belongs to the prefill: an Amphista drafter reads every
+        prompt row there. A fused step's drafter is inside fused_step, so that path has none."""
+        return [dt for commits, dt, name in self.calls if commits > 1 and name == "draft"]
 
     # -- the Backend interface: compute timed, commits counted, the rest passed on -----------
 
