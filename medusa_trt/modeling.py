@@ -91,6 +91,7 @@ class MedusaModel(nn.Module):
         past_values: torch.Tensor,  # [L, B, Hkv, P, D]
         logit_positions: torch.Tensor | None = None,  # [B, K] int64: rows of S to produce logits for
         window_mask=None,  # the sliding-window layers' mask; None: from attention_mask and the positions
+        all_hidden: bool = False,  # the hidden state of every row [B, S, d], whatever logit_positions asks
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns logits [B, K, V] f32, the final normed hidden state [B, K, d] at the same rows (what
         the drafter reads), and the NEW tokens' present keys/values [L, B, Hkv, S, D] (the caller
@@ -118,13 +119,13 @@ class MedusaModel(nn.Module):
             x, k, v = layer(x, cos, sin, mask, past_keys[i], past_values[i])
             new_k.append(k)
             new_v.append(v)
-        h = self.ln_f(x)
+        h_all = h = self.ln_f(x)
         if logit_positions is not None:
-            h = torch.gather(h, 1, logit_positions[..., None].expand(-1, -1, h.shape[-1]))
+            h = torch.gather(h_all, 1, logit_positions[..., None].expand(-1, -1, h_all.shape[-1]))
         logits = self.lm_head(h).float()
         # cat + view rather than stack: one Concat in an exported graph instead of an Unsqueeze per layer.
         shape = (len(new_k), *new_k[0].shape)
-        return logits, h, torch.cat(new_k).view(shape), torch.cat(new_v).view(shape)
+        return logits, h_all if all_hidden else h, torch.cat(new_k).view(shape), torch.cat(new_v).view(shape)
 
     def empty_cache(self, batch: int, length: int = 0, device: torch.device | str | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -29,6 +29,10 @@ class ModelInfo:
     # The drafter keeps a cache over every committed row (drafters.base.Drafter.has_cache): the
     # prefill hands `draft` all of each prompt's rows, not only the last.
     drafter_cache: bool = False
+    # `forward` keeps the hidden state of every new row whatever logit_positions asks (engine.json
+    # onnx.hidden_all_rows), so a prefill asks for the last row's logits only and `draft` still reads
+    # any row: rows then name new rows, not logit rows.
+    hidden_all_rows: bool = False
     # The tree the engine records (engine.json medusa.tree, from medusa-build --tree) and where it came
     # from: what a decode uses when its config names none (decoding.resolve_tree). None: none recorded.
     tree: tuple[tuple[int, ...], ...] | str | None = None  # str: "dynamic:N" (runtime/dynamic.py)
@@ -77,7 +81,8 @@ class Backend:
         drafts at each sequence's last committed row; one with a cache of its own appends every
         committed row to it (and never rolls back). After a prefill the rows are the ones the
         prefill's forward kept: each prompt's last token, or with `info.drafter_cache` every prompt
-        row (row j of sequence b is its prompt's token j, counts = the prompt lengths)."""
+        row (row j of sequence b is its prompt's token j, counts = the prompt lengths; with
+        `info.hidden_all_rows` the forward kept every row however few logits it computed)."""
         raise NotImplementedError
 
     def commit(self, slots: torch.Tensor, counts: torch.Tensor) -> None:

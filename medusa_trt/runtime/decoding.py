@@ -382,15 +382,22 @@ def prefill(backend: Backend, prompts: list[list[int]], heads: bool = True, pick
     ids, pos, mask, slots, lens = _pad_prompts(prompts)
     if heads and backend.info.drafter_cache:
         # The drafter's cache takes every prompt row: the forward keeps row j = the prompt's token j
-        # (slots), and the token after each is the prompt's next, then the root.
-        logits, _ = backend.forward(ids, pos, mask, slots, with_heads=False)
-        logits = logits[torch.arange(len(prompts)), lens - 1]
+        # (slots), and the token after each is the prompt's next, then the root. An engine that keeps
+        # every row's hidden state computes the logits of the last row alone (left padding: slot S-1),
+        # and the drafter reads the prompt's rows at their slots.
+        if backend.info.hidden_all_rows:
+            last = torch.full((len(prompts), 1), ids.shape[1] - 1, dtype=torch.long)
+            logits = backend.forward(ids, pos, mask, last, with_heads=False)[0][:, 0]
+            rows = slots
+        else:
+            logits, _ = backend.forward(ids, pos, mask, slots, with_heads=False)
+            logits = logits[torch.arange(len(prompts)), lens - 1]
+            rows = torch.arange(ids.shape[1]).expand(len(prompts), -1)
         backend.commit(slots, lens)
         root = (pick or argmax)(logits)
         after = torch.zeros_like(ids)
         for i, p in enumerate(prompts):
             after[i, : len(p)] = torch.tensor(list(p[1:]) + [int(root[i])])
-        rows = torch.arange(ids.shape[1]).expand(len(prompts), -1)
         return logits, root, backend.draft(rows, lens, after)
     last = torch.full((len(prompts), 1), ids.shape[1] - 1, dtype=torch.long)
     logits, _ = backend.forward(ids, pos, mask, last, with_heads=False)

@@ -12,14 +12,19 @@ from medusa_trt.runtime.backend import Backend, ModelInfo, commit_indices, full_
 class TorchBackend(Backend):
     """The PyTorch reference model behind the backend interface, cache preallocated once per batch."""
 
-    def __init__(self, model: MedusaModel, max_draft_len: int = DEFAULT_MAX_DRAFT_LEN):
+    def __init__(self, model: MedusaModel, max_draft_len: int = DEFAULT_MAX_DRAFT_LEN,
+                 hidden_all_rows: bool | None = None):
         self.model = model
         # The model's device (cpu or cuda) holds the cache and runs the math; the decoding loop's
         # small int tensors stay on the host and logits come back there, as from every backend.
         self.device = model.inv_freq.device
         cfg = model.cfg
+        # A drafter with a cache of its own reads prompt rows whose logits nobody needs: every row's
+        # hidden state is kept, as its ONNX Runtime engines do (ModelInfo.hidden_all_rows), unless
+        # `hidden_all_rows` says otherwise (medusa-check: as the engine it is compared with does).
+        all_rows = model.drafter.has_cache if hidden_all_rows is None else hidden_all_rows
         self.info = ModelInfo(cfg.vocab_size, cfg.num_medusa_heads, cfg.max_position_embeddings, max_draft_len,
-                              drafter_cache=model.drafter.has_cache)
+                              drafter_cache=model.drafter.has_cache, hidden_all_rows=all_rows)
         self.start(1, 0)
 
     def start(self, batch: int, capacity: int) -> None:
@@ -38,7 +43,8 @@ class TorchBackend(Backend):
         dev = self.device  # .to() of a tensor already there is free: nothing moves on the CPU
         logits, self._hidden, new_k, new_v = self.model.forward_hidden(
             input_ids.to(dev), position_ids.to(dev), mask.to(dev), self.keys[..., :past, :],
-            self.values[..., :past, :], None if logit_positions is None else logit_positions.to(dev)
+            self.values[..., :past, :], None if logit_positions is None else logit_positions.to(dev),
+            all_hidden=self.info.hidden_all_rows,
         )
         self.keys[..., past : past + s, :] = new_k
         self.values[..., past : past + s, :] = new_v

@@ -188,7 +188,9 @@ def run_check(engine_dir: str | Path, checkpoint: str | Path | None = None, prom
         quantize_model_int4(model, int(weights["block_size"]), int(weights["accuracy_level"]),
                             draft=bool(weights.get("draft_int4")),  # engines built before it: float32
                             offsets=weights.get("offsets", False), lm_head_bits=weights.get("lm_head_bits", 4))
-    reference = TorchBackend(model, max_draft_len=subject.info.max_draft_len)
+    # The reference keeps the rows the engine keeps, so a draft call names the same rows on both.
+    reference = TorchBackend(model, max_draft_len=subject.info.max_draft_len,
+                             hidden_all_rows=subject.info.hidden_all_rows)
     mine, theirs = subject.info, reference.info
     if (mine.vocab_size, mine.num_medusa_heads) != (theirs.vocab_size, theirs.num_medusa_heads):
         raise CheckInputError(f"checkpoint {checkpoint} does not match the engine: vocab/heads "

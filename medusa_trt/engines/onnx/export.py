@@ -129,6 +129,9 @@ class _ExportModule(nn.Module):
         self.model = model
         self.committed_prefix = committed_prefix
         self.places_new_keys = places_new_keys
+        # The decoder graph's `hidden` output at every new row, not at logit_positions only (export_onnx's
+        # hidden_all_rows): set while the decoder graph is exported, never for the step graph.
+        self.hidden_all_rows = False
         # The drafter's exported form (drafters/): the heads graph and the fused step draft through it.
         # A drafter with a cache of its own exports as the drafter graph instead (_DrafterModule).
         self.draft = None if model.drafter.has_cache else graph_form(model.drafter, model.lm_head)
@@ -163,7 +166,7 @@ class _ExportModule(nn.Module):
             prefix = keys[None, None, :] < past_lengths[:, None, None]
             mask = torch.cat([prefix.expand(b, s, t), new_mask], dim=-1)  # [B, S, T+S]
         return self.model.forward_hidden(input_ids, position_ids, mask, past[0::2], past[1::2], logit_positions,
-                                         window_mask)
+                                         window_mask, all_hidden=self.hidden_all_rows)
 
 
 class _HeadsModule(nn.Module):
@@ -382,6 +385,7 @@ def export_onnx(
     external_data: bool | None = None,
     fused_step: bool = False,
     committed_prefix: bool = True,
+    hidden_all_rows: bool = False,
     on_stage: Callable[[str], object] = lambda stage: None,
 ) -> ExportResult:
     """Exports `model` (in its current dtype) to `path`. `external_data` None: only when the
@@ -389,6 +393,9 @@ def export_onnx(
     own copy of the decoder's weights: medusa-build then shares them, engines/ort/weights.py).
     `committed_prefix`: attention reads only the cache's committed prefix (a Slice per past input); off, the past inputs go straight into the
     attention's Concat, the form the TensorRT rewrite (engines/trt/rewrite.py) recognises.
+    `hidden_all_rows`: the decoder graph's `hidden` output holds every new row ([batch, new_tokens,
+    hidden]) while its logits stay at logit_positions, so a drafter with a cache of its own takes every
+    prompt row from a prefill that computes the logits of the last row only.
     `on_stage(name)` is called as each graph's export starts (a build's progress bar moves with it)."""
     if attention not in ATTENTION_FORMS:
         raise ValueError(f"attention form {attention!r} is unknown; expected one of {sorted(ATTENTION_FORMS)}")
@@ -435,11 +442,13 @@ def export_onnx(
         log.info("%s: %.2f GB of weights go to external data files", path, weight_bytes / 1e9)
     with _export_mode(model, form, wrapper), torch.no_grad(), _quiet_exporter():
         on_stage("export decoder graph")
+        wrapper.hidden_all_rows = hidden_all_rows
         program = torch.onnx.export(
             wrapper, (), kwargs=inputs, dynamic_shapes=dynamic_shapes, input_names=[*INPUT_NAMES, *past_names(cfg.num_layers)],
             output_names=list(OUTPUT_NAMES), opset_version=opset, dynamo=True, custom_translation_table=table or None,
             optimize=True, verbose=False,
         )
+        wrapper.hidden_all_rows = False
         heads_program = drafter_program = None
         if cached_drafter:
             d_inputs = drafter_example_inputs(model)

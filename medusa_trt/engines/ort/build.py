@@ -197,7 +197,7 @@ def build_onnxruntime(opts: BuildOptions, config: dict, workdir: Path) -> dict:
         attention = opts.attention or default_attention(opset, weights)
         try:
             result = export_onnx(model, workdir / "model.onnx", attention=attention, opset=opset,
-                                 fused_step=ort.fused_step, on_stage=stage)
+                                 fused_step=ort.fused_step, hidden_all_rows=model.drafter.has_cache, on_stage=stage)
         except ValueError as e:  # an option the exporter refuses (opset, attention form)
             raise BuildError(str(e)) from None
         stage("fuse ops")
@@ -237,6 +237,9 @@ def build_onnxruntime(opts: BuildOptions, config: dict, workdir: Path) -> dict:
                  # A drafter with its own cache (Amphista): its graph, in place of the heads graph.
                  **({"drafter": model.drafter.kind, "drafter_file": result.drafter_path.name}
                     if result.drafter_path else {}),
+                 # Its decoder graph's `hidden` holds every new row, so a prefill asks for the logits of the
+                 # last row only and still hands the drafter every prompt row.
+                 **({"hidden_all_rows": True} if result.drafter_path else {}),
                  "shared_lm_head": result.shared_lm_head,
                  # The fused greedy step graph (onnx/export.py), used for greedy decoding of trees
                  # whose ranks are all below step_topk.

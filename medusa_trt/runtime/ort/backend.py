@@ -152,7 +152,8 @@ class OrtBackend(Backend):
         self.max_batch_size = limits["max_batch_size"]
         self.info = ModelInfo(self.vocab_size, self.num_medusa_heads, limits["max_seq_len"], limits["max_draft_len"],
                               onnx_info.get("key_block"), onnx_info.get("chains_only", False),
-                              drafter_cache=bool(onnx_info.get("drafter_file")))
+                              drafter_cache=bool(onnx_info.get("drafter_file")),
+                              hidden_all_rows=bool(onnx_info.get("hidden_all_rows")))
         self._past_names = past_names(self.num_layers)
         self._np_dtype = NP_DTYPES.get(self.dtype)
         if self._np_dtype is None:  # numpy has no bfloat16; ONNX Runtime's CPU kernels mostly lack it too
@@ -227,11 +228,13 @@ class OrtBackend(Backend):
         self._drafter_pending = None
 
     def forward(self, input_ids, position_ids, new_mask, logit_positions=None, with_heads=True):
+        s = input_ids.shape[1]
         feeds, kept = self._feeds(input_ids, position_ids, new_mask, logit_positions)
         b, k = feeds["logit_positions"].shape
+        rows = feeds["input_ids"].shape[1] if self.info.hidden_all_rows else k  # a padded lone row counts
         logits, hidden = self.cache.run(self.session, feeds, {"logits": ((b, k, self.vocab_size), np.float32),
-                                                              "hidden": ((b, k, self.hidden_size), self._np_dtype)})
-        logits, hidden = logits[:, :kept], hidden[:, :kept]
+                                                              "hidden": ((b, rows, self.hidden_size), self._np_dtype)})
+        logits, hidden = logits[:, :kept], hidden[:, : s if self.info.hidden_all_rows else kept]
         self._hidden = hidden  # [B, K, d] host tensor: the heads run on the rows the loop picks
         if not with_heads:
             return logits, None

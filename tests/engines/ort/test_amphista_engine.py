@@ -20,11 +20,12 @@ from medusa_trt.cli.convert import main as convert_main
 from medusa_trt.converter.hf_base import ConvertError
 from medusa_trt.converter.merge import convert
 from medusa_trt.drafters.amphista import Amphista
+from medusa_trt.engine_dir import read_engine
 from medusa_trt.engines.build import build_engine
 from medusa_trt.engines.options import BuildOptions
 from medusa_trt.engines.ort.build import OrtOptions
 from medusa_trt.modeling import MedusaModel
-from medusa_trt.runtime.decoding import GenerationConfig, decode
+from medusa_trt.runtime.decoding import GenerationConfig, decode, prefill
 from medusa_trt.runtime.loading import load_backend
 from medusa_trt.runtime.torch_backend import TorchBackend
 from medusa_trt.tools.distill import Sample
@@ -100,6 +101,31 @@ def test_greedy_with_amphista_equals_plain_greedy(amphista, engine):
     accepted = sum(s.accepted_draft_tokens for s in spec.stats)
     steps = sum(s.steps for s in spec.stats)
     assert accepted / steps > 0.35  # the trained drafter's drafts are taken
+
+
+@pytest.mark.parametrize("engine", ["float32", "int4"])
+def test_the_prefill_computes_the_last_logits_row_only_and_drafts_every_prompt_row(amphista, engine):
+    # The decoder graph keeps every row's hidden state (engine.json onnx.hidden_all_rows), so an
+    # Amphista prefill needs the lm_head at each prompt's last row only, and the drafter still reads
+    # every prompt row: at its slot, behind the left padding of the shorter prompts.
+    ps = [p for p in prompts(11) if len(p) > 1][:3]
+    assert len({len(p) for p in ps}) > 1  # ragged: padding in front of the shorter prompts
+    backend = load_backend(amphista.engines[engine])
+    assert backend.info.hidden_all_rows and "hidden_all_rows" in read_engine(amphista.engines[engine])["requires"]
+    asked, forward = [], backend.forward
+    backend.forward = lambda *a, **k: asked.append(a[3].shape) or forward(*a, **k)
+    backend.start(len(ps), 64)
+    _, root, drafts = prefill(backend, ps)
+    assert asked == [(len(ps), 1)]
+    ref = TorchBackend(MedusaModel.from_checkpoint(amphista.ckpt))
+    ref.start(len(ps), 64)
+    _, ref_root, ref_drafts = prefill(ref, ps)
+    if engine == "float32":  # the reference's drafts, every prompt's (a wrong row would move them far)
+        assert torch.equal(root, ref_root)
+        torch.testing.assert_close(drafts, ref_drafts, atol=1e-4, rtol=1e-4)
+    else:  # int4 weights: the same drafts' leading choices, mostly
+        agree = (drafts.argmax(-1) == ref_drafts.argmax(-1)).float().mean()
+        assert agree >= 0.75, agree
 
 
 def test_the_engine_drafts_what_the_reference_drafts(amphista):
