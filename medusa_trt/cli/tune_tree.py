@@ -25,6 +25,7 @@ from medusa_trt.cli.common import (
     run_cli,
     write_output_file,
 )
+from medusa_trt.tools import tree_choice as tc
 from medusa_trt.tools import tune_tree as tt
 from medusa_trt.tree import CANDIDATE_TOPK, DEFAULT_TREE
 
@@ -86,9 +87,9 @@ def _main(argv: list[str] | None = None) -> int:
             _, prompts = load_prompts(data, tok, args.eval_limit)
             ref_tree = DEFAULT_TREE
             extra = {ref_tree: ref_tree} if ref_tree in result["predicted"] else {}
-            budgets = tt.budgets_for(len(result["medusa_choices"]), backend.info, args.budgets)
-            result["slot_cost"] = tt.slot_cost(result, max(budgets, default=0) + 1)
-            specs = tt.dynamic_specs(budgets, result["slot_cost"])
+            budgets = tc.budgets_for(len(result["medusa_choices"]), backend.info, args.budgets)
+            result["slot_cost"] = tc.slot_cost(result, max(budgets, default=0) + 1)
+            specs = tc.dynamic_specs(budgets, result["slot_cost"])
             extra.update({spec: spec for spec in specs})
             measured = compare(backend, prompts, result["medusa_choices"], args.max_new_tokens, stops,
                                progress=not args.quiet, extra_modes=extra)
@@ -102,7 +103,7 @@ def _main(argv: list[str] | None = None) -> int:
                     result["measured"]["tuned"]["tokens_per_s"] / result["measured"][ref_tree]["tokens_per_s"], 4)
             for spec in specs:
                 result["measured"][spec] = {**measured[spec], "tokens_per_s": measured["modes"][spec]["tokens_per_s"]}
-            tt.choose_static_or_dynamic(result, specs)
+            tc.choose_static_or_dynamic(result, specs)
     except ValueError as e:  # BenchError, TreeError, EngineError, DataError: bad input, explained
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from medusa_trt.cli import tune_tree as tune_cli
 from medusa_trt.runtime.dynamic import parse_dynamic, spec_cost
+from medusa_trt.tools import tree_choice as tc
 from medusa_trt.tools import tune_tree as ts
 from medusa_trt.tools.train_heads import rank_hits
 from medusa_trt.tools.tune_tree import (
@@ -222,13 +223,13 @@ def test_the_faster_measured_of_static_and_per_step_trees_is_chosen():
             "num_prompts": 4, "tuned": {"tokens_per_s": static, "tokens_per_step": 1.5},
             "dynamic:2,cost=0.3": {"tokens_per_s": dynamic, "tokens_per_step": 2.0, "equal_to_plain": equal},
             "dynamic:4,cost=0.3": {"tokens_per_s": dynamic - 1, "tokens_per_step": 2.2, "equal_to_plain": equal}}}
-    specs = ts.dynamic_specs([2, 4], 0.3)
+    specs = tc.dynamic_specs([2, 4], 0.3)
     won = result(10.0, 12.0)
-    ts.choose_static_or_dynamic(won, specs)
+    tc.choose_static_or_dynamic(won, specs)
     assert won["medusa_choices"] == "dynamic:2,cost=0.3" and won["static_tree"] == [[0], [1]]
     assert won["choice"]["why"].startswith("faster: dynamic:2,cost=0.3 12.0 tokens/s")
     for lost in (result(12.0, 10.0), result(10.0, 12.0, equal=False)):
-        ts.choose_static_or_dynamic(lost, specs)
+        tc.choose_static_or_dynamic(lost, specs)
         assert lost["medusa_choices"] == [[0], [1]] and lost["choice"]["chosen"] == "static"
 
 
@@ -236,8 +237,8 @@ def test_slot_cost_is_the_measured_slope_over_a_plain_step():
     # 10 ms plain compute + 2 ms host; each slot adds 3 ms up to 4 slots, then 1 ms (beyond the fit).
     result = {"step_time_ms": {"forward": [10.0, 13.0, 16.0, 19.0, 20.0, 21.0], "plain_forward": 10.0,
                                "rest_plain": 2.0}}
-    assert ts.slot_cost(result, 4) == 0.25 and ts.slot_cost(result, 1) == 0.0
-    assert ts.dynamic_specs([4, 8], 0.25) == ["dynamic:4,cost=0.25", "dynamic:8,cost=0.25"]
+    assert tc.slot_cost(result, 4) == 0.25 and tc.slot_cost(result, 1) == 0.0
+    assert tc.dynamic_specs([4, 8], 0.25) == ["dynamic:4,cost=0.25", "dynamic:8,cost=0.25"]
 
 
 def test_cli_bad_input_exits_2(tiny_merged, tmp_path, capsys):
