@@ -346,8 +346,8 @@ def quantize_model_int4(model: nn.Module, block_size: int, accuracy_level: int, 
     """Replaces the decoder's Linears (and the lm_head with `lm_head`) by Int4Linear in place: what
     medusa-build --weights int4 exports and what medusa-check runs as the reference. Deterministic,
     so both get the same bytes. Medusa heads that use the base lm_head (v2) then use the int4 one.
-    `draft`: the heads' draft-vocabulary matrices too (`draft_int4`, one Int4Linear per head), when
-    the heads have a draft vocabulary. `offsets`: per-block float offsets (quantize_int4_offsets)
+    `draft`: the drafter's own matrices too, as its Drafter.quantize_int4 chooses (Medusa heads: the
+    draft-vocabulary matrices; Amphista: all of them). `offsets`: per-block float offsets (quantize_int4_offsets)
     instead of zero points; `lm_head_bits` 8: the lm_head as int8 blocks. Returns the names of the
     Linears left in the model dtype because their input size is not a multiple of block_size (the
     caller warns)."""
@@ -358,8 +358,7 @@ def quantize_model_int4(model: nn.Module, block_size: int, accuracy_level: int, 
     if lm_head_bits not in LM_HEAD_BITS:
         raise ValueError(f"lm_head bits {lm_head_bits}: expected one of {LM_HEAD_BITS}")
     names = [f"layers.{i}.{n}" for i in range(len(model.layers)) for n in ("qkv", "dense", "fc", "gate", "proj")]
-    medusa = model.cfg.drafter == "medusa"  # another drafter keeps its float weights (it is small)
-    if lm_head and medusa:
+    if lm_head and model.cfg.drafter == "medusa":
         h = model.cfg.num_medusa_heads
         model.drafter.uses_base_lm_head = bool(h) and all(
             torch.equal(model.drafter.lm_heads[k], model.lm_head.weight) for k in range(h))
@@ -377,16 +376,9 @@ def quantize_model_int4(model: nn.Module, block_size: int, accuracy_level: int, 
             continue
         bits = lm_head_bits if name == "lm_head" else 4
         setattr(owner, attr, Int4Linear(linear, block_size, accuracy_level, offsets, bits))
-    if draft and medusa and model.cfg.draft_vocab and model.cfg.num_medusa_heads:
-        # The draft matrix is the heads' largest float32 read per step ([V', d] a head;
-        # docs/benchmarks/issue-13-int4.md).
-        if model.cfg.hidden_size % block_size:
-            skipped.append("draft_lm_head")
-        else:
-            heads = []
-            for w in model.drafter.draft_lm_heads:  # [H, V', d]
-                linear = nn.Linear(w.shape[1], w.shape[0], bias=False)
-                linear.weight.data = w.float()
-                heads.append(Int4Linear(linear, block_size, accuracy_level, offsets))
-            model.drafter.draft_int4 = nn.ModuleList(heads)
+    if draft:
+        def make(linear: nn.Linear) -> Int4Linear | None:
+            return None if linear.in_features % block_size else Int4Linear(linear, block_size, accuracy_level, offsets)
+
+        skipped += model.drafter.quantize_int4(make)
     return skipped

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from medusa_trt.config import ModelConfig
-from medusa_trt.drafters.base import Drafter, scatter_full_vocab, topk_logp
+from medusa_trt.drafters.base import Drafter, QuantizedLinear, linear_of, scatter_full_vocab, topk_logp
 from medusa_trt.layers import DecoderLayer, RMSNorm, rope_inv_freq
 
 PREFIX = "amphista."  # its tensors' names in a merged checkpoint (docs/formats.md)
@@ -125,7 +125,10 @@ class Amphista(Drafter):
         self.register_buffer("draft_ids", None, persistent=False)
         self.register_buffer("draft_lm", None, persistent=False)
         self.num_kv_heads, self.head_dim = cfg.num_kv_heads, cfg.head_dim
-        self.fp8, self.draft_int4 = None, None  # it stays float in FP8 and int4 builds (drafters/base.py)
+        # Quantized forms (quantize_int4; FP8 builds keep the drafter float): w_int4, a module per
+        # head for the ResBlock matrices; draft_int4, the logits projection (one module, or one per
+        # head with lm_head "own").
+        self.fp8, self.draft_int4, self.w_int4 = None, None, None
 
     def set_draft_vocab(self, ids, base_lm_head: torch.Tensor | None = None) -> None:
         """Drafts over the token ids `ids` alone; with the base's lm_head, its rows for them are kept
@@ -134,6 +137,39 @@ class Amphista(Drafter):
         self.register_buffer("draft_ids", ids_t, persistent=False)
         rows = None if base_lm_head is None or self.lm_heads is not None else base_lm_head.detach()[ids_t].clone()
         self.register_buffer("draft_lm", rows, persistent=False)
+
+    def quantize_int4(self, make: QuantizedLinear) -> list[str]:
+        """Every matrix of the drafter: on an int4 engine its float32 weights would be read every
+        step beside a base 7x smaller (46% of a plain int4 step; docs/benchmarks/issue-35-amphista.md).
+        Drafts never change the output, so this costs draft quality at most, never exactness."""
+        skipped = []
+        for name, module in list(self.named_modules()):
+            if isinstance(module, nn.Linear):
+                quantized = make(module)
+                owner, _, attr = name.rpartition(".")
+                if quantized is None:
+                    skipped.append(f"{PREFIX}{name}")
+                else:
+                    setattr(self.get_submodule(owner) if owner else self, attr, quantized)
+        w = [make(linear_of(m)) for m in self.w]
+        draft = self._draft_matrices()
+        lm = None if draft is None else [make(linear_of(m)) for m in draft]
+        if any(m is None for m in w):
+            skipped.append(f"{PREFIX}w")
+        else:
+            self.w_int4 = nn.ModuleList(w)
+        if lm is not None and any(m is None for m in lm):
+            skipped.append(f"{PREFIX}draft matrix")
+        elif lm is not None:
+            self.draft_int4 = nn.ModuleList(lm)
+        return skipped
+
+    def _draft_matrices(self) -> torch.Tensor | None:
+        """The logits projection as matrices [1 or K, V' or V, d], None when it is the base's lm_head
+        module over the whole vocabulary."""
+        if self.lm_heads is not None:
+            return self.lm_heads if self.draft_ids is None else self.lm_heads[:, self.draft_ids]
+        return None if self.draft_lm is None else self.draft_lm[None]
 
     def reset_identity(self) -> None:
         """The identity drafter (module docstring): where training starts."""
@@ -178,38 +214,39 @@ class Amphista(Drafter):
         k = self.num_heads
         r = torch.stack([h1 if stage_of(i, k) == 0 else h2 for i in range(k)])  # [K, ..., d]
         bias = self.b.reshape(k, *(1,) * (r.dim() - 2), -1)
-        z = r + F.silu(torch.einsum("k...i,koi->k...o", r, self.w) + bias)
+        if self.w_int4 is not None:
+            wr = torch.stack([m(r[i]) for i, m in enumerate(self.w_int4)])
+        else:
+            wr = torch.einsum("k...i,koi->k...o", r, self.w)
+        z = r + F.silu(wr + bias)
         z = z.movedim(0, -2) + self.pos_embed  # [..., K, d]
         for layer in self.aeb:
             z = layer(z)
         return z.movedim(-2, 0)
 
+    def _logits(self, z: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        """The head slots z [K, ..., d] -> logits [K, ..., W], W the draft vocabulary's size when it
+        has one (never scattered), else the whole vocabulary's."""
+        if self.draft_int4 is not None:
+            if len(self.draft_int4) == 1:
+                return self.draft_int4[0](z)
+            return torch.stack([m(z[i]) for i, m in enumerate(self.draft_int4)])
+        w = self._draft_matrices()
+        if w is None:
+            return lm_head(z) if self.draft_ids is None else z @ lm_head.weight[self.draft_ids].T
+        return z @ w[0].T if w.shape[0] == 1 else torch.einsum("k...i,kvi->k...v", z, w)
+
     def topk(self, h1: torch.Tensor, h2: torch.Tensor, lm_head: nn.Module, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids [B, K, k] of each head's k most likely drafts from the adapted states [B, d], and
         their log-probabilities (the fused step graph's form: logits over the draft vocabulary only,
         never scattered)."""
-        z = self.features(h1, h2)  # [K, B, d]
-        if self.lm_heads is not None:
-            w = self.lm_heads if self.draft_ids is None else self.lm_heads[:, self.draft_ids]
-            logits = torch.einsum("kbi,kvi->kbv", z, w)
-        elif self.draft_lm is not None:
-            logits = z @ self.draft_lm.T
-        else:
-            logits = lm_head(z)
+        logits = self._logits(self.features(h1, h2), lm_head)  # [K, B, W]
         top, logp = topk_logp(logits.transpose(0, 1), k)  # [B, K, k]
         return (top if self.draft_ids is None else self.draft_ids[top]), logp
 
     def heads(self, h1: torch.Tensor, h2: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
         """Logits [K, ..., V] float32 from the adapted states [..., d] of the rows to draft at."""
-        z = self.features(h1, h2)
-        if self.lm_heads is not None:
-            w = self.lm_heads if self.draft_ids is None else self.lm_heads[:, self.draft_ids]
-            logits = torch.einsum("k...i,kvi->k...v", z, w).float()
-        elif self.draft_ids is not None:
-            w = self.draft_lm if self.draft_lm is not None else lm_head.weight[self.draft_ids]
-            logits = (z @ w.T).float()
-        else:
-            return lm_head(z).float()
+        logits = self._logits(self.features(h1, h2), lm_head).float()
         return logits if self.draft_ids is None else scatter_full_vocab(logits, self.draft_ids, self.vocab_size)
 
     def forward(self, hidden: torch.Tensor, next_tokens: torch.Tensor | None, lm_head: nn.Module,

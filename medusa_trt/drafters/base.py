@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -43,6 +44,25 @@ class Drafter(nn.Module):
         (hidden [1, c, d], the tokens after them [1, c]) to `past` (None: empty) and returns the
         drafts at the last row, logits [H, V], with the grown cache."""
         raise NotImplementedError(f"{type(self).__name__} keeps no cache")
+
+    def quantize_int4(self, make: QuantizedLinear) -> list[str]:
+        """Swaps the drafter's own matrices for the quantized modules `make` gives (medusa-build
+        --weights int4; medusa_trt.quant calls it), in place; returns the names `make` left float
+        (it returns None for a matrix whose input size is not a multiple of its block). The default
+        keeps every weight float."""
+        return []
+
+
+# (Linear) -> its quantized module computing the same product, or None where it cannot (quant.py).
+QuantizedLinear = Callable[[nn.Linear], "nn.Module | None"]
+
+
+def linear_of(w: torch.Tensor) -> nn.Linear:
+    """A bias-free Linear holding the matrix w [out, in] (a drafter's stacked weights, one slice at a
+    time, handed to a QuantizedLinear)."""
+    linear = nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device)
+    linear.weight.data = w.detach().float()
+    return linear
 
 
 # Head logit of a token outside the draft vocabulary: far below any real logit (they stay within

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from medusa_trt.config import ModelConfig
-from medusa_trt.drafters.base import Drafter, scatter_full_vocab
+from medusa_trt.drafters.base import Drafter, QuantizedLinear, linear_of, scatter_full_vocab
 
 HeadLinear = Callable[[torch.Tensor, int], torch.Tensor]  # (x, layer) -> W_layer x + b_layer
 
@@ -88,6 +88,18 @@ class MedusaHeads(Drafter):
         ids_t = torch.tensor(ids, dtype=torch.long, device=self.lm_heads.device)
         self.register_buffer("draft_ids", ids_t, persistent=False)
         self.register_buffer("draft_lm_heads", self.lm_heads.detach()[:, ids_t].clone(), persistent=False)
+
+    def quantize_int4(self, make: QuantizedLinear) -> list[str]:
+        """The draft-vocabulary matrices, one quantized module per head: they are the heads' largest
+        float32 read per step ([V', d] a head; docs/benchmarks/issue-13-int4.md). The ResBlocks stay
+        float (a [d, d] matrix per head and layer)."""
+        if self.draft_lm_heads is None or not self.num_heads:
+            return []
+        heads = [make(linear_of(w)) for w in self.draft_lm_heads]
+        if any(m is None for m in heads):
+            return ["draft_lm_head"]
+        self.draft_int4 = nn.ModuleList(heads)
+        return []
 
     def forward(self, hidden: torch.Tensor, next_tokens: torch.Tensor | None, lm_head: nn.Module,
                 embed: nn.Module | None = None) -> torch.Tensor:

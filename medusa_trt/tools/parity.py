@@ -57,12 +57,16 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from medusa_trt.errors import MedusaTrtError
 from medusa_trt.runtime.backend import Backend, last_rows
+
+if TYPE_CHECKING:
+    from medusa_trt.modeling import MedusaModel
 
 TOLERANCES = {"float32": 1e-4, "float16": 5e-2, "bfloat16": 2.5e-1}
 LOGIT_SCALE = 10.0  # the logit magnitude TOLERANCES are stated for (see the module docstring)
@@ -124,6 +128,22 @@ class CheckReport:
         return "\n".join(out)
 
 
+def reference_model(checkpoint: Path, engine: dict) -> MedusaModel:
+    """The float32 model of `checkpoint`, its weights quantized as the engine (engine.json `engine`)
+    holds them: int4 engines' MatMulNBits bytes, and the drafter's too where `draft_int4` says so
+    (engines built before it keep a float drafter)."""
+    from medusa_trt.modeling import MedusaModel
+
+    model = MedusaModel.from_checkpoint(checkpoint, dtype="float32")
+    weights = engine.get("weights") or {}
+    if weights.get("format") == "int4":
+        from medusa_trt.quant import quantize_model_int4
+
+        quantize_model_int4(model, int(weights["block_size"]), int(weights["accuracy_level"]),
+                            draft=bool(weights.get("draft_int4")), offsets=weights.get("offsets", False),
+                            lm_head_bits=weights.get("lm_head_bits", 4))
+    return model
+
 def run_check(engine_dir: str | Path, checkpoint: str | Path | None = None, prompts: Sequence[str] | None = None, *,
               max_new_tokens: int = 32, tree_steps: int = 4, device: str | None = None,
               atol: float | None = None, progress: bool = False) -> CheckReport:
@@ -132,7 +152,6 @@ def run_check(engine_dir: str | Path, checkpoint: str | Path | None = None, prom
     from medusa_trt.checkpoint import validate_checkpoint
     from medusa_trt.engine_dir import sha256_file, verify_artifacts
     from medusa_trt.errors import CheckpointError
-    from medusa_trt.modeling import MedusaModel
     from medusa_trt.runtime.loading import load_backend
     from medusa_trt.runtime.torch_backend import TorchBackend
 
@@ -180,14 +199,7 @@ def run_check(engine_dir: str | Path, checkpoint: str | Path | None = None, prom
         raise CheckInputError(str(e)) from None
     bar.update()
     bar.set_description("loading the reference")
-    model = MedusaModel.from_checkpoint(checkpoint, dtype="float32")
-    if int4:
-        from medusa_trt.quant import quantize_model_int4
-
-        weights = engine["weights"]
-        quantize_model_int4(model, int(weights["block_size"]), int(weights["accuracy_level"]),
-                            draft=bool(weights.get("draft_int4")),  # engines built before it: float32
-                            offsets=weights.get("offsets", False), lm_head_bits=weights.get("lm_head_bits", 4))
+    model = reference_model(checkpoint, engine)
     # The reference keeps the rows the engine keeps, so a draft call names the same rows on both.
     reference = TorchBackend(model, max_draft_len=subject.info.max_draft_len,
                              hidden_all_rows=subject.info.hidden_all_rows)

@@ -111,7 +111,7 @@ def gguf_blocks_hint(config: dict, offsets: bool, lm_head_bits: int) -> str | No
 
 def _quantize_int4(opts: BuildOptions, ort: OrtOptions, config: dict, model) -> dict:
     """Quantizes `model` in place for --weights int4; returns engine.json's "weights" section."""
-    from medusa_trt.quant import quantize_model_int4
+    from medusa_trt.quant import Int4Linear, quantize_model_int4
 
     if (config.get("quantization") or {}).get("quant_algo"):
         raise BuildError(f"{opts.checkpoint / 'config.json'}: an FP8 checkpoint cannot be built with --weights "
@@ -125,10 +125,12 @@ def _quantize_int4(opts: BuildOptions, ort: OrtOptions, config: dict, model) -> 
     for name in skipped:
         log.warning("--weights int4: %s stays %s: its input size is not a multiple of --int4-block-size %d",
                     name, model.dtype, block)
+    # Whether the drafter's own weights are int4 too (medusa-check quantizes its reference to match).
+    drafter_int4 = any(isinstance(m, Int4Linear) for m in model.drafter.modules())
     return {"format": "int4", "op": "com.microsoft.MatMulNBits", "bits": 4, "block_size": block,
             "accuracy_level": level, "symmetric": False, "offsets": offsets, "lm_head": "lm_head" not in skipped,
             "lm_head_bits": lm_head_bits,
-            "heads_use_lm_head": bool(model.drafter.uses_base_lm_head), "draft_int4": model.drafter.draft_int4 is not None,
+            "heads_use_lm_head": bool(model.drafter.uses_base_lm_head), "draft_int4": drafter_int4,
             "float_linears": skipped}
 
 
