@@ -15,7 +15,7 @@ import json
 import time
 from pathlib import Path
 
-from medusa_trt.runtime import decoding, dynamic
+from medusa_trt.runtime import dynamic, steps
 from medusa_trt.runtime.decoding import GenerationConfig, decode
 from medusa_trt.runtime.loading import load_backend, load_tokenizer
 from medusa_trt.runtime.ort.session import OrtSessionOptions
@@ -45,15 +45,15 @@ def main() -> int:
                 spent[key] += time.perf_counter() - t0
         return wrapper
 
-    decoding.step_trees = timed(dynamic.step_trees, "choice")  # the name the decoding loop calls
+    steps.step_trees = timed(dynamic.step_trees, "choice")  # the name the decoding steps call
     backend.fused_step = timed(backend.fused_step, "engine")
     print(f"{'budget':>8}{'steps':>8}{'choice us/step':>16}{'engine ms/step':>16}{'choice share':>14}")
     for budget in (int(b) for b in args.budgets.split(",")):
         cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, medusa_choices=f"dynamic:{budget}")
         decode(backend, prompts[:1], cfg)  # warm-up
         spent.update(choice=0.0, engine=0.0)
-        steps = sum(s.steps for p in prompts for s in decode(backend, [p], cfg).stats)
-        print(f"{budget:>8}{steps:>8}{spent['choice'] / steps * 1e6:>16.0f}{spent['engine'] / steps * 1e3:>16.2f}"
+        n = sum(s.steps for p in prompts for s in decode(backend, [p], cfg).stats)
+        print(f"{budget:>8}{n:>8}{spent['choice'] / n * 1e6:>16.0f}{spent['engine'] / n * 1e3:>16.2f}"
               f"{spent['choice'] / (spent['choice'] + spent['engine']):>14.2%}")
     return 0
 

@@ -1,8 +1,8 @@
 """Output directories written atomically: a temp dir beside --out, renamed into place at the end.
 
-Used by medusa-convert, medusa-build and medusa-triton (and, file by file, medusa-train-heads), so a failed, interrupted (SIGINT, SIGTERM)
-or refused write leaves --out as it was and nothing else behind: no temp dir, no `.old` copy, no
-parent directories it created. The temp dir is made with mkdir (not mkdtemp, which makes it 0700),
+Used by medusa-convert, medusa-build and medusa-triton (and, file by file, medusa-train-heads), so
+a failed, interrupted (SIGINT, SIGTERM) or refused write leaves --out as it was and nothing else
+behind: no temp dir, no `.old` copy, no parent directories it created. The temp dir is made with mkdir (not mkdtemp, which makes it 0700),
 so the output keeps the usual umask permissions.
 """
 

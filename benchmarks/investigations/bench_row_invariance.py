@@ -28,9 +28,10 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared helpers
 from common import read_prompts  # noqa: E402  (the held-out prompts as the peers benchmark renders them)
 
-from medusa_trt.runtime.decoding import GenerationConfig, decode, prefill  # noqa: E402
+from medusa_trt.runtime.decoding import GenerationConfig, decode  # noqa: E402
 from medusa_trt.runtime.loading import load_backend, load_tokenizer, stop_tokens  # noqa: E402
 from medusa_trt.runtime.ort.session import OrtSessionOptions  # noqa: E402
+from medusa_trt.runtime.steps import prefill  # noqa: E402
 
 ASSETS = Path(__file__).resolve().parents[2] / "medusa_trt" / "assets" / "smollm2"
 

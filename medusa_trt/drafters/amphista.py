@@ -132,7 +132,8 @@ class Amphista(Drafter):
 
     def set_draft_vocab(self, ids, base_lm_head: torch.Tensor | None = None) -> None:
         """Drafts over the token ids `ids` alone; with the base's lm_head, its rows for them are kept
-        as the draft matrix [V', d] (the base lm_head may later be quantized; this stays float)."""
+        as the draft matrix [V', d] (the base lm_head may later be quantized; this matrix keeps its
+        own form: float, or int4 through quantize_int4)."""
         ids_t = torch.tensor(ids, dtype=torch.long, device=self.pos_embed.device)
         self.register_buffer("draft_ids", ids_t, persistent=False)
         rows = None if base_lm_head is None or self.lm_heads is not None else base_lm_head.detach()[ids_t].clone()

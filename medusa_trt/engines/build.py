@@ -153,7 +153,7 @@ def recorded_tree(opts: BuildOptions, config: dict) -> tuple[list[list[int]] | s
     file's name, a preset's name or "given")."""
     if opts.tree is None:
         return None
-    from medusa_trt.runtime.dynamic import dynamic_tree, parse_dynamic, spec_cost
+    from medusa_trt.runtime.dynamic import dynamic_tree, read_dynamic
     from medusa_trt.tree import TreeError, candidate_topk, parse_medusa_choices, validate_and_expand
 
     heads = int(config.get("num_medusa_heads") or 0)
@@ -161,13 +161,13 @@ def recorded_tree(opts: BuildOptions, config: dict) -> tuple[list[list[int]] | s
         raise BuildError(f"--tree: {opts.checkpoint} has no Medusa heads to draft a tree with")
     limit = limits_for(opts, config).max_draft_len
     try:
-        if parse_dynamic(opts.tree) is not None:
+        parsed = read_dynamic(opts.tree)
+        if parsed is not None:
             if opts.backend == "tensorrt-llm":
                 raise TreeError(f"{opts.tree!r}: TensorRT-LLM engines verify static trees only; expected a list of "
                                 "paths or a preset")
-            tree = dynamic_tree(opts.tree, heads, candidate_topk(int(config["vocab_size"])), limit)
-            cost = spec_cost(opts.tree)
-            spec = f"dynamic:{tree.budget}" + ("" if cost is None else f",cost={cost:g}")
+            dynamic_tree(parsed.text, heads, candidate_topk(int(config["vocab_size"])), limit)  # fits the engine
+            spec = f"dynamic:{parsed.budget}" + ("" if parsed.cost is None else f",cost={parsed.cost:g}")
             return spec, "per-step trees" if spec == str(opts.tree).strip() else f"{Path(str(opts.tree)).name}: {spec}"
         nodes = validate_and_expand(parse_medusa_choices(opts.tree), heads, limit)
     except TreeError as e:

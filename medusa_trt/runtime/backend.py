@@ -46,7 +46,7 @@ class Backend:
     """The interface every backend implements (a fixed runner interface, as Polygraphy's): the
     decoding loop calls only these members. The five required methods raise here; the optional
     capabilities are declared with the value that means "absent", so callers read them directly
-    and never probe (decoding.step_plan decides from them which step runs)."""
+    and never probe (steps.step_plan decides from them which step runs)."""
 
     info: ModelInfo
     lengths: torch.Tensor  # [B] int64 committed length of each sequence

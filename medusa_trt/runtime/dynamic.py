@@ -110,9 +110,18 @@ def _from_file(spec: object) -> object:
     return choices if isinstance(choices, str) else spec
 
 
-def parse_dynamic(spec: object) -> int | None:
-    """The budget N of "dynamic:N" or "dynamic:N,cost=C" (or of a tree file holding it); None when
-    `spec` is not a dynamic spec. A malformed budget or cost raises TreeError naming it."""
+@dataclass(frozen=True)
+class DynamicSpec:
+    """A parsed "dynamic:N[,cost=C]": the node budget and the slot cost it records (None: none)."""
+
+    text: str
+    budget: int
+    cost: float | None
+
+
+def read_dynamic(spec: object) -> DynamicSpec | None:
+    """The DynamicSpec of "dynamic:N" or "dynamic:N,cost=C", or of a tree file holding one (read once);
+    None when `spec` is not a dynamic spec. A malformed budget or cost raises TreeError naming it."""
     spec = _from_file(spec)
     if not isinstance(spec, str):
         return None
@@ -120,8 +129,7 @@ def parse_dynamic(spec: object) -> int | None:
     if m is None:
         return None
     text, _, option = m.group(1).strip().partition(",")
-    if option:
-        _cost(spec, option)
+    cost = _cost(spec, option) if option else None
     try:
         budget = int(text)
     except ValueError:
@@ -129,7 +137,20 @@ def parse_dynamic(spec: object) -> int | None:
                         "N >= 1 nodes per step, e.g. dynamic:16") from None
     if budget < 1:
         raise TreeError(f"medusa_choices {spec!r}: budget {budget}; expected dynamic:N with N >= 1 nodes per step")
-    return budget
+    return DynamicSpec(spec, budget, cost)
+
+
+def parse_dynamic(spec: object) -> int | None:
+    """The budget N of a dynamic spec (read_dynamic), None when `spec` is not one."""
+    parsed = read_dynamic(spec)
+    return None if parsed is None else parsed.budget
+
+
+def spec_cost(spec: object) -> float | None:
+    """The slot cost a dynamic spec (or a tree file holding one) records, None when it records none:
+    medusa-tune-tree writes the engine's own, measured."""
+    parsed = read_dynamic(spec)
+    return None if parsed is None else parsed.cost
 
 
 def _cost(spec: str, option: str) -> float:
@@ -147,27 +168,17 @@ def _cost(spec: str, option: str) -> float:
     return cost
 
 
-def spec_cost(spec: object) -> float | None:
-    """The slot cost a dynamic spec (or a tree file holding one) records, None when it records none:
-    medusa-tune-tree writes the engine's own, measured."""
-    spec = _from_file(spec)
-    if parse_dynamic(spec) is None:
-        return None
-    option = str(spec).strip().partition(",")[2]
-    return _cost(str(spec), option) if option else None
-
-
 def dynamic_tree(spec: object, heads: int, topk: int, max_draft_len: int, chains_only: bool = False,
                  context: bool = True, slot_cost: float | None = None) -> DynamicTree | None:
     """The DynamicTree of a "dynamic:N" spec checked against the engine (None: not a dynamic spec).
     Its slot cost: `slot_cost` when given, else the spec's own (",cost=C"), else SLOT_COST."""
-    budget = parse_dynamic(spec)
-    if budget is None:
+    parsed = read_dynamic(spec)
+    if parsed is None:
         return None
+    budget, spec = parsed.budget, parsed.text
     if slot_cost is None:
-        slot_cost = spec_cost(spec)
+        slot_cost = parsed.cost
     slot_cost = SLOT_COST if slot_cost is None else slot_cost
-    spec = _from_file(spec)
     if budget > max_draft_len:
         raise TreeError(f"medusa_choices {spec!r}: budget {budget} exceeds the engine's max_draft_len "
                         f"{max_draft_len}; expected dynamic:N with N <= {max_draft_len}")

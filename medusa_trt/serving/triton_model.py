@@ -203,9 +203,9 @@ def parse_request(service: Service, inputs: Mapping[str, np.ndarray], index: int
         spec = one("medusa_choices")
         spec = _text("medusa_choices", spec, where) if spec is not None else s.medusa_choices
         try:
-            if parse_dynamic(spec) is not None:  # a tree chosen per step: "dynamic:N"
-                tree = step_tree(info, spec)
-                nodes, depth = f"dynamic:{tree.budget}", tree.max_depth
+            if parse_dynamic(spec) is not None:  # a tree chosen per step: "dynamic:N[,cost=C]"
+                tree = step_tree(info, spec)  # its slot cost: the spec's, else the default
+                nodes, depth = f"dynamic:{tree.budget},cost={tree.slot_cost:g}", tree.max_depth
             else:
                 nodes = validate_and_expand(parse_medusa_choices(spec), info.num_medusa_heads, info.max_draft_len)
                 depth = max(len(p) for p in nodes)

@@ -25,7 +25,7 @@ from medusa_trt.checkpoint import validate_config
 from medusa_trt.engine_dir import ENGINE_JSON, EngineError, read_engine
 from medusa_trt.errors import MedusaTrtError, read_json_object
 from medusa_trt.outputs import atomic_output_dir
-from medusa_trt.runtime.dynamic import dynamic_tree, parse_dynamic
+from medusa_trt.runtime.dynamic import dynamic_tree, read_dynamic
 from medusa_trt.tree import (
     CANDIDATE_TOPK,
     DEFAULT_TREE,
@@ -464,9 +464,9 @@ def _default_tree(medusa_choices: object, info: EngineInfo | None) -> list[list[
     """The nodes of a static default tree, or a "dynamic:N" spec as it is (checked by dynamic_depth)."""
     spec = DEFAULT_TREE if medusa_choices is None else medusa_choices
     try:
-        budget = parse_dynamic(spec)
-        if budget is not None:
-            return f"dynamic:{budget}"
+        parsed = read_dynamic(spec)
+        if parsed is not None:  # a tree file's spec as its text, the slot cost it records kept
+            return f"dynamic:{parsed.budget}" + ("" if parsed.cost is None else f",cost={parsed.cost:g}")
         paths = parse_medusa_choices(spec)
         if info is None:  # no head count known: check the shape only
             return validate_and_expand(paths, num_heads=max(len(p) for p in paths) if paths else 1)

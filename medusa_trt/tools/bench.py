@@ -35,7 +35,7 @@ class BenchError(MedusaTrtError):
 
 class ForwardTimer(Backend):
     """A backend whose compute calls (forward, draft, fused_step: the calls the steps of
-    decoding.step_plan make) are timed; everything else in a step is host overhead (candidate
+    steps.step_plan make) are timed; everything else in a step is host overhead (candidate
     selection, acceptance, KV compaction, Python). Calls before the first commit belong to the
     prefill. Every other member of the interface goes to the wrapped backend as it is, so the
     decoding loop plans the same steps on both."""

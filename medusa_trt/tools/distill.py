@@ -55,7 +55,7 @@ class HiddenRecorder(Backend):
 
     def forward(self, input_ids, position_ids, new_mask, logit_positions=None, with_heads=True):
         b, s = input_ids.shape
-        if s > 1:  # the prefill (left-padded, decoding._pad_prompts): every row's state is wanted
+        if s > 1:  # the prefill (left-padded, steps._pad_prompts): every row's state is wanted
             logits, _ = self.backend.forward(input_ids, position_ids, new_mask, torch.arange(s).expand(b, s), False)
             h = self.backend._hidden  # [B, S, d]
             valid = new_mask[:, -1]  # [B, S] the last row attends exactly the prompt's tokens

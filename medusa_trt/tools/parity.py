@@ -2,7 +2,7 @@
 
 Both run through the runtime's Backend interface on identical inputs: the decoding loop's own
 prefill of every prompt and greedy tree-verify steps with the default Medusa tree cut to the engine
-(runtime/decoding.py `prefill` and `tree_step`, driving both backends at once; candidates and
+(runtime/steps.py `prefill` and `tree_step`, driving both backends at once; candidates and
 acceptance come from the reference, so both sides always see the same tokens and commit the same
 cache entries), and whole greedy decodes. Logits are compared with polygraphy's comparator on the max absolute difference;
 decoded tokens must be equal. Works for any engine the runtime can open, not only ONNX Runtime.
@@ -333,14 +333,15 @@ class _Observed(Backend):
 def _compare_steps(report: CheckReport, subject, reference, prompts: list[list[int]], tree_steps: int,
                    tol: float, label: str, fp8: bool = False, scale_tol: bool = True, int4_layers: int = 0,
                    draft_vocab: torch.Tensor | None = None) -> float:
-    """The decoding loop's prefill and greedy tree steps (runtime/decoding.py), run on both backends
+    """The decoding loop's prefill and greedy tree steps (runtime/steps.py), run on both backends
     at once (see _Observed) with the default tree cut to the engine; one polygraphy comparison.
     `int4_layers`: the decoder depth of an int4 engine (0 otherwise). Returns the p90 bound applied
     (tol without a quantized criterion)."""
     from polygraphy.comparator import Comparator, IterationResult, RunResults
     from polygraphy.logger import G_LOGGER
 
-    from medusa_trt.runtime.decoding import GenerationConfig, prefill, tree_step
+    from medusa_trt.runtime.decoding import GenerationConfig
+    from medusa_trt.runtime.steps import prefill, tree_step
     from medusa_trt.tree import StepTree, tree_for_engine
 
     info = reference.info
@@ -480,7 +481,7 @@ def _first_mismatch(a: list[int], b: list[int]) -> int | None:
 
 def _top2_margin(reference, ids: list[int]) -> float:
     """The reference's top-2 logit margin for the token after `ids`."""
-    from medusa_trt.runtime.decoding import prefill
+    from medusa_trt.runtime.steps import prefill
 
     reference.start(1, len(ids) + 1)
     top = prefill(reference, [ids], heads=False)[0][0].topk(2).values

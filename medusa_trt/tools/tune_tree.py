@@ -70,7 +70,8 @@ def measure_head_accuracy(backend, prompts: list[list[int]], max_new_tokens: int
     Also returns each prompt + continuation."""
     from tqdm import tqdm
 
-    from medusa_trt.runtime.decoding import GenerationConfig, decode, drafts_at_every_row
+    from medusa_trt.runtime.decoding import GenerationConfig, decode
+    from medusa_trt.runtime.steps import drafts_at_every_row
 
     heads = backend.info.num_medusa_heads
     if heads == 0:
@@ -253,13 +254,14 @@ def non_decreasing(values: Sequence[float]) -> list[float]:
 def measure_forward_ms(backend, context: list[int], max_tokens: int, reps: int = 7, seed: int = 0,
                        progress: bool = True) -> tuple[list[float], float]:
     """Median ms of the backend compute of one decoding step after a committed `context` (a
-    realistic cache length), the calls the decoding loop's own step makes (decoding.step_plan): a
+    realistic cache length), the calls the decoding loop's own step makes (steps.step_plan): a
     greedy tree step of T = 1..max_tokens tokens, and a plain step. Each repetition runs every size
     once, as a short block of steps, in a shuffled order so drift on a shared machine spreads
     evenly. Returns (tree step ms per T, plain step ms)."""
     from tqdm import tqdm
 
-    from medusa_trt.runtime.decoding import GenerationConfig, step_plan
+    from medusa_trt.runtime.decoding import GenerationConfig
+    from medusa_trt.runtime.steps import step_plan
 
     # A two-call step of a drafter with its own cache appends a row to it at every timed call.
     extra = reps * (max_tokens + 1) * (BLOCK + 1) if backend.info.drafter_cache else 0

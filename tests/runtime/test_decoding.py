@@ -17,7 +17,8 @@ from medusa_trt.converter.merge import convert
 from medusa_trt.drafters.base import OUTSIDE_DRAFT_LOGIT
 from medusa_trt.modeling import MedusaModel
 from medusa_trt.quant import quantize_model_int4
-from medusa_trt.runtime.decoding import GenerationConfig, decode, generate, step_plan, step_tree
+from medusa_trt.runtime.decoding import GenerationConfig, decode, generate, step_tree
+from medusa_trt.runtime.steps import step_plan
 from medusa_trt.runtime.torch_backend import TorchBackend
 from medusa_trt.tree import PRESETS
 

@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from medusa_trt.cli.check import main as check_main
-from medusa_trt.runtime.decoding import GenerationConfig, decode, prefill
+from medusa_trt.runtime.decoding import GenerationConfig, decode
 from medusa_trt.runtime.ort import backend as ort_backend
 from medusa_trt.runtime.ort.backend import OrtBackend
 from medusa_trt.runtime.ort.cache import InPlaceCache
+from medusa_trt.runtime.steps import prefill
 from tests.engines.ort.test_ort_build import exact_engine, int4_engine
 
 

@@ -26,7 +26,7 @@ from medusa_trt.acceptance import greedy_accept, sample_accept, sample_tokens, s
 from medusa_trt.cli.run import main as run_main
 from medusa_trt.converter.merge import convert
 from medusa_trt.modeling import MedusaModel
-from medusa_trt.runtime import decoding
+from medusa_trt.runtime import steps
 from medusa_trt.runtime.decoding import GenerationConfig, decode
 from medusa_trt.runtime.torch_backend import TorchBackend
 from medusa_trt.tools.train_heads import greedy_continuations, save_heads, train_heads
@@ -138,7 +138,7 @@ def _argmax_rule(retrieve, tokens, probs, uniforms):
 def test_a_broken_rule_fails_the_same_test(small, monkeypatch):
     tree, k_tokens, processing = CASES[1]
     law = exact_law(small.hf, PROMPT, k_tokens, **processing)
-    monkeypatch.setattr(decoding, "sample_accept", _argmax_rule)
+    monkeypatch.setattr(steps, "sample_accept", _argmax_rule)
     samples, _ = sampled_prefixes(small.backend, tree, k_tokens, 8000, **processing)
     assert chi_square_p(samples, law) < ALPHA
 

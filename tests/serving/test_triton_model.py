@@ -61,13 +61,15 @@ def test_multi_row_request_and_mixed_trees_match_single_decodes(service):
         request(["zzz"], [9], medusa_choices=["[[0], [1], [0, 0]]"]),  # another tree: its own group
         request(["The quick brown fox"], [12], acceptance=["typical"], temperature=[0.7]),
         request(["Hello Hello Hello"], [10], medusa_choices=["dynamic:6"]),  # trees chosen per step
+        request(["Hello Hello Hello"], [10], medusa_choices=["dynamic:6,cost=0.5"]),  # its slot cost kept
     ]
     sent = run(service, batch)
-    assert sorted(i for i, _, final in sent if final) == [0, 1, 2, 3]  # one final response each
+    assert sorted(i for i, _, final in sent if final) == [0, 1, 2, 3, 4]  # one final response each
     outputs = {i: p for i, p, _ in sent}
     rows = [(0, 0, "Hello world", 16, {}), (0, 1, "a", 5, {}), (1, 0, "zzz", 9, {"medusa_choices": [[0], [1], [0, 0]]}),
             (2, 0, "The quick brown fox", 12, {"acceptance": "typical", "temperature": 0.7}),
-            (3, 0, "Hello Hello Hello", 10, {"medusa_choices": "dynamic:6"})]
+            (3, 0, "Hello Hello Hello", 10, {"medusa_choices": "dynamic:6"}),
+            (4, 0, "Hello Hello Hello", 10, {"medusa_choices": "dynamic:6,cost=0.5"})]
     for i, r, text, n, kw in rows:
         want = offline(service, text, n, **kw)
         ids = outputs[i]["output_ids"][r]
@@ -76,6 +78,8 @@ def test_multi_row_request_and_mixed_trees_match_single_decodes(service):
                                                                                    skip_special_tokens=True)
         assert outputs[i]["total_draft_tokens"][r, 0] == want.stats[0].draft_tokens
         assert outputs[i]["total_accepted_draft_tokens"][r, 0] == want.stats[0].accepted_draft_tokens
+    # A costlier slot drafts fewer nodes per step: the served request did not fall back to the default cost.
+    assert outputs[4]["total_draft_tokens"][0, 0] < outputs[3]["total_draft_tokens"][0, 0]
 
 
 def test_a_client_that_goes_away_costs_no_more_responses(service):

@@ -217,6 +217,20 @@ def test_cli_writes_a_loadable_tree_and_warns_for_random_heads(tiny_merged, tmp_
     assert "tuned tree:" in printed
 
 
+def test_cli_measures_budgets_when_the_reference_tree_does_not_fit(tiny_merged, tmp_path):
+    # Two heads: mc_sim_7b_63 (depth 4) is neither predicted nor measured, the budgets still are.
+    data = tmp_path / "calib.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in ("def add(a, b):", "Hello there")))
+    out = tmp_path / "tree.json"
+    ckpt = tiny_merged("llama", heads_kwargs={"num_heads": 2})
+    rc = tune_cli.main(["--engine", str(ckpt), "--calib-data", str(data), "--out", str(out), "--max-nodes", "4",
+                        "--max-new-tokens", "8", "--reps", "1", "--eval-limit", "1", "--budgets", "2", "--quiet"])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert "mc_sim_7b_63" not in result["predicted"] and "mc_sim_7b_63" not in result["measured"]
+    assert f"dynamic:2,cost={result['slot_cost']:g}" in result["measured"]
+
+
 def test_the_faster_measured_of_static_and_per_step_trees_is_chosen():
     def result(static, dynamic, equal=True):
         return {"medusa_choices": [[0], [1]], "measured": {

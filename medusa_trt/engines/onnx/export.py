@@ -234,7 +234,7 @@ class _FusedStepModule(nn.Module):
     def forward(self, input_ids, position_ids, past_lengths, new_mask, retrieve, candidate_index, past,
                 drafter_past_lengths=None, drafter_past=None):
         # Logits only at the last W = 1 + len(candidate_index) slots: all of a tree's slots, and at a
-        # prefill through this graph (runtime/decoding.py: _fused_prefill, the prompt's last token in
+        # prefill through this graph (runtime/steps.py: _fused_prefill, the prompt's last token in
         # the last slot) a tree's width instead of the whole prompt's lm_head.
         b, s = input_ids.shape
         start = torch.sym_max(s - (candidate_index.shape[0] + 1), 0)

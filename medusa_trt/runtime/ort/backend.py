@@ -15,7 +15,7 @@ Every graph call goes through one boundary (OrtBackend._feeds): the rows as the 
 
 Sessions open on first use. ONNX Runtime packs every constant MatMul weight into a buffer of its own
 per session, so each open session holds a copy of the decoder's weights: a greedy Medusa decode on
-the CPU runs on the fused step graph alone (its prefill too, runtime/decoding.py), plain decoding on
+the CPU runs on the fused step graph alone (its prefill too, runtime/steps.py), plain decoding on
 the decoder graph alone, and only a process doing both, or sampling, holds two copies
 (docs/benchmarks/issue-13-int4.md, memory). The graphs' inputs and outputs are checked against
 engine.json at load, from the files.

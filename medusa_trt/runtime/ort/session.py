@@ -36,7 +36,7 @@ def session_options(options: OrtSessionOptions | None = None, *, level: str = "a
     spinning worker burns a core that another process may need, and on a shared machine steps get
     much slower. On cores the engine has to itself, `options.spin` (ONNX Runtime's own default) saves
     a thread wake-up per op, which is what a second thread gains in a short int4 step
-    (docs/benchmarks/issue-13-int4.md).
+    (docs/benchmarks/issue-13-int4.md); the workers still stop spinning when a run ends.
 
     QDQ fusions are off: at the extended level ONNX Runtime 1.31 rewrites DequantizeLinear -> MatMul
     into MatMulIntegerToFloat, which rejects the float8 inputs of FP8 engines (engine.json's
@@ -53,6 +53,10 @@ def session_options(options: OrtSessionOptions | None = None, *, level: str = "a
     so.intra_op_num_threads = options.threads or len(os.sched_getaffinity(0))
     so.inter_op_num_threads = 1
     so.add_session_config_entry("session.intra_op.allow_spinning", "1" if options.spin else "0")
+    # Spinning pays between the ops of one run; after a run the workers stop at once. Left spinning,
+    # they hold the cores the next session's run needs: an Amphista prefill's drafter call right
+    # after the decoder's took 2x as long at 2 threads (docs/benchmarks/issue-35-amphista.md (h)).
+    so.add_session_config_entry("session.force_spinning_stop", "1" if options.spin else "0")
     so.add_session_config_entry("session.disable_quant_qdq", "1")
     if not prepack:  # engine.json onnx.prepack_weights (engines/build.py says when and why)
         so.add_session_config_entry("session.disable_prepacking", "1")

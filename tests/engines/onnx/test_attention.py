@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from medusa_trt.engines.onnx.attention import ATTENTION_FORMS, KEY_BLOCK, default_attention, engine_attention
-from medusa_trt.runtime.decoding import prefill
 from medusa_trt.runtime.ort.backend import OrtBackend
+from medusa_trt.runtime.steps import prefill
 from tests.engines.ort.test_ort_build import exact_engine, int4_engine
 
 

@@ -25,8 +25,9 @@ from medusa_trt.engines.build import build_engine
 from medusa_trt.engines.options import BuildOptions
 from medusa_trt.engines.ort.build import OrtOptions
 from medusa_trt.modeling import MedusaModel
-from medusa_trt.runtime.decoding import GenerationConfig, decode, prefill
+from medusa_trt.runtime.decoding import GenerationConfig, decode
 from medusa_trt.runtime.loading import load_backend
+from medusa_trt.runtime.steps import prefill
 from medusa_trt.runtime.torch_backend import TorchBackend
 from medusa_trt.tools.distill import Sample
 from medusa_trt.tools.parity import INT4_MAX_FACTOR, INT4_NOISE_PER_LAYER, LOGIT_SCALE, reference_model

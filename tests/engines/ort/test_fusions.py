@@ -16,9 +16,10 @@ from medusa_trt.engines.options import BuildError, BuildOptions
 from medusa_trt.engines.ort.build import OrtOptions
 from medusa_trt.engines.ort.fusions import FUSIONS
 from medusa_trt.modeling import MedusaModel
-from medusa_trt.runtime.decoding import GenerationConfig, decode, prefill
+from medusa_trt.runtime.decoding import GenerationConfig, decode
 from medusa_trt.runtime.ort.backend import OrtBackend
 from medusa_trt.runtime.ort.session import OrtSessionOptions
+from medusa_trt.runtime.steps import prefill
 from tests.engines.onnx.test_attention import one_row_logits
 from tests.engines.ort.test_ort_build import INT4, int4_engine
 
