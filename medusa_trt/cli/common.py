@@ -234,7 +234,7 @@ def add_sampling_args(p: argparse.ArgumentParser, *, typical: bool = True, seed:
                                              "sampling exactly)") -> None:
     """--acceptance, --temperature, --top-k, --top-p, --seed; with `typical`, the typical acceptance
     epsilon and delta too."""
-    from medusa_trt.runtime.decoding import ACCEPTANCE
+    from medusa_trt.runtime.config import ACCEPTANCE
 
     p.add_argument("--acceptance", choices=list(ACCEPTANCE), default="greedy", help=acceptance_help)
     # Defaults are None here and filled in by sampling_options, so a flag that cannot apply to the

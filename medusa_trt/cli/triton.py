@@ -18,7 +18,7 @@ from medusa_trt.cli.common import (
     positive_int,
     run_cli,
 )
-from medusa_trt.runtime.decoding import ACCEPTANCE
+from medusa_trt.runtime.config import ACCEPTANCE
 from medusa_trt.serving.triton_repo import default_tree, read_engine_info, write_triton_repo
 
 PROG = "medusa-triton"

@@ -11,7 +11,6 @@ which one a decode runs, are runtime/steps.py's.
 
 from __future__ import annotations
 
-import math
 import os
 import secrets
 import time
@@ -20,65 +19,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from medusa_trt.acceptance import sample_tokens, sampling_probs
 from medusa_trt.runtime.backend import Backend, ModelInfo
+from medusa_trt.runtime.config import GenerationConfig, is_int
 from medusa_trt.runtime.dynamic import Context, DynamicTree, dynamic_tree
-from medusa_trt.runtime.steps import step_plan
+from medusa_trt.runtime.steps import Sampler, step_plan
 from medusa_trt.tree import DEFAULT_TREE, StepTree, build_tree, candidate_topk, tree_for_engine
-
-
-@dataclass
-class GenerationConfig:
-    max_new_tokens: int = 64
-    # Anything tree.parse_medusa_choices accepts, or "dynamic:N" (N nodes chosen per step,
-    # runtime/dynamic.py); None: the engine's own tree (resolve_tree).
-    medusa_choices: object = None
-    use_medusa: bool = True
-    # Per-step trees: continuations found in the prompt and generated text compete for the budget.
-    context_candidates: bool = True
-    # Per-step trees: a slot's share of a plain step's time (None: the spec's ",cost=C", else
-    # dynamic.SLOT_COST); a step keeps the nodes worth their slots, up to the budget. 0: every step
-    # verifies the whole budget.
-    slot_cost: float | None = None
-    acceptance: str = "greedy"  # "greedy" | "typical" | "sample" (lossless sampling, docs/sampling.md)
-    temperature: float = 0.7  # typical and sample; typical with 0 means greedy, sample needs > 0
-    posterior_threshold: float = 0.09  # epsilon
-    posterior_alpha: float = 0.3  # delta
-    # Tokens that end a sequence (emitted, then the sequence stops). None: the engine's own (EOS and
-    # the chat template's end-of-turn tokens, ModelInfo.stop_token_ids); () never stops early.
-    stop_token_ids: tuple[int, ...] | None = None
-    top_k: int | None = None  # sample: keep the k most likely tokens (None: all)
-    top_p: float = 1.0  # sample: nucleus mass in (0, 1]
-    seed: int | None = None  # sample: sequence i draws from a torch.Generator seeded seed + i (None: random)
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.acceptance not in ACCEPTANCE:
-            raise ValueError(f"acceptance must be one of {', '.join(ACCEPTANCE)}, got {self.acceptance!r}")
-        if not (self.temperature >= 0 and math.isfinite(self.temperature)):  # inf would divide logits to NaN
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        for name in ("posterior_threshold", "posterior_alpha"):
-            if not (getattr(self, name) >= 0 and math.isfinite(getattr(self, name))):
-                raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
-        if self.acceptance == "sample" and not self.temperature > 0:
-            raise ValueError(f"temperature {self.temperature} with acceptance 'sample': expected > 0 "
-                             "(for temperature 0 use acceptance 'greedy')")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p {self.top_p}: expected a value in (0, 1]")
-        if self.top_k is not None and (not _is_int(self.top_k) or self.top_k < 1):
-            raise ValueError(f"top_k {self.top_k!r}: expected an integer >= 1")
-        if self.slot_cost is not None and not (self.slot_cost >= 0 and math.isfinite(self.slot_cost)):
-            raise ValueError(f"slot_cost {self.slot_cost!r}: expected a finite number >= 0")
-        if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < 2**63):
-            raise ValueError(f"seed {self.seed!r}: expected an integer in [0, 2**63)")
-
-
-ACCEPTANCE = ("greedy", "typical", "sample")
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass
@@ -154,33 +99,9 @@ def step_tree(info: ModelInfo, medusa_choices: object = None, context: bool = Tr
     return StepTree.of(build_tree(spec, info.num_medusa_heads, info.max_draft_len, info.chains_only), info.vocab_size)
 
 
-class _Sampler:
-    """Per-sequence random streams and the target distribution of `sample` acceptance. Each
-    sequence owns a torch.Generator and draws a fixed number of uniforms per step (one per tree
-    slot), so its tokens depend on its seed only: not on the backend, the batch or its row."""
-
-    def __init__(self, cfg: GenerationConfig, seeds: list[int]):
-        self.cfg = cfg
-        self.generators = [torch.Generator().manual_seed(s) for s in seeds]
-
-    def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        return sampling_probs(logits, self.cfg.temperature, self.cfg.top_k, self.cfg.top_p)
-
-    def uniforms(self, count: int) -> torch.Tensor:
-        """[B, count] in (0, 1]: 1 - U[0, 1) so a draw never lands on a zero-probability token."""
-        return 1.0 - torch.stack([torch.rand(count, generator=g) for g in self.generators])
-
-    def draw(self, logits: torch.Tensor) -> torch.Tensor:
-        """One token per sequence from logits [B, V]."""
-        return sample_tokens(self.probs(logits), self.uniforms(1)[:, 0])
-
-    def keep(self, rows: torch.Tensor) -> None:
-        self.generators = [self.generators[i] for i in rows.tolist()]
-
-
 def _seeds(cfg: GenerationConfig, n: int, seeds: list[int] | None) -> list[int]:
     if seeds is not None:
-        if len(seeds) != n or not all(_is_int(s) for s in seeds):
+        if len(seeds) != n or not all(is_int(s) for s in seeds):
             raise ValueError(f"seeds {seeds!r}: expected {n} integers, one per prompt")
         return list(seeds)
     base = cfg.seed if cfg.seed is not None else secrets.randbelow(2**62)  # torch's global RNG is fixed-seeded
@@ -220,7 +141,7 @@ def _generate(backend: Backend, prompts: list[list[int]], cfg: GenerationConfig,
             f"exceeds the model's maximum sequence length {info.max_seq_len}"
         )
     n = len(prompts)
-    sampler = _Sampler(cfg, _seeds(cfg, n, seeds)) if cfg.acceptance == "sample" else None
+    sampler = Sampler(cfg, _seeds(cfg, n, seeds)) if cfg.acceptance == "sample" else None
     stats = stats if stats is not None else [SequenceStats() for _ in prompts]
     width = tree.num_slots if tree else 1
     backend.start(n, longest + cfg.max_new_tokens + width + 1)

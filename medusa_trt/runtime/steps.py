@@ -12,21 +12,49 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from medusa_trt.acceptance import greedy_accept, sample_accept, tree_candidates, typical_accept
+from medusa_trt.acceptance import (
+    greedy_accept,
+    sample_accept,
+    sample_tokens,
+    sampling_probs,
+    tree_candidates,
+    typical_accept,
+)
 from medusa_trt.runtime.backend import Backend
+from medusa_trt.runtime.config import GenerationConfig
 from medusa_trt.runtime.dynamic import BatchTree, Context, DynamicTree, drafts_topk, step_trees
 from medusa_trt.tree import StepTree
-
-if TYPE_CHECKING:
-    from medusa_trt.runtime.decoding import GenerationConfig, _Sampler
 
 
 def _greedy(cfg: GenerationConfig) -> bool:
     return cfg.acceptance == "greedy" or (cfg.acceptance == "typical" and cfg.temperature == 0)
+
+
+class Sampler:
+    """Per-sequence random streams and the target distribution of `sample` acceptance. Each
+    sequence owns a torch.Generator and draws a fixed number of uniforms per step (one per tree
+    slot), so its tokens depend on its seed only: not on the backend, the batch or its row."""
+
+    def __init__(self, cfg: GenerationConfig, seeds: list[int]):
+        self.cfg = cfg
+        self.generators = [torch.Generator().manual_seed(s) for s in seeds]
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        return sampling_probs(logits, self.cfg.temperature, self.cfg.top_k, self.cfg.top_p)
+
+    def uniforms(self, count: int) -> torch.Tensor:
+        """[B, count] in (0, 1]: 1 - U[0, 1) so a draw never lands on a zero-probability token."""
+        return 1.0 - torch.stack([torch.rand(count, generator=g) for g in self.generators])
+
+    def draw(self, logits: torch.Tensor) -> torch.Tensor:
+        """One token per sequence from logits [B, V]."""
+        return sample_tokens(self.probs(logits), self.uniforms(1)[:, 0])
+
+    def keep(self, rows: torch.Tensor) -> None:
+        self.generators = [self.generators[i] for i in rows.tolist()]
 
 
 @dataclass
@@ -156,7 +184,7 @@ def drafts_at_every_row(backend: Backend, ids: torch.Tensor, first: int) -> tupl
     return logits[:, first : s - 1], torch.stack(drafts, dim=2)  # [H, 1, K, V]
 
 
-def _prefill(backend: Backend, prompts: list[list[int]], sampler: _Sampler | None, heads: bool) -> Carry:
+def _prefill(backend: Backend, prompts: list[list[int]], sampler: Sampler | None, heads: bool) -> Carry:
     """prefill, and the first root: the base model's pick at each prompt's last token."""
     _, root, medusa = prefill(backend, prompts, heads=heads, pick=sampler.draw if sampler else None)
     return Carry(root=root, medusa=medusa)
@@ -209,7 +237,7 @@ def _plain_compute(backend: Backend, tokens: torch.Tensor, positions: torch.Tens
     return logits
 
 
-def _plain_step(backend: Backend, tree: None, carry: Carry, sampler: _Sampler | None):
+def _plain_step(backend: Backend, tree: None, carry: Carry, sampler: Sampler | None):
     root = carry.root
     emitted = [[t] for t in root.tolist()]
     _, slots, counts = _plain_step_inputs(len(root))
@@ -227,13 +255,13 @@ def _tree_compute(backend: Backend, tokens: torch.Tensor, positions: torch.Tenso
     return logits
 
 
-def _two_call_step(backend: Backend, cfg: GenerationConfig, tree: StepTree, carry: Carry, sampler: _Sampler | None):
+def _two_call_step(backend: Backend, cfg: GenerationConfig, tree: StepTree, carry: Carry, sampler: Sampler | None):
     emitted, accepted, root, medusa = tree_step(backend, tree, carry.root, carry.medusa, cfg, sampler)
     return emitted, accepted, Carry(root=root, medusa=medusa)
 
 
 def tree_step(backend: Backend, tree: StepTree, root: torch.Tensor, medusa: torch.Tensor, cfg: GenerationConfig,
-              sampler: _Sampler | None = None):
+              sampler: Sampler | None = None):
     """One step of the two-call path: the tree drafted from root [B] and the heads' logits medusa
     [H, B, V] is verified, accepted (cfg.acceptance) and its accepted path committed. Returns the
     emitted tokens per sequence, the accepted draft tokens [B], and the next root [B] and medusa
@@ -243,7 +271,7 @@ def tree_step(backend: Backend, tree: StepTree, root: torch.Tensor, medusa: torc
 
 
 def verify(backend: Backend, tree: StepTree | BatchTree, tokens: torch.Tensor, cfg: GenerationConfig,
-           sampler: _Sampler | None = None):
+           sampler: Sampler | None = None):
     """The two-call path's verification of a tree's tokens [B, T]: forward, acceptance, commit of the
     accepted path, and the drafter at the committed rows. Returns tree_step's four values."""
     b = len(tokens)
@@ -357,7 +385,7 @@ def _dynamic_fused_step(backend: Backend, tree: DynamicTree, carry: Carry, sampl
 
 
 def _dynamic_two_call_step(backend: Backend, cfg: GenerationConfig, tree: DynamicTree, carry: Carry,
-                           sampler: _Sampler | None):
+                           sampler: Sampler | None):
     """Chooses each sequence's tree from the drafter's logits and context, then verifies it as
     tree_step does (any acceptance)."""
     bt = step_trees(tree, carry.root, *drafts_topk(carry.medusa, tree.topk), carry.context)

@@ -1,0 +1,62 @@
+"""GenerationConfig: how one decode runs (tree, acceptance, sampling, stops). Apart from the loop
+(runtime/decoding.py) and its steps (runtime/steps.py), which both read it."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass
+class GenerationConfig:
+    max_new_tokens: int = 64
+    # Anything tree.parse_medusa_choices accepts, or "dynamic:N" (N nodes chosen per step,
+    # runtime/dynamic.py); None: the engine's own tree (resolve_tree).
+    medusa_choices: object = None
+    use_medusa: bool = True
+    # Per-step trees: continuations found in the prompt and generated text compete for the budget.
+    context_candidates: bool = True
+    # Per-step trees: a slot's share of a plain step's time (None: the spec's ",cost=C", else
+    # dynamic.SLOT_COST); a step keeps the nodes worth their slots, up to the budget. 0: every step
+    # verifies the whole budget.
+    slot_cost: float | None = None
+    acceptance: str = "greedy"  # "greedy" | "typical" | "sample" (lossless sampling, docs/sampling.md)
+    temperature: float = 0.7  # typical and sample; typical with 0 means greedy, sample needs > 0
+    posterior_threshold: float = 0.09  # epsilon
+    posterior_alpha: float = 0.3  # delta
+    # Tokens that end a sequence (emitted, then the sequence stops). None: the engine's own (EOS and
+    # the chat template's end-of-turn tokens, ModelInfo.stop_token_ids); () never stops early.
+    stop_token_ids: tuple[int, ...] | None = None
+    top_k: int | None = None  # sample: keep the k most likely tokens (None: all)
+    top_p: float = 1.0  # sample: nucleus mass in (0, 1]
+    seed: int | None = None  # sample: sequence i draws from a torch.Generator seeded seed + i (None: random)
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.acceptance not in ACCEPTANCE:
+            raise ValueError(f"acceptance must be one of {', '.join(ACCEPTANCE)}, got {self.acceptance!r}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):  # inf would divide logits to NaN
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        for name in ("posterior_threshold", "posterior_alpha"):
+            if not (getattr(self, name) >= 0 and math.isfinite(getattr(self, name))):
+                raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
+        if self.acceptance == "sample" and not self.temperature > 0:
+            raise ValueError(f"temperature {self.temperature} with acceptance 'sample': expected > 0 "
+                             "(for temperature 0 use acceptance 'greedy')")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p {self.top_p}: expected a value in (0, 1]")
+        if self.top_k is not None and (not is_int(self.top_k) or self.top_k < 1):
+            raise ValueError(f"top_k {self.top_k!r}: expected an integer >= 1")
+        if self.slot_cost is not None and not (self.slot_cost >= 0 and math.isfinite(self.slot_cost)):
+            raise ValueError(f"slot_cost {self.slot_cost!r}: expected a finite number >= 0")
+        if self.seed is not None and not (is_int(self.seed) and 0 <= self.seed < 2**63):
+            raise ValueError(f"seed {self.seed!r}: expected an integer in [0, 2**63)")
+
+
+ACCEPTANCE = ("greedy", "typical", "sample")
+
+
+def is_int(value: object) -> bool:
+    """An int that is not a bool (JSON and numpy give both)."""
+    return isinstance(value, int) and not isinstance(value, bool)
