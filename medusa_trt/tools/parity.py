@@ -144,6 +144,7 @@ def reference_model(checkpoint: Path, engine: dict) -> MedusaModel:
                             lm_head_bits=weights.get("lm_head_bits", 4))
     return model
 
+
 def run_check(engine_dir: str | Path, checkpoint: str | Path | None = None, prompts: Sequence[str] | None = None, *,
               max_new_tokens: int = 32, tree_steps: int = 4, device: str | None = None,
               atol: float | None = None, progress: bool = False) -> CheckReport:
