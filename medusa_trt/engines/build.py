@@ -167,7 +167,7 @@ def recorded_tree(opts: BuildOptions, config: dict) -> tuple[list[list[int]] | s
                 raise TreeError(f"{opts.tree!r}: TensorRT-LLM engines verify static trees only; expected a list of "
                                 "paths or a preset")
             dynamic_tree(parsed.text, heads, candidate_topk(int(config["vocab_size"])), limit)  # fits the engine
-            spec = f"dynamic:{parsed.budget}" + ("" if parsed.cost is None else f",cost={parsed.cost:g}")
+            spec = str(parsed)
             return spec, "per-step trees" if spec == str(opts.tree).strip() else f"{Path(str(opts.tree)).name}: {spec}"
         nodes = validate_and_expand(parse_medusa_choices(opts.tree), heads, limit)
     except TreeError as e:

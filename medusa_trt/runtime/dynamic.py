@@ -118,6 +118,14 @@ class DynamicSpec:
     budget: int
     cost: float | None
 
+    def __str__(self) -> str:
+        return dynamic_spec(self.budget, self.cost)
+
+
+def dynamic_spec(budget: int, cost: float | None = None) -> str:
+    """The text of a per-step tree spec: "dynamic:N", or "dynamic:N,cost=C" when it records a cost."""
+    return f"dynamic:{budget}" + ("" if cost is None else f",cost={cost:g}")
+
 
 def read_dynamic(spec: object) -> DynamicSpec | None:
     """The DynamicSpec of "dynamic:N" or "dynamic:N,cost=C", or of a tree file holding one (read once);

@@ -39,7 +39,7 @@ from medusa_trt.errors import MedusaTrtError
 from medusa_trt.runtime.chat import ChatError, encode_chat, parse_messages
 from medusa_trt.runtime.config import ACCEPTANCE
 from medusa_trt.runtime.decoding import GenerationConfig, SequenceStats, generate, step_tree
-from medusa_trt.runtime.dynamic import parse_dynamic
+from medusa_trt.runtime.dynamic import dynamic_spec, parse_dynamic
 from medusa_trt.runtime.loading import load_backend, load_tokenizer, stop_tokens
 from medusa_trt.serving.triton_repo import MODEL_INPUTS
 from medusa_trt.tree import TreeError, parse_medusa_choices, validate_and_expand
@@ -206,7 +206,7 @@ def parse_request(service: Service, inputs: Mapping[str, np.ndarray], index: int
         try:
             if parse_dynamic(spec) is not None:  # a tree chosen per step: "dynamic:N[,cost=C]"
                 tree = step_tree(info, spec)  # its slot cost: the spec's, else the default
-                nodes, depth = f"dynamic:{tree.budget},cost={tree.slot_cost:g}", tree.max_depth
+                nodes, depth = dynamic_spec(tree.budget, tree.slot_cost), tree.max_depth
             else:
                 nodes = validate_and_expand(parse_medusa_choices(spec), info.num_medusa_heads, info.max_draft_len)
                 depth = max(len(p) for p in nodes)

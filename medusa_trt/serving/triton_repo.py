@@ -466,7 +466,7 @@ def _default_tree(medusa_choices: object, info: EngineInfo | None) -> list[list[
     try:
         parsed = read_dynamic(spec)
         if parsed is not None:  # a tree file's spec as its text, the slot cost it records kept
-            return f"dynamic:{parsed.budget}" + ("" if parsed.cost is None else f",cost={parsed.cost:g}")
+            return str(parsed)
         paths = parse_medusa_choices(spec)
         if info is None:  # no head count known: check the shape only
             return validate_and_expand(paths, num_heads=max(len(p) for p in paths) if paths else 1)

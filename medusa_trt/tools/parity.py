@@ -369,8 +369,7 @@ def _compare_steps(report: CheckReport, subject, reference, prompts: list[list[i
     tol = _sig3(tol * scale)  # the bound as printed is the bound applied (3 significant digits)
     max_bound = FP8_FLIP_BOUND
     if int4_layers:  # the tolerance, if given (--atol), stays the floor
-        tol = max(tol, _sig3(INT4_NOISE_PER_LAYER * int4_layers * scale))
-        max_bound = _sig3(INT4_MAX_FACTOR * tol)
+        tol, max_bound = int4_bounds(int4_layers, scale, floor=tol)
     quantized = fp8 or int4_layers > 0
     q = round(FP8_QUANTILE * 100)
     rule = f"p{q} <= {tol:.3g} and max <= {max_bound:.3g}" if quantized else f"max <= {tol:.3g}"
@@ -400,6 +399,13 @@ def _compare_steps(report: CheckReport, subject, reference, prompts: list[list[i
 def _sig3(x: float) -> float:
     """x to 3 significant digits: a bound is applied as it is printed."""
     return float(f"{x:.3g}")
+
+
+def int4_bounds(layers: int, scale: float, floor: float = 0.0) -> tuple[float, float]:
+    """The int4 rule's (p90, max) bounds on |engine - reference| after `layers` int4 layers, for
+    outputs `scale` times LOGIT_SCALE (at least 1; see the module docstring); `floor` bounds p90 below."""
+    p90 = max(floor, _sig3(INT4_NOISE_PER_LAYER * layers * scale))
+    return p90, _sig3(INT4_MAX_FACTOR * p90)
 
 
 def _rule_in_words(rule: str, fp8: bool, int4_layers: int, scale: float) -> str:

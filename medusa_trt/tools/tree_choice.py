@@ -3,6 +3,7 @@ budgets, each with the engine's own slot cost) and which of them it writes (runt
 
 from __future__ import annotations
 
+from medusa_trt.runtime.dynamic import dynamic_spec
 from medusa_trt.tools.tune_tree import fit_line
 from medusa_trt.tree import candidate_topk
 
@@ -27,7 +28,7 @@ def slot_cost(result: dict, max_slots: int) -> float:
 
 def dynamic_specs(budgets: list[int], cost: float) -> list[str]:
     """The per-step trees medusa-tune-tree measures: each budget with the engine's slot cost."""
-    return [f"dynamic:{n},cost={cost:g}" for n in budgets]
+    return [dynamic_spec(n, cost) for n in budgets]
 
 
 def choose_static_or_dynamic(result: dict, specs: list[str]) -> None:

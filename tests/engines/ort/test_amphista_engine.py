@@ -30,7 +30,7 @@ from medusa_trt.runtime.loading import load_backend
 from medusa_trt.runtime.steps import prefill
 from medusa_trt.runtime.torch_backend import TorchBackend
 from medusa_trt.tools.distill import Sample
-from medusa_trt.tools.parity import INT4_MAX_FACTOR, INT4_NOISE_PER_LAYER, LOGIT_SCALE, reference_model
+from medusa_trt.tools.parity import LOGIT_SCALE, int4_bounds, reference_model
 from medusa_trt.tools.train_drafter import TrainOptions, evaluate, save_amphista, train_drafter
 from medusa_trt.tools.train_heads import greedy_continuations, hidden_states
 from tests.runtime.test_decoding import oracle, prompts
@@ -128,9 +128,9 @@ def test_the_prefill_computes_the_last_logits_row_only_and_drafts_every_prompt_r
         torch.testing.assert_close(drafts, ref_drafts, atol=1e-4, rtol=1e-4)
     else:  # medusa-check's int4 rule (tools/parity.py), the drafter's 2 adaptation layers counted as layers
         layers = read_engine(amphista.engines[engine])["model"]["num_layers"] + 2
-        bound = INT4_NOISE_PER_LAYER * layers * max(1.0, ref_drafts.abs().max().item() / LOGIT_SCALE)
+        p90, most = int4_bounds(layers, max(1.0, ref_drafts.abs().max().item() / LOGIT_SCALE))
         err = (drafts - ref_drafts).abs().flatten()
-        assert err.quantile(0.9) <= bound and err.max() <= INT4_MAX_FACTOR * bound, (err.quantile(0.9), err.max(), bound)
+        assert err.quantile(0.9) <= p90 and err.max() <= most, (err.quantile(0.9), err.max(), p90)
 
 
 def test_the_engine_drafts_what_the_reference_drafts(amphista):
