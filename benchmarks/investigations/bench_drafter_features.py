@@ -1,0 +1,150 @@
+"""Does an Amphista drafter draft better from several of the base's layers than from its last hidden
+state alone (EAGLE-3 fuses a low, a middle and the last layer's features)? A CPU-sized comparison on
+the kept self-distilled text: the same sequences, the same steps and seed, held-out top-1 per head.
+
+The fused variant feeds the drafter Linear([rms(h_low); rms(h_mid); h_last]) (3d -> d, started as
+the identity on h_last, so both variants start equal); the teacher is the base's own distribution
+from h_last in both. Nothing else changes.
+
+    python benchmarks/investigations/bench_drafter_features.py --decoded build/gpu_drafters_v5/d/decoded.npz \
+        --gguf build/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --train 400 --steps 400
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from medusa_trt.checkpoint import ModelConfig  # noqa: E402
+from medusa_trt.drafters.amphista import Amphista  # noqa: E402
+from medusa_trt.tools.distill import Sample  # noqa: E402
+from medusa_trt.tools.train_drafter import (  # noqa: E402
+    Objective,
+    TrainOptions,
+    _batch,
+    draft_vocabulary,
+    evaluate,
+    neighbours,
+    optimizer,
+    step_loss,
+    update,
+)
+
+
+class FusedInput(nn.Module):
+    """An Amphista drafter reading [n x d] features per row through one Linear to d."""
+
+    def __init__(self, drafter: Amphista, d: int, n: int):
+        super().__init__()
+        self.drafter, self.d = drafter, d
+        self.fuse = nn.Linear(n * d, d, bias=False)
+        with torch.no_grad():  # the identity on the last layer's state: the same start as the baseline
+            self.fuse.weight.zero_()
+            self.fuse.weight[:, -d:] = torch.eye(d)
+
+    def adapt(self, hidden, *args, **kwargs):
+        return self.drafter.adapt(self.fuse(hidden), *args, **kwargs)
+
+    def features(self, h1, h2):
+        return self.drafter.features(h1, h2)
+
+
+def features(model, tokens: list[int], layers: list[int]) -> torch.Tensor:
+    """[rows - 1, (len(layers) + 1) * d] float16: the RMS-normalized residual stream after each of
+    `layers`, then the final normed hidden state, for every row but the last."""
+    with torch.no_grad():
+        out = model.model(input_ids=torch.tensor([tokens]), output_hidden_states=True)
+    parts = [out.hidden_states[i][0, :-1] for i in layers]
+    parts = [p * torch.rsqrt(p.pow(2).mean(-1, keepdim=True) + 1e-6) for p in parts]
+    return torch.cat(parts + [out.last_hidden_state[0, :-1]], -1).half()
+
+
+def train_eval(drafter: nn.Module, train: list[Sample], held: list[Sample], d: int, lm_head, embed, vocab,
+               opts: TrainOptions, desc: str) -> dict:
+    obj = Objective.make(lm_head, vocab)
+    opt, sched = optimizer(drafter, opts)
+    g = torch.Generator().manual_seed(opts.seed)
+    order = sorted(range(len(train)), key=lambda i: len(train[i].hidden))
+    drafter.train()
+    t0, losses = time.perf_counter(), []
+    for _ in tqdm(range(opts.steps), desc=desc, mininterval=10):
+        bt = _batch([train[i] for i in neighbours(order, opts.batch_samples, g)], opts.max_len)
+        bt["final"] = bt["h"][..., -d:]
+        loss = step_loss(drafter, "amphista", bt, obj, embed, opts, g)
+        update(drafter, opt, sched, loss)
+        losses.append(loss.item())
+    drafter.eval()
+    acc = evaluate(drafter, "amphista", held, lm_head, embed, vocab)
+    return {"heldout_top1": [a[0] for a in acc], "heldout_top5": [a[-1] for a in acc],
+            "final_loss": round(sum(losses[-50:]) / len(losses[-50:]), 3), "seconds": round(time.perf_counter() - t0)}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--decoded", type=Path, required=True, help="decoded.npz of the drafter recipe's cuda stage")
+    p.add_argument("--gguf", type=Path, required=True)
+    p.add_argument("--config", type=Path, default=Path("build/smollm2_drafters/ckpt/config.json"),
+                   help="the converted base's config.json (medusa-convert)")
+    p.add_argument("--train", type=int, default=400, help="training sequences (a random draw of the kept ones)")
+    p.add_argument("--held", type=int, default=64, help="held-out sequences evaluated")
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--batch-samples", type=int, default=8)
+    p.add_argument("--layers", default="10,20", help="the residual streams fused beside the last state")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", type=Path, default=Path("build/drafter_features.json"))
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    from train_smollm2_drafters import _load_decoded
+
+    held, train = _load_decoded(args.decoded)
+    train = random.Random(0).sample(train, args.train)
+    held = held[: args.held]
+    model = AutoModelForCausalLM.from_pretrained(args.gguf.parent, gguf_file=args.gguf.name, dtype=torch.float32).eval()
+    layers = [int(x) for x in args.layers.split(",")]
+    d = model.config.hidden_size
+    t0 = time.perf_counter()
+    feats = {id(s): features(model, s.tokens, layers) for s in tqdm(train + held, desc="base features", mininterval=10)}
+    print(f"features of {len(train) + len(held)} sequences in {time.perf_counter() - t0:.0f} s")
+    lm_head = model.lm_head.weight.detach().float()
+    embed = nn.Embedding.from_pretrained(model.model.embed_tokens.weight.detach().float())
+    vocab, coverage = draft_vocabulary(train, 4096, lm_head.shape[0])
+    base = ModelConfig.from_checkpoint_config(json.loads(args.config.read_text()))
+    cfg = dataclasses.replace(base, drafter="amphista", drafter_options={"num_heads": 4, "sal_intermediate_size": 768})
+    opts = TrainOptions(steps=args.steps, batch_samples=args.batch_samples, max_len=1024)
+    report = {"train_sequences": len(train), "rows": sum(len(s.tokens) - 1 for s in train), "held": len(held),
+              "layers": layers, "steps": args.steps, "batch_samples": args.batch_samples,
+              "draft_vocab_coverage": round(coverage, 4)}
+    n = len(layers) + 1
+    for variant in ("last", "fused"):
+        torch.manual_seed(0)
+        drafter = Amphista(cfg)
+        drafter.reset_identity()
+        if variant == "last":
+            pick = lambda f: f[:, -d:]  # noqa: E731
+        else:
+            drafter, pick = FusedInput(drafter, d, n), (lambda f: f)
+        tr = [Sample(s.tokens, s.prompt_len, pick(feats[id(s)]), s.kind) for s in train]
+        he = [Sample(s.tokens, s.prompt_len, pick(feats[id(s)]), s.kind) for s in held]
+        report[variant] = train_eval(drafter, tr, he, d, lm_head, embed, vocab, opts, f"training ({variant})")
+        print(variant, report[variant], flush=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"{args.out}: last {report['last']['heldout_top1']} against fused {report['fused']['heldout_top1']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
