@@ -29,17 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from medusa_trt.checkpoint import ModelConfig  # noqa: E402
 from medusa_trt.drafters.amphista import Amphista  # noqa: E402
 from medusa_trt.tools.distill import Sample  # noqa: E402
-from medusa_trt.tools.train_drafter import (  # noqa: E402
-    Objective,
-    TrainOptions,
-    _batch,
-    draft_vocabulary,
-    evaluate,
-    neighbours,
-    optimizer,
-    step_loss,
-    update,
-)
+from medusa_trt.tools.train_drafter import TrainOptions, draft_vocabulary, evaluate, train_drafter  # noqa: E402
 
 
 class FusedInput(nn.Module):
@@ -70,21 +60,11 @@ def features(model, tokens: list[int], layers: list[int]) -> torch.Tensor:
     return torch.cat(parts + [out.last_hidden_state[0, :-1]], -1).half()
 
 
-def train_eval(drafter: nn.Module, train: list[Sample], held: list[Sample], d: int, lm_head, embed, vocab,
-               opts: TrainOptions, desc: str) -> dict:
-    obj = Objective.make(lm_head, vocab)
-    opt, sched = optimizer(drafter, opts)
-    g = torch.Generator().manual_seed(opts.seed)
-    order = sorted(range(len(train)), key=lambda i: len(train[i].hidden))
-    drafter.train()
-    t0, losses = time.perf_counter(), []
-    for _ in tqdm(range(opts.steps), desc=desc, mininterval=10):
-        bt = _batch([train[i] for i in neighbours(order, opts.batch_samples, g)], opts.max_len)
-        bt["final"] = bt["h"][..., -d:]
-        loss = step_loss(drafter, "amphista", bt, obj, embed, opts, g)
-        update(drafter, opt, sched, loss)
-        losses.append(loss.item())
-    drafter.eval()
+def train_eval(drafter: nn.Module, train: list[Sample], held: list[Sample], lm_head, embed, vocab,
+               opts: TrainOptions) -> dict:
+    """Trains as the recipe does (the teacher reads the last d columns: the final state) and evaluates."""
+    t0 = time.perf_counter()
+    losses = train_drafter(drafter, "amphista", train, lm_head, embed, vocab, opts)
     acc = evaluate(drafter, "amphista", held, lm_head, embed, vocab)
     return {"heldout_top1": [a[0] for a in acc], "heldout_top5": [a[-1] for a in acc],
             "final_loss": round(sum(losses[-50:]) / len(losses[-50:]), 3), "seconds": round(time.perf_counter() - t0)}
@@ -139,7 +119,7 @@ def main() -> int:
             drafter, pick = FusedInput(drafter, d, n), (lambda f: f)
         tr = [Sample(s.tokens, s.prompt_len, pick(feats[id(s)]), s.kind) for s in train]
         he = [Sample(s.tokens, s.prompt_len, pick(feats[id(s)]), s.kind) for s in held]
-        report[variant] = train_eval(drafter, tr, he, d, lm_head, embed, vocab, opts, f"training ({variant})")
+        report[variant] = train_eval(drafter, tr, he, lm_head, embed, vocab, opts)
         print(variant, report[variant], flush=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"{args.out}: last {report['last']['heldout_top1']} against fused {report['fused']['heldout_top1']}")

@@ -128,11 +128,13 @@ class Objective:
 def step_loss(drafter: nn.Module, arch: str, bt: dict[str, torch.Tensor], obj: Objective, embed: nn.Module,
               opts: TrainOptions, noise_gen: torch.Generator | None = None) -> torch.Tensor:
     """The training loss of one batch (`_batch`), on the batch's device (module docstring). The base's
-    distribution comes from bt["final"] where a batch carries more than the final hidden state in "h"."""
+    distribution comes from the last d columns of h: the final hidden state, after any other features
+    a drafter reads (benchmarks/investigations/bench_drafter_features.py)."""
     h = bt["h"]
     b, s, _ = h.shape
     with torch.no_grad():
-        teacher = torch.softmax(bt.get("final", h) @ obj.w_sub.T, dim=-1)  # [B, S, V'] the base's distribution
+        final = h[..., -obj.w_sub.shape[1] :]
+        teacher = torch.softmax(final @ obj.w_sub.T, dim=-1)  # [B, S, V'] the base's distribution at each row
     if opts.noise:
         rms = h.pow(2).mean(-1, keepdim=True).sqrt()
         h = h + opts.noise * rms * torch.randn(h.shape, generator=noise_gen, device=h.device)
