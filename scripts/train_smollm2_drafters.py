@@ -560,7 +560,8 @@ def cuda_stage(args) -> dict:
                              args.gen_batch, t0 + args.gen_share * args.budget, "decoding training prompts",
                              args.gen_kv_tokens)
         _save_decoded(decoded, held, train)
-    later_decoded = int(np.load(decoded)["later_decoded"]) if "later_decoded" in np.load(decoded).files else None
+    kept = np.load(decoded)
+    later_decoded = int(kept["later_decoded"]) if "later_decoded" in kept.files else None
     decoded_now = not reused
     if "later" in pack.files and later_decoded is None:
         # Later human turns in their conversations: distinct text the base writes itself, decoded
