@@ -41,7 +41,9 @@ top-1 on them at a third, two thirds and the end of training: that slice, not th
 compares runs. The pack also holds the later human turns of training-side conversations, each with
 the conversation before it (`later_prompts`): the cuda stage decodes them after the first turns, until
 the --gen-share deadline, and keeps them in decoded.npz (docs/benchmarks/issue-35-amphista.md,
-section j). And it holds every training-side ShareGPT answer as the data has it, which --forced-share
+section j). A run with --decode-only spends its whole budget decoding the turns decoded.npz does not
+hold yet and trains nothing, so GPU sessions too short to decode and train build one corpus, and a
+later run trains on all of it (--gen-share 0). And it holds every training-side ShareGPT answer as the data has it, which --forced-share
 mixes into the steps teacher-forced (measured not to help: the same page, section f).
 """
 
@@ -101,6 +103,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--pack", type=Path, help="pack/cuda stages: the packed prompts (default --work/pack.npz)")
     p.add_argument("--budget", type=float, default=500.0, help="cuda stage: seconds for the whole run")
     p.add_argument("--gen-share", type=float, default=0.4, help="cuda stage: share of --budget spent decoding")
+    p.add_argument("--decode-only", action="store_true", help="cuda stage: decode for the whole --budget and keep the "
+                   "text in --out/decoded.npz, adding the later turns it does not hold yet; no training (a later run "
+                   "trains on all of it)")
     p.add_argument("--gen-batch", type=int, default=1024, help="cuda stage: prompts decoded together")
     p.add_argument("--gen-kv-tokens", type=int, default=768 * 1024, help="cuda stage: cache rows (prompts x their "
                    "length + --gen-tokens) decoded together at most: 46 KB each in float32")
@@ -495,6 +500,19 @@ def _save_decoded(path: Path, held: list, train: list, **counts: int) -> None:
     tmp.replace(path)
 
 
+def _undecoded(train: list, prompts: list[list[int]]) -> list[list[int]]:
+    """The distinct prompts of `prompts` whose continuation `train` (decoded.npz's) does not hold yet,
+    matched by their tokens: decoding takes batches in random order, so the decoded ones are no
+    prefix, and the data repeats some turns."""
+    seen = {tuple(s.tokens[: s.prompt_len]) for s in train}
+    out = []
+    for p in prompts:
+        if (t := tuple(p)) not in seen:
+            seen.add(t)
+            out.append(p)
+    return out
+
+
 def _load_decoded(path: Path) -> tuple[list, list]:
     import numpy as np
 
@@ -548,6 +566,7 @@ def cuda_stage(args) -> dict:
     model = model.to(dev).eval()
     print(f"base loaded in {time.perf_counter() - t0:.0f} s")
     end = t0 + args.budget
+    decode_end = end if args.decode_only else t0 + args.gen_share * args.budget
     decoded = args.out / "decoded.npz"  # the decoded text, kept: a later run trains without decoding again
     reused = decoded.is_file()
     if reused:
@@ -557,27 +576,37 @@ def cuda_stage(args) -> dict:
         held = _cuda_decode(model, eval_prompts, ["eval"] * len(eval_prompts), args.new_tokens, eos, args.gen_batch,
                             end, "decoding held-out")
         train = _cuda_decode(model, train_prompts, ["code" if c else "chat" for c in is_code], args.gen_tokens, eos,
-                             args.gen_batch, t0 + args.gen_share * args.budget, "decoding training prompts",
-                             args.gen_kv_tokens)
+                             args.gen_batch, decode_end, "decoding training prompts", args.gen_kv_tokens)
         _save_decoded(decoded, held, train)
     kept = np.load(decoded)
     later_decoded = int(kept["later_decoded"]) if "later_decoded" in kept.files else None
     decoded_now = not reused
-    if "later" in pack.files and later_decoded is None:
+    if "later" in pack.files and (later_decoded is None or args.decode_only):
         # Later human turns in their conversations: distinct text the base writes itself, decoded
-        # until the --gen-share deadline, then kept with the rest for a later run.
+        # until the --gen-share deadline (--decode-only: the budget's end), then kept with the rest
+        # for a later run. A --decode-only run adds the turns decoded.npz does not hold yet, so
+        # several short GPU sessions build up one corpus.
         later = _unragged(pack["later"], pack["later_offsets"])
-        new = _cuda_decode(model, later, ["chat"] * len(later), args.gen_tokens, eos, args.gen_batch,
-                           t0 + args.gen_share * args.budget, "decoding later turns", args.gen_kv_tokens)
-        print(f"decoded {len(new)} of {len(later)} later turns in context")
+        todo = _undecoded(train, later)
+        distinct = len({tuple(p) for p in later})
+        new = _cuda_decode(model, todo, ["chat"] * len(todo), args.gen_tokens, eos, args.gen_batch, decode_end,
+                           "decoding later turns", args.gen_kv_tokens)
+        later_decoded, decoded_now = distinct - len(todo) + len(new), True
+        print(f"decoded {len(new)} later turns in context: {later_decoded} of {distinct} distinct ones kept")
         train += new
-        later_decoded, decoded_now = len(new), True
-        _save_decoded(decoded, held, train, later_decoded=len(new))
+        _save_decoded(decoded, held, train, later_decoded=later_decoded)
     t_gen = time.perf_counter() - t0
     rows = sum(len(s.tokens) - 1 for s in train)
     peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else 0.0  # the KV cache at --gen-batch
     print(f"decoded text: {len(train)} training sequences ({rows} rows; {len(train_prompts)} first-turn prompts "
           f"packed) and {len(held)} held-out, {t_gen:.0f} s (peak {peak:.1f} GiB)")
+    if args.decode_only:
+        report = {"sequences": len(train), "rows": rows, "heldout_sequences": len(held), "later_turns": later_decoded,
+                  "device": torch.cuda.get_device_name() if dev.type == "cuda" else str(dev),
+                  "gen_batch": args.gen_batch, "decode_peak_gib": round(peak, 1), "seconds": round(t_gen, 1)}
+        (args.out / "decode_report.json").write_text(json.dumps(report, indent=2) + "\n")
+        print(f"{decoded}: kept for a training run (no --decode-only); done in {t_gen:.0f} s")
+        return report
 
     # The validation slice: decoded training-side sequences no step reads. It follows the learning
     # curve and decides between runs, so that the held-out split is only ever reported.
