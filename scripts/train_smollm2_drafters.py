@@ -26,9 +26,9 @@ The recipe (rerun it with the command below; it runs unattended and resumes from
 Stages are cached under --work (default build/smollm2_drafters).
 
 On a CUDA GPU the same recipe runs in one pass without the engine (`--stage cuda`): the base model
-in PyTorch (transformers, from the GGUF) decodes the training prompts in large batches, and each
-training step recomputes the hidden states of its sequences instead of reading them from disk, so
-the data is bounded by time, not by storage. `--stage pack` writes what it needs beside the GGUF
+in PyTorch (transformers, from the GGUF) decodes the training prompts in large batches, then
+computes their hidden states once and keeps them in device memory (--keep-hidden), not on disk:
+the data is bounded by the card's memory and time, not by storage. `--stage pack` writes what it needs beside the GGUF
 (the tokenized prompts and the merged checkpoint's config, a few MB) for a GPU machine without the
 registry:
 
