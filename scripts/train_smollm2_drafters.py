@@ -660,6 +660,14 @@ def cuda_stage(args) -> dict:
     obj = Objective.make(lm_head, vocab)
     g = torch.Generator().manual_seed(args.seed)
     noise = torch.Generator(device=dev).manual_seed(args.seed)
+    if args.keep_hidden and dev.type == "cuda":
+        torch.cuda.empty_cache()  # the decode's cache blocks
+        need = (rows + sum(len(s.tokens) - 1 for s in forced)) * lm_head.shape[1] * 4
+        free = torch.cuda.mem_get_info()[0]
+        if need > 0.7 * free:  # room left for the steps' activations
+            print(f"--keep-hidden: the hidden states need {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB are free; "
+                  "each step runs the base instead", flush=True)
+            args.keep_hidden = False
     if args.keep_hidden:
         started = time.perf_counter()
         train, forced = _hidden_kept(model, train), _hidden_kept(model, forced)
