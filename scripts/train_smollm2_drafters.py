@@ -100,7 +100,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sal-intermediate", type=int, default=768, help="the adaptation layers' MLP width")
     p.add_argument("--vocab-size", type=int, default=4096, help="draft vocabulary size")
     p.add_argument("--device", default="cuda", help="cuda stage: the torch device (cpu: a smoke run)")
-    p.add_argument("--gguf", type=Path, help="cuda stage: the base's GGUF file")
+    p.add_argument("--gguf", type=Path, help="cuda stage: the base's GGUF file (or a Hugging Face model dir)")
     p.add_argument("--pack", type=Path, help="pack/cuda stages: the packed prompts (default --work/pack.npz)")
     p.add_argument("--budget", type=float, default=500.0, help="cuda stage: seconds for the whole run")
     p.add_argument("--gen-share", type=float, default=0.4, help="cuda stage: share of --budget spent decoding")
@@ -581,7 +581,10 @@ def cuda_stage(args) -> dict:
     eos, config = int(pack["eos"]), json.loads(str(pack["config"]))
     train_prompts, is_code = _unragged(pack["train"], pack["train_offsets"]), pack["train_code"].tolist()
     eval_prompts = _unragged(pack["eval"], pack["eval_offsets"])[: args.eval_prompts]
-    model = AutoModelForCausalLM.from_pretrained(args.gguf.parent, gguf_file=args.gguf.name, dtype=torch.float32)
+    if args.gguf.is_dir():  # a Hugging Face model dir (the tests' tiny bases)
+        model = AutoModelForCausalLM.from_pretrained(args.gguf, dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(args.gguf.parent, gguf_file=args.gguf.name, dtype=torch.float32)
     model = model.to(dev).eval()
     print(f"base loaded in {time.perf_counter() - t0:.0f} s")
     end = t0 + args.budget
