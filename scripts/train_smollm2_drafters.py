@@ -28,8 +28,8 @@ Stages are cached under --work (default build/smollm2_drafters).
 On a CUDA GPU the same recipe runs in one pass without the engine (`--stage cuda`): the base model
 in PyTorch (transformers, from the GGUF) decodes the training prompts in large batches, then
 computes their hidden states once and keeps them in device memory (--keep-hidden), not on disk:
-the data is bounded by the card's memory and time, not by storage. `--stage pack` writes what it needs beside the GGUF
-(the tokenized prompts and the merged checkpoint's config, a few MB) for a GPU machine without the
+the data is bounded by the card's memory and time, not by storage. `--stage pack` writes what it
+needs beside the GGUF (the tokenized prompts and the merged checkpoint's config, a few MB) for a GPU machine without the
 registry:
 
     python scripts/train_smollm2_drafters.py --stage pack            # here: build/smollm2_drafters/pack.npz
@@ -43,8 +43,9 @@ the conversation before it (`later_prompts`): the cuda stage decodes them after 
 the --gen-share deadline, and keeps them in decoded.npz (docs/benchmarks/issue-35-amphista.md,
 section j). A run with --decode-only spends its whole budget decoding the turns decoded.npz does not
 hold yet and trains nothing, so GPU sessions too short to decode and train build one corpus, and a
-later run trains on all of it (--gen-share 0). And it holds every training-side ShareGPT answer as the data has it, which --forced-share
-mixes into the steps teacher-forced (measured not to help: the same page, section f).
+later run trains on all of it (--gen-share 0). The pack also holds every training-side ShareGPT
+answer as the data has it, which --forced-share mixes into the steps teacher-forced (measured not to
+help: the same page, section f).
 """
 
 from __future__ import annotations
