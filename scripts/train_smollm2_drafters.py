@@ -29,8 +29,8 @@ On a CUDA GPU the same recipe runs in one pass without the engine (`--stage cuda
 in PyTorch (transformers, from the GGUF) decodes the training prompts in large batches, then
 computes their hidden states once and keeps them in device memory (--keep-hidden), not on disk:
 the data is bounded by the card's memory and time, not by storage. `--stage pack` writes what it
-needs beside the GGUF (the tokenized prompts and the merged checkpoint's config, a few MB) for a GPU machine without the
-registry:
+needs beside the GGUF (the tokenized prompts and the merged checkpoint's config, a few MB) for a GPU
+machine without the registry:
 
     python scripts/train_smollm2_drafters.py --stage pack            # here: build/smollm2_drafters/pack.npz
     python scripts/train_smollm2_drafters.py --stage cuda --gguf SmolLM2-135M-Instruct.Q4_1.gguf \
@@ -494,8 +494,9 @@ def _with_hidden(model, samples: list) -> list:
 
 def _hidden_kept(model, samples: list, batch: int = 32) -> list:
     """The samples with their hidden states computed once and kept (each its own tensor, no padding):
-    training steps then read them instead of running the base again, which is most of a step's work
-    (the base's forward is ~2.7 of the ~4 TFLOP of a step of 32 sequences)."""
+    the validation and held-out sets, and the training text, whose steps then read them instead of
+    running the base again, which is most of a step's work (the base's forward is ~2.7 of the ~4 TFLOP
+    of a step of 32 sequences)."""
     from tqdm import tqdm
 
     order = sorted(range(len(samples)), key=lambda i: len(samples[i].tokens))  # neighbours pad little
@@ -664,25 +665,24 @@ def cuda_stage(args) -> dict:
     obj = Objective.make(lm_head, vocab)
     g = torch.Generator().manual_seed(args.seed)
     noise = torch.Generator(device=dev).manual_seed(args.seed)
+    kept_gib = (rows + sum(len(s.tokens) - 1 for s in forced)) * lm_head.shape[1] * 4 / 2**30  # float32 rows
     if args.keep_hidden and dev.type == "cuda":
         torch.cuda.empty_cache()  # the decode's cache blocks
-        need = (rows + sum(len(s.tokens) - 1 for s in forced)) * lm_head.shape[1] * 4
-        free = torch.cuda.mem_get_info()[0]
-        if need > 0.7 * free:  # room left for the steps' activations
-            print(f"--keep-hidden: the hidden states need {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB are free; "
+        free_gib = torch.cuda.mem_get_info()[0] / 2**30
+        if kept_gib > 0.7 * free_gib:  # room left for the steps' activations
+            print(f"--keep-hidden: the hidden states need {kept_gib:.1f} GiB, {free_gib:.1f} GiB are free; "
                   "each step runs the base instead", flush=True)
             args.keep_hidden = False
     if args.keep_hidden:
         started = time.perf_counter()
         train, forced = _hidden_kept(model, train), _hidden_kept(model, forced)
-        kept_rows = rows + sum(len(s.tokens) - 1 for s in forced)
-        print(f"hidden states of {len(train) + len(forced)} sequences kept on {dev} ({kept_rows * lm_head.shape[1] * 4 / 2**30:.1f} "
-              f"GiB) in {time.perf_counter() - started:.0f} s", flush=True)
+        print(f"hidden states of {len(train) + len(forced)} sequences kept on {dev} ({kept_gib:.1f} GiB) in "
+              f"{time.perf_counter() - started:.0f} s", flush=True)
     pools = [(p, sorted(range(len(p)), key=lambda i: len(p[i].tokens))) for p in (train, forced)]
     pick = random.Random(args.seed + 4)
     def autocast():
         return torch.autocast(dev.type, dtype=torch.bfloat16) if args.bf16 else contextlib.nullcontext()
-    val = [s for j in range(0, len(val), 16) for s in _with_hidden(model, val[j : j + 16])]
+    val = _hidden_kept(model, val, 16)
     curve = {a: [] for a in drafters}
 
     def validate(at: int) -> None:
@@ -749,7 +749,7 @@ def cuda_stage(args) -> dict:
         else:
             save_heads(d.cpu().state(), args.out / "heads", base, 4, 2, torch.float16, draft_vocab=vocab.tolist())
         d.to(dev)
-    held = [s for j in range(0, len(held), 16) for s in _with_hidden(model, held[j : j + 16])]
+    held = _hidden_kept(model, held, 16)
     for a, d in drafters.items():
         acc = evaluate(d, a, held, lm_head, embed, vocab)
         print(f"{a}: held-out top-1 per head {[x[0] for x in acc]}, top-5 {[x[-1] for x in acc]}")

@@ -67,7 +67,8 @@ def test_decode_only_keeps_each_prompt_once_and_a_later_run_adds_what_is_missing
         assert s.tokens[s.prompt_len:] == want
     # A decoded.npz missing some later turns (an earlier run cut off by its deadline): the next run
     # decodes those only, once each.
-    kept = [s for s in train if tuple(s.tokens[: s.prompt_len]) not in {tuple(pack["later"][1]), tuple(pack["later"][2])}]
+    dropped = {tuple(pack["later"][1]), tuple(pack["later"][2])}
+    kept = [s for s in train if tuple(s.tokens[: s.prompt_len]) not in dropped]
     recipe._save_decoded(tmp_path / "decoded.npz", held, kept, later_decoded=len(distinct_later) - 2)
     assert [tuple(p) for p in recipe._undecoded(kept, pack["later"])] == [tuple(pack["later"][1]), tuple(pack["later"][2])]
     _run(pack, tmp_path, "--decode-only", "--budget", "60")
