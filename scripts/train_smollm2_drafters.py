@@ -121,6 +121,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "ShareGPT answers teacher-forced (the pack's) instead of the base's decoded text")
     p.add_argument("--val", type=int, default=128, help="cuda stage: decoded training sequences held aside (never "
                    "trained on) to follow the learning curve and compare runs; the held-out split stays evaluation only")
+    p.add_argument("--kept-dtype", choices=["auto", "float32", "float16"], default="auto", help="cuda stage, "
+                   "--keep-hidden: the kept states' dtype; auto: float32 where the device holds them, else float16")
     p.add_argument("--keep-hidden", action=argparse.BooleanOptionalAction, default=True, help="cuda stage: compute "
                    "the base's hidden states of the training text once and keep them in device memory (float32, 2.3 KB "
                    "a row: 21 GiB for 9.1M rows), so steps do not run the base again")
@@ -519,11 +521,11 @@ def _with_hidden(model, samples: list) -> list:
     return [Sample(s.tokens, s.prompt_len, h[r, : len(s.tokens) - 1], s.kind) for r, s in enumerate(samples)]
 
 
-def _hidden_kept(model, samples: list, batch: int = 32) -> list:
-    """The samples with their hidden states computed once and kept (each its own tensor, no padding):
-    the validation and held-out sets, and the training text, whose steps then read them instead of
-    running the base again, which is most of a step's work (the base's forward is ~2.7 of the ~4 TFLOP
-    of a step of 32 sequences)."""
+def _hidden_kept(model, samples: list, batch: int = 32, dtype: torch.dtype = torch.float32) -> list:
+    """The samples with their hidden states computed once and kept (each its own tensor, no padding)
+    in `dtype`: the validation and held-out sets, and the training text, whose steps then read them
+    instead of running the base again, which is most of a step's work (the base's forward is ~2.7 of
+    the ~4 TFLOP of a step of 32 sequences). Steps read them as float32 (train_drafter._batch)."""
     from tqdm import tqdm
 
     order = sorted(range(len(samples)), key=lambda i: len(samples[i].tokens))  # neighbours pad little
@@ -531,7 +533,7 @@ def _hidden_kept(model, samples: list, batch: int = 32) -> list:
     for j in tqdm(range(0, len(order), batch), desc="hidden states", mininterval=20):
         group = [samples[i] for i in order[j : j + batch]]
         for i, s in zip(order[j : j + batch], _with_hidden(model, group), strict=True):
-            out[i] = dataclasses.replace(s, hidden=s.hidden.clone())
+            out[i] = dataclasses.replace(s, hidden=s.hidden.to(dtype, copy=True))
     return out
 
 
@@ -690,19 +692,27 @@ def cuda_stage(args) -> dict:
     obj = Objective.make(lm_head, vocab)
     g = torch.Generator().manual_seed(args.seed)
     noise = torch.Generator(device=dev).manual_seed(args.seed)
+    kept_dtype = torch.float16 if args.kept_dtype == "float16" else torch.float32
     kept_gib = (rows + sum(len(s.tokens) - 1 for s in forced)) * lm_head.shape[1] * 4 / 2**30  # float32 rows
     if args.keep_hidden and dev.type == "cuda":
         torch.cuda.empty_cache()  # the decode's cache blocks
         free_gib = torch.cuda.mem_get_info()[0] / 2**30
-        if kept_gib > 0.7 * free_gib:  # room left for the steps' activations
-            print(f"--keep-hidden: the hidden states need {kept_gib:.1f} GiB, {free_gib:.1f} GiB are free; "
-                  "each step runs the base instead", flush=True)
+        room = 0.7 * free_gib  # the rest for the steps' activations
+        if args.kept_dtype == "auto" and room < kept_gib <= 2 * room:
+            # Half the bytes, nearly the same teacher: on the real base the distribution from a
+            # float16-rounded state is a mean KL of 3e-7 from the float32 one (section n).
+            kept_dtype = torch.float16
+            print(f"--keep-hidden: {kept_gib:.1f} GiB of float32 states against {free_gib:.1f} GiB free; kept "
+                  "as float16", flush=True)
+        if kept_gib * (0.5 if kept_dtype == torch.float16 else 1) > room:
+            print(f"--keep-hidden: the hidden states need {kept_gib:.1f} GiB as float32, {free_gib:.1f} GiB are "
+                  "free; each step runs the base instead", flush=True)
             args.keep_hidden = False
     if args.keep_hidden:
         started = time.perf_counter()
-        train, forced = _hidden_kept(model, train), _hidden_kept(model, forced)
-        print(f"hidden states of {len(train) + len(forced)} sequences kept on {dev} ({kept_gib:.1f} GiB) in "
-              f"{time.perf_counter() - started:.0f} s", flush=True)
+        train, forced = _hidden_kept(model, train, dtype=kept_dtype), _hidden_kept(model, forced, dtype=kept_dtype)
+        print(f"hidden states of {len(train) + len(forced)} sequences kept on {dev} as {str(kept_dtype)[6:]} "
+              f"({kept_gib * kept_dtype.itemsize / 4:.1f} GiB) in {time.perf_counter() - started:.0f} s", flush=True)
     pools = [(p, sorted(range(len(p)), key=lambda i: len(p[i].tokens))) for p in (train, forced)]
     pick = random.Random(args.seed + 4)
     def autocast():
@@ -762,6 +772,8 @@ def cuda_stage(args) -> dict:
                        "target_coverage": round(coverage, 4), "new_tokens": args.gen_tokens,
                        "prompts": len(train_prompts), "reused_decoded_text": reused,
                        "later_turns": later_decoded,
+                       "kept_hidden": str(kept_dtype)[6:] if args.keep_hidden else None,
+                       "decoder": args.decoder if decoded_now else None,
                        "gen_batch": args.gen_batch if decoded_now else None,
                        "decode_peak_gib": round(peak, 1) if decoded_now else None},
               "device": torch.cuda.get_device_name() if dev.type == "cuda" else str(dev), "steps": step, "batch_samples": args.batch_samples,

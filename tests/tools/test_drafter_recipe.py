@@ -76,13 +76,16 @@ def test_decode_only_keeps_each_prompt_once_and_a_later_run_adds_what_is_missing
     assert sorted(s.tokens for s in again) == sorted(s.tokens for s in train)
 
 
-@pytest.mark.parametrize("keep_hidden", ["--keep-hidden", "--no-keep-hidden"])
+@pytest.mark.parametrize("keep_hidden", [["--keep-hidden"], ["--keep-hidden", "--kept-dtype", "float16"],
+                                         ["--no-keep-hidden"]], ids=["float32", "float16", "base-each-step"])
 def test_a_training_run_reads_the_kept_text_and_saves_both_drafters(pack, tmp_path, keep_hidden):
     _run(pack, tmp_path, "--decode-only", "--budget", "60")
     _run(pack, tmp_path, "--budget", "8", "--gen-share", "0", "--batch-samples", "2", "--timed-steps", "2",
-         "--val", "2", "--sal-intermediate", "32", "--vocab-size", "64", keep_hidden)
+         "--val", "2", "--sal-intermediate", "32", "--vocab-size", "64", *keep_hidden)
     report = json.loads((tmp_path / "cuda_report.json").read_text())
     assert report["data"]["reused_decoded_text"] and report["steps"] >= 4
+    kept = "float16" if "float16" in keep_hidden else "float32" if "--keep-hidden" in keep_hidden else None
+    assert report["data"]["kept_hidden"] == kept
     assert report["data"]["sequences"] == len(pack["train"]) + len({tuple(p) for p in pack["later"]}) - 2  # --val
     for arch in ("amphista", "medusa"):
         assert len(report[arch]["heldout_top1"]) == 4
