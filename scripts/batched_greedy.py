@@ -90,6 +90,7 @@ def greedy(model, prompts: list[list[int]], new_tokens: int, eos: int, prefill_r
     tokens = tokens.to(dev)
     d = cfg.head_dim if getattr(cfg, "head_dim", None) else cfg.hidden_size // cfg.num_attention_heads
     shape = (b, cfg.num_key_value_heads, n + new_tokens, d)
+    # zeros, not empty: a masked column's value still meets a zero probability, and 0 * NaN is NaN
     keys = [torch.zeros(shape, dtype=dtype, device=dev) for _ in model.model.layers]
     values = [torch.zeros(shape, dtype=dtype, device=dev) for _ in model.model.layers]
     positions = (cols[None, :n] - first[:, None]).clamp(min=0)
