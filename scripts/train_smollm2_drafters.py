@@ -28,10 +28,11 @@ Stages are cached under --work (default build/smollm2_drafters).
 On a CUDA GPU the same recipe runs in one pass without the engine (`--stage cuda`): the base model
 in PyTorch (transformers, from the GGUF) decodes the training prompts in large batches (with
 scripts/batched_greedy.py, whose cache is written in place, not copied each step), then
-computes their hidden states once and keeps them in device memory (--keep-hidden), not on disk:
-the data is bounded by the card's memory and time, not by storage. `--stage pack` writes what it
-needs beside the GGUF (the tokenized prompts and the merged checkpoint's config, a few MB) for a GPU
-machine without the registry:
+computes their hidden states once and keeps them in device memory (--keep-hidden; float16 where
+float32 would not fit), not on disk: the data is bounded by the card's memory and time, not by
+storage. `--stage pack` writes what it needs beside the GGUF (the tokenized prompts and the merged
+checkpoint's config, 27 MB; docs/benchmarks/issue-35-amphista.md, section n, says how to carry it)
+for a GPU machine without the registry:
 
     python scripts/train_smollm2_drafters.py --stage pack            # here: build/smollm2_drafters/pack.npz
     python scripts/train_smollm2_drafters.py --stage cuda --gguf SmolLM2-135M-Instruct.Q4_1.gguf \
