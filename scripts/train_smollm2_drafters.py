@@ -116,7 +116,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "length + --gen-tokens) decoded together at most: 46 KB each in float32")
     p.add_argument("--decoder", choices=["static", "generate"], default="static", help="cuda stage: how the base "
                    "decodes: scripts/batched_greedy.py (a preallocated cache read once a step) or transformers' "
-                   "generate (whose steps copy the cache; the decoder of the runs before 2026-11-26's evening)")
+                   "generate (whose steps copy the cache; the decoder of the GPU runs of sections f and j)")
     p.add_argument("--gen-tokens", type=int, default=256, help="cuda stage: greedy tokens per training prompt")
     p.add_argument("--forced-share", type=float, default=0.0, help="cuda stage: share of training steps that read "
                    "ShareGPT answers teacher-forced (the pack's) instead of the base's decoded text")
@@ -125,8 +125,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kept-dtype", choices=["auto", "float32", "float16"], default="auto", help="cuda stage, "
                    "--keep-hidden: the kept states' dtype; auto: float32 where the device holds them, else float16")
     p.add_argument("--keep-hidden", action=argparse.BooleanOptionalAction, default=True, help="cuda stage: compute "
-                   "the base's hidden states of the training text once and keep them in device memory (float32, 2.3 KB "
-                   "a row: 21 GiB for 9.1M rows), so steps do not run the base again")
+                   "the base's hidden states of the training text once and keep them in device memory (2.3 KB a row as "
+                   "float32: 21 GiB for 9.1M rows; see --kept-dtype), so steps do not run the base again")
     p.add_argument("--timed-steps", type=int, default=40, help="cuda stage: steps timed to size the schedule")
     p.add_argument("--bf16", action="store_true", help="cuda stage: the drafters' forward and backward under bfloat16 "
                    "autocast (the base's hidden states and the teacher distribution stay float32)")
@@ -490,7 +490,7 @@ def _cuda_decode(model, prompts: list[list[int]], kinds: list[str], new_tokens: 
 
 
 def _generate(model, prompts: list[list[int]], new_tokens: int, eos: int) -> list[list[int]]:
-    """`batched_greedy.greedy` by transformers' `generate` (left-padded): --decoder generate."""
+    """What `batched_greedy.greedy` returns, by transformers' `generate` (left-padded): --decoder generate."""
     n = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), n), eos, dtype=torch.long)
     mask = torch.zeros(len(prompts), n, dtype=torch.long)
