@@ -616,11 +616,13 @@ def cuda_stage(args) -> dict:
     if args.decoder == "static" and (why := batched_greedy.supports(model)):
         print(f"--decoder static: {why}; decoding with transformers' generate")
         args.decoder = "generate"
-    print(f"base loaded in {time.perf_counter() - t0:.0f} s")
+    t_loaded = time.perf_counter()
+    print(f"base loaded in {t_loaded - t0:.0f} s")
     end = t0 + args.budget
     decode_end = end if args.decode_only else t0 + args.gen_share * args.budget
     decoded = args.out / "decoded.npz"  # the decoded text, kept: a later run trains without decoding again
     reused = decoded.is_file()
+    fresh: list = []  # what this run decodes: the decoder's throughput in the report
     if reused:
         held, train = _load_decoded(decoded)
         print(f"{decoded}: decoded text of an earlier run reused")
@@ -630,6 +632,7 @@ def cuda_stage(args) -> dict:
         train = _cuda_decode(model, train_prompts, ["code" if c else "chat" for c in is_code], args.gen_tokens, eos,
                              args.gen_batch, decode_end, "decoding training prompts", args.gen_kv_tokens, args.decoder)
         _save_decoded(decoded, held, train)
+        fresh += held + train
     kept = np.load(decoded)
     later_decoded = int(kept["later_decoded"]) if "later_decoded" in kept.files else None
     decoded_now = not reused
@@ -646,8 +649,12 @@ def cuda_stage(args) -> dict:
         later_decoded, decoded_now = distinct - len(todo) + len(new), True
         print(f"decoded {len(new)} later turns in context: {later_decoded} of {distinct} distinct ones kept")
         train += new
+        fresh += new
         _save_decoded(decoded, held, train, later_decoded=later_decoded)
     t_gen = time.perf_counter() - t0
+    decoding = {"decoder": args.decoder, "sequences": len(fresh),
+                "new_tokens": sum(len(s.tokens) - s.prompt_len for s in fresh),
+                "seconds": round(time.perf_counter() - t_loaded, 1)}  # decoding and saving, not loading
     rows = sum(len(s.tokens) - 1 for s in train)
     peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else 0.0  # the KV cache at --gen-batch
     print(f"decoded text: {len(train)} training sequences ({rows} rows; {len(train_prompts)} first-turn prompts "
@@ -655,7 +662,8 @@ def cuda_stage(args) -> dict:
     if args.decode_only:
         report = {"sequences": len(train), "rows": rows, "heldout_sequences": len(held), "later_turns": later_decoded,
                   "device": torch.cuda.get_device_name() if dev.type == "cuda" else str(dev),
-                  "gen_batch": args.gen_batch, "decode_peak_gib": round(peak, 1), "seconds": round(t_gen, 1)}
+                  "gen_batch": args.gen_batch, "decode_peak_gib": round(peak, 1), "decoded_now": decoding,
+                  "seconds": round(t_gen, 1)}
         (args.out / "decode_report.json").write_text(json.dumps(report, indent=2) + "\n")
         print(f"{decoded}: kept for a training run (no --decode-only); done in {t_gen:.0f} s")
         return report
@@ -774,7 +782,7 @@ def cuda_stage(args) -> dict:
                        "prompts": len(train_prompts), "reused_decoded_text": reused,
                        "later_turns": later_decoded,
                        "kept_hidden": str(kept_dtype)[6:] if args.keep_hidden else None,
-                       "decoder": args.decoder if decoded_now else None,
+                       "decoded_now": decoding if decoded_now else None,
                        "gen_batch": args.gen_batch if decoded_now else None,
                        "decode_peak_gib": round(peak, 1) if decoded_now else None},
               "device": torch.cuda.get_device_name() if dev.type == "cuda" else str(dev), "steps": step, "batch_samples": args.batch_samples,

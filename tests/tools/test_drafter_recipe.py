@@ -53,7 +53,10 @@ def test_decode_only_keeps_each_prompt_once_and_a_later_run_adds_what_is_missing
     held, train = recipe._load_decoded(tmp_path / "decoded.npz")
     distinct_later = {tuple(p) for p in pack["later"]}
     assert len(held) == len(pack["held"]) and len(train) == len(pack["train"]) + len(distinct_later)
-    assert json.loads((tmp_path / "decode_report.json").read_text())["later_turns"] == len(distinct_later)
+    report = json.loads((tmp_path / "decode_report.json").read_text())
+    assert report["later_turns"] == len(distinct_later)
+    assert report["decoded_now"]["sequences"] == len(held) + len(train)
+    assert report["decoded_now"]["new_tokens"] == sum(len(s.tokens) - s.prompt_len for s in held + train)
     assert not (tmp_path / "amphista").exists()  # decoding only
     # Each continuation is the base's own greedy text (transformers' generate, one prompt at a time).
     hf = AutoModelForCausalLM.from_pretrained(pack["base"]).eval()
