@@ -635,7 +635,6 @@ def cuda_stage(args) -> dict:
         fresh += held + train
     kept = np.load(decoded)
     later_decoded = int(kept["later_decoded"]) if "later_decoded" in kept.files else None
-    decoded_now = not reused
     if "later" in pack.files and (later_decoded is None or args.decode_only):
         # Later human turns in their conversations: distinct text the base writes itself, decoded
         # until the --gen-share deadline (--decode-only: the budget's end), then kept with the rest
@@ -646,7 +645,7 @@ def cuda_stage(args) -> dict:
         distinct = len({tuple(p) for p in later})
         new = _cuda_decode(model, todo, ["chat"] * len(todo), args.gen_tokens, eos, args.gen_batch, decode_end,
                            "decoding later turns", args.gen_kv_tokens, args.decoder)
-        later_decoded, decoded_now = distinct - len(todo) + len(new), True
+        later_decoded = distinct - len(todo) + len(new)
         print(f"decoded {len(new)} later turns in context: {later_decoded} of {distinct} distinct ones kept")
         train += new
         fresh += new
@@ -655,6 +654,7 @@ def cuda_stage(args) -> dict:
     decoding = {"decoder": args.decoder, "sequences": len(fresh),
                 "new_tokens": sum(len(s.tokens) - s.prompt_len for s in fresh),
                 "seconds": round(time.perf_counter() - t_loaded, 1)}  # decoding and saving, not loading
+    decoded_now = bool(fresh)
     rows = sum(len(s.tokens) - 1 for s in train)
     peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else 0.0  # the KV cache at --gen-batch
     print(f"decoded text: {len(train)} training sequences ({rows} rows; {len(train_prompts)} first-turn prompts "
@@ -713,7 +713,7 @@ def cuda_stage(args) -> dict:
             kept_dtype = torch.float16
             print(f"--keep-hidden: {kept_gib:.1f} GiB of float32 states against {free_gib:.1f} GiB free; kept "
                   "as float16", flush=True)
-        if kept_gib * (0.5 if kept_dtype == torch.float16 else 1) > room:
+        if kept_gib * kept_dtype.itemsize / 4 > room:
             print(f"--keep-hidden: the hidden states need {kept_gib:.1f} GiB as float32, {free_gib:.1f} GiB are "
                   "free; each step runs the base instead", flush=True)
             args.keep_hidden = False

@@ -2,9 +2,10 @@
 preallocated cache read once a step) against transformers' `generate` (left-padded, dynamic cache).
 It reports seconds per batch, the ratio, and whether the continuations are the same tokens.
 
-Prompts are the pack's later human turns (the recipe's longest: ~460 tokens on average), the
-batches the recipe's own grouping (similar lengths together). On a GPU this is the check to run
-before a decode-only session; on this CPU it says whether the static cache pays at CPU sizes.
+Prompts are the pack's later human turns (the recipe's longest: ~460 tokens on average), the first
+--prompts of them in the pack's (shuffled) order, in batches of consecutive ones: they pad more than
+the recipe's batches, which group similar lengths. On a GPU this is the check to run before a
+decode-only session; on this CPU it says whether the static cache pays at CPU sizes.
 
     python benchmarks/investigations/bench_decode.py --pack build/pack_v5.npz \
         --gguf build/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --prompts 16 --batch 8 --new-tokens 32
@@ -21,11 +22,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))  # the recipe puts the repo on the path
 
-import batched_greedy  # noqa: E402
 import train_smollm2_drafters as recipe  # noqa: E402
 
 
@@ -76,7 +74,7 @@ def main() -> None:
     times: dict[str, float] = {}
     prefill: dict[str, float] = {}
     conts: dict[str, list[list[int]]] = {}
-    for name, decode in (("static", batched_greedy.greedy), ("generate", recipe._generate)):
+    for name, decode in (("static", recipe.batched_greedy.greedy), ("generate", recipe._generate)):
         decode(model, prompts[:2], 2, eos)  # warm-up: allocator, kernels
         prefill[name] = timed(decode, 1)[0]  # the prompts and their first token: what a step is not
         times[name], conts[name] = timed(decode, args.new_tokens)

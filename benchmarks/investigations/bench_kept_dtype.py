@@ -15,9 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))  # the recipe puts the repo on the path
 
 import train_smollm2_drafters as recipe  # noqa: E402
 
