@@ -80,7 +80,7 @@ MAX_CODE_TOKENS = 320
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--stage", choices=("distill", "train", "all", "pack", "cuda"), default="all")
+    p.add_argument("--stage", choices=("distill", "train", "all", "pack", "cuda", "eval"), default="all")
     p.add_argument("--out", type=Path, default=REPO / "medusa_trt" / "assets" / "smollm2")
     p.add_argument("--work", type=Path, default=Path("build/smollm2_drafters"))
     p.add_argument("--seed", type=int, default=0)
@@ -114,6 +114,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "corpus lacks and add it there; no training (a later run trains on all of it)")
     p.add_argument("--corpus", type=Path, default=REPO / "data" / "drafter_corpus", help="cuda stage: the decoded "
                    "corpus (scripts/drafter_corpus.py), read, and added to unless --corpus-out says where")
+    p.add_argument("--drafters", type=Path, default=REPO / "medusa_trt" / "assets" / "smollm2", help="eval stage: "
+                   "a folder with amphista/ and heads/ (default: the shipped drafters)")
     p.add_argument("--corpus-out", type=Path, help="cuda stage: where this run writes what it decodes (read too), "
                    "e.g. the folder a GPU session sends back; default --corpus")
     p.add_argument("--gen-batch", type=int, default=1024, help="cuda stage: prompts decoded together")
@@ -603,6 +605,79 @@ def _corpus_samples(prompts: list[list[int]], kinds: list[str], have: dict[int, 
     return out
 
 
+def load_drafters(config: dict, where: Path) -> dict[str, tuple[torch.nn.Module, torch.Tensor | None]]:
+    """The drafters in `where` (amphista/ and heads/, as the cuda stage saves them; the shipped ones
+    by default) as the stage trains them, each with its draft vocabulary."""
+    from safetensors.torch import load_file
+
+    from medusa_trt.checkpoint import ModelConfig
+    from medusa_trt.drafters.amphista import Amphista
+    from medusa_trt.tools.train_drafter import MedusaResBlocks
+
+    out = {}
+    if (where / "amphista" / "config.json").is_file():
+        a = json.loads((where / "amphista" / "config.json").read_text())
+        if a.get("hidden_size") != config["hidden_size"]:
+            raise SystemExit(f"{where / 'amphista' / 'config.json'}: hidden_size {a.get('hidden_size')}; expected the "
+                             f"base's {config['hidden_size']}")
+        cfg = dataclasses.replace(ModelConfig.from_checkpoint_config(config), drafter="amphista",
+                                  drafter_options=a["amphista"])
+        amphista = Amphista(cfg)
+        amphista.load_state_dict({k: v.float() for k, v in load_file(where / "amphista" / "amphista.safetensors").items()})
+        out["amphista"] = (amphista.eval(), torch.tensor(a["draft_vocab"]) if "draft_vocab" in a else None)
+    if (where / "heads" / "config.json").is_file():
+        h = json.loads((where / "heads" / "config.json").read_text())
+        heads = MedusaResBlocks(h["medusa_num_heads"], h["medusa_num_layers"], config["hidden_size"])
+        state = load_file(where / "heads" / "medusa_lm_head.safetensors")
+        with torch.no_grad():
+            for name, t in state.items():
+                head, layer, _, kind = name.split(".")
+                if t.shape[-1] != config["hidden_size"]:
+                    raise SystemExit(f"{where / 'heads' / 'medusa_lm_head.safetensors'}: {name} is {list(t.shape)}; "
+                                     f"expected the base's hidden size {config['hidden_size']}")
+                (heads.w if kind == "weight" else heads.b)[int(head), int(layer)] = t.float()
+        out["medusa"] = (heads.eval(), torch.tensor(h["draft_vocab"]) if "draft_vocab" in h else None)
+    if not out:
+        raise SystemExit(f"{where}: no amphista/config.json or heads/config.json; expected drafters as the cuda stage "
+                         "saves them")
+    return out
+
+
+def heldout_scores(drafters: dict, held: list, lm_head: torch.Tensor, embed, label: str = "") -> dict[str, dict]:
+    """Held-out top-1 and top-5 per head of each (drafter, draft vocabulary) on `held` (with hidden states)."""
+    from medusa_trt.tools.train_drafter import evaluate
+
+    out = {}
+    for arch, (d, vocab) in drafters.items():
+        acc = evaluate(d, arch, held, lm_head, embed, vocab)
+        out[arch] = {"heldout_top1": [x[0] for x in acc], "heldout_top5": [x[-1] for x in acc]}
+        print(f"{label}{arch}: held-out top-1 per head {out[arch]['heldout_top1']}, top-5 {out[arch]['heldout_top5']}")
+    return out
+
+
+def eval_stage(args) -> dict:
+    """The drafters in --drafters (default: the shipped ones) on the corpus's held-out text: the figure
+    a new run's held-out top-1 compares with, on the same text."""
+    import numpy as np
+
+    pack = np.load(args.pack or args.work / "pack.npz")
+    held, _, _ = corpus_text(prompt_sets(pack, args.eval_prompts), drafter_corpus.read([args.corpus])[0])
+    if not held:
+        raise SystemExit(f"{args.corpus}: no held-out continuations; expected a cuda stage run to have decoded them")
+    dev = torch.device(args.device)
+    model = load_base(args.gguf, dev)
+    drafters = load_drafters(json.loads(str(pack["config"])), args.drafters)
+    lm_head = model.lm_head.weight.detach().float()
+    embed = torch.nn.Embedding.from_pretrained(model.model.embed_tokens.weight.detach().float())
+    held = _hidden_kept(model, held, 16)
+    report = {"drafters": str(args.drafters), "heldout_sequences": len(held),
+              "heldout_rows": sum(len(s.tokens) - s.prompt_len for s in held),
+              **heldout_scores({a: (d.to(dev), v) for a, (d, v) in drafters.items()}, held, lm_head, embed)}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "eval_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
 def cuda_stage(args) -> dict:
     """Decode, then train Medusa heads and an Amphista drafter together (the base's hidden states feed
     both: computed once and kept in device memory, or with --no-keep-hidden by each step); steps sized
@@ -826,12 +901,18 @@ def cuda_stage(args) -> dict:
             save_heads(d.cpu().state(), args.out / "heads", base, 4, 2, torch.float16, draft_vocab=vocab.tolist())
         d.to(dev)
     held = _hidden_kept(model, held, 16)
-    for a, d in drafters.items():
-        acc = evaluate(d, a, held, lm_head, embed, vocab)
-        print(f"{a}: held-out top-1 per head {[x[0] for x in acc]}, top-5 {[x[-1] for x in acc]}")
-        report[a] = {"heldout_top1": [x[0] for x in acc], "heldout_top5": [x[-1] for x in acc],
-                     "validation_curve": curve[a],
+    for a, scores in heldout_scores({a: (d, vocab) for a, d in drafters.items()}, held, lm_head, embed).items():
+        report[a] = {**scores, "validation_curve": curve[a],
                      "final_loss": round(sum(losses[a][-100:]) / max(1, len(losses[a][-100:])), 4), "lr": args.lr}
+    # The drafters of --drafters (the shipped ones) on the same held-out text: what this run's
+    # figures compare with.
+    try:
+        compared = {a: (d.to(dev), v) for a, (d, v) in load_drafters(config, args.drafters).items()}
+        report["compared"] = {"drafters": str(args.drafters), **heldout_scores(compared, held, lm_head, embed,
+                                                                                "compared: ")}
+    except SystemExit as why:  # drafters of another base: nothing to compare with
+        print(f"compared: none ({why})")
+        report["compared"] = {"drafters": str(args.drafters), "skipped": str(why)}
     report["seconds"]["total"] = round(time.perf_counter() - t0, 1)
     (args.out / "cuda_report.json").write_text(json.dumps(report, indent=2) + "\n")
     print(f"done in {report['seconds']['total']:.0f} s")
@@ -873,6 +954,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.stage == "cuda":
         args.out.mkdir(parents=True, exist_ok=True)
         cuda_stage(args)
+        return 0
+    if args.stage == "eval":
+        eval_stage(args)
         return 0
     if args.stage in ("distill", "all"):
         d = distill_stage(args)
