@@ -490,11 +490,13 @@ def load_base(gguf: Path, device: torch.device):
 
 def _cuda_decode(model, prompts: list[list[int]], kinds: list[str], new_tokens: int, eos: int, batch: int,
                  deadline: float, desc: str, kv_tokens: int | None = None, decoder: str = "static",
-                 keep=None) -> list:
+                 keep=None, last: float = 0.0) -> tuple[list, float]:
     """Greedy continuations (batched_greedy, or with decoder "generate" transformers' generate), in
     batches of similar lengths taken in random order, so that a run cut off by its deadline still
     holds every length; each stops after EOS. A batch holds at most `batch` prompts and, with
-    `kv_tokens`, at most that many cache rows. `keep(sample)` is called on each as its batch ends."""
+    `kv_tokens`, at most that many cache rows. `keep(sample)` is called on each as its batch ends.
+    No batch starts that would end past the deadline if it took as long as the last one (`last` for
+    the first: the previous call's); returns the samples and the last batch's seconds."""
     from tqdm import tqdm
 
     from medusa_trt.tools.distill import Sample
@@ -508,7 +510,7 @@ def _cuda_decode(model, prompts: list[list[int]], kinds: list[str], new_tokens: 
             groups.append([])
         groups[-1].append(i)
     random.Random(0).shuffle(groups)
-    out, last = [], 0.0
+    out = []
     for group in tqdm(groups if prompts else [], desc=desc, mininterval=20):
         started = time.perf_counter()
         if started + last > deadline:  # the next batch would end past the deadline (as long as the last one)
@@ -522,7 +524,7 @@ def _cuda_decode(model, prompts: list[list[int]], kinds: list[str], new_tokens: 
             if keep:
                 keep(out[-1])
         last = time.perf_counter() - started
-    return out
+    return out, last
 
 
 def _generate(model, prompts: list[list[int]], new_tokens: int, eos: int) -> list[list[int]]:
@@ -759,6 +761,7 @@ def cuda_stage(args) -> dict:
         "arithmetic": "tf32" if dev.type == "cuda" else "float32",  # TF32 products on a GPU (above)
         "new_tokens": {"eval": args.new_tokens, "first": args.gen_tokens, "later": args.gen_tokens}})
     fresh: list = []  # what this run decodes: the decoder's throughput in the report
+    last = 0.0  # the last batch's seconds: a split after one cut off by the deadline starts no batch
     for split, (prompts, kinds) in sets.items():
         new_tokens, deadline = limits[split]
         todo, todo_kinds = _missing(prompts, kinds, have)
@@ -769,8 +772,9 @@ def cuda_stage(args) -> dict:
             writer.add(sample.tokens[: sample.prompt_len], split, sample.tokens[sample.prompt_len :])
             have[drafter_corpus.prompt_key(sample.tokens[: sample.prompt_len])] = sample.tokens[sample.prompt_len :]
 
-        new = _cuda_decode(model, todo, todo_kinds, new_tokens, eos, args.gen_batch, deadline, f"decoding {split}",
-                           args.gen_kv_tokens if split != "eval" else None, args.decoder, keep)
+        new, last = _cuda_decode(model, todo, todo_kinds, new_tokens, eos, args.gen_batch, deadline,
+                                 f"decoding {split}", args.gen_kv_tokens if split != "eval" else None, args.decoder,
+                                 keep, last if split != "eval" else 0.0)
         fresh += new
         print(f"decoded {len(new)} of the {len(todo)} {split} prompts the corpus lacked", flush=True)
     written = writer.close()

@@ -169,3 +169,17 @@ def test_extra_code_windows_come_from_training_side_files_and_skip_existing_prom
     held = {r for r, _ in files["heldout"]}
     assert all(p["source"] not in held and p["kind"] == "code" for p in first + again)
     assert all(len(tok.encode(p["text"])) <= recipe.MAX_CODE_TOKENS for p in again)
+
+
+def test_no_batch_starts_that_would_end_past_the_deadline(pack):
+    """A split that follows one cut off by the deadline starts no batch: the previous split's last
+    batch time stands in for its first (a GPU run once overran its deadline by a later-turn batch)."""
+    import time
+
+    model = recipe.load_base(pack["base"], torch.device("cpu"))
+    prompts = pack["later"][:4]
+    soon = time.perf_counter() + 5.0
+    new, _ = recipe._cuda_decode(model, prompts, ["chat"] * 4, 6, EOS, 2, soon, "t", last=10.0)
+    assert new == []
+    new, last = recipe._cuda_decode(model, prompts, ["chat"] * 4, 6, EOS, 2, soon + 60, "t", last=0.0)
+    assert len(new) == 4 and 0 < last < 60
