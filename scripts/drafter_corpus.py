@@ -25,6 +25,7 @@ import hashlib
 import io
 import json
 import lzma
+import secrets
 import time
 from pathlib import Path
 
@@ -62,12 +63,13 @@ def read(directories: list[Path]) -> tuple[dict[int, list[int]], list[dict]]:
 
 
 class Writer:
-    """Appends continuations to parts in `directory`, named after the run's start time."""
+    """Appends continuations to parts in `directory`, named after the run (part-<start>-<tag>-<n>.npz.xz)."""
 
     def __init__(self, directory: Path, meta: dict, part_tokens: int = 4_000_000, every_s: float = 600.0):
         directory.mkdir(parents=True, exist_ok=True)
         self.directory, self.meta, self.part_tokens, self.every_s = directory, meta, part_tokens, every_s
-        self.run = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+        # the start time, and a random tag: runs on two machines started in the same second
+        self.run = time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(2)
         self.part, self.written, self.tokens = 0, time.monotonic(), 0
         self.keys: list[int] = []
         self.splits: list[int] = []
