@@ -238,7 +238,8 @@ def code_files(args) -> dict[str, list[tuple[str, str]]]:
     return code
 
 
-def code_windows(rng: random.Random, tok, pool: list[tuple[str, str]], n: int, exclude: set[str] = frozenset()) -> list[dict]:
+def code_windows(rng: random.Random, tok, pool: list[tuple[str, str]], n: int,
+                 exclude: set[str] | frozenset[str] = frozenset()) -> list[dict]:
     """n code prompts: windows of files drawn from `pool`, none of whose text is in `exclude`."""
     out = []
     while len(out) < n:
