@@ -577,6 +577,21 @@ def _hidden_kept(model, samples: list, batch: int = 32, dtype: torch.dtype = tor
     return out
 
 
+def load_pack(path: Path):
+    """The pack --stage pack wrote, or one line saying what is wrong with `path`."""
+    import numpy as np
+
+    try:
+        pack = np.load(path)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"{path}: not a pack ({e}); expected the file --stage pack writes") from None
+    missing = [k for k in ("train", "train_offsets", "train_code", "eval", "eval_offsets", "eos", "config")
+               if k not in pack.files]
+    if missing:
+        raise SystemExit(f"{path}: no {', '.join(missing)}; expected the arrays --stage pack writes (rerun it)")
+    return pack
+
+
 def _missing(prompts: list[list[int]], kinds: list[str], have: dict[int, list[int]]) -> tuple[list, list]:
     """The distinct prompts (and their kinds) whose continuation the corpus does not hold: the data
     repeats some turns, and a cut-off run leaves any subset decoded (batches go in random order)."""
@@ -686,9 +701,7 @@ def heldout_scores(drafters: dict, held: list, lm_head: torch.Tensor, embed, lab
 def eval_stage(args) -> dict:
     """The drafters in --drafters (default: the shipped ones) on the corpus's held-out text: the figure
     a new run's held-out top-1 compares with, on the same text."""
-    import numpy as np
-
-    pack = np.load(args.pack or args.work / "pack.npz")
+    pack = load_pack(args.pack or args.work / "pack.npz")
     held, _, _ = corpus_text(prompt_sets(pack, args.eval_prompts), drafter_corpus.read([args.corpus])[0])
     if not held:
         raise SystemExit(f"{args.corpus}: no held-out continuations; expected a cuda stage run to have decoded them")
@@ -712,8 +725,6 @@ def cuda_stage(args) -> dict:
     to --budget."""
     import contextlib
 
-    import numpy as np
-
     from medusa_trt.checkpoint import ModelConfig
     from medusa_trt.drafters.amphista import Amphista
     from medusa_trt.tools.distill import Sample
@@ -735,7 +746,7 @@ def cuda_stage(args) -> dict:
     t0 = time.perf_counter()
     dev = torch.device(args.device)
     torch.backends.cuda.matmul.allow_tf32 = True  # float32 weights, TF32 products: the base stays float32
-    pack = np.load(args.pack or args.work / "pack.npz")
+    pack = load_pack(args.pack or args.work / "pack.npz")
     eos, config = int(pack["eos"]), json.loads(str(pack["config"]))
     model = load_base(args.gguf, dev)
     if args.decoder == "static" and (why := batched_greedy.supports(model)):

@@ -183,3 +183,12 @@ def test_no_batch_starts_that_would_end_past_the_deadline(pack):
     assert new == []
     new, last = recipe._cuda_decode(model, prompts, ["chat"] * 4, 6, EOS, 2, soon + 60, "t", last=0.0)
     assert len(new) == 4 and 0 < last < 60
+
+
+def test_a_pack_that_is_missing_or_incomplete_is_refused_naming_it(pack, tmp_path):
+    with pytest.raises(SystemExit, match="nope.npz: not a pack"):
+        recipe.load_pack(tmp_path / "nope.npz")
+    np.savez(tmp_path / "half.npz", train=np.zeros(3, dtype=np.uint16))
+    with pytest.raises(SystemExit, match="half.npz: no train_offsets, train_code, eval, eval_offsets, eos, config"):
+        recipe.load_pack(tmp_path / "half.npz")
+    assert recipe.load_pack(pack["path"])["eos"] == EOS
