@@ -528,6 +528,21 @@ def _cuda_decode(model, prompts: list[list[int]], kinds: list[str], new_tokens: 
     return out, last
 
 
+def _check_static(model, prompts: list[list[int]], eos: int, new_tokens: int = 16) -> str:
+    """The static decoder beside `generate` on a few prompts, on the device the run decodes on (the
+    first use of batched_greedy on a GPU is a lent session's): what they agreed on, or why the
+    static decoder failed, in which case the run decodes with `generate` instead of losing its session."""
+    try:
+        got = batched_greedy.greedy(model, prompts, new_tokens, eos)
+    except Exception as e:  # noqa: BLE001 -- any failure: the run falls back to generate and says why
+        line = f"failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); decoding with generate"
+    else:
+        same = sum(a == b for a, b in zip(got, _generate(model, prompts, new_tokens, eos), strict=True))
+        line = f"{same}/{len(prompts)} continuations of {new_tokens} tokens equal generate's"
+    print(f"--decoder static: {line}", flush=True)
+    return line
+
+
 def _generate(model, prompts: list[list[int]], new_tokens: int, eos: int) -> list[list[int]]:
     """What `batched_greedy.greedy` returns, by transformers' `generate` (left-padded): --decoder generate."""
     n = max(len(p) for p in prompts)
@@ -767,6 +782,11 @@ def cuda_stage(args) -> dict:
     print(f"corpus: {len(have)} continuations in {len(parts)} parts ({args.corpus}"
           + (f", {corpus_out}" if corpus_out != args.corpus else "") + ")")
     sets = prompt_sets(pack, args.eval_prompts)
+    static_check = None
+    if args.decoder == "static":
+        static_check = _check_static(model, sets["eval"][0][:4], int(pack["eos"]))
+        if "failed" in static_check:
+            args.decoder = "generate"
     limits = {"eval": (args.new_tokens, end), "first": (args.gen_tokens, decode_end), "later": (args.gen_tokens, decode_end)}
     writer = drafter_corpus.Writer(corpus_out, {
         "decoder": args.decoder, "device": _device_name(dev),
@@ -794,7 +814,7 @@ def cuda_stage(args) -> dict:
         print(f"wrote {', '.join(written)} to {corpus_out}")
     held, train, later_decoded = corpus_text(sets, have)
     t_gen = time.perf_counter() - t0
-    decoding = {"decoder": args.decoder, "sequences": len(fresh),
+    decoding = {"decoder": args.decoder, "static_check": static_check, "sequences": len(fresh),
                 "new_tokens": sum(len(s.tokens) - s.prompt_len for s in fresh),
                 "seconds": round(time.perf_counter() - t_loaded, 1)}  # decoding and saving, not loading
     decoded_now = bool(fresh)

@@ -63,6 +63,7 @@ def test_decode_only_keeps_each_prompt_once_and_a_later_run_decodes_only_what_th
     report = json.loads((tmp_path / "decode_report.json").read_text())
     assert report["later_turns"] == len(distinct_later) and report["heldout_sequences"] == len(pack["held"])
     assert report["decoded_now"]["sequences"] == len(have)
+    assert report["decoded_now"]["static_check"] == "4/4 continuations of 16 tokens equal generate's"
     assert report["decoded_now"]["new_tokens"] == sum(map(len, have.values()))
     assert not (tmp_path / "amphista").exists()  # decoding only
     # Each continuation is the base's own greedy text (transformers' generate, one prompt at a time).
@@ -192,3 +193,18 @@ def test_a_pack_that_is_missing_or_incomplete_is_refused_naming_it(pack, tmp_pat
     with pytest.raises(SystemExit, match="half.npz: no train_offsets, train_code, eval, eval_offsets, eos, config"):
         recipe.load_pack(tmp_path / "half.npz")
     assert recipe.load_pack(pack["path"])["eos"] == EOS
+
+
+def test_a_static_decoder_that_fails_on_the_device_falls_back_to_generate(pack, tmp_path, monkeypatch):
+    """The static decoder's first run on a GPU is a lent session's: if it fails there, the run says
+    why and decodes with generate rather than losing the session."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore")
+
+    monkeypatch.setattr(recipe.batched_greedy, "greedy", broken)
+    _run(pack, tmp_path / "corpus", tmp_path, "--decode-only", "--budget", "60")
+    report = json.loads((tmp_path / "decode_report.json").read_text())
+    assert report["decoded_now"]["decoder"] == "generate"
+    assert report["decoded_now"]["static_check"] == ("failed (RuntimeError: CUDA error: an illegal memory access was "
+                                                     "encountered); decoding with generate")
+    assert report["heldout_sequences"] == len({tuple(p) for p in pack["held"]})
