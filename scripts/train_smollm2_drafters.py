@@ -667,6 +667,9 @@ def load_drafters(config: dict, where: Path) -> dict[str, tuple[torch.nn.Module,
     from medusa_trt.tools.train_drafter import MedusaResBlocks
 
     out = {}
+    for weights in (where / "amphista" / "amphista.safetensors", where / "heads" / "medusa_lm_head.safetensors"):
+        if (weights.parent / "config.json").is_file() and not weights.is_file():  # e.g. left out of a device's tree
+            raise SystemExit(f"{weights}: missing beside its config.json; expected the drafter's weights")
     if (where / "amphista" / "config.json").is_file():
         a = json.loads((where / "amphista" / "config.json").read_text())
         if a.get("hidden_size") != config["hidden_size"]:

@@ -143,9 +143,15 @@ def test_a_training_run_reads_the_kept_text_and_saves_both_drafters(pack, tmp_pa
 
 def test_the_eval_stage_refuses_a_folder_without_drafters(pack, tmp_path):
     _run(pack, tmp_path / "corpus", tmp_path, "--decode-only", "--budget", "60")
+    argv = ["--stage", "eval", "--device", "cpu", "--gguf", str(pack["base"]), "--pack", str(pack["path"]),
+            "--corpus", str(tmp_path / "corpus"), "--drafters", str(tmp_path), "--out", str(tmp_path)]
     with pytest.raises(SystemExit, match="no amphista/config.json or heads/config.json"):
-        recipe.main(["--stage", "eval", "--device", "cpu", "--gguf", str(pack["base"]), "--pack", str(pack["path"]),
-                     "--corpus", str(tmp_path / "corpus"), "--drafters", str(tmp_path), "--out", str(tmp_path)])
+        recipe.main(argv)
+    # A config without its weights (weight files are left out of the tree a GPU session sends)
+    (tmp_path / "amphista").mkdir()
+    (tmp_path / "amphista" / "config.json").write_text("{}")
+    with pytest.raises(SystemExit, match="amphista.safetensors: missing beside its config.json"):
+        recipe.main(argv)
 
 
 def test_extra_code_windows_come_from_training_side_files_and_skip_existing_prompts(tmp_path):
