@@ -31,8 +31,8 @@ scripts/batched_greedy.py, whose cache is written in place, not copied each step
 computes their hidden states once and keeps them in device memory (--keep-hidden; float16 where
 float32 would not fit), not on disk: the data is bounded by the card's memory and time, not by
 storage. `--stage pack` writes what it needs beside the GGUF (the tokenized prompts and the merged
-checkpoint's config, 27 MB; docs/benchmarks/issue-35-amphista.md, section n, says how to carry it)
-for a GPU machine without the registry:
+checkpoint's config, 28.5 MB; docs/benchmarks/issue-35-amphista.md, section o, says how to carry it)
+for a GPU machine without the registry (`--stage eval` scores saved drafters on the held-out text):
 
     python scripts/train_smollm2_drafters.py --stage pack            # here: build/smollm2_drafters/pack.npz
     python scripts/train_smollm2_drafters.py --stage cuda --gguf SmolLM2-135M-Instruct.Q4_1.gguf \
