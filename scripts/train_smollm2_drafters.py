@@ -118,6 +118,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "corpus (scripts/drafter_corpus.py), read, and added to unless --corpus-out says where")
     p.add_argument("--drafters", type=Path, default=REPO / "medusa_trt" / "assets" / "smollm2", help="eval stage: "
                    "a folder with amphista/ and heads/ (default: the shipped drafters)")
+    p.add_argument("--init", type=Path, help="cuda stage: start from the drafters in this folder (amphista/, heads/; "
+                   "e.g. medusa_trt/assets/smollm2) and their draft vocabulary instead of from scratch")
     p.add_argument("--corpus-out", type=Path, help="cuda stage: where this run writes what it decodes (read too), "
                    "e.g. the folder a GPU session sends back; default --corpus")
     p.add_argument("--gen-batch", type=int, default=1024, help="cuda stage: prompts decoded together")
@@ -757,10 +759,13 @@ def cuda_stage(args) -> dict:
         optimizer,
         save_amphista,
         step_loss,
+        target_counts,
         update,
     )
     from medusa_trt.tools.train_heads import save_heads
 
+    if unknown := sorted(set(args.archs.split(",")) - {"amphista", "medusa"}):
+        raise SystemExit(f"--archs {args.archs}: {', '.join(unknown)} unknown; expected amphista and/or medusa")
     t0 = time.perf_counter()
     dev = torch.device(args.device)
     torch.backends.cuda.matmul.allow_tf32 = True  # float32 weights, TF32 products: the base stays float32
@@ -855,15 +860,29 @@ def cuda_stage(args) -> dict:
 
     lm_head = model.lm_head.weight.detach().float()
     embed = torch.nn.Embedding.from_pretrained(model.model.embed_tokens.weight.detach().float())
-    vocab, coverage = draft_vocabulary(train, args.vocab_size, lm_head.shape[0])
-    cfg = dataclasses.replace(ModelConfig.from_checkpoint_config(config), drafter="amphista",
-                              drafter_options={"num_heads": 4, "sal_intermediate_size": args.sal_intermediate})
-    amphista = Amphista(cfg)
-    amphista.reset_identity()
-    drafters = {"medusa": MedusaResBlocks(4, 2, lm_head.shape[1]), "amphista": amphista}
-    for arch in args.archs.split(","):
-        drafters[arch].to(dev).train()
-    drafters = {a: drafters[a] for a in args.archs.split(",")}
+    archs = args.archs.split(",")
+    if args.init:
+        # A warm start: the drafters of --init (the shipped ones) go on learning on this corpus, with
+        # their draft vocabulary. Section (j) found the GPU runs step-bound, and a start that already
+        # drafts at 0.60 spends no steps getting there.
+        init = load_drafters(config, args.init)
+        if missing := [a for a in archs if a not in init]:
+            raise SystemExit(f"{args.init}: no {', '.join(missing)} drafter to start from; expected one per --archs")
+        vocabs = {tuple(init[a][1].tolist()) if init[a][1] is not None else None for a in archs}
+        if len(vocabs) != 1 or None in vocabs:
+            raise SystemExit(f"{args.init}: the drafters' draft vocabularies differ or are missing; expected one shared")
+        drafters, vocab = {a: init[a][0] for a in archs}, init[archs[0]][1]
+        counts = target_counts(train, lm_head.shape[0])
+        coverage = float(counts[vocab].sum() / counts.sum().clamp(min=1))
+    else:
+        vocab, coverage = draft_vocabulary(train, args.vocab_size, lm_head.shape[0])
+        cfg = dataclasses.replace(ModelConfig.from_checkpoint_config(config), drafter="amphista",
+                                  drafter_options={"num_heads": 4, "sal_intermediate_size": args.sal_intermediate})
+        amphista = Amphista(cfg)
+        amphista.reset_identity()
+        drafters = {a: MedusaResBlocks(4, 2, lm_head.shape[1]) if a == "medusa" else amphista for a in archs}
+    for d in drafters.values():
+        d.to(dev).train()
     opts = {a: TrainOptions(steps=10**6, lr=args.lr, batch_samples=args.batch_samples, max_len=1024, seed=args.seed)
             for a in drafters}
     optim = {a: optimizer(d, opts[a]) for a, d in drafters.items()}
@@ -946,6 +965,7 @@ def cuda_stage(args) -> dict:
     report = {"data": {"sequences": len(train), "rows": rows, "code": sum(s.kind == "code" for s in train),
                        "validation_sequences": len(val), "forced_sequences": len(forced),
                        "forced_share": args.forced_share, "bf16": args.bf16,
+                       "init": str(args.init) if args.init else None,
                        "heldout_sequences": len(held), "draft_vocab": len(vocab),
                        "target_coverage": round(coverage, 4), "new_tokens": args.gen_tokens,
                        "prompts": len(sets["first"][0]), "reused_decoded_text": reused,

@@ -47,11 +47,17 @@ class TrainOptions:
     seed: int = 0
 
 
-def draft_vocabulary(samples: list[Sample], size: int, vocab_size: int) -> tuple[torch.Tensor, float]:
-    """The `size` most frequent generated tokens (sorted ids) and the share of targets they cover."""
+def target_counts(samples: list[Sample], vocab_size: int) -> torch.Tensor:
+    """How often each token id is generated in `samples`: the drafters' targets."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for s in samples:
         counts += torch.bincount(torch.tensor(s.tokens[s.prompt_len :]), minlength=vocab_size)
+    return counts
+
+
+def draft_vocabulary(samples: list[Sample], size: int, vocab_size: int) -> tuple[torch.Tensor, float]:
+    """The `size` most frequent generated tokens (sorted ids) and the share of targets they cover."""
+    counts = target_counts(samples, vocab_size)
     ids = counts.argsort(descending=True)[:size]
     ids = ids[counts[ids] > 0].sort().values
     return ids, float(counts[ids].sum() / counts.sum().clamp(min=1))

@@ -141,6 +141,26 @@ def test_a_training_run_reads_the_kept_text_and_saves_both_drafters(pack, tmp_pa
         assert scores[arch]["heldout_top1"] == report[arch]["heldout_top1"]
 
 
+def test_a_warm_start_goes_on_from_saved_drafters_with_their_vocabulary(pack, tmp_path):
+    """--init: the drafters of a folder (the shipped ones on a GPU) are where training starts. With
+    a learning rate of 0 the run ends where it started: the same held-out figures and vocabulary."""
+    corpus, first, warm = tmp_path / "corpus", tmp_path / "first", tmp_path / "warm"
+    common = ["--gen-share", "0", "--batch-samples", "2", "--timed-steps", "2", "--val", "2", "--sal-intermediate",
+              "32", "--vocab-size", "48"]
+    _run(pack, corpus, first, "--decode-only", "--budget", "60")
+    _run(pack, corpus, first, "--budget", "8", *common)
+    _run(pack, corpus, warm, "--budget", "8", "--init", str(first), "--lr", "0", *common)
+    before = json.loads((first / "cuda_report.json").read_text())
+    after = json.loads((warm / "cuda_report.json").read_text())
+    assert after["data"]["init"] == str(first) and after["steps"] >= 4
+    for arch in ("amphista", "medusa"):
+        assert after[arch]["heldout_top1"] == before[arch]["heldout_top1"]
+        saved = json.loads((warm / ("amphista" if arch == "amphista" else "heads") / "config.json").read_text())
+        assert saved["draft_vocab"] == json.loads((first / "amphista" / "config.json").read_text())["draft_vocab"]
+    with pytest.raises(SystemExit, match="--archs amphista,eagle: eagle unknown"):
+        _run(pack, corpus, warm, "--budget", "8", "--archs", "amphista,eagle", *common)
+
+
 def test_the_eval_stage_refuses_a_folder_without_drafters(pack, tmp_path):
     _run(pack, tmp_path / "corpus", tmp_path, "--decode-only", "--budget", "60")
     argv = ["--stage", "eval", "--device", "cpu", "--gguf", str(pack["base"]), "--pack", str(pack["path"]),
