@@ -234,3 +234,14 @@ def test_a_static_decoder_that_fails_on_the_device_falls_back_to_generate(pack, 
     assert report["decoded_now"]["static_check"] == ("failed (RuntimeError: CUDA error: an illegal memory access was "
                                                      "encountered); decoding with generate")
     assert report["heldout_sequences"] == len({tuple(p) for p in pack["held"]})
+
+
+def test_no_training_sequence_has_a_held_out_prompt():
+    """The data repeats questions across conversations, so a training-side first turn can equal a
+    held-out prompt: it is left out of training, and a later turn equal to a first turn is read once."""
+    held, first, later = [[5, 6, 7], [8, 9]], [[1, 2], [8, 9], [3, 4]], [[3, 4], [10, 11, 12]]
+    have = {drafter_corpus.prompt_key(p): [40, 41] for p in held + first + later}
+    sets = {"eval": (held, ["chat", "code"]), "first": (first, ["chat"] * 3), "later": (later, ["chat"] * 2)}
+    held_s, train, n_later = recipe.corpus_text(sets, have)
+    assert [s.tokens[: s.prompt_len] for s in held_s] == held
+    assert [s.tokens[: s.prompt_len] for s in train] == [[1, 2], [3, 4], [10, 11, 12]] and n_later == 1
