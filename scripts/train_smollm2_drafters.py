@@ -637,12 +637,13 @@ def prompt_sets(pack, eval_prompts: int = 128) -> dict[str, tuple[list[list[int]
 def corpus_text(sets: dict, have: dict[int, list[int]]) -> tuple[list, list, int]:
     """The held-out and training Samples the corpus `have` holds the continuations of (first turns,
     then later turns, each distinct prompt once), and how many of the training ones are later turns.
-    No training prompt equals a held-out one: ShareGPT repeats questions across conversations
-    ("continue", "keep going", pasted tasks), and 8 of the 127 held-out prompts are also first turns
-    of training-side conversations; trained on, their held-out continuations would be seen text."""
-    held = _corpus_samples(*sets["eval"], have, set())
-    seen = {drafter_corpus.prompt_key(p) for p in sets["eval"][0]}  # a later turn the data also has
-    train = _corpus_samples(*sets["first"], have, seen)  # as a first turn is read once, too
+    The held-out set leaves out prompts the training side also has: ShareGPT repeats questions across
+    conversations ("continue", "keep going", pasted tasks), and 8 of the 127 held-out prompts are also
+    first turns of training-side conversations, whose continuations a drafter has then seen."""
+    seen = {drafter_corpus.prompt_key(p) for p in sets["first"][0] + sets["later"][0]}
+    held = _corpus_samples(*sets["eval"], have, set(seen))
+    seen = set()  # a later turn the data also has as a first turn is read once
+    train = _corpus_samples(*sets["first"], have, seen)
     first = len(train)
     train += _corpus_samples(*sets["later"], have, seen)
     return held, train, len(train) - first

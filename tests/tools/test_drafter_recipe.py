@@ -236,12 +236,12 @@ def test_a_static_decoder_that_fails_on_the_device_falls_back_to_generate(pack, 
     assert report["heldout_sequences"] == len({tuple(p) for p in pack["held"]})
 
 
-def test_no_training_sequence_has_a_held_out_prompt():
-    """The data repeats questions across conversations, so a training-side first turn can equal a
-    held-out prompt: it is left out of training, and a later turn equal to a first turn is read once."""
-    held, first, later = [[5, 6, 7], [8, 9]], [[1, 2], [8, 9], [3, 4]], [[3, 4], [10, 11, 12]]
+def test_the_held_out_set_leaves_out_prompts_the_training_side_also_has():
+    """The data repeats questions across conversations, so a held-out prompt can equal a training-side
+    first turn (or later turn): it is not evaluated on. A later turn equal to a first turn is read once."""
+    held, first, later = [[5, 6, 7], [8, 9], [13]], [[1, 2], [8, 9], [3, 4]], [[3, 4], [10, 11, 12], [13]]
     have = {drafter_corpus.prompt_key(p): [40, 41] for p in held + first + later}
-    sets = {"eval": (held, ["chat", "code"]), "first": (first, ["chat"] * 3), "later": (later, ["chat"] * 2)}
+    sets = {"eval": (held, ["chat", "code", "chat"]), "first": (first, ["chat"] * 3), "later": (later, ["chat"] * 3)}
     held_s, train, n_later = recipe.corpus_text(sets, have)
-    assert [s.tokens[: s.prompt_len] for s in held_s] == held
-    assert [s.tokens[: s.prompt_len] for s in train] == [[1, 2], [3, 4], [10, 11, 12]] and n_later == 1
+    assert [s.tokens[: s.prompt_len] for s in held_s] == [[5, 6, 7]]
+    assert [s.tokens[: s.prompt_len] for s in train] == [[1, 2], [8, 9], [3, 4], [10, 11, 12], [13]] and n_later == 2
