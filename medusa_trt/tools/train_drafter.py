@@ -227,9 +227,10 @@ def evaluate(drafter: nn.Module, arch: str, samples: list[Sample], lm_head: torc
         if hits is None:
             hits, total = torch.zeros(k_heads, topk), torch.zeros(k_heads)
         for k in range(k_heads):
-            t = torch.arange(int(bt["first"][0]), rows - 1 - k, device=z.device)
-            if len(t) == 0:
+            first = int(bt["first"][0])
+            if first >= rows - 1 - k:  # a continuation too short for head k (the base stopped at once)
                 continue
+            t = torch.arange(first, rows - 1 - k, device=z.device)
             top = (z[k, t] @ w.T).topk(topk, dim=-1).indices.cpu()  # [N, topk]
             if vocab is not None:
                 top = vocab.cpu()[top]

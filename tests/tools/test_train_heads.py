@@ -292,3 +292,25 @@ def test_amphista_bad_input_exits_2_and_writes_nothing(case, expect, tiny_base, 
     err = capsys.readouterr().err
     assert rc == 2 and expect in err and err.count("\n") == 1, err
     assert not (tmp_path / "out").exists()
+
+
+def test_evaluate_skips_continuations_too_short_for_a_head():
+    # The base sometimes stops one or two tokens into its answer; such a sequence has no row for the
+    # later heads, and scoring must count it for the heads it has and not fail (the 2026-11-27 GPU run).
+    from medusa_trt.tools.distill import Sample
+    from medusa_trt.tools.train_drafter import MedusaResBlocks, evaluate
+
+    g = torch.Generator().manual_seed(0)
+    d, v = 16, 50
+    lm_head, embed = torch.randn(v, d, generator=g), torch.nn.Embedding(v, d)
+    heads = MedusaResBlocks(4, 1, d)
+
+    def sample(prompt: int, answer: int) -> Sample:
+        tokens = torch.randint(v, (prompt + answer,), generator=g).tolist()
+        return Sample(tokens, prompt, torch.randn(len(tokens) - 1, d, generator=g))
+
+    long, short = sample(3, 12), sample(3, 2)
+    both = evaluate(heads, "medusa", [long, short], lm_head, embed, None)
+    alone = evaluate(heads, "medusa", [long], lm_head, embed, None)
+    # two answer tokens: one drafting row for head 1 (its target is the second), none for heads 2-4
+    assert both[1:] == alone[1:]
