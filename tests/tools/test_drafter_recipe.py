@@ -22,6 +22,8 @@ sys.path.insert(0, str(REPO / "scripts"))
 import drafter_corpus  # noqa: E402
 import train_smollm2_drafters as recipe  # noqa: E402
 
+from medusa_trt.tools import train_drafter  # noqa: E402
+
 
 def _prompts(rng: random.Random, n: int, lo: int, hi: int) -> list[list[int]]:
     return [[rng.randrange(3, 250) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
@@ -234,6 +236,23 @@ def test_a_static_decoder_that_fails_on_the_device_falls_back_to_generate(pack, 
     assert report["decoded_now"]["static_check"] == ("failed (RuntimeError: CUDA error: an illegal memory access was "
                                                      "encountered); decoding with generate")
     assert report["heldout_sequences"] == len({tuple(p) for p in pack["held"]})
+
+
+def test_a_run_that_fails_after_training_keeps_the_drafters_of_its_last_validation(pack, tmp_path, monkeypatch):
+    """A lent session's training is minutes of device time: a failure in scoring drafters (a
+    validation bug ended the first GPU run of 2026-11-27) must not take the trained ones along."""
+    _run(pack, tmp_path / "corpus", tmp_path, "--decode-only", "--budget", "60")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("scoring failed")
+
+    monkeypatch.setattr(train_drafter, "evaluate", broken)  # the run's validation scores with it
+    with pytest.raises(RuntimeError, match="scoring failed"):
+        _run(pack, tmp_path / "corpus", tmp_path, "--budget", "8", "--gen-share", "0", "--batch-samples", "2",
+             "--timed-steps", "2", "--val", "2", "--sal-intermediate", "32", "--vocab-size", "64", "--no-keep-hidden")
+    assert not (tmp_path / "cuda_report.json").exists()
+    saved = recipe.load_drafters(json.loads(str(np.load(pack["path"])["config"])), tmp_path)
+    assert sorted(saved) == ["amphista", "medusa"] and all(len(v) == 64 for _, v in saved.values())
 
 
 def test_the_held_out_set_leaves_out_prompts_the_training_side_also_has():
