@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -41,12 +42,18 @@ class BenchInputError(ValueError):
 def float32_hf_dir(gguf: Path, workdir: Path, prog: str) -> Path:
     """The float32 HF dir dequantized from the GGUF, the reference every system starts from (cached
     under workdir/hf)."""
-    from medusa_trt.converter.gguf import write_hf_dir
-
     hf_dir = workdir / "hf"
     if not (hf_dir / "config.json").is_file():
         print(f"{prog}: dequantizing {gguf} -> {hf_dir} (float32)", file=sys.stderr)
-        write_hf_dir(gguf, hf_dir)
+        # In a child process: torch's multi-threaded ops start an OpenMP pool that a forked process
+        # cannot use, and bench_peers forks its peers after this; with the dequantization done here,
+        # the first int4 engine's parallel torch op in a peer hung for good (2026-11-27).
+        code = ("import sys; from pathlib import Path; from medusa_trt.converter.gguf import write_hf_dir; "
+                "write_hf_dir(Path(sys.argv[1]), Path(sys.argv[2]))")
+        r = subprocess.run([sys.executable, "-c", code, str(gguf), str(hf_dir)], stderr=subprocess.PIPE, text=True)
+        if r.returncode:
+            last = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
+            raise BenchInputError(last.split(": ", 1)[-1] if "Error: " in last else last)
     return hf_dir
 
 
