@@ -60,12 +60,12 @@ call2)
   exit $rc
   ;;
 restore)
-  git add $WEIGHTS
   for w in $WEIGHTS; do grep -vxF "/$w" "$EXCLUDE" >"$EXCLUDE.new" || true; mv "$EXCLUDE.new" "$EXCLUDE"; done
+  git add $WEIGHTS
   git status --short
   ;;
 collect)
-  from=${2:?collect DIR: the folder the device call's files came back in}
+  from=${2:?collect DIR: the folder where the device call files came back}
   cp "$from"/part-*.npz.xz data/drafter_corpus/ 2>/dev/null && chmod 644 data/drafter_corpus/part-*.npz.xz || echo "$from: no corpus parts"
   if ls "$from"/drafters.tar.* >/dev/null 2>&1; then
     mkdir -p build/gpu_run && cat "$from"/drafters.tar.* | tar -x -C build/gpu_run
