@@ -14,6 +14,7 @@ plain greedy output token for token, which it must.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -58,9 +59,12 @@ def _engine(gguf: Path, drafter: Path, work: Path, key: str) -> Path:
     from medusa_trt.engines.options import BuildOptions
 
     ckpt, engine_dir = work / f"ckpt_{key}", work / f"engine_{key}"
+    stamp, digest = work / f"engine_{key}.drafter", drafter_digest(drafter)
     if _reusable(engine_dir):
-        print(f"    reusing {engine_dir} (delete {work} to rebuild)")
-        return engine_dir
+        if stamp.is_file() and stamp.read_text().strip() == digest:
+            print(f"    reusing {engine_dir} (delete {work} to rebuild)")
+            return engine_dir
+        print(f"    rebuilding {engine_dir}: {drafter} changed since it was built")
     print(f"    medusa-convert: GGUF base + {drafter.name} -> merged checkpoint (dequantized to float32)")
     print("    " + str(convert(gguf, drafter, ckpt, dtype="float32", force=True)).replace("\n", "\n    "))
     # The engine records the tree tuned for its drafter (medusa-build --tree): every consumer's default.
@@ -68,7 +72,19 @@ def _engine(gguf: Path, drafter: Path, work: Path, key: str) -> Path:
     built = build_engine(BuildOptions(checkpoint=ckpt, out=engine_dir, max_seq_len=2048, force=True,
                                       tree=str(tree) if tree else None))
     print(f"    medusa-build --backend onnxruntime: {engine_dir} ({built.seconds:.0f} s)")
+    stamp.write_text(digest + "\n")
     return engine_dir
+
+
+def drafter_digest(drafter: Path) -> str:
+    """A hash of the drafter's files and its tuned tree: an engine the demo built from other files is
+    rebuilt, not reused (new drafters ship in the package)."""
+    h = hashlib.blake2b(digest_size=16)
+    files = sorted(f for f in drafter.iterdir() if f.is_file())
+    tree = tuned_tree(drafter)
+    for f in files + ([tree] if tree and tree not in files else []):
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
 
 
 def run_demo(args) -> int:
