@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
-# The drafter recipe's GPU stage on a lent device machine, in two calls of at most 64 MiB each
-# (docs/benchmarks/issue-35-amphista.md, sections o and p). The base GGUF alone is 90 MB as xz, so
-# call 1 carries its first 58 MiB and call 2 the rest, the pack, the drafters' weights and the
-# `gguf` package (the device's transformers needs it to read a GGUF; it has no registry).
+# The drafter recipe's GPU stage on a lent device machine (docs/benchmarks/issue-35-amphista.md,
+# sections o and p). What the run needs beside the repository (the base GGUF, the pack, the shipped
+# drafters' weights and the `gguf` package, which the device's transformers needs to read a GGUF) is
+# one xz payload, 120 MB or so: a call carries at most 64 MiB with the tree, so `prepare` splits it
+# into pieces that fit beside the tree (which grows with the committed corpus), one call each.
 #
-#   here:    scripts/device_drafters.sh prepare          # .xfer/, and the weight files out of the index
-#   device:  scripts/device_drafters.sh call1            # carry .xfer/gguf.xz.aa
-#   device:  scripts/device_drafters.sh call2 ARGS...    # carry .xfer/gguf.xz.ab .xfer/pack.npz.xz .xfer/w .xfer/py
+#   here:    scripts/device_drafters.sh prepare          # .xfer/piece.*, the weight files out of the index
+#   device:  scripts/device_drafters.sh receive          # each call but the last, carrying one piece
+#   device:  scripts/device_drafters.sh run ARGS...      # the last call, carrying the last piece
 #   here:    scripts/device_drafters.sh restore          # the weight files back in the index
-#   here:    scripts/device_drafters.sh collect DIR      # DIR = the call's files_at: parts into the corpus,
-#                                                        # drafters into build/gpu_run
-# call2's ARGS go to `train_smollm2_drafters.py --stage cuda` (e.g. --budget 540 --gen-share 0.6
-# --init medusa_trt/assets/smollm2 --lr 3e-4 --batch-samples 32). Its new corpus parts, log, report
-# and drafters (a tar split in 15 MiB pieces: 8 files of 16 MiB at most come back) land in $OUT.
+#   here:    scripts/device_drafters.sh collect DIR      # DIR = the last call's files_at: parts into the
+#                                                        # corpus, drafters into build/gpu_run
+# Calls follow one another at once: the machine keeps /tmp for 30 s after a call. run's ARGS go to
+# `train_smollm2_drafters.py --stage cuda` (e.g. --budget 540 --gen-share 0.6 --init
+# medusa_trt/assets/smollm2 --lr 3e-4 --batch-samples 32). Its new corpus parts, log, report and
+# drafters (a tar in 15 MiB pieces: 8 files of 16 MiB at most come back) land in $OUT.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 GGUF=${GGUF:-build/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf}
@@ -20,42 +22,47 @@ PACK=${PACK:-build/pack_v6.npz}
 WEIGHTS="assets/demo_model/base/model.safetensors assets/demo_model/heads/medusa_lm_head.safetensors
   medusa_trt/assets/smollm2/heads/medusa_lm_head.safetensors medusa_trt/assets/smollm2/amphista/amphista.safetensors"
 EXCLUDE=.git/info/exclude
+X=/tmp/x  # on the device
 
 case "${1:-}" in
 prepare)
   for f in "$GGUF" "$PACK"; do [ -f "$f" ] || { echo "$f: missing; expected the base GGUF and the pack (--stage pack)" >&2; exit 2; }; done
-  rm -rf .xfer && mkdir -p .xfer/w .xfer/py
+  rm -rf .xfer && mkdir -p .xfer/payload/w .xfer/payload/py
   grep -qx /.xfer/ "$EXCLUDE" 2>/dev/null || echo /.xfer/ >>"$EXCLUDE"
-  # the pack without its teacher-forced answers (unused by the cuda stage): 9.7 MB as xz
-  .venv/bin/python -c "import numpy as np, sys; z = np.load(sys.argv[1]); np.savez('.xfer/pack.npz', **{k: z[k] for k in z.files if not k.startswith('forced')})" "$PACK"
-  xz -9 -T2 .xfer/pack.npz
-  xz -9 -T2 -c "$GGUF" | split -b 58M - .xfer/gguf.xz.
-  cp medusa_trt/assets/smollm2/heads/medusa_lm_head.safetensors medusa_trt/assets/smollm2/amphista/amphista.safetensors .xfer/w/
+  # the pack without its teacher-forced answers, which the cuda stage does not read
+  .venv/bin/python -c "import numpy as np, sys; z = np.load(sys.argv[1]); np.savez(sys.argv[2], **{k: z[k] for k in z.files if not k.startswith('forced')})" "$PACK" .xfer/payload/pack.npz
+  ln -s "$(realpath "$GGUF")" .xfer/payload/m.gguf
+  cp medusa_trt/assets/smollm2/heads/medusa_lm_head.safetensors medusa_trt/assets/smollm2/amphista/amphista.safetensors .xfer/payload/w/
   site=$(.venv/bin/python -c "import gguf, pathlib; print(pathlib.Path(gguf.__file__).parents[1])")
-  cp -r "$site"/gguf "$site"/gguf-*.dist-info .xfer/py/  # the dist-info too: transformers reads its version
+  cp -r "$site"/gguf "$site"/gguf-*.dist-info .xfer/payload/py/  # the dist-info too: transformers reads its version
   git rm -q --cached $WEIGHTS
   printf '/%s\n' $WEIGHTS >>"$EXCLUDE"
   tree=$(git ls-files -z --cached --others --exclude-standard | xargs -0 du -cb | tail -1 | cut -f1)
-  echo "tree $((tree / 1024)) KiB; call 1 $(( ($(stat -c %s .xfer/gguf.xz.aa) + tree) / 1048576 )) MiB, call 2 $(( ($(du -cb .xfer/gguf.xz.ab .xfer/pack.npz.xz .xfer/w .xfer/py | tail -1 | cut -f1) + tree) / 1048576 )) MiB (64 at most)"
+  piece=$(( 64 * 1048576 - tree - 1048576 ))  # a MiB to spare
+  tar -C .xfer/payload -ch . | xz -9 -T2 | split -b "$piece" - .xfer/piece.
+  rm -rf .xfer/payload
+  n=$(ls .xfer/piece.* | wc -l)
+  echo "tree $((tree / 1024)) KiB, payload $(( $(du -cb .xfer/piece.* | tail -1 | cut -f1) / 1048576 )) MiB: $n calls, each carrying one of:" $(ls .xfer/piece.*)
   echo "the weight files are out of the index: run '$0 restore' after the calls, before any commit"
   ;;
-call1)
-  mkdir -p /tmp/x && cp .xfer/gguf.xz.aa /tmp/x/ && nvidia-smi -L
+receive)
+  mkdir -p $X && cp .xfer/piece.* $X/ && ls $X && nvidia-smi -L
   ;;
-call2)
+run)
   shift
-  [ -f /tmp/x/gguf.xz.aa ] || { echo "/tmp/x/gguf.xz.aa: missing; run call1 on this machine first (it stays 30 s)" >&2; exit 2; }
-  cp .xfer/w/medusa_lm_head.safetensors medusa_trt/assets/smollm2/heads/
-  cp .xfer/w/amphista.safetensors medusa_trt/assets/smollm2/amphista/
-  [ -f /tmp/x/m.gguf ] || cat /tmp/x/gguf.xz.aa .xfer/gguf.xz.ab | xz -d -T0 >/tmp/x/m.gguf
-  xz -dc .xfer/pack.npz.xz >/tmp/x/pack.npz
-  export PYTHONPATH=$PWD/.xfer/py PYTHONUNBUFFERED=1
+  cp .xfer/piece.* $X/ 2>/dev/null || true
+  mkdir -p $X/payload && cat $X/piece.* | xz -d | tar -x -C $X/payload \
+    || { echo "$X/piece.*: not a whole payload ($(ls $X)); expected every piece, the earlier ones by 'receive' calls" >&2; exit 2; }
+  cp $X/payload/w/medusa_lm_head.safetensors medusa_trt/assets/smollm2/heads/
+  cp $X/payload/w/amphista.safetensors medusa_trt/assets/smollm2/amphista/
+  export PYTHONPATH=$X/payload/py PYTHONUNBUFFERED=1
   rc=0
-  python3 scripts/train_smollm2_drafters.py --stage cuda --gguf /tmp/x/m.gguf --pack /tmp/x/pack.npz \
-    --out /tmp/x/run --corpus-out "$OUT" "$@" >"$OUT/log.txt" 2>&1 || rc=$?
+  python3 scripts/train_smollm2_drafters.py --stage cuda --gguf $X/payload/m.gguf --pack $X/payload/pack.npz \
+    --out $X/run --corpus-out "$OUT" "$@" >"$OUT/log.txt" 2>&1 || rc=$?
   # what the run saved comes back even if it failed: its drafters are saved at each validation
-  [ -f /tmp/x/run/cuda_report.json ] && cp /tmp/x/run/cuda_report.json "$OUT/"
-  [ -d /tmp/x/run/amphista ] || [ -d /tmp/x/run/heads ] && (cd /tmp/x/run && tar -c $(ls -d amphista heads 2>/dev/null)) | split -b 15M - "$OUT/drafters.tar."
+  [ -f $X/run/cuda_report.json ] && cp $X/run/cuda_report.json "$OUT/"
+  saved=$(cd $X/run 2>/dev/null && ls -d amphista heads 2>/dev/null || true)
+  [ -n "$saved" ] && (cd $X/run && tar -c $saved) | split -b 15M - "$OUT/drafters.tar."
   tail -c 4000 "$OUT/log.txt"
   exit $rc
   ;;
@@ -74,7 +81,7 @@ collect)
   fi
   ;;
 *)
-  sed -n '2,16p' "$0" >&2
+  sed -n '2,19p' "$0" >&2
   exit 2
   ;;
 esac
