@@ -641,7 +641,7 @@ def corpus_text(sets: dict, have: dict[int, list[int]]) -> tuple[list, list, int
     conversations ("continue", "keep going", pasted tasks), and 8 of the 127 held-out prompts are also
     first turns of training-side conversations, whose continuations a drafter has then seen."""
     seen = {drafter_corpus.prompt_key(p) for p in sets["first"][0] + sets["later"][0]}
-    held = _corpus_samples(*sets["eval"], have, set(seen))
+    held = _corpus_samples(*sets["eval"], have, seen)
     seen = set()  # a later turn the data also has as a first turn is read once
     train = _corpus_samples(*sets["first"], have, seen)
     first = len(train)
@@ -757,6 +757,7 @@ def cuda_stage(args) -> dict:
         Objective,
         TrainOptions,
         _batch,
+        coverage,
         draft_vocabulary,
         evaluate,
         neighbours,
@@ -876,10 +877,9 @@ def cuda_stage(args) -> dict:
         if len(vocabs) != 1 or None in vocabs:
             raise SystemExit(f"{args.init}: the drafters' draft vocabularies differ or are missing; expected one shared")
         drafters, vocab = {a: init[a][0] for a in archs}, init[archs[0]][1]
-        counts = target_counts(train, lm_head.shape[0])
-        coverage = float(counts[vocab].sum() / counts.sum().clamp(min=1))
+        covered = coverage(target_counts(train, lm_head.shape[0]), vocab)
     else:
-        vocab, coverage = draft_vocabulary(train, args.vocab_size, lm_head.shape[0])
+        vocab, covered = draft_vocabulary(train, args.vocab_size, lm_head.shape[0])
         cfg = dataclasses.replace(ModelConfig.from_checkpoint_config(config), drafter="amphista",
                                   drafter_options={"num_heads": 4, "sal_intermediate_size": args.sal_intermediate})
         amphista = Amphista(cfg)
@@ -983,7 +983,7 @@ def cuda_stage(args) -> dict:
                        "forced_share": args.forced_share, "bf16": args.bf16,
                        "init": str(args.init) if args.init else None,
                        "heldout_sequences": len(held), "draft_vocab": len(vocab),
-                       "target_coverage": round(coverage, 4), "new_tokens": args.gen_tokens,
+                       "target_coverage": round(covered, 4), "new_tokens": args.gen_tokens,
                        "prompts": len(sets["first"][0]), "reused_decoded_text": reused,
                        "later_turns": later_decoded,
                        "kept_hidden": str(kept_dtype)[6:] if args.keep_hidden else None,

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))  # the 
 import drafter_corpus  # noqa: E402
 import train_smollm2_drafters as recipe  # noqa: E402
 
-from medusa_trt.tools.train_drafter import evaluate, target_counts  # noqa: E402
+from medusa_trt.tools.train_drafter import coverage, evaluate, target_counts  # noqa: E402
 
 
 def widened(own: torch.Tensor, by_count: torch.Tensor, size: int) -> torch.Tensor:
@@ -48,16 +48,14 @@ def main() -> None:
     embed = torch.nn.Embedding.from_pretrained(model.model.embed_tokens.weight.detach().float())
     by_count = torch.argsort(target_counts(train, lm_head.shape[0]), descending=True)
     held = recipe._hidden_kept(model, held, 16)
-    kinds = sorted({s.kind for s in held})
+    counts = {"all": target_counts(held, lm_head.shape[0]),  # the held-out targets, counted once
+              **{k: target_counts([s for s in held if s.kind == k], lm_head.shape[0]) for k in sorted({s.kind for s in held})}}
     report = {}
     for arch, (drafter, own) in recipe.load_drafters(json.loads(str(pack["config"])), args.drafters).items():
         vocabs = {f"own ({len(own)})": own, **{str(n): widened(own, by_count, n) for n in map(int, args.sizes.split(","))},
                   "full": None}
         for name, vocab in vocabs.items():
-            row = {"coverage": {k: round(float(c[vocab].sum() / c.sum()) if vocab is not None else 1.0, 4)
-                                for k, c in (("all", target_counts(held, lm_head.shape[0])),
-                                             *((k, target_counts([s for s in held if s.kind == k], lm_head.shape[0]))
-                                               for k in kinds))},
+            row = {"coverage": {k: round(coverage(c, vocab), 4) if vocab is not None else 1.0 for k, c in counts.items()},
                    "top1": [a[0] for a in evaluate(drafter, arch, held, lm_head, embed, vocab)]}
             report[f"{arch} {name}"] = row
             print(f"{arch}, vocabulary {name}: held-out targets covered {row['coverage']}, top-1 {row['top1']}",

@@ -55,12 +55,17 @@ def target_counts(samples: list[Sample], vocab_size: int) -> torch.Tensor:
     return counts
 
 
+def coverage(counts: torch.Tensor, vocab: torch.Tensor) -> float:
+    """The share of the targets counted in `counts` (target_counts) that the draft vocabulary holds."""
+    return float(counts[vocab].sum() / counts.sum().clamp(min=1))
+
+
 def draft_vocabulary(samples: list[Sample], size: int, vocab_size: int) -> tuple[torch.Tensor, float]:
     """The `size` most frequent generated tokens (sorted ids) and the share of targets they cover."""
     counts = target_counts(samples, vocab_size)
     ids = counts.argsort(descending=True)[:size]
     ids = ids[counts[ids] > 0].sort().values
-    return ids, float(counts[ids].sum() / counts.sum().clamp(min=1))
+    return ids, coverage(counts, ids)
 
 
 def _batch(samples: list[Sample], max_len: int) -> dict[str, torch.Tensor]:
