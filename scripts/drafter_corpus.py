@@ -41,11 +41,13 @@ def prompt_key(prompt: list[int]) -> int:
 
 
 def read(directories: list[Path]) -> tuple[dict[int, list[int]], list[dict]]:
-    """Every continuation in the parts of `directories` by its prompt's key (the first part read wins
-    a key two parts hold), and each part's meta with its name and size."""
+    """Every continuation in the parts of `directories` (or in parts named by their file) by its
+    prompt's key (the first part read wins a key two parts hold), and each part's meta with its name
+    and size."""
     conts: dict[int, list[int]] = {}
     metas = []
-    for path in sorted({p for d in directories if d.is_dir() for p in d.glob("*" + SUFFIX)}):
+    paths = {p for d in directories if d.is_dir() for p in d.glob("*" + SUFFIX)}
+    for path in sorted(paths | {d for d in directories if d.is_file()}):
         try:
             z = np.load(io.BytesIO(lzma.decompress(path.read_bytes())))
             keys, tokens, offsets = z["keys"], z["tokens"], z["offsets"]
@@ -76,8 +78,10 @@ class Writer:
         self.conts: list[list[int]] = []
         self.parts: list[str] = []
 
-    def add(self, prompt: list[int], split: str, cont: list[int]) -> None:
-        self.keys.append(prompt_key(prompt))
+    def add(self, prompt: list[int], split: str, cont: list[int]) -> int:
+        """Adds one continuation; returns its prompt's key (what `read` files it under)."""
+        key = prompt_key(prompt)
+        self.keys.append(key)
         self.splits.append(SPLITS.index(split))
         self.conts.append(cont)
         self.tokens += len(cont)
@@ -86,6 +90,7 @@ class Writer:
             self.part, self.keys, self.splits, self.conts, self.tokens = self.part + 1, [], [], [], 0
         elif time.monotonic() - self.written >= self.every_s:
             self._write()
+        return key
 
     def close(self) -> list[str]:
         """Writes the open part; the names of the parts this run wrote."""

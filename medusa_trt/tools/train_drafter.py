@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -216,21 +217,45 @@ def train_drafter(drafter: nn.Module, arch: str, samples: list[Sample], lm_head:
     return history
 
 
-@torch.no_grad()
 def evaluate(drafter: nn.Module, arch: str, samples: list[Sample], lm_head: torch.Tensor, embed: nn.Module,
              vocab: torch.Tensor | None, topk: int = 5) -> list[list[float]]:
     """[K][topk] cumulative top-r accuracy of each head over every drafting row of `samples`, against
     the data's token, full vocabulary (a token outside the draft vocabulary is a miss)."""
+    return evaluate_groups(drafter, arch, samples, lm_head, embed, vocab, lambda s: None, topk)[None]
+
+
+def evaluate_groups(drafter: nn.Module, arch: str, samples: list[Sample], lm_head: torch.Tensor, embed: nn.Module,
+                    vocab: torch.Tensor | None, group: Callable[[Sample], Hashable],
+                    topk: int = 5) -> dict[Hashable, list[list[float]]]:
+    """evaluate's accuracies for each group of `samples` (`group(sample)` names it: a kind, a prompt)
+    and, under None, for all of them together, from one pass (a row counts once in each figure)."""
+    counts = hit_counts(drafter, arch, samples, lm_head, embed, vocab, group, topk)
+    parts = list(counts.values())
+    counts[None] = (sum(h for h, _ in parts), sum(t for _, t in parts)) if parts else (torch.zeros(0, topk), None)
+    return {g: accuracy(h, t) for g, (h, t) in counts.items()}
+
+
+def accuracy(hits: torch.Tensor, total: torch.Tensor) -> list[list[float]]:
+    """[K][topk] cumulative top-r accuracy from hit_counts' hits [K, topk] and rows [K]."""
+    return [[round(float(v), 4) for v in (hits[k].cumsum(0) / total[k].clamp(min=1))] for k in range(len(hits))]
+
+
+@torch.no_grad()
+def hit_counts(drafter: nn.Module, arch: str, samples: list[Sample], lm_head: torch.Tensor, embed: nn.Module,
+               vocab: torch.Tensor | None, group: Callable[[Sample], Hashable],
+               topk: int = 5) -> dict[Hashable, tuple[torch.Tensor, torch.Tensor]]:
+    """Per group of `samples`: how many drafting rows of each head had the data's token at each rank
+    (hits [K, topk], float) and how many rows each head drafted at (total [K]); sums of these combine
+    groups exactly."""
     w = lm_head.float() if vocab is None else lm_head[vocab.to(lm_head.device)].float()
-    hits, total = None, None
+    counts: dict = {}
     for s in samples:
         bt = _batch([s], 10**9)
         rows = int(bt["rows"][0])
         z = drafter_features(drafter, arch, bt["h"], bt["after"], embed,
                              torch.ones(1, rows, dtype=torch.bool, device=bt["h"].device))
         k_heads = z.shape[0]
-        if hits is None:
-            hits, total = torch.zeros(k_heads, topk), torch.zeros(k_heads)
+        hits, total = counts.setdefault(group(s), (torch.zeros(k_heads, topk), torch.zeros(k_heads)))
         for k in range(k_heads):
             first = int(bt["first"][0])
             if first >= rows - 1 - k:  # a continuation too short for head k (the base stopped at once)
@@ -242,7 +267,7 @@ def evaluate(drafter: nn.Module, arch: str, samples: list[Sample], lm_head: torc
             want = bt["target"][0, k + t].cpu()
             hits[k] += (top == want[:, None]).float().sum(0)
             total[k] += len(t)
-    return [[round(float(v), 4) for v in (hits[k].cumsum(0) / total[k].clamp(min=1))] for k in range(len(hits))]
+    return counts
 
 
 def save_amphista(drafter: nn.Module, out_dir: str | Path, *, base: str, vocab: torch.Tensor | None,

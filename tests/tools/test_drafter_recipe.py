@@ -100,13 +100,17 @@ def test_corpus_parts_roll_over_and_read_back_whole(tmp_path):
     rng = random.Random(1)
     prompts, conts = _prompts(rng, 40, 1, 9), _prompts(rng, 40, 0, 30)
     writer = drafter_corpus.Writer(tmp_path, {"decoder": "test"}, part_tokens=100, every_s=0.0)
-    for p, c in zip(prompts, conts, strict=True):
-        writer.add(p, "later", c)
+    keys = [writer.add(p, "later", c) for p, c in zip(prompts, conts, strict=True)]
     names = writer.close()
     assert len(names) >= sum(map(len, conts)) // 130 and sorted(names) == sorted(x.name for x in tmp_path.iterdir())
     have, metas = drafter_corpus.read([tmp_path])
-    assert have == {drafter_corpus.prompt_key(p): c for p, c in zip(prompts, conts, strict=True)}
+    assert keys == [drafter_corpus.prompt_key(p) for p in prompts]
+    assert have == dict(zip(keys, conts, strict=True))
     assert all(m["decoder"] == "test" for m in metas) and sum(m["sequences"] for m in metas) == 40
+    # a part named by its file is read alone (what a run trained on, when the folder has grown since)
+    one, metas = drafter_corpus.read([tmp_path / names[0]])
+    assert [m["part"] for m in metas] == [names[0]] and 0 < len(one) < len(have)
+    assert all(have[k] == c for k, c in one.items())
 
 
 def test_a_corpus_part_that_is_not_one_is_refused_naming_the_file(tmp_path):
@@ -264,3 +268,41 @@ def test_the_held_out_set_leaves_out_prompts_the_training_side_also_has():
     held_s, train, n_later = recipe.corpus_text(sets, have)
     assert [s.tokens[: s.prompt_len] for s in held_s] == [[5, 6, 7]]
     assert [s.tokens[: s.prompt_len] for s in train] == [[1, 2], [8, 9], [3, 4], [10, 11, 12], [13]] and n_later == 2
+
+
+def test_more_heldout_prompts_are_held_out_new_and_the_same_on_every_run(tmp_path, monkeypatch):
+    """--stage pack's held-out prompts beyond prompts.json's: first questions of held-out
+    conversations in sha1 order of their ids and windows of held-out files, none a prompt the pack
+    already has, the same ones on every run (a decoded held-out continuation is kept by its prompt)."""
+    import hashlib
+
+    from synthetic import make_tokenizer
+
+    from medusa_trt.data import Conversation, is_heldout
+
+    std = tmp_path / "stdlib"
+    for i in range(40):
+        (std / f"pkg{i % 4}").mkdir(parents=True, exist_ok=True)
+        (std / f"pkg{i % 4}" / f"mod{i}.py").write_text(
+            "".join(f"def f{i}_{j}(x):\n    return x + {j}\n\n" for j in range(30)))
+    args = recipe.parse_args(["--stdlib", str(std), "--code-heldout-percent", "20"])
+    tok = make_tokenizer(256)
+    monkeypatch.setattr(recipe, "MORE_HELDOUT", 4)
+    monkeypatch.setattr(recipe, "chat_prompt", lambda tok, question: f"user: {question}\nassistant:")
+    convs = [Conversation(f"conv{i}", (("human", f"question number {i % 30} about item"), ("gpt", "an answer")))
+             for i in range(400)]
+    held = sorted((c for c in convs if is_heldout(c.id)), key=lambda c: hashlib.sha1(c.id.encode()).hexdigest())
+    # the first held-out question is a prompt the pack already has; repeated questions are read once
+    taken = {drafter_corpus.prompt_key(tok.encode(recipe.chat_prompt(tok, held[0].first_human())))}
+    before = set(taken)
+    got = recipe.more_heldout(args, tok, convs, taken, set())
+    chat, code = got[:4], got[4:]
+    assert [p["kind"] for p in got] == ["chat"] * 4 + ["code"] * 4
+    order = [c.id for c in held[1:] if c.first_human() not in {held[0].first_human()}]
+    assert all(p["source"] in order for p in chat) and [p["source"] for p in chat] == sorted(
+        (p["source"] for p in chat), key=order.index)
+    keys = [drafter_corpus.prompt_key(p["ids"]) for p in got]
+    assert len(set(keys)) == 8 and not set(keys) & before and set(keys) <= taken
+    held_files = {r for r, _ in recipe.code_files(args)["heldout"]}
+    assert all(p["source"] in held_files for p in code)
+    assert [p["text"] for p in recipe.more_heldout(args, tok, convs, set(before), set())] == [p["text"] for p in got]

@@ -314,3 +314,29 @@ def test_evaluate_skips_continuations_too_short_for_a_head():
     alone = evaluate(heads, "medusa", [long], lm_head, embed, None)
     # two answer tokens: one drafting row for head 1 (its target is the second), none for heads 2-4
     assert both[1:] == alone[1:]
+
+
+def test_evaluate_groups_scores_each_group_and_all_in_one_pass():
+    # The recipe's held-out report (overall and per kind) comes from one pass: each group's figure
+    # must be what scoring that group alone gives, and the whole's what scoring all of it gives.
+    from medusa_trt.tools.distill import Sample
+    from medusa_trt.tools.train_drafter import MedusaResBlocks, evaluate, evaluate_groups
+
+    g = torch.Generator().manual_seed(1)
+    d, v = 16, 50
+    lm_head, embed = torch.randn(v, d, generator=g), torch.nn.Embedding(v, d)
+    heads = MedusaResBlocks(3, 1, d)
+    with torch.no_grad():
+        heads.w.normal_(generator=g)  # not the identity: heads disagree, so the groups differ
+
+    def sample(kind: str, answer: int) -> Sample:
+        tokens = torch.randint(v, (4 + answer,), generator=g).tolist()
+        return Sample(tokens, 4, torch.randn(len(tokens) - 1, d, generator=g), kind)
+
+    samples = [sample("chat", 9), sample("code", 14), sample("chat", 6), sample("code", 3)]
+    got = evaluate_groups(heads, "medusa", samples, lm_head, embed, None, lambda s: s.kind, topk=3)
+    assert set(got) == {"chat", "code", None}
+    for kind in ("chat", "code"):
+        assert got[kind] == evaluate(heads, "medusa", [s for s in samples if s.kind == kind], lm_head, embed, None, 3)
+    assert got[None] == evaluate(heads, "medusa", samples, lm_head, embed, None, 3)
+    assert got["chat"] != got["code"]
