@@ -91,8 +91,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--code-heldout-percent", type=float, default=8.0)
     p.add_argument("--chat-prompts", type=int, default=6000, help="ShareGPT questions to distill (training side)")
     p.add_argument("--code-prompts", type=int, default=2000, help="code windows to distill (training side)")
-    p.add_argument("--extra-code", type=int, default=10000, help="pack stage: code windows beyond --code-prompts "
-                   "(training-side files) for the cuda stage to decode")
+    p.add_argument("--extra-code", type=int, default=20000, help="pack stage: code windows beyond --code-prompts "
+                   "(training-side files) for the cuda stage to decode (the first N of a larger draw are the same)")
     p.add_argument("--eval-prompts", type=int, default=128, help="held-out prompts drawn into prompts.json (half chat, half code); "
                    f"--stage pack adds {MORE_HELDOUT} of each kind")
     p.add_argument("--new-tokens", type=int, default=128, help="greedy tokens per prompt")
@@ -445,7 +445,9 @@ def pack_stage(args) -> Path:
     train = prompts["train"] + [{"text": chat_prompt(tok, c.first_human()), "kind": "chat", "source": c.id}
                                 for c in extra]
     # More code windows than prompts.json's: half the held-out prompts are code, and the training
-    # side had 2,000 code windows against 14,482 questions (and 41,145 later turns, all chat).
+    # side had 2,000 code windows against 14,482 questions (and 41,145 later turns, all chat). The
+    # drafters fit trained-on code 0.08 better than code they never saw (issue-35-amphista.md, q):
+    # 20,000 since pack_v8, 10,000 before.
     seen = {p["text"] for split in ("train", "eval", "heldout", "calib") for p in prompts[split]}
     extra_code = code_windows(random.Random(args.seed + 6), tok, code_files(args)["train"], args.extra_code, seen)
     train += list({p["text"]: p for p in extra_code}.values())  # a window drawn twice is decoded once

@@ -4,7 +4,7 @@ drafters scored over their own vocabulary, wider ones (their own plus the traini
 frequent targets) and the full vocabulary, without retraining. The drafters' output rows are the
 base's lm_head rows, so a wider vocabulary adds no parameters, only rows to score each step.
 
-    python benchmarks/investigations/bench_draft_vocab.py --pack build/pack_v7.npz \
+    python benchmarks/investigations/bench_draft_vocab.py --pack build/pack_v8.npz \
         --gguf build/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --sizes 8192,16384
 """
 

@@ -10,6 +10,10 @@ own head-1 top-1 is averaged, with its standard error: a few long, repetitive co
 the row-weighted figure of a small set.
 
     python benchmarks/investigations/bench_heldout_parts.py --pack build/pack_v7.npz --fit
+
+--fit rebuilds the validation slice from the pack's order of prompts, so it needs a pack with the
+training prompts of the run that trained the shipped drafters: pack_v6 or pack_v7 (`--stage pack
+--extra-code 10000`); the held-out set is the same in pack_v7 and later packs.
 """
 
 from __future__ import annotations
