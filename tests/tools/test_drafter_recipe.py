@@ -180,17 +180,22 @@ def test_the_eval_stage_refuses_a_folder_without_drafters(pack, tmp_path):
         recipe.main(argv)
 
 
-def test_extra_code_windows_come_from_training_side_files_and_skip_existing_prompts(tmp_path):
-    """--stage pack's extra code prompts: windows of files on the training side of the split, none
-    equal to a prompt the recipe already has, the same ones on every run."""
-    from synthetic import make_tokenizer
-
+def _stdlib_args(tmp_path: Path):
+    """The recipe's arguments over a small standard library of 40 files, a fifth of them held out."""
     std = tmp_path / "stdlib"
     for i in range(40):
         (std / f"pkg{i % 4}").mkdir(parents=True, exist_ok=True)
         (std / f"pkg{i % 4}" / f"mod{i}.py").write_text(
             "".join(f"def f{i}_{j}(x):\n    return x + {j}\n\n" for j in range(30)))
-    args = recipe.parse_args(["--stdlib", str(std), "--code-heldout-percent", "20"])
+    return recipe.parse_args(["--stdlib", str(std), "--code-heldout-percent", "20"])
+
+
+def test_extra_code_windows_come_from_training_side_files_and_skip_existing_prompts(tmp_path):
+    """--stage pack's extra code prompts: windows of files on the training side of the split, none
+    equal to a prompt the recipe already has, the same ones on every run."""
+    from synthetic import make_tokenizer
+
+    args = _stdlib_args(tmp_path)
     files = recipe.code_files(args)
     assert files["train"] and files["heldout"] and not {r for r, _ in files["train"]} & {r for r, _ in files["heldout"]}
     tok = make_tokenizer(256)
@@ -280,12 +285,7 @@ def test_more_heldout_prompts_are_held_out_new_and_the_same_on_every_run(tmp_pat
 
     from medusa_trt.data import Conversation, is_heldout
 
-    std = tmp_path / "stdlib"
-    for i in range(40):
-        (std / f"pkg{i % 4}").mkdir(parents=True, exist_ok=True)
-        (std / f"pkg{i % 4}" / f"mod{i}.py").write_text(
-            "".join(f"def f{i}_{j}(x):\n    return x + {j}\n\n" for j in range(30)))
-    args = recipe.parse_args(["--stdlib", str(std), "--code-heldout-percent", "20"])
+    args = _stdlib_args(tmp_path)
     tok = make_tokenizer(256)
     monkeypatch.setattr(recipe, "MORE_HELDOUT", 4)
     monkeypatch.setattr(recipe, "chat_prompt", lambda tok, question: f"user: {question}\nassistant:")
