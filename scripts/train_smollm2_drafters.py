@@ -527,6 +527,13 @@ def load_base(gguf: Path, device: torch.device):
     return model.to(device).eval()
 
 
+def drafter_inputs(model) -> tuple[torch.Tensor, torch.nn.Embedding]:
+    """What a drafter reads of the base besides its hidden states, as float32: the lm_head matrix
+    [V, d] (the teacher's logits, the draft matrix) and the input embedding (Amphista's e(x))."""
+    lm_head = model.lm_head.weight.detach().float()
+    return lm_head, torch.nn.Embedding.from_pretrained(model.model.embed_tokens.weight.detach().float())
+
+
 def _cuda_decode(model, prompts: list[list[int]], kinds: list[str], new_tokens: int, eos: int, batch: int,
                  deadline: float, desc: str, kv_tokens: int | None = None, decoder: str = "static",
                  keep=None, last: float = 0.0) -> tuple[list, float]:
@@ -766,8 +773,7 @@ def eval_stage(args) -> dict:
     dev = torch.device(args.device)
     model = load_base(args.gguf, dev)
     drafters = load_drafters(json.loads(str(pack["config"])), args.drafters)
-    lm_head = model.lm_head.weight.detach().float()
-    embed = torch.nn.Embedding.from_pretrained(model.model.embed_tokens.weight.detach().float())
+    lm_head, embed = drafter_inputs(model)
     held = _hidden_kept(model, held, 16)
     report = {"drafters": str(args.drafters), "heldout_sequences": len(held),
               "heldout_rows": sum(len(s.tokens) - s.prompt_len for s in held),
@@ -897,8 +903,7 @@ def cuda_stage(args) -> dict:
         print(f"{len(forced)} teacher-forced ShareGPT answers ({sum(len(s.tokens) - s.prompt_len for s in forced)} "
               f"rows), read in {args.forced_share:.0%} of the steps")
 
-    lm_head = model.lm_head.weight.detach().float()
-    embed = torch.nn.Embedding.from_pretrained(model.model.embed_tokens.weight.detach().float())
+    lm_head, embed = drafter_inputs(model)
     archs = args.archs.split(",")
     if args.init:
         # A warm start: the drafters of --init (the shipped ones) go on learning on this corpus, with

@@ -44,8 +44,7 @@ def main() -> None:
     pack = recipe.load_pack(args.pack)
     held, train, _ = recipe.corpus_text(recipe.prompt_sets(pack), drafter_corpus.read([args.corpus])[0])
     model = recipe.load_base(args.gguf, torch.device("cpu"))
-    lm_head = model.lm_head.weight.detach().float()
-    embed = torch.nn.Embedding.from_pretrained(model.model.embed_tokens.weight.detach().float())
+    lm_head, embed = recipe.drafter_inputs(model)
     by_count = torch.argsort(target_counts(train, lm_head.shape[0]), descending=True)
     held = recipe._hidden_kept(model, held, 16)
     counts = {"all": target_counts(held, lm_head.shape[0]),  # the held-out targets, counted once

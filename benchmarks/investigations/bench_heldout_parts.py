@@ -104,8 +104,7 @@ def main() -> int:
     samples = list({id(s): s for g in groups.values() for s in g}.values())
     kept = dict(zip(map(id, samples), recipe._hidden_kept(model, samples, 16), strict=True))
     groups = {name: [kept[id(s)] for s in g] for name, g in groups.items()}
-    lm_head = model.lm_head.weight.detach().float()
-    embed = torch.nn.Embedding.from_pretrained(model.model.embed_tokens.weight.detach().float())
+    lm_head, embed = recipe.drafter_inputs(model)
     print("| set | prompts | rows | drafter | top-1 heads 1-4 (rows) | head 1, mean of prompts (median, s.e.) |")
     print("| --- | --- | --- | --- | --- | --- |")
     for arch, (d, vocab) in recipe.load_drafters(json.loads(str(pack["config"])), args.drafters).items():
