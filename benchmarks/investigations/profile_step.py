@@ -86,6 +86,7 @@ def main() -> int:
     runs = sum(1 for e in events if e.get("cat") == "Session" and e["name"] == "model_run")
     of = categories(args.engine / json.loads((args.engine / "engine.json").read_text())["onnx"]["step_file"])
     total, count, largest = collections.Counter(), collections.Counter(), collections.Counter()
+    by_op, op_count = collections.Counter(), collections.Counter()
     for e in events:
         if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"):
             name = e["name"][: -len("_kernel_time")]
@@ -94,10 +95,16 @@ def main() -> int:
             count[c] += 1
             if c in ("accept", "drafter"):
                 largest[(c, e["args"]["op_name"], name)] += e["dur"]
+            if c == "drafter":
+                by_op[e["args"]["op_name"]] += e["dur"]
+                op_count[e["args"]["op_name"]] += 1
     print(f"{args.engine} {args.tree}: {runs} step runs, node time per run:")
     for c in ("base", "lm_head", "accept", "drafter"):
         print(f"  {c:8s} {total[c] / runs / 1e3:7.2f} ms  {count[c] / runs:5.0f} nodes  "
               f"{100 * total[c] / max(1, total['base']):5.1f}% of the base")
+    print("the drafter by op type (ms per run, nodes):")
+    for op, d in by_op.most_common():
+        print(f"  {d / runs / 1e3:6.3f}  {op_count[op] / runs:4.0f}  {op}")
     print("largest acceptance and drafter nodes (ms per run):")
     for (c, op, name), d in largest.most_common(12):
         print(f"  {d / runs / 1e3:6.3f}  {c:8s} {op:18s} {name}")

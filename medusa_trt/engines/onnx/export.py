@@ -74,6 +74,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from medusa_trt.acceptance import candidates_from_topk, greedy_accept, path_of
@@ -267,6 +268,15 @@ class _FusedStepModule(nn.Module):
         the new root), drafts at the last. Returns the top-k ids [B, K, k] and the rows' K/V [2, B,
         Hkv, D+1, hd], which the runtime commits (accepted + 1 of them), and the log-probs [B, K, k]."""
         model = self.decoder.model
+        width = path.shape[1]
+        # Only the first max(accepted) + 1 path rows can be committed: the adaptation layers run over
+        # those alone, not the tree's whole depth (a dynamic:16 tree is 6.2 rows deep on average,
+        # 3.6 of them accepted; on an int4 engine each row is one more through every MatMulNBits).
+        # The rows past them are zeros in the K/V output, which keeps the tree's depth + 1 rows.
+        kept = accepted.max().item() + 1
+        torch._check(kept >= 1)
+        torch._check(kept <= width)
+        path = path.narrow(1, 0, kept)
         b, n = path.shape
         j = torch.arange(n, device=path.device)
         valid = j[None] <= accepted[:, None]  # [B, D+1]
@@ -282,7 +292,7 @@ class _FusedStepModule(nn.Module):
         h1, h2, dk, dv = model.drafter.adapt(h, after, model.vocab_embedding, past_lengths[:, None] + j, mask, cache)
         rows = accepted[:, None, None].expand(b, 1, h1.shape[-1])
         top, logp = model.drafter.topk(h1.gather(1, rows)[:, 0], h2.gather(1, rows)[:, 0], model.lm_head, self.k)
-        return top, logp, dk, dv
+        return top, logp, F.pad(dk, (0, 0, 0, width - n)), F.pad(dv, (0, 0, 0, width - n))
 
 
 def step_example_inputs(model: MedusaModel) -> dict:

@@ -102,15 +102,22 @@ def _traces_to(g: _Graph, name: str, op_type: str) -> bool:
     return False
 
 
+# Ops whose output values take only a size from their inputs (an index range, a shape): a value
+# computed through them is not computed from those inputs' values.
+_SIZE_ONLY = ("Range", "Shape", "ConstantOfShape")
+
+
 def _computed_from(g: _Graph, name: str, graph_input: str) -> bool:
-    """Whether the value `name` is computed from the graph input `graph_input` (any path)."""
+    """Whether the values of `name` are computed from the graph input `graph_input` (any path that
+    reads values, not only a size: the fused step's drafter rows are as many as the base accepted,
+    but their positions are the drafter cache's)."""
     seen, todo = set(), [name]
     while todo:
         n = todo.pop()
         if n == graph_input:
             return True
         node = g.producer.get(n)
-        if node is None or id(node) in seen:
+        if node is None or id(node) in seen or node.op_type in _SIZE_ONLY:
             continue
         seen.add(id(node))
         todo.extend(i for i in node.input if i)

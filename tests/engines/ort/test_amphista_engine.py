@@ -171,6 +171,27 @@ def test_the_fused_step_drafts_as_the_two_call_path_does(amphista, engine):
     assert [s.accepted_per_depth for s in a.stats] == [s.accepted_per_depth for s in b.stats]
 
 
+def test_the_fused_step_adapts_the_accepted_rows_only(amphista):
+    """The drafter's adaptation layers run over the path's first max(accepted) + 1 rows, the only ones
+    a commit can keep: the K/V rows past them come back as zeros, and the decode is unchanged (above)."""
+    backend = load_backend(amphista.engines["int4"])
+    seen = []
+    step = backend.fused_step
+
+    def record(*a, **k):
+        out = step(*a, **k)
+        seen.append((int(out[1].max()), backend._drafter_pending[0].clone()))
+        return out
+
+    backend.fused_step = record
+    decode(backend, prompts(15), GenerationConfig(max_new_tokens=32, medusa_choices=TREE))
+    cut = [(a, k) for a, k in seen if a + 1 < k.shape[3]]
+    assert cut and any(a > 0 for a, _ in seen)
+    for a, k in seen:
+        assert k[:, :, :, : a + 1].abs().amax() > 0
+        assert not k[:, :, :, a + 1 :].any()
+
+
 def test_sampling_with_amphista_runs_and_repeats_with_its_seed(amphista):
     backend = load_backend(amphista.engines["float32"])
     cfg = GenerationConfig(max_new_tokens=24, medusa_choices=TREE, acceptance="sample", temperature=0.7, seed=5)
