@@ -42,7 +42,7 @@ from medusa_trt.runtime.decoding import GenerationConfig, SequenceStats, generat
 from medusa_trt.runtime.dynamic import dynamic_spec, parse_dynamic
 from medusa_trt.runtime.loading import load_backend, load_tokenizer, stop_tokens
 from medusa_trt.serving.triton_repo import MODEL_INPUTS
-from medusa_trt.tree import TreeError, parse_medusa_choices, validate_and_expand
+from medusa_trt.tree import TreeError, parse_medusa_choices, preset_names, validate_and_expand
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +202,7 @@ def parse_request(service: Service, inputs: Mapping[str, np.ndarray], index: int
             raise RequestError(f"max_tokens{where}: {max_tokens}; expected 1..{s.max_output_len} "
                                "(max_output_len in config.pbtxt)")
         spec = one("medusa_choices")
-        spec = _text("medusa_choices", spec, where) if spec is not None else s.medusa_choices
+        spec = _inline_tree(_text("medusa_choices", spec, where), where) if spec is not None else s.medusa_choices
         try:
             if parse_dynamic(spec) is not None:  # a tree chosen per step: "dynamic:N[,cost=C]"
                 tree = step_tree(info, spec)  # its slot cost: the spec's, else the default
@@ -418,6 +418,19 @@ def _rows(name: str, array: np.ndarray, rows: int) -> list[np.ndarray]:
     if _INPUTS[name].dims == (1,) and a.shape[1] != 1:
         raise RequestError(f"{name}: {a.shape[1]} values per row; expected one")
     return list(a)
+
+
+def _inline_tree(spec: str, where: str) -> str:
+    """A request's tree, written out: a preset name, a list, the brace form or "dynamic:N[,cost=C]".
+    The offline commands also take a tree file; a request naming a path would have the server read
+    its own files (the model's config.pbtxt default still may)."""
+    text = spec.strip()
+    if text.startswith(("[", "{")) or text in preset_names() or (
+            text.startswith("dynamic:") and not text.lower().endswith(".json")):
+        return spec
+    raise RequestError(f"medusa_choices{where}: {text[:60]!r}; expected a preset name ({', '.join(preset_names())}), "
+                       "a list such as '[[0], [0, 1]]', the brace form '{0}, {0, 1}' or 'dynamic:N' (a request "
+                       "cannot name a file on the server)")
 
 
 def _text(name: str, value, where: str) -> str:

@@ -119,6 +119,18 @@ def test_request_checks_name_the_input(service, inputs, message):
         parse_request(service, inputs)
 
 
+@pytest.mark.parametrize("spec", ["tree.json", "/etc/hostname", "dynamic:4.json", "no_such_preset"])
+def test_a_request_tree_cannot_name_a_server_file(service, tmp_path, monkeypatch, spec):
+    """Offline commands read tree files; a request is a client's text, so a path is refused before
+    anything is read, even where the file exists and holds a good tree."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tree.json").write_text(json.dumps({"medusa_choices": [[0], [1]]}))
+    inputs = {"text_input": np.array([[b"a"]], dtype=np.object_), "max_tokens": np.array([[4]], dtype=np.int64),
+              "medusa_choices": np.array([[spec.encode()]], dtype=np.object_)}
+    with pytest.raises(RequestError, match="a request cannot name a file on the server"):
+        parse_request(service, inputs)
+
+
 def test_settings_need_the_engine_dir():
     with pytest.raises(ValueError, match="parameter engine_dir is missing"):
         ModelSettings.from_model_config({"name": "m", "parameters": {}})
