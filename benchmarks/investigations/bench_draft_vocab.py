@@ -19,9 +19,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))  # the recipe puts the repo on the path
 
-import drafter_corpus  # noqa: E402
 import train_smollm2_drafters as recipe  # noqa: E402
 
+from medusa_trt.tools import drafter_corpus  # noqa: E402
 from medusa_trt.tools.train_drafter import coverage, evaluate, target_counts  # noqa: E402
 
 

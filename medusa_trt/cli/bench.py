@@ -53,7 +53,7 @@ def parser() -> argparse.ArgumentParser:
     add_tree_arg(p)
     p.add_argument("--also", action="append", default=[], metavar="TREE",
                    help="another tree measured in the same run, side by side (repeatable); dynamic:N/no-context: "
-                        "without context candidates; dynamic:N/fill: the whole budget every step; "
+                        "without context candidates; dynamic:N/no-datastore: without the engine's datastore; dynamic:N/fill: the whole budget every step; "
                         "dynamic:N/cost=X: a slot costs X plain steps (default 0.08)")
     add_max_new_tokens_arg(p, default=128)
     p.add_argument("--limit", type=positive_int, help="use the first N prompts")

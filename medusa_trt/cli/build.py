@@ -74,6 +74,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tree", help="the tree the engine records, which medusa-run, the Python API, medusa-triton "
                    "and medusa-bench then decode with by default: the tree.json medusa-tune-tree writes, a preset, "
                    "a list of paths or the brace form (default: none; they then use mc_sim_7b_63 cut to the engine)")
+    p.add_argument("--datastore", type=Path, help="the base model's own text to draft from beside the drafter "
+                   "(per-step trees): a directory of drafter corpus parts (its held-out continuations are left out) "
+                   "or a JSONL file of {\"text\": ...} lines; indexed into the engine's datastore.npz "
+                   "(docs/design.md, datastore)")
     p.add_argument("--triton-repo", type=Path, help="also write a Triton Inference Server model repository "
                    "for the engine here (same as medusa-triton --engine OUT --out DIR)")
     p.add_argument("--force", action="store_true", help="replace an existing --out (and --triton-repo)")
@@ -102,6 +106,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
         max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, max_draft_len=args.max_draft_len,
         opset=args.opset, device=args.device, attention=args.attention, force=args.force,
         progress=not args.quiet, backend_options=backend_options(args), tree=args.tree,
+        datastore=args.datastore,
     )
     also, repo_written = None, []
     if args.triton_repo:
@@ -132,6 +137,8 @@ def _main(argv: Sequence[str] | None = None) -> int:
         size = sum(a["bytes"] for a in e["artifacts"].values())
         tree = e["medusa"].get("tree")
         recorded = f", tree {e['medusa']['tree_source']} ({len(tree)} nodes)" if tree else ""
+        if "datastore.npz" in e["artifacts"]:
+            recorded += f", datastore {e['artifacts']['datastore.npz']['bytes'] / 2**20:.1f} MiB"
         print(f"{PROG}: wrote {result.out} ({e['backend']}, {e['dtype']}, {e['device']}, "
               f"{size / 2**20:.1f} MiB, {result.seconds:.1f} s{recorded})")
     return 0

@@ -36,6 +36,7 @@ from medusa_trt.engines.trt.build import build_tensorrt
 from medusa_trt.engines.trtllm.build import build_trtllm
 from medusa_trt.errors import CheckpointError
 from medusa_trt.outputs import atomic_output_dir, check_output_dir
+from medusa_trt.runtime import datastore
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +117,8 @@ def build_engine(opts: BuildOptions, also: Callable[[Path], None] | None = None)
     check_options(opts, config)
     tree = recorded_tree(opts, config)
     check_output_dir(opts.out, opts.force, BuildError)
+    # The datastore's text is read (and refused) before any engine work; indexed into the temp dir.
+    sequences = datastore.read_source(opts.datastore, opts.checkpoint) if opts.datastore is not None else None
     if opts.out.resolve() == opts.checkpoint.resolve() or opts.checkpoint.resolve().is_relative_to(opts.out.resolve()):
         raise BuildError(f"{opts.out}: --out must not be or contain the checkpoint {opts.checkpoint}")
 
@@ -123,6 +126,8 @@ def build_engine(opts: BuildOptions, also: Callable[[Path], None] | None = None)
         backend_part = BUILDERS[opts.backend](opts, config, tmp)
         _copy_tokenizer(opts.checkpoint, tmp, (config.get("medusa_trt") or {}).get("base_model_type")
                         or config.get("model_type"))
+        if sequences is not None:
+            datastore.save(datastore.build(sequences), tmp / datastore.FILE, source=str(opts.datastore))
         engine = engine_json(opts, config, backend_part, tmp, time.perf_counter() - start)
         if tree is not None:
             engine["medusa"].update(tree=tree[0], tree_source=tree[1])

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from medusa_trt.runtime.datastore import Datastore
+
 
 @dataclass(frozen=True)
 class ModelInfo:
@@ -58,6 +60,9 @@ class Backend:
     # Torch threads for the decoding loop's own small ops while this backend computes (decoding.generate);
     # None: leave torch's setting alone.
     host_threads: int | None = None
+    # The base model's own text as draft chains for per-step trees (runtime/datastore.py), from the
+    # engine's datastore.npz (medusa-build --datastore); None: none.
+    datastore: Datastore | None = None
 
     def start(self, batch: int, capacity: int) -> None:
         """Empties the cache for `batch` sequences of at most `capacity` cached positions."""

@@ -16,6 +16,8 @@ class GenerationConfig:
     use_medusa: bool = True
     # Per-step trees: continuations found in the prompt and generated text compete for the budget.
     context_candidates: bool = True
+    # Per-step trees with context candidates: chains from the engine's datastore compete too (when it has one).
+    datastore: bool = True
     # Per-step trees: a slot's share of a plain step's time (None: the spec's ",cost=C", else
     # dynamic.SLOT_COST); a step keeps the nodes worth their slots, up to the budget. 0: every step
     # verifies the whole budget.

@@ -149,7 +149,7 @@ def _generate(backend: Backend, prompts: list[list[int]], cfg: GenerationConfig,
     t0 = time.perf_counter()
     carry = plan.prefill(prompts, sampler)
     if isinstance(tree, DynamicTree) and tree.context:
-        carry.context = Context.of(prompts)
+        carry.context = Context.of(prompts, backend.datastore if cfg.datastore else None)
     for s in stats:
         s.prefill_s = time.perf_counter() - t0
         s.accepted_per_depth = [0] * depth

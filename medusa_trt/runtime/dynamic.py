@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from medusa_trt.drafters.base import topk_logp
+from medusa_trt.runtime.datastore import Chain, Datastore
 from medusa_trt.tree import MAX_TREE_TEXT, TreeError, check_bounds
 
 MAX_NGRAM = 4  # longest n-gram looked up
@@ -266,40 +267,63 @@ class ContextStats:
         self.right[n, 1 : run + 1] += 1
 
 
+@dataclass(frozen=True)
+class Offer:
+    """A chain offered to one sequence's tree: from its own text (`n`: the n-gram match length) or
+    from the datastore (`found`)."""
+
+    tokens: list[int]
+    n: int = 0
+    found: Chain | None = None
+
+
 @dataclass
 class Context:
-    """The context candidates' state of one request: an index per sequence (its row in the batch)
-    and the shared statistics."""
+    """The context candidates' state of one request: an index per sequence (its row in the batch),
+    the datastore when the engine has one, and the shared statistics."""
 
     indexes: list[ContextIndex]
     stats: ContextStats = field(default_factory=ContextStats)
-    offered: list[tuple[int, list[int]]] = field(default_factory=list)  # last step's (n, chain) per row
+    datastore: Datastore | None = None
+    offered: list[list[Offer]] = field(default_factory=list)  # last step's offers per row
 
     @classmethod
-    def of(cls, prompts: list[list[int]]) -> Context:
-        return cls([ContextIndex(list(p)) for p in prompts])
+    def of(cls, prompts: list[list[int]], datastore: Datastore | None = None) -> Context:
+        return cls([ContextIndex(list(p)) for p in prompts], datastore=datastore)
 
     def keep(self, rows: list[int]) -> Context:
-        return Context([self.indexes[i] for i in rows], self.stats,
+        return Context([self.indexes[i] for i in rows], self.stats, self.datastore,
                        [self.offered[i] for i in rows] if self.offered else [])
 
-    def chains(self, roots: list[int], depth: int) -> list[tuple[int, list[int]]]:
-        """Each sequence's chain after its root (the root is the next token, not yet emitted)."""
+    def chains(self, roots: list[int], depth: int) -> list[list[Offer]]:
+        """Each sequence's chains after its root (the root is the next token, not yet emitted)."""
         out = []
         for index, root in zip(self.indexes, roots, strict=True):
             index.tokens.append(root)  # looked up with the root as the last token, then taken back
-            out.append(index.lookup(depth))
+            n, chain = index.lookup(depth)
+            row = [Offer(chain, n=n)] if n else []
+            if self.datastore is not None:
+                found = self.datastore.chain(index.tokens, depth)
+                if found.tokens:
+                    row.append(Offer(found.tokens, found=found))
             index.tokens.pop()
+            out.append(row)
         self.offered = out
         return out
 
+    def scores(self, offer: Offer) -> list[float]:
+        if offer.n:
+            return self.stats.scores(offer.n, len(offer.tokens))
+        return self.datastore.scores(offer.found)
+
     def advance(self, emitted: list[list[int]], roots: list[int]) -> None:
-        """After a step: each sequence's emitted tokens join its history, and the chain it was
-        offered is judged against them (emitted[1:] then the next root: the tokens after the root)."""
+        """After a step: each sequence's emitted tokens join its history, and the chains it was
+        offered are judged against them (emitted[1:] then the next root: the tokens after the root)."""
         for row, (toks, root) in enumerate(zip(emitted, roots, strict=True)):
-            if self.offered and self.offered[row][0]:
-                n, chain = self.offered[row]
-                self.stats.record(n, chain, toks[1:] + [root])
+            truth = toks[1:] + [root]
+            for offer in self.offered[row] if self.offered else []:
+                if offer.n:  # datastore chains are scored by the datastore's calibration alone
+                    self.stats.record(offer.n, offer.tokens, truth)
             self.indexes[row].extend(toks)
 
 
@@ -336,24 +360,25 @@ def best_chain(ids: list[list[int]], logp: list[list[float]], budget: int) -> li
 
 
 def choose_nodes(tree: DynamicTree, ids: list[list[int]], logp: list[list[float]],
-                 chain: list[int], chain_scores: list[float]) -> list[tuple[float, tuple[int, ...]]]:
+                 chains: list[tuple[list[int], list[float]]]) -> list[tuple[float, tuple[int, ...]]]:
     """One sequence's candidate nodes for this step, (log-probability, token path) best first (ties
     to the shallower node, so every prefix of the list is a tree): the budget's best of the
-    drafter's paths and the context chain, a node in both scored by the higher. A node's
-    probability is the chance that it is accepted, so a prefix's expected accepted tokens is the sum."""
+    drafter's paths and the offered chains (tokens, log-probability per depth), a node offered
+    twice scored by the higher. A node's probability is the chance that it is accepted, so a
+    prefix's expected accepted tokens is the sum."""
     if tree.budget == 0:
         return []
-    if tree.chains_only:  # one chain, the drafter's or the context's: whichever expects more accepted tokens
-        drafted = best_chain(ids, logp, tree.budget)
-        offered = [(s, tuple(chain[: j + 1])) for j, s in enumerate(chain_scores[: tree.budget])]
-        expect = [sum(math.exp(s) for s, _ in nodes) for nodes in (drafted, offered)]
-        return offered if expect[1] > expect[0] else drafted
+    if tree.chains_only:  # one chain, the drafter's or an offered one: whichever expects the most accepted tokens
+        options = [best_chain(ids, logp, tree.budget)]
+        options += [[(s, tuple(chain[: j + 1])) for j, s in enumerate(scores[: tree.budget])] for chain, scores in chains]
+        return max(options, key=lambda nodes: sum(math.exp(s) for s, _ in nodes))
     score: dict[tuple[int, ...], float] = {}
     for s, path in best_paths(ids, logp, tree.budget):
         score[path] = s
-    for j, s in enumerate(chain_scores[: tree.budget]):
-        path = tuple(chain[: j + 1])
-        score[path] = max(s, score.get(path, -math.inf))
+    for chain, scores in chains:
+        for j, s in enumerate(scores[: tree.budget]):
+            path = tuple(chain[: j + 1])
+            score[path] = max(s, score.get(path, -math.inf))
     return sorted(((v, p) for p, v in score.items()), key=lambda n: (-n[0], len(n[1])))[: tree.budget]
 
 
@@ -437,11 +462,9 @@ def step_trees(tree: DynamicTree, roots: torch.Tensor, top_ids: torch.Tensor, to
     roots_l = roots.tolist()
     ids, logp = top_ids[:, : tree.heads, : tree.topk].tolist(), top_logp[:, : tree.heads, : tree.topk].tolist()
     depth = min(tree.budget, MAX_CONTEXT_DEPTH)
-    chains = context.chains(roots_l, depth) if context is not None and tree.context else [(0, [])] * len(roots_l)
-    ranked = []
-    for i, (n, chain) in enumerate(chains):
-        scores = context.stats.scores(n, len(chain)) if n else []
-        ranked.append(choose_nodes(tree, ids[i], logp[i], chain, scores))
+    offers = context.chains(roots_l, depth) if context is not None and tree.context else [[] for _ in roots_l]
+    ranked = [choose_nodes(tree, ids[i], logp[i], [(o.tokens, context.scores(o)) for o in row])
+              for i, row in enumerate(offers)]
     # The batch verifies one width, chosen for the batch's tokens per unit of time: a slot costs every
     # sequence, so one sequence's long chain is not worth it when the others have nothing to verify.
     width = worth(ranked, tree.slot_cost)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from medusa_trt.engine_dir import ENGINE_JSON, EngineError, read_engine
 from medusa_trt.errors import read_json_object
+from medusa_trt.runtime import datastore
 from medusa_trt.runtime.backend import Backend
 from medusa_trt.runtime.ort.session import OrtSessionOptions
 from medusa_trt.runtime.torch_backend import TorchBackend
@@ -36,6 +37,8 @@ def load_backend(directory: str | Path, dtype: str | None = None, device: str | 
             tree = tuple(tuple(p) for p in tree)
         source = medusa.get("tree_source")
     backend.info = replace(backend.info, tree=tree, tree_source=source, stop_token_ids=stop_tokens(directory))
+    if (directory / datastore.FILE).is_file():
+        backend.datastore = datastore.load(directory / datastore.FILE)
     return backend
 
 

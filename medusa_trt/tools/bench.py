@@ -93,6 +93,10 @@ class ForwardTimer(Backend):
     def host_threads(self) -> int | None:
         return self.backend.host_threads
 
+    @property
+    def datastore(self):
+        return self.backend.datastore
+
     def start(self, batch: int, capacity: int) -> None:
         self.backend.start(batch, capacity)
 
@@ -196,15 +200,16 @@ def medusa_ratios(plain: ModeSummary, medusa: ModeSummary) -> dict:
 
 def also_mode(spec: str) -> dict:
     """medusa-bench --also: GenerationConfig fields of TREE, with suffixes /no-context (no context
-    candidates), /fill (a per-step tree fills its budget every step: slot_cost 0) and /cost=X (a
+    candidates), /no-datastore (no chains from the engine's datastore), /fill (a per-step tree fills its budget every step: slot_cost 0) and /cost=X (a
     per-step tree's slot cost X, in plain steps per slot)."""
     tree, *flags = spec.split("/")
     cost = [f for f in flags if f.startswith("cost=")]
-    unknown = [f for f in flags if f not in ("no-context", "fill") and f not in cost]
-    expected = "expected TREE[/no-context][/fill][/cost=X]"
+    unknown = [f for f in flags if f not in ("no-context", "no-datastore", "fill") and f not in cost]
+    expected = "expected TREE[/no-context][/no-datastore][/fill][/cost=X]"
     if unknown:
         raise BenchError(f"--also {spec!r}: unknown suffix /{unknown[0]}; {expected}")
-    fields = {"medusa_choices": tree, "context_candidates": "no-context" not in flags}
+    fields = {"medusa_choices": tree, "context_candidates": "no-context" not in flags,
+              "datastore": "no-datastore" not in flags}
     if "fill" in flags:
         fields["slot_cost"] = 0.0
     for f in cost:

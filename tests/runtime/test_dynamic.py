@@ -60,7 +60,7 @@ def test_context_chain_and_drafter_share_a_budget():
     ids = [[10, 11, 12], [20, 21, 22]]
     logp = [[math.log(0.5), math.log(0.2), math.log(0.1)], [math.log(0.4), math.log(0.3), math.log(0.1)]]
     # A confident chain that starts with the drafter's second choice: its nodes outrank the drafter's deeper ones.
-    ranked = choose_nodes(tree, ids, logp, [11, 30, 31, 32], [math.log(0.9)] * 2 + [math.log(0.8)] * 2)
+    ranked = choose_nodes(tree, ids, logp, [([11, 30, 31, 32], [math.log(0.9)] * 2 + [math.log(0.8)] * 2)])
     assert [s for s, _ in ranked] == sorted((s for s, _ in ranked), reverse=True)
     nodes = [p for _, p in ranked]
     assert len(nodes) == 6
@@ -68,7 +68,7 @@ def test_context_chain_and_drafter_share_a_budget():
     assert (10,) in nodes and (10, 20) in nodes  # the drafter's best two: 0.5 and 0.2 beat the rest
     assert all(p[:-1] in nodes for p in nodes if len(p) > 1)
     assert all(p[:-1] in nodes[:i] for i, p in enumerate(nodes) if len(p) > 1)  # every prefix of the ranking is a tree
-    chain = choose_nodes(DynamicTree(6, 2, 3, chains_only=True), ids, logp, [11, 30, 31, 32], [math.log(0.9)] * 4)
+    chain = choose_nodes(DynamicTree(6, 2, 3, chains_only=True), ids, logp, [([11, 30, 31, 32], [math.log(0.9)] * 4)])
     assert [p for _, p in chain] == [(11,), (11, 30), (11, 30, 31), (11, 30, 31, 32)]  # the chain expecting more
 
 

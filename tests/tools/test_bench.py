@@ -92,9 +92,10 @@ def test_forward_timer_times_the_drafter_calls_apart(ort_engine):
 
 
 def test_also_mode_suffixes():
-    assert bench.also_mode("dynamic:8") == {"medusa_choices": "dynamic:8", "context_candidates": True}
+    assert bench.also_mode("dynamic:8") == {"medusa_choices": "dynamic:8", "context_candidates": True, "datastore": True}
     assert bench.also_mode("dynamic:8/no-context/fill") == {"medusa_choices": "dynamic:8", "context_candidates": False,
-                                                           "slot_cost": 0.0}
+                                                           "datastore": True, "slot_cost": 0.0}
+    assert bench.also_mode("dynamic:8/no-datastore")["datastore"] is False
     assert bench.also_mode("dynamic:8/cost=0.3")["slot_cost"] == 0.3
     for bad, said in (("dynamic:8/wide", "unknown suffix /wide"), ("dynamic:8/cost=x", "/cost=x is not a number"),
                       ("dynamic:8/cost=-1", "expected a finite number >= 0"), ("dynamic:8/cost=inf", ">= 0")):

@@ -19,10 +19,9 @@ from transformers import AutoModelForCausalLM
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))
 
-import drafter_corpus  # noqa: E402
 import train_smollm2_drafters as recipe  # noqa: E402
 
-from medusa_trt.tools import train_drafter  # noqa: E402
+from medusa_trt.tools import drafter_corpus, train_drafter  # noqa: E402
 
 
 def _prompts(rng: random.Random, n: int, lo: int, hi: int) -> list[list[int]]:
@@ -115,7 +114,7 @@ def test_corpus_parts_roll_over_and_read_back_whole(tmp_path):
 
 def test_a_corpus_part_that_is_not_one_is_refused_naming_the_file(tmp_path):
     (tmp_path / "part-x.npz.xz").write_bytes(b"not xz")
-    with pytest.raises(SystemExit, match="part-x.npz.xz: not a drafter corpus part"):
+    with pytest.raises(drafter_corpus.CorpusError, match="part-x.npz.xz: not a drafter corpus part"):
         drafter_corpus.read([tmp_path])
 
 

@@ -40,26 +40,32 @@ def prompt_key(prompt: list[int]) -> int:
     return int.from_bytes(hashlib.blake2b(np.asarray(prompt, dtype=np.uint16).tobytes(), digest_size=8).digest(), "little")
 
 
-def read(directories: list[Path]) -> tuple[dict[int, list[int]], list[dict]]:
-    """Every continuation in the parts of `directories` (or in parts named by their file) by its
-    prompt's key (the first part read wins a key two parts hold), and each part's meta with its name
-    and size."""
+class CorpusError(ValueError):
+    """A part that cannot be read, with its path and what was expected."""
+
+
+def read(directories: list[Path], splits: tuple[str, ...] = SPLITS) -> tuple[dict[int, list[int]], list[dict]]:
+    """Every continuation of the `splits` in the parts of `directories` (or in parts named by their
+    file) by its prompt's key (the first part read wins a key two parts hold), and each part's meta
+    with its name and size."""
     conts: dict[int, list[int]] = {}
     metas = []
     paths = {p for d in directories if d.is_dir() for p in d.glob("*" + SUFFIX)}
     for path in sorted(paths | {d for d in directories if d.is_file()}):
         try:
             z = np.load(io.BytesIO(lzma.decompress(path.read_bytes())))
-            keys, tokens, offsets = z["keys"], z["tokens"], z["offsets"]
+            keys, split, tokens, offsets = z["keys"], z["split"], z["tokens"], z["offsets"]
             meta = json.loads(str(z["meta"]))
         except (lzma.LZMAError, OSError, KeyError, ValueError) as e:
-            raise SystemExit(f"{path}: not a drafter corpus part ({e}); expected {SUFFIX} as scripts/drafter_corpus.py "
+            raise CorpusError(f"{path}: not a drafter corpus part ({e}); expected {SUFFIX} as medusa_trt/tools/drafter_corpus.py "
                              "writes it") from None
-        if len(offsets) != len(keys) + 1 or offsets[-1] != len(tokens):
-            raise SystemExit(f"{path}: {len(keys)} keys against {len(offsets)} offsets ending at {offsets[-1]}, "
-                             f"{len(tokens)} tokens; expected n + 1 offsets ending at the token count")
-        for k, a, b in zip(keys.tolist(), offsets[:-1].tolist(), offsets[1:].tolist(), strict=True):
-            conts.setdefault(k, tokens[a:b].astype(np.int64).tolist())
+        if len(offsets) != len(keys) + 1 or len(split) != len(keys) or offsets[-1] != len(tokens):
+            raise CorpusError(f"{path}: {len(keys)} keys and {len(split)} splits against {len(offsets)} offsets ending at {offsets[-1]}, "
+                             f"{len(tokens)} tokens; expected n splits and n + 1 offsets ending at the token count")
+        wanted = [SPLITS.index(name) for name in splits]
+        for k, sp, a, b in zip(keys.tolist(), split.tolist(), offsets[:-1].tolist(), offsets[1:].tolist(), strict=True):
+            if sp in wanted:
+                conts.setdefault(k, tokens[a:b].astype(np.int64).tolist())
         metas.append({"part": path.name, "sequences": len(keys), "tokens": len(tokens), **meta})
     return conts, metas
 

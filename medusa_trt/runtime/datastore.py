@@ -1,0 +1,261 @@
+"""A datastore of the base model's own text as a source of draft chains (retrieval drafting, after
+REST): the longest suffix of the sequence so far that the datastore holds, and the continuation its
+occurrences agree on, offered to the per-step tree beside the drafter's paths and the prompt's own
+n-grams (runtime/dynamic.py).
+
+The text is the base model's greedy continuations of training prompts (the drafter recipe's corpus),
+so the datastore holds what this model says, not what people wrote: set phrases, code idioms, the
+shapes of its answers. It is stored reversed, with a suffix order over its first WINDOW tokens: the
+reversed sequence so far is then a prefix to look up, and each further token of match narrows the
+range found for the token before (one binary search per token, no rescans).
+
+A chain's nodes are scored by how often such chains were right (`calibration`): measured when the
+datastore is built, on sequences held aside from it (one in CALIBRATION_EVERY), by the match length,
+the chain's cumulative agreement and the depth. A long match whose occurrences agree is right deep
+into the chain; a two-token match rarely past its first token (docs/design.md, datastore).
+
+File (`datastore.npz`, written by `medusa-build --datastore`): `tokens` (the reversed stream, int32,
+SEPARATOR between sequences), `order` (int32 or int64 positions of `tokens` sorted by their next
+WINDOW tokens), `calibration` (float32 [match buckets, agreement bins, depths]: the share of chains
+right through that depth), `meta` (JSON: sequences, tokens, window, source, calibration counts).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from medusa_trt.errors import MedusaTrtError
+
+WINDOW = 16  # the longest suffix matched; the order sorts this many tokens
+MIN_MATCH = 2  # a shorter match says too little about what follows
+MAX_OCCURRENCES = 64  # occurrences a chain is voted from (evenly spaced over the match's range)
+SEPARATOR = -1
+FILE = "datastore.npz"
+MATCH_BUCKETS = (2, 4, 8, 12)  # calibration rows: the match length's bucket
+AGREEMENT_BINS = 10  # calibration columns: the chain's cumulative agreement, in tenths
+DEPTHS = 8  # calibration depths; deeper nodes share the last
+CALIBRATION_EVERY = 50  # one source sequence in this many is held aside to calibrate on
+CALIBRATION_STRIDE = 4  # ... at every this-many-th position
+CALIBRATION_SEQUENCES = 400  # at most
+
+
+class DatastoreError(MedusaTrtError):
+    """A datastore file or source that cannot be read, with the path and what was expected."""
+
+
+@dataclass(frozen=True)
+class Chain:
+    """What the datastore offers after a sequence: `match` tokens of suffix matched, the chain, and
+    at each depth the share of the occurrences (agreeing so far) that continue with its token."""
+
+    match: int
+    tokens: list[int]
+    agreement: list[float]
+
+
+@dataclass(frozen=True)
+class Datastore:
+    tokens: np.ndarray  # reversed token stream, SEPARATOR between sequences
+    order: np.ndarray  # positions of `tokens`, sorted by their next WINDOW tokens
+    sequences: int
+    calibration: np.ndarray | None = None  # [buckets, bins, depths] share right; None: uncalibrated
+
+    def __len__(self) -> int:
+        return len(self.tokens) - self.sequences
+
+    def _range(self, lo: int, hi: int, j: int, token: int) -> tuple[int, int]:
+        """The sub-range of order[lo:hi] (positions that agree on tokens 0..j-1) whose token j is
+        `token`; they are sorted by it."""
+        t, o, n = self.tokens, self.order, len(self.tokens)
+
+        def at(m: int) -> int:
+            p = int(o[m]) + j
+            return int(t[p]) if p < n else SEPARATOR - 1  # past the end sorts first, as in build
+
+        a, b = lo, hi
+        while a < b:  # first with at() >= token
+            m = (a + b) // 2
+            if at(m) < token:
+                a = m + 1
+            else:
+                b = m
+        c, d = a, hi
+        while c < d:  # first with at() > token
+            m = (c + d) // 2
+            if at(m) <= token:
+                c = m + 1
+            else:
+                d = m
+        return a, c
+
+    def chain(self, history: list[int], depth: int) -> Chain:
+        """The continuation of the longest suffix of `history` (WINDOW tokens at most, MIN_MATCH at
+        least) the datastore holds: at each depth the token most of the agreeing occurrences have
+        next, until they run out or reach a sequence's end."""
+        lo, hi, match = 0, len(self.order), 0
+        for j in range(min(WINDOW, len(history))):
+            a, b = self._range(lo, hi, j, history[-1 - j])
+            if a == b:
+                break
+            lo, hi, match = a, b, j + 1
+        if match < MIN_MATCH or depth < 1:
+            return Chain(match, [], [])
+        picks = np.linspace(lo, hi - 1, num=min(hi - lo, MAX_OCCURRENCES)).round().astype(np.int64)
+        # An occurrence at reversed position s continues (forward) at s - 1, s - 2, ...
+        at = self.order[np.unique(picks)].astype(np.int64) - 1
+        tokens, agreement = [], []
+        for _ in range(depth):
+            at = at[at >= 0]
+            if not len(at):
+                break
+            nxt = self.tokens[at]
+            values, counts = np.unique(nxt, return_counts=True)
+            best = int(counts.argmax())
+            if values[best] == SEPARATOR:
+                break
+            tokens.append(int(values[best]))
+            agreement.append(float(counts[best]) / len(at))
+            at = at[nxt == values[best]] - 1
+        return Chain(match, tokens, agreement)
+
+
+    def scores(self, chain: Chain) -> list[float]:
+        """Log-probability that `chain` is right through each depth, non-increasing: its calibration
+        cell (match bucket, cumulative agreement, depth); uncalibrated, half its cumulative agreement."""
+        bucket = sum(chain.match >= b for b in MATCH_BUCKETS) - 1
+        out, best, agree = [], 0.0, 1.0
+        for j, a in enumerate(chain.agreement):
+            agree *= a
+            if self.calibration is None:
+                p = 0.5 * agree
+            else:
+                p = float(self.calibration[bucket, min(int(agree * AGREEMENT_BINS), AGREEMENT_BINS - 1), min(j, DEPTHS - 1)])
+            best = min(best, math.log(max(p, 1e-9)))
+            out.append(best)
+        return out
+
+
+def build(sequences: list[list[int]]) -> Datastore:
+    """The datastore of `sequences` (token ids), calibrated on one in CALIBRATION_EVERY of them held
+    aside (none held aside from fewer than 2 x CALIBRATION_EVERY: uncalibrated)."""
+    if len(sequences) < 2 * CALIBRATION_EVERY:
+        return _index(sequences)
+    held = [s for i, s in enumerate(sequences) if i % CALIBRATION_EVERY == 0][:CALIBRATION_SEQUENCES]
+    store = _index([s for i, s in enumerate(sequences) if i % CALIBRATION_EVERY])
+    return replace(store, calibration=_calibrate(store, held))
+
+
+def _calibrate(store: Datastore, held: list[list[int]]) -> np.ndarray:
+    """The share of `store`'s chains right through each depth, by match bucket and cumulative
+    agreement, after positions of `held` (sequences it does not hold); a sparse cell leans to 0.1."""
+    right = np.zeros((len(MATCH_BUCKETS), AGREEMENT_BINS, DEPTHS))
+    total = np.zeros_like(right)
+    for seq in held:
+        for t in range(1, len(seq) - 1, CALIBRATION_STRIDE):
+            chain = store.chain(seq[: t + 1], WINDOW)
+            bucket = sum(chain.match >= b for b in MATCH_BUCKETS) - 1
+            agree, ok = 1.0, True
+            for j, (token, a) in enumerate(zip(chain.tokens, chain.agreement, strict=True)):
+                if t + 1 + j >= len(seq):
+                    break
+                agree *= a
+                ok = ok and token == seq[t + 1 + j]
+                cell = bucket, min(int(agree * AGREEMENT_BINS), AGREEMENT_BINS - 1), min(j, DEPTHS - 1)
+                right[cell] += ok
+                total[cell] += 1
+    return ((right + 0.1) / (total + 1)).astype(np.float32)
+
+
+def _index(sequences: list[list[int]]) -> Datastore:
+    """The datastore of `sequences` (token ids), each ending at a separator so no match or chain
+    crosses into the next."""
+    forward = []
+    for seq in sequences:
+        forward.extend(seq)
+        forward.append(SEPARATOR)
+    tokens = np.asarray(forward[::-1], dtype=np.int32)
+    n = len(tokens)
+    # Prefix doubling: rank by the first 1, 2, 4, ... WINDOW tokens. Rank 0 is "past the end".
+    rank = tokens.astype(np.int64) - SEPARATOR + 1
+    k = 1
+    while k < WINDOW:
+        after = np.zeros(n, dtype=np.int64)
+        after[: n - k] = rank[k:]
+        _, rank = np.unique(rank * (n + 2) + after, return_inverse=True)
+        rank = rank.astype(np.int64) + 1
+        k *= 2
+    order = np.argsort(rank, kind="stable").astype(np.int32 if n < 2**31 else np.int64)
+    return Datastore(tokens, order, len(sequences))
+
+
+def save(store: Datastore, path: Path, source: str) -> None:
+    meta = {"sequences": store.sequences, "tokens": len(store), "window": WINDOW, "source": source}
+    tmp = path.with_name(path.name + ".tmp.npz")
+    arrays = {} if store.calibration is None else {"calibration": store.calibration}
+    np.savez(tmp, tokens=store.tokens, order=store.order, meta=np.array(json.dumps(meta)), **arrays)
+    tmp.replace(path)
+
+
+def load(path: Path) -> Datastore:
+    """A datastore file as `save` writes it; a file that is not one is one DatastoreError line."""
+    try:
+        with np.load(path) as z:
+            tokens, order, meta = z["tokens"], z["order"], json.loads(str(z["meta"]))
+            calibration = z["calibration"] if "calibration" in z.files else None
+    except (OSError, KeyError, ValueError) as e:
+        raise DatastoreError(f"{path}: not a datastore ({e}); expected {FILE} as medusa-build --datastore writes it") from None
+    if meta.get("window") != WINDOW or len(order) != len(tokens) or tokens.ndim != 1:
+        raise DatastoreError(f"{path}: window {meta.get('window')}, {len(tokens)} tokens and {len(order)} order entries; "
+                             f"expected window {WINDOW} and one order entry per token")
+    shape = (len(MATCH_BUCKETS), AGREEMENT_BINS, DEPTHS)
+    if calibration is not None and calibration.shape != shape:
+        raise DatastoreError(f"{path}: calibration of shape {calibration.shape}; expected {shape}")
+    return Datastore(tokens, order, int(meta["sequences"]), calibration)
+
+
+SOURCE_EXPECTED = ('expected a directory of drafter corpus parts (*.npz.xz, medusa_trt/tools/drafter_corpus.py) or a '
+                   'JSONL file of {"text": ...} lines: the base model\'s own outputs')
+
+
+def read_source(path: Path, tokenizer_dir: Path) -> list[list[int]]:
+    """The token sequences of a datastore source: a drafter corpus directory (its training-side
+    continuations; held-out ones are never read) or a JSONL file of texts, tokenized with the
+    tokenizer in `tokenizer_dir`. Anything else, or no text, is one DatastoreError line."""
+    from medusa_trt.tools import drafter_corpus
+
+    path = Path(path)
+    if path.is_dir():
+        try:
+            conts, parts = drafter_corpus.read([path], splits=("first", "later"))
+        except drafter_corpus.CorpusError as e:
+            raise DatastoreError(f"--datastore {e}") from None
+        sequences = [c for c in conts.values() if c]
+        where = f"{len(parts)} parts"
+    elif path.is_file() and path.suffix == ".jsonl":
+        from medusa_trt.runtime.loading import load_tokenizer
+
+        tok = load_tokenizer(tokenizer_dir)
+        sequences = []
+        for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                text = json.loads(line)["text"]
+            except (ValueError, KeyError, TypeError):
+                raise DatastoreError(f"--datastore {path}:{number}: not a JSON object with a \"text\" field; "
+                                     f"{SOURCE_EXPECTED}") from None
+            if not isinstance(text, str):
+                raise DatastoreError(f"--datastore {path}:{number}: \"text\" is {type(text).__name__}; expected a string")
+            sequences.append(tok.encode(text, add_special_tokens=False))
+        where = "lines"
+    else:
+        why = "no such file or directory" if not path.exists() else "neither a directory nor a .jsonl file"
+        raise DatastoreError(f"--datastore {path}: {why}; {SOURCE_EXPECTED}")
+    if sum(len(s) for s in sequences) < MIN_MATCH + 1:
+        raise DatastoreError(f"--datastore {path}: no text in its {where}; {SOURCE_EXPECTED}")
+    return sequences

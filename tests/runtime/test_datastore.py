@@ -1,0 +1,167 @@
+"""The datastore (runtime/datastore.py): its lookup against a brute-force search, its calibration and
+file, the sources medusa-build reads, and decoding with it (greedy unchanged, more tokens a step)."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from medusa_trt.cli import build as build_cli
+from medusa_trt.runtime import datastore
+from medusa_trt.runtime.decoding import GenerationConfig, decode
+from medusa_trt.runtime.loading import load_backend
+from medusa_trt.tools import drafter_corpus
+from tests.runtime.test_decoding import EOS, oracle, prompts
+
+
+def _brute(sequences: list[list[int]], history: list[int], depth: int) -> tuple[int, list[int]]:
+    """The longest suffix match (<= WINDOW) and, for at most MAX_OCCURRENCES occurrences, the chain
+    of majority next tokens (ties to the smallest token, a sequence's end losing them all)."""
+    match, occ = 0, []
+    for n in range(1, min(datastore.WINDOW, len(history)) + 1):
+        found = [(s, i + n) for s, seq in enumerate(sequences) for i in range(len(seq) - n + 1)
+                 if seq[i:i + n] == history[-n:]]
+        if not found:
+            break
+        match, occ = n, found
+    if match < datastore.MIN_MATCH or len(occ) > datastore.MAX_OCCURRENCES:
+        return match, None
+    chain = []
+    for d in range(depth):
+        nxt = [sequences[s][p + d] if p + d < len(sequences[s]) else -1 for s, p in occ]
+        if not nxt:
+            break
+        counts = Counter(nxt)
+        best = min(counts, key=lambda t: (-counts[t], t))
+        if best == -1:
+            break
+        chain.append(best)
+        occ = [o for o, t in zip(occ, nxt, strict=True) if t == best]
+    return match, chain
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_lookup_finds_the_longest_match_and_the_majority_chain(seed):
+    rng = random.Random(seed)
+    sequences = [[rng.randint(0, 5) for _ in range(rng.randint(1, 40))] for _ in range(60)]
+    store = datastore.build(sequences)  # fewer than 2 x CALIBRATION_EVERY: every sequence is indexed
+    assert store.calibration is None and len(store) == sum(map(len, sequences))
+    for _ in range(200):
+        history = [rng.randint(0, 5) for _ in range(rng.randint(1, 20))]
+        found = store.chain(history, 5)
+        match, chain = _brute(sequences, history, 5)
+        assert found.match == match
+        if chain is not None:
+            assert found.tokens == chain
+            assert all(0 < a <= 1 for a in found.agreement)
+        if match < datastore.MIN_MATCH:
+            assert found.tokens == []
+
+
+def test_calibration_scores_long_agreeing_matches_higher(tmp_path):
+    rng = random.Random(1)
+    phrases = [[rng.randrange(100, 200) for _ in range(24)] for _ in range(5)]
+    # Sequences of noise with set phrases in them: a long match inside a phrase continues it.
+    sequences = [[rng.randrange(200, 5000) for _ in range(8)] + rng.choice(phrases) + [rng.randrange(200, 5000) for _ in range(8)]
+                 for _ in range(300)]
+    store = datastore.build(sequences)
+    assert store.calibration is not None
+    assert store.calibration.shape == (len(datastore.MATCH_BUCKETS), datastore.AGREEMENT_BINS, datastore.DEPTHS)
+    assert store.sequences == 300 - 300 // datastore.CALIBRATION_EVERY  # the held-aside ones are not indexed
+    inside = store.chain(phrases[0][:14], 8)
+    assert inside.match == 14 and inside.tokens == phrases[0][14:22]
+    scores = store.scores(inside)
+    assert scores == sorted(scores, reverse=True) and scores[0] > np.log(0.8)
+    ending = store.chain(phrases[1][-14:], 4)  # noise follows a phrase: its occurrences disagree
+    assert ending.match == 14 and ending.agreement[0] < 0.2 and store.scores(ending)[0] < np.log(0.2)
+
+    path = tmp_path / datastore.FILE
+    datastore.save(store, path, source="test")
+    back = datastore.load(path)
+    assert np.array_equal(back.tokens, store.tokens) and np.array_equal(back.order, store.order)
+    assert np.array_equal(back.calibration, store.calibration) and back.sequences == store.sequences
+    assert back.chain(phrases[0][:14], 8) == inside
+
+
+def test_a_file_that_is_not_a_datastore_is_one_line(tmp_path):
+    bad = tmp_path / datastore.FILE
+    bad.write_bytes(b"not a zip")
+    with pytest.raises(datastore.DatastoreError, match=r"datastore.npz: not a datastore .*expected datastore.npz"):
+        datastore.load(bad)
+    np.savez(bad, tokens=np.zeros(3, np.int32), order=np.zeros(2, np.int32), meta=np.array(json.dumps({"window": 16, "sequences": 1})))
+    with pytest.raises(datastore.DatastoreError, match="3 tokens and 2 order entries"):
+        datastore.load(bad)
+
+
+def test_sources_leave_held_out_text_out_and_refuse_bad_input(tmp_path, tiny_base):
+    corpus = tmp_path / "corpus"
+    writer = drafter_corpus.Writer(corpus, {"decoder": "test"})
+    writer.add([1, 2], "eval", [50, 51, 52])
+    writer.add([3, 4], "first", [60, 61, 62])
+    writer.add([5, 6], "later", [70, 71])
+    writer.close()
+    assert sorted(datastore.read_source(corpus, tiny_base("llama"))) == [[60, 61, 62], [70, 71]]
+
+    lines = tmp_path / "text.jsonl"
+    lines.write_text(json.dumps({"text": "hello world"}) + "\n\n" + json.dumps({"text": "again"}) + "\n")
+    assert len(datastore.read_source(lines, tiny_base("llama"))) == 2
+    for body, message in [('{"text": "ok"}\n[1, 2]\n', r"text.jsonl:2: not a JSON object with a \"text\" field"),
+                          ('{"text": 7}\n', r"text.jsonl:1: \"text\" is int; expected a string"),
+                          ("\n", "text.jsonl: no text in its lines")]:
+        lines.write_text(body)
+        with pytest.raises(datastore.DatastoreError, match=message):
+            datastore.read_source(lines, tiny_base("llama"))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(datastore.DatastoreError, match="empty: no text in its 0 parts"):
+        datastore.read_source(empty, tiny_base("llama"))
+    with pytest.raises(datastore.DatastoreError, match="nothing: no such file or directory; expected a directory"):
+        datastore.read_source(tmp_path / "nothing", tiny_base("llama"))
+    (tmp_path / "text.txt").write_text("x")
+    with pytest.raises(datastore.DatastoreError, match="text.txt: neither a directory nor a .jsonl file"):
+        datastore.read_source(tmp_path / "text.txt", tiny_base("llama"))
+
+
+def test_decoding_with_a_datastore_keeps_greedy_and_accepts_more(distilled):
+    """A datastore of the base's own continuations: chains from it are right, so a step accepts more
+    tokens, and greedy output stays the base's own token for token."""
+    m = distilled("llama")
+    ps = prompts(8)
+    truth = [oracle(m.hf, p) for p in ps]
+    cfg = GenerationConfig(max_new_tokens=48, medusa_choices="dynamic:8", stop_token_ids=(EOS,))
+    without = decode(m.backend, ps, cfg)
+    m.backend.datastore = datastore.build([p + t for p, t in zip(ps, truth, strict=True)])
+    try:
+        with_store = decode(m.backend, ps, cfg)
+        off = decode(m.backend, ps, GenerationConfig(**{**cfg.__dict__, "datastore": False}))
+    finally:
+        m.backend.datastore = None
+    assert with_store.tokens == truth and without.tokens == truth and off.tokens == truth
+
+    def per_step(r):
+        return sum(s.new_tokens for s in r.stats) / sum(s.steps for s in r.stats)
+    assert per_step(off) == per_step(without)
+    assert per_step(with_store) > 1.3 * per_step(without)
+
+
+def test_medusa_build_indexes_a_datastore_or_refuses_its_source(tmp_path, tiny_merged, capsys):
+    ckpt = tiny_merged("llama")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("not json\n")
+    out = tmp_path / "engine"
+    assert build_cli.main(["--checkpoint", str(ckpt), "--out", str(out), "--datastore", str(bad), "--quiet"]) == 2
+    assert "bad.jsonl:1: not a JSON object" in capsys.readouterr().err
+    assert not out.exists() and not any(tmp_path.glob(".engine.tmp-*"))
+
+    text = tmp_path / "text.jsonl"
+    text.write_text("".join(json.dumps({"text": f"the model says {i} things"}) + "\n" for i in range(5)))
+    assert build_cli.main(["--checkpoint", str(ckpt), "--out", str(out), "--datastore", str(text)]) == 0
+    assert "datastore" in capsys.readouterr().out
+    engine = json.loads((out / "engine.json").read_text())
+    assert datastore.FILE in engine["artifacts"] and engine["build"]["options"]["datastore"] == str(text)
+    backend = load_backend(out)
+    assert backend.datastore is not None and backend.datastore.sequences == 5
