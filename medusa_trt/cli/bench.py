@@ -108,7 +108,8 @@ def _main(argv: list[str] | None = None) -> int:
         for mode in extra.values():
             step_tree(backend.info, mode["medusa_choices"])  # a bad tree: one line, exit 2, before any work
         result = compare(backend, prompts, tree, args.max_new_tokens, stops, args.repeat, progress=not args.quiet,
-                         extra_modes=extra, sampling=sampling, context_candidates=args.context_candidates)
+                         extra_modes=extra, sampling=sampling, context_candidates=args.context_candidates,
+                         datastore=args.datastore)
         hf = {"skipped": hf_note} if hf_note else None
         if hf_dir is not None:
             plain_tokens = None

@@ -212,7 +212,8 @@ def add_tree_arg(p: argparse.ArgumentParser, *, default: str | None = None,
                              "N most probable nodes chosen each step, kept while worth C plain steps a slot; default: "
                              "the tree the engine records, medusa-build --tree)", context: bool = True) -> None:
     """--medusa-choices; its help names the presets, which are otherwise listed only in an error. With
-    `context`, --no-context-candidates too (per-step trees' continuations from the context)."""
+    `context`, --no-context-candidates and --no-datastore too (per-step trees' chains from the context
+    and from the engine's datastore)."""
     from medusa_trt.tree import preset_names
 
     p.add_argument("--medusa-choices", default=default, help=f"{help}; presets: {', '.join(preset_names())}")
@@ -220,6 +221,9 @@ def add_tree_arg(p: argparse.ArgumentParser, *, default: str | None = None,
         p.add_argument("--no-context-candidates", dest="context_candidates", action="store_false",
                        help="dynamic:N trees: do not offer continuations found in the prompt and generated text "
                             "(prompt lookup) as candidates")
+        p.add_argument("--no-datastore", dest="datastore", action="store_false",
+                       help="dynamic:N trees: do not offer continuations from the engine's datastore "
+                            "(medusa-build --datastore)")
 
 
 def add_max_new_tokens_arg(p: argparse.ArgumentParser, *, default: int, help: str | None = None,

@@ -90,7 +90,7 @@ def _main(argv: list[str] | None = None) -> int:
         tree, described = resolve_tree(backend.info, args.medusa_choices)
         cfg = GenerationConfig(
             max_new_tokens=args.max_new_tokens, use_medusa=not args.no_medusa, medusa_choices=tree,
-            context_candidates=args.context_candidates,
+            context_candidates=args.context_candidates, datastore=args.datastore,
             stop_token_ids=stop_tokens(directory, tok), **sampling_options(args),
         )
         prompts = encode_prompts(tok, texts, args)

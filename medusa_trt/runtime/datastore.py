@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, replace
+from collections import Counter
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -64,6 +65,13 @@ class Datastore:
     order: np.ndarray  # positions of `tokens`, sorted by their next WINDOW tokens
     sequences: int
     calibration: np.ndarray | None = None  # [buckets, bins, depths] share right; None: uncalibrated
+    # order's range of each first token (token - SEPARATOR): a lookup's first step, its widest, is a read
+    starts: np.ndarray = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        first = self.tokens[self.order]
+        values = np.arange(SEPARATOR, int(first.max(initial=SEPARATOR)) + 2)
+        object.__setattr__(self, "starts", np.searchsorted(first, values))
 
     def __len__(self) -> int:
         return len(self.tokens) - self.sequences
@@ -72,6 +80,10 @@ class Datastore:
         """The sub-range of order[lo:hi] (positions that agree on tokens 0..j-1) whose token j is
         `token`; they are sorted by it."""
         t, o, n = self.tokens, self.order, len(self.tokens)
+        if hi - lo <= 64:  # a short range: one gather and numpy's search beat Python's
+            p = o[lo:hi].astype(np.int64) + j
+            column = np.where(p < n, t[np.minimum(p, n - 1)], SEPARATOR - 1)
+            return lo + int(np.searchsorted(column, token, "left")), lo + int(np.searchsorted(column, token, "right"))
 
         def at(m: int) -> int:
             p = int(o[m]) + j
@@ -99,28 +111,30 @@ class Datastore:
         next, until they run out or reach a sequence's end."""
         lo, hi, match = 0, len(self.order), 0
         for j in range(min(WINDOW, len(history))):
-            a, b = self._range(lo, hi, j, history[-1 - j])
+            if j == 0:
+                i = history[-1] - SEPARATOR
+                a, b = (int(self.starts[i]), int(self.starts[i + 1])) if 0 <= i < len(self.starts) - 1 else (0, 0)
+            else:
+                a, b = self._range(lo, hi, j, history[-1 - j])
             if a == b:
                 break
             lo, hi, match = a, b, j + 1
         if match < MIN_MATCH or depth < 1:
             return Chain(match, [], [])
-        picks = np.linspace(lo, hi - 1, num=min(hi - lo, MAX_OCCURRENCES)).round().astype(np.int64)
-        # An occurrence at reversed position s continues (forward) at s - 1, s - 2, ...
-        at = self.order[np.unique(picks)].astype(np.int64) - 1
+        picks = np.unique(np.linspace(lo, hi - 1, num=min(hi - lo, MAX_OCCURRENCES)).round().astype(np.int64))
+        # An occurrence at reversed position s continues (forward) at s - 1, s - 2, ...; the stream
+        # begins (reversed) with a separator, so no chain reads before it.
+        at = self.order[picks].astype(np.int64)[:, None] - 1 - np.arange(depth)[None, :]
+        alive = self.tokens[np.maximum(at, 0)].tolist()
         tokens, agreement = [], []
-        for _ in range(depth):
-            at = at[at >= 0]
-            if not len(at):
+        for d in range(depth):
+            counts = Counter(row[d] for row in alive)
+            token, count = min(counts.items(), key=lambda kv: (-kv[1], kv[0]))  # ties: the smaller token
+            if token == SEPARATOR:
                 break
-            nxt = self.tokens[at]
-            values, counts = np.unique(nxt, return_counts=True)
-            best = int(counts.argmax())
-            if values[best] == SEPARATOR:
-                break
-            tokens.append(int(values[best]))
-            agreement.append(float(counts[best]) / len(at))
-            at = at[nxt == values[best]] - 1
+            tokens.append(token)
+            agreement.append(count / len(alive))
+            alive = [row for row in alive if row[d] == token]
         return Chain(match, tokens, agreement)
 
 

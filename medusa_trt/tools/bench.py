@@ -225,7 +225,7 @@ def also_mode(spec: str) -> dict:
 def compare(backend: Backend, prompts: list[list[int]], medusa_choices=None, max_new_tokens: int = 128,
             stop_token_ids: tuple[int, ...] = (), repeat: int = 1, warmup: bool = True,
             progress: bool = True, extra_modes: dict | None = None, sampling: dict | None = None,
-            context_candidates: bool = True) -> dict:
+            context_candidates: bool = True, datastore: bool = True) -> dict:
     """Plain vs Medusa (and any `extra_modes` {name: medusa_choices, or a dict of GenerationConfig
     fields}) per prompt, interleaved; medusa_choices None: the engine's own tree (decoding.resolve_tree).
     `sampling`: GenerationConfig fields (acceptance, temperature, top_k, top_p, seed) for the Medusa
@@ -242,9 +242,10 @@ def compare(backend: Backend, prompts: list[list[int]], medusa_choices=None, max
                                        **plain),
              "medusa": GenerationConfig(max_new_tokens=max_new_tokens, medusa_choices=medusa_choices,
                                         stop_token_ids=stop_token_ids, context_candidates=context_candidates,
-                                        **sampling)}
+                                        datastore=datastore, **sampling)}
     for name, mode in (extra_modes or {}).items():
-        fields = mode if isinstance(mode, dict) else {"medusa_choices": mode, "context_candidates": context_candidates}
+        fields = mode if isinstance(mode, dict) else {"medusa_choices": mode, "context_candidates": context_candidates,
+                                                      "datastore": datastore}
         modes[name] = GenerationConfig(max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids, **fields,
                                        **sampling)
     if warmup:  # first calls pay for allocation and ONNX Runtime's lazy initialization

@@ -125,7 +125,8 @@ def run_demo(args) -> int:
     warm = _encode(tok, picked[0])
     for run in runs.values():  # first calls pay for ONNX Runtime's lazy setup
         run["cfg"] = GenerationConfig(max_new_tokens=args.max_new_tokens, medusa_choices=run["tree"],
-                                      stop_token_ids=stops, context_candidates=args.context_candidates)
+                                      stop_token_ids=stops, context_candidates=args.context_candidates,
+                                      datastore=args.datastore)
         for cfg in (plain_cfg, run["cfg"]):
             timed_decode(run["timer"], warm, GenerationConfig(**{**cfg.__dict__, "max_new_tokens": 8}))
 
