@@ -350,15 +350,6 @@ def best_paths(ids: list[list[int]], logp: list[list[float]], budget: int) -> li
     return out
 
 
-def best_chain(ids: list[list[int]], logp: list[list[float]], budget: int) -> list[tuple[float, tuple[int, ...]]]:
-    """The drafter's main chain (each head's most likely token), at most `budget` deep."""
-    out, score = [], 0.0
-    for d in range(min(len(ids), budget)):
-        score += logp[d][0]
-        out.append((score, tuple(ids[i][0] for i in range(d + 1))))
-    return out
-
-
 def choose_nodes(tree: DynamicTree, ids: list[list[int]], logp: list[list[float]],
                  chains: list[tuple[list[int], list[float]]]) -> list[tuple[float, tuple[int, ...]]]:
     """One sequence's candidate nodes for this step, (log-probability, token path) best first (ties
@@ -368,10 +359,6 @@ def choose_nodes(tree: DynamicTree, ids: list[list[int]], logp: list[list[float]
     prefix's expected accepted tokens is the sum."""
     if tree.budget == 0:
         return []
-    if tree.chains_only:  # one chain, the drafter's or an offered one: whichever expects the most accepted tokens
-        options = [best_chain(ids, logp, tree.budget)]
-        options += [[(s, tuple(chain[: j + 1])) for j, s in enumerate(scores[: tree.budget])] for chain, scores in chains]
-        return max(options, key=lambda nodes: sum(math.exp(s) for s, _ in nodes))
     score: dict[tuple[int, ...], float] = {}
     for s, path in best_paths(ids, logp, tree.budget):
         score[path] = s
@@ -379,7 +366,28 @@ def choose_nodes(tree: DynamicTree, ids: list[list[int]], logp: list[list[float]
         for j, s in enumerate(scores[: tree.budget]):
             path = tuple(chain[: j + 1])
             score[path] = max(s, score.get(path, -math.inf))
+    if tree.chains_only:
+        return best_union_chain(score, tree.budget)
     return sorted(((v, p) for p, v in score.items()), key=lambda n: (-n[0], len(n[1])))[: tree.budget]
+
+
+def best_union_chain(score: dict[tuple[int, ...], float], budget: int) -> list[tuple[float, tuple[int, ...]]]:
+    """The chain (at most `budget` deep) of the most expected accepted tokens through the union of
+    candidate nodes (every prefix of a node is a node): it may follow the drafter's path, then an
+    offered chain's tail where the two agree. A node's probability is its chance of acceptance, so a
+    chain's expected accepted tokens is the sum along it."""
+    children: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
+    for path in sorted(score, key=len):
+        children.setdefault(path[:-1], []).append(path)
+    value: dict[tuple[int, ...], float] = {}
+    for path in sorted(score, key=len, reverse=True):  # children before parents
+        below = [value[c] for c in children.get(path, [])]
+        value[path] = math.exp(score[path]) + max(below, default=0.0)
+    out, at = [], ()
+    while len(at) < budget and children.get(at):
+        at = max(children[at], key=lambda c: (value[c], score[c]))
+        out.append((score[at], at))
+    return out
 
 
 def worth(ranked: list[list[tuple[float, tuple[int, ...]]]], slot_cost: float) -> int:

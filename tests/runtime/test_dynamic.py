@@ -19,6 +19,7 @@ from medusa_trt.runtime.dynamic import (
     ContextStats,
     DynamicTree,
     best_paths,
+    best_union_chain,
     build_batch,
     choose_nodes,
     dynamic_tree,
@@ -70,6 +71,18 @@ def test_context_chain_and_drafter_share_a_budget():
     assert all(p[:-1] in nodes[:i] for i, p in enumerate(nodes) if len(p) > 1)  # every prefix of the ranking is a tree
     chain = choose_nodes(DynamicTree(6, 2, 3, chains_only=True), ids, logp, [([11, 30, 31, 32], [math.log(0.9)] * 4)])
     assert [p for _, p in chain] == [(11,), (11, 30), (11, 30, 31), (11, 30, 31, 32)]  # the chain expecting more
+
+
+def test_a_chain_only_engine_gets_the_best_chain_through_every_source():
+    """Where an offered chain starts on the drafter's path, the chain takes each node's better score:
+    the drafter's 0.5 for the shared first token, the offered chain's tail where it expects more."""
+    ids, logp = [[10, 11], [20, 21]], [[math.log(0.5), math.log(0.3)], [math.log(0.4), math.log(0.3)]]
+    offered = ([10, 21, 22], [math.log(0.3), math.log(0.25), math.log(0.25)])
+    chain = choose_nodes(DynamicTree(6, 2, 2, chains_only=True), ids, logp, [offered])
+    assert [p for _, p in chain] == [(10,), (10, 21), (10, 21, 22)]
+    assert [math.exp(s) for s, _ in chain] == pytest.approx([0.5, 0.25, 0.25])
+    assert best_union_chain({(1,): math.log(0.9), (1, 2): math.log(0.8), (1, 2, 3): math.log(0.7)}, 2) == [
+        (math.log(0.9), (1,)), (math.log(0.8), (1, 2))]  # never deeper than the budget
 
 
 def test_a_step_keeps_the_nodes_that_pay_for_their_slots():
