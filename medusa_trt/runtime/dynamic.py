@@ -13,7 +13,9 @@ generated text, and offers what followed it as a chain. A chain node's score is 
 probability that a chain of that match length is right that deep, counted per request (a prior
 until measured). Where a chain node and a drafter node are the same token path they are one node,
 with the higher score. A loop (what followed the match is the suffix itself) continues
-periodically, so a two-token loop offers a chain as deep as the budget allows.
+periodically, so a two-token loop offers a chain as deep as the budget allows. An engine with a
+datastore (runtime/datastore.py: the base model's own text) offers a second chain per sequence, the
+continuation of the longest suffix the datastore holds, scored by the datastore's calibration.
 
 N is a budget: since a node's probability is its chance of being accepted, a step keeps only the
 best nodes that pay for the step time their slots add (`worth`, SLOT_COST). Everything here is host
@@ -312,6 +314,7 @@ class Context:
         return out
 
     def scores(self, offer: Offer) -> list[float]:
+        """An offered chain's log-probability of being right through each depth."""
         if offer.n:
             return self.stats.scores(offer.n, len(offer.tokens))
         return self.datastore.scores(offer.found)
