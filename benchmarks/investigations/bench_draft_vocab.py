@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))  # the 
 
 import train_smollm2_drafters as recipe  # noqa: E402
 
-from medusa_trt.tools import drafter_corpus  # noqa: E402
+from medusa_trt import drafter_corpus  # noqa: E402
 from medusa_trt.tools.train_drafter import coverage, evaluate, target_counts  # noqa: E402
 
 

@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import torch  # noqa: E402
 import train_smollm2_drafters as recipe  # noqa: E402
 
-from medusa_trt.tools import drafter_corpus  # noqa: E402
+from medusa_trt import drafter_corpus  # noqa: E402
 
 FIRST = 128  # prompts.json's held-out prompts, the pack's first
 # The corpus the shipped drafters trained on (summary.json): its training-side list, shuffled as the

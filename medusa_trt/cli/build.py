@@ -76,7 +76,7 @@ def parser() -> argparse.ArgumentParser:
                    "a list of paths or the brace form (default: none; they then use mc_sim_7b_63 cut to the engine)")
     p.add_argument("--datastore", type=Path, help="the base model's own text to draft from beside the drafter "
                    "(per-step trees): a directory of drafter corpus parts (its held-out continuations are left out) "
-                   "or a JSONL file of {\"text\": ...} lines; indexed into the engine's datastore.npz "
+                   "or a .jsonl/.txt file of texts; indexed into the engine's datastore.npz "
                    "(docs/design.md, datastore)")
     p.add_argument("--triton-repo", type=Path, help="also write a Triton Inference Server model repository "
                    "for the engine here (same as medusa-triton --engine OUT --out DIR)")

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from medusa_trt import datastore
 from medusa_trt.checkpoint import check_finite_weights, read_config, validate_checkpoint
 from medusa_trt.engine_dir import (
     DEVICES,
@@ -36,7 +37,6 @@ from medusa_trt.engines.trt.build import build_tensorrt
 from medusa_trt.engines.trtllm.build import build_trtllm
 from medusa_trt.errors import CheckpointError
 from medusa_trt.outputs import atomic_output_dir, check_output_dir
-from medusa_trt.runtime import datastore
 
 log = logging.getLogger(__name__)
 

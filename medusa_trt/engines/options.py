@@ -50,7 +50,7 @@ class BuildOptions:
     # and medusa-bench decode with by default. Anything tree.parse_medusa_choices takes, e.g. the
     # tree.json medusa-tune-tree writes; None: the engine records none.
     tree: object = None
-    # The base model's own text to draft from (runtime/datastore.py: read_source), indexed into the
+    # The base model's own text to draft from (medusa_trt/datastore.py: read_source), indexed into the
     # engine's datastore.npz; None: no datastore.
     datastore: Path | None = None
 

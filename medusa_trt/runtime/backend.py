@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from medusa_trt.runtime.datastore import Datastore
+from medusa_trt.datastore import Datastore
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ class Backend:
     # Torch threads for the decoding loop's own small ops while this backend computes (decoding.generate);
     # None: leave torch's setting alone.
     host_threads: int | None = None
-    # The base model's own text as draft chains for per-step trees (runtime/datastore.py), from the
+    # The base model's own text as draft chains for per-step trees (medusa_trt/datastore.py), from the
     # engine's datastore.npz (medusa-build --datastore); None: none.
     datastore: Datastore | None = None
 

@@ -14,7 +14,7 @@ probability that a chain of that match length is right that deep, counted per re
 until measured). Where a chain node and a drafter node are the same token path they are one node,
 with the higher score. A loop (what followed the match is the suffix itself) continues
 periodically, so a two-token loop offers a chain as deep as the budget allows. An engine with a
-datastore (runtime/datastore.py: the base model's own text) offers a second chain per sequence, the
+datastore (medusa_trt/datastore.py: the base model's own text) offers a second chain per sequence, the
 continuation of the longest suffix the datastore holds, scored by the datastore's calibration.
 
 N is a budget: since a node's probability is its chance of being accepted, a step keeps only the
@@ -36,8 +36,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from medusa_trt.datastore import Chain, Datastore
 from medusa_trt.drafters.base import topk_logp
-from medusa_trt.runtime.datastore import Chain, Datastore
 from medusa_trt.tree import MAX_TREE_TEXT, TreeError, check_bounds
 
 MAX_NGRAM = 4  # longest n-gram looked up

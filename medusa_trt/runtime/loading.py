@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+from medusa_trt import datastore
 from medusa_trt.engine_dir import ENGINE_JSON, EngineError, read_engine
 from medusa_trt.errors import read_json_object
-from medusa_trt.runtime import datastore
 from medusa_trt.runtime.backend import Backend
 from medusa_trt.runtime.ort.session import OrtSessionOptions
 from medusa_trt.runtime.torch_backend import TorchBackend

@@ -1,4 +1,4 @@
-"""The datastore (runtime/datastore.py): its lookup against a brute-force search, its calibration and
+"""The datastore (medusa_trt/datastore.py): its lookup against a brute-force search, its calibration and
 file, the sources medusa-build reads, and decoding with it (greedy unchanged, more tokens a step)."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from medusa_trt import datastore, drafter_corpus
 from medusa_trt.cli import build as build_cli
-from medusa_trt.runtime import datastore
+from medusa_trt.errors import MedusaTrtError
 from medusa_trt.runtime.decoding import GenerationConfig, decode
-from medusa_trt.runtime.loading import load_backend
-from medusa_trt.tools import drafter_corpus
+from medusa_trt.runtime.loading import load_backend, load_tokenizer
 from tests.runtime.test_decoding import EOS, oracle, prompts
 
 
@@ -108,22 +108,29 @@ def test_sources_leave_held_out_text_out_and_refuse_bad_input(tmp_path, tiny_bas
 
     lines = tmp_path / "text.jsonl"
     lines.write_text(json.dumps({"text": "hello world"}) + "\n\n" + json.dumps({"text": "again"}) + "\n")
-    assert len(datastore.read_source(lines, tiny_base("llama"))) == 2
-    for body, message in [('{"text": "ok"}\n[1, 2]\n', r"text.jsonl:2: not a JSON object with a \"text\" field"),
-                          ('{"text": 7}\n', r"text.jsonl:1: \"text\" is int; expected a string"),
-                          ("\n", "text.jsonl: no text in its lines")]:
+    tok = load_tokenizer(tiny_base("llama"))  # tokenizer.json alone tokenizes as the runtime's tokenizer does
+    assert datastore.read_source(lines, tiny_base("llama")) == [tok.encode(t, add_special_tokens=False)
+                                                                for t in ("hello world", "again")]
+    for body, message in [('{"text": "ok"}\n[1, 2]\n', "text.jsonl:2: expected an object with a string 'text' field"),
+                          ('{"text": 7}\n', "text.jsonl:1: expected an object with a string 'text' field"),
+                          ("\n", r"text.jsonl: no texts \(expected at least one non-empty line\)")]:
         lines.write_text(body)
-        with pytest.raises(datastore.DatastoreError, match=message):
+        with pytest.raises(MedusaTrtError, match=message):
             datastore.read_source(lines, tiny_base("llama"))
+    lines.write_text('{"text": "ok"}\n')
+    with pytest.raises(datastore.DatastoreError, match="cannot read the tokenizer .*expected the checkpoint's tokenizer.json"):
+        datastore.read_source(lines, tmp_path)
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(datastore.DatastoreError, match="empty: no text in its 0 parts"):
         datastore.read_source(empty, tiny_base("llama"))
     with pytest.raises(datastore.DatastoreError, match="nothing: no such file or directory; expected a directory"):
         datastore.read_source(tmp_path / "nothing", tiny_base("llama"))
-    (tmp_path / "text.txt").write_text("x")
-    with pytest.raises(datastore.DatastoreError, match="text.txt: neither a directory nor a .jsonl file"):
-        datastore.read_source(tmp_path / "text.txt", tiny_base("llama"))
+    (tmp_path / "text.txt").write_text("one text\nanother\n")
+    assert len(datastore.read_source(tmp_path / "text.txt", tiny_base("llama"))) == 2
+    (tmp_path / "text.csv").write_text("x")
+    with pytest.raises(datastore.DatastoreError, match="text.csv: suffix '.csv'; expected a directory"):
+        datastore.read_source(tmp_path / "text.csv", tiny_base("llama"))
 
 
 def test_decoding_with_a_datastore_keeps_greedy_and_accepts_more(distilled):
@@ -154,7 +161,7 @@ def test_medusa_build_indexes_a_datastore_or_refuses_its_source(tmp_path, tiny_m
     bad.write_text("not json\n")
     out = tmp_path / "engine"
     assert build_cli.main(["--checkpoint", str(ckpt), "--out", str(out), "--datastore", str(bad), "--quiet"]) == 2
-    assert "bad.jsonl:1: not a JSON object" in capsys.readouterr().err
+    assert "bad.jsonl:1: not valid JSON" in capsys.readouterr().err
     assert not out.exists() and not any(tmp_path.glob(".engine.tmp-*"))
 
     text = tmp_path / "text.jsonl"

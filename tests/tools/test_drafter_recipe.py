@@ -21,7 +21,8 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 import train_smollm2_drafters as recipe  # noqa: E402
 
-from medusa_trt.tools import drafter_corpus, train_drafter  # noqa: E402
+from medusa_trt import drafter_corpus  # noqa: E402
+from medusa_trt.tools import train_drafter  # noqa: E402
 
 
 def _prompts(rng: random.Random, n: int, lo: int, hi: int) -> list[list[int]]:

@@ -232,15 +232,16 @@ def load(path: Path) -> Datastore:
     return Datastore(tokens, order, int(meta["sequences"]), calibration)
 
 
-SOURCE_EXPECTED = ('expected a directory of drafter corpus parts (*.npz.xz, medusa_trt/tools/drafter_corpus.py) or a '
-                   'JSONL file of {"text": ...} lines: the base model\'s own outputs')
+SOURCE_EXPECTED = ("expected a directory of drafter corpus parts (*.npz.xz, medusa_trt/drafter_corpus.py) or a "
+                   "text file (.jsonl objects with a 'text' field, or .txt lines): the base model's own outputs")
 
 
 def read_source(path: Path, tokenizer_dir: Path) -> list[list[int]]:
     """The token sequences of a datastore source: a drafter corpus directory (its training-side
-    continuations; held-out ones are never read) or a JSONL file of texts, tokenized with the
-    tokenizer in `tokenizer_dir`. Anything else, or no text, is one DatastoreError line."""
-    from medusa_trt.tools import drafter_corpus
+    continuations; held-out ones are never read) or a text file (data.read_samples), tokenized with
+    `tokenizer_dir`'s tokenizer.json. Anything else, or no text, is one MedusaTrtError line."""
+    from medusa_trt import drafter_corpus
+    from medusa_trt.data import DATA_SUFFIXES, read_samples
 
     path = Path(path)
     if path.is_dir():
@@ -249,27 +250,19 @@ def read_source(path: Path, tokenizer_dir: Path) -> list[list[int]]:
         except drafter_corpus.CorpusError as e:
             raise DatastoreError(f"--datastore {e}") from None
         sequences = [c for c in conts.values() if c]
-        where = f"{len(parts)} parts"
-    elif path.is_file() and path.suffix == ".jsonl":
-        from medusa_trt.runtime.loading import load_tokenizer
-
-        tok = load_tokenizer(tokenizer_dir)
-        sequences = []
-        for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                text = json.loads(line)["text"]
-            except (ValueError, KeyError, TypeError):
-                raise DatastoreError(f"--datastore {path}:{number}: not a JSON object with a \"text\" field; "
-                                     f"{SOURCE_EXPECTED}") from None
-            if not isinstance(text, str):
-                raise DatastoreError(f"--datastore {path}:{number}: \"text\" is {type(text).__name__}; expected a string")
-            sequences.append(tok.encode(text, add_special_tokens=False))
-        where = "lines"
-    else:
-        why = "no such file or directory" if not path.exists() else "neither a directory nor a .jsonl file"
+        if sum(len(s) for s in sequences) < MIN_MATCH + 1:
+            raise DatastoreError(f"--datastore {path}: no text in its {len(parts)} parts; {SOURCE_EXPECTED}")
+        return sequences
+    if not path.exists() or path.suffix not in DATA_SUFFIXES:
+        why = "no such file or directory" if not path.exists() else f"suffix {path.suffix!r}"
         raise DatastoreError(f"--datastore {path}: {why}; {SOURCE_EXPECTED}")
-    if sum(len(s) for s in sequences) < MIN_MATCH + 1:
-        raise DatastoreError(f"--datastore {path}: no text in its {where}; {SOURCE_EXPECTED}")
-    return sequences
+    texts = read_samples(path, what="texts")
+    vocab = Path(tokenizer_dir) / "tokenizer.json"
+    try:
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(vocab))
+    except Exception as e:  # tokenizers raises its own exception type for a missing or bad file
+        raise DatastoreError(f"--datastore {path}: cannot read the tokenizer {vocab} ({e}); expected the "
+                             "checkpoint's tokenizer.json") from None
+    return [enc.ids for enc in tokenizer.encode_batch(texts, add_special_tokens=False)]

@@ -57,7 +57,7 @@ def read(directories: list[Path], splits: tuple[str, ...] = SPLITS) -> tuple[dic
             keys, split, tokens, offsets = z["keys"], z["split"], z["tokens"], z["offsets"]
             meta = json.loads(str(z["meta"]))
         except (lzma.LZMAError, OSError, KeyError, ValueError) as e:
-            raise CorpusError(f"{path}: not a drafter corpus part ({e}); expected {SUFFIX} as medusa_trt/tools/drafter_corpus.py "
+            raise CorpusError(f"{path}: not a drafter corpus part ({e}); expected {SUFFIX} as medusa_trt/drafter_corpus.py "
                              "writes it") from None
         if len(offsets) != len(keys) + 1 or len(split) != len(keys) or offsets[-1] != len(tokens):
             raise CorpusError(f"{path}: {len(keys)} keys and {len(split)} splits against {len(offsets)} offsets ending at {offsets[-1]}, "
