@@ -12,6 +12,7 @@ import pytest
 
 from medusa_trt import datastore, drafter_corpus
 from medusa_trt.cli import build as build_cli
+from medusa_trt.cli import run as run_cli
 from medusa_trt.errors import MedusaTrtError
 from medusa_trt.runtime.decoding import GenerationConfig, decode
 from medusa_trt.runtime.loading import load_backend, load_tokenizer
@@ -172,3 +173,9 @@ def test_medusa_build_indexes_a_datastore_or_refuses_its_source(tmp_path, tiny_m
     assert datastore.FILE in engine["artifacts"] and engine["build"]["options"]["datastore"] == str(text)
     backend = load_backend(out)
     assert backend.datastore is not None and backend.datastore.sequences == 5
+    outputs = []
+    for flags in ([], ["--no-datastore"]):
+        assert run_cli.main(["--engine", str(out), "--prompt", "the model says", "--raw", "--max-new-tokens", "12",
+                             "--medusa-choices", "dynamic:8", *flags]) == 0
+        outputs.append(capsys.readouterr().out.split("\n-- ")[0])  # the text, not the timing line after it
+    assert outputs[0] == outputs[1] and outputs[0].strip()  # greedy: the same text either way
