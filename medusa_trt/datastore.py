@@ -141,17 +141,19 @@ class Datastore:
     def scores(self, chain: Chain) -> list[float]:
         """Log-probability that `chain` is right through each depth, non-increasing: its calibration
         cell (match bucket, cumulative agreement, depth); uncalibrated, half its cumulative agreement."""
-        bucket = sum(chain.match >= b for b in MATCH_BUCKETS) - 1
         out, best, agree = [], 0.0, 1.0
         for j, a in enumerate(chain.agreement):
             agree *= a
-            if self.calibration is None:
-                p = 0.5 * agree
-            else:
-                p = float(self.calibration[bucket, min(int(agree * AGREEMENT_BINS), AGREEMENT_BINS - 1), min(j, DEPTHS - 1)])
+            p = 0.5 * agree if self.calibration is None else float(self.calibration[_cell(chain.match, agree, j)])
             best = min(best, math.log(max(p, 1e-9)))
             out.append(best)
         return out
+
+
+def _cell(match: int, agree: float, depth: int) -> tuple[int, int, int]:
+    """The calibration cell of a chain node: match bucket, cumulative agreement bin, depth (0-based)."""
+    bucket = sum(match >= b for b in MATCH_BUCKETS) - 1
+    return bucket, min(int(agree * AGREEMENT_BINS), AGREEMENT_BINS - 1), min(depth, DEPTHS - 1)
 
 
 def build(sequences: list[list[int]]) -> Datastore:
@@ -172,14 +174,13 @@ def _calibrate(store: Datastore, held: list[list[int]]) -> np.ndarray:
     for seq in held:
         for t in range(1, len(seq) - 1, CALIBRATION_STRIDE):
             chain = store.chain(seq[: t + 1], WINDOW)
-            bucket = sum(chain.match >= b for b in MATCH_BUCKETS) - 1
             agree, ok = 1.0, True
             for j, (token, a) in enumerate(zip(chain.tokens, chain.agreement, strict=True)):
                 if t + 1 + j >= len(seq):
                     break
                 agree *= a
                 ok = ok and token == seq[t + 1 + j]
-                cell = bucket, min(int(agree * AGREEMENT_BINS), AGREEMENT_BINS - 1), min(j, DEPTHS - 1)
+                cell = _cell(chain.match, agree, j)
                 right[cell] += ok
                 total[cell] += 1
     return ((right + 0.1) / (total + 1)).astype(np.float32)
