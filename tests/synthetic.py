@@ -247,18 +247,18 @@ def make_heads(target: str | Path, fmt: str, base_dir: str | Path, *, num_heads:
 def make_amphista(target: str | Path, base_dir: str | Path, *, num_heads: int = 4, seed: int = 1,
                   draft_vocab: list[int] | None = None, sal_intermediate_size: int = 48) -> Path:
     """An Amphista drafter for the base in this project's format (tools/train_drafter.save_amphista),
-    random weights away from its identity start so every part shows in its drafts."""
+    random weights away from its identity start so every part shows in its drafts. Its adaptation
+    layers take the base's shape as medusa-train-heads gives them (a Qwen2 base's q/k/v biases too)."""
+    import dataclasses
+
     from medusa_trt.checkpoint import ModelConfig
+    from medusa_trt.converter.hf_base import base_config, read_base
     from medusa_trt.drafters.amphista import Amphista
     from medusa_trt.tools.train_drafter import save_amphista
 
-    cfg = _read_json(Path(base_dir) / "config.json")
-    heads = cfg["num_attention_heads"]
-    model_cfg = ModelConfig(vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
-                            intermediate_size=cfg["intermediate_size"], num_layers=1, num_heads=heads,
-                            num_kv_heads=cfg.get("num_key_value_heads") or heads, head_dim=cfg["hidden_size"] // heads,
-                            drafter="amphista",
-                            drafter_options={"num_heads": num_heads, "sal_intermediate_size": sal_intermediate_size})
+    model_cfg = dataclasses.replace(ModelConfig.from_checkpoint_config(base_config(read_base(Path(base_dir)))),
+                                    drafter="amphista",
+                                    drafter_options={"num_heads": num_heads, "sal_intermediate_size": sal_intermediate_size})
     torch.manual_seed(seed)
     drafter = Amphista(model_cfg)
     drafter.reset_identity()

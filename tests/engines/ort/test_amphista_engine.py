@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from synthetic import EOS
+from synthetic import EOS, WINDOW, make_amphista
 from transformers import AutoModelForCausalLM
 
 from medusa_trt.checkpoint import ModelConfig
@@ -103,6 +103,29 @@ def test_greedy_with_amphista_equals_plain_greedy(amphista, engine):
     accepted = sum(s.accepted_draft_tokens for s in spec.stats)
     steps = sum(s.steps for s in spec.stats)
     assert accepted / steps > 0.35  # the trained drafter's drafts are taken
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "mistral"])
+def test_amphista_on_a_qwen2_or_mistral_base(arch, tiny_base, tmp_path):
+    # The adaptation layers take the base's shape: a Qwen2 base's q/k/v biases, a sliding window
+    # (the prompts run past it). The engine drafts what the reference drafts (medusa-check), and
+    # greedy output stays transformers' own.
+    from medusa_trt.tools.parity import run_check
+
+    base = tiny_base(arch)
+    make_amphista(tmp_path / "drafter", base)
+    convert(base, tmp_path / "drafter", tmp_path / "ckpt", progress=False)
+    build_engine(BuildOptions(checkpoint=tmp_path / "ckpt", out=tmp_path / "engine", progress=False,
+                              max_batch_size=4, backend_options=OrtOptions()))
+    report = run_check(tmp_path / "engine", tmp_path / "ckpt", ["a b c", "hello world again"])
+    assert report.passed and any(r.stage.endswith("drafts") for r in report.rows)
+    hf = AutoModelForCausalLM.from_pretrained(base).eval()
+    ps = prompts(5, lengths=[5, 3 * WINDOW, 9])
+    want = [oracle(hf, p, 24) for p in ps]
+    backend = load_backend(tmp_path / "engine")
+    for tree in ("dynamic:8", TREE):
+        got = decode(backend, ps, GenerationConfig(max_new_tokens=24, medusa_choices=tree, stop_token_ids=(EOS,)))
+        assert got.tokens == want, tree
 
 
 @pytest.mark.parametrize("engine", ["float32", "int4"])
