@@ -16,14 +16,20 @@ into the chain; a two-token match rarely past its first token (docs/design.md, d
 
 File (`datastore.npz`, written by `medusa-build --datastore`): `tokens` (the reversed stream, int32,
 SEPARATOR between sequences), `order` (int32 or int64 positions of `tokens` sorted by their next
-WINDOW tokens), `calibration` (float32 [match buckets, agreement bins, depths]: the share of chains
-right through that depth), `meta` (JSON: sequences, tokens, window, source, calibration counts).
+WINDOW tokens), `starts` (int64: each first token's range of `order`), `calibration` (float32
+[match buckets, agreement bins, depths]: the share of chains right through that depth), `meta`
+(JSON: sequences, tokens, window, source, calibration counts). The arrays are stored uncompressed,
+and `load` maps them read-only instead of reading them: a lookup touches a few pages, and every
+process serving the engine (Triton instances, medusa-serve workers) shares one copy in the page
+cache, however large the datastore.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import struct
+import zipfile
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -65,13 +71,15 @@ class Datastore:
     order: np.ndarray  # positions of `tokens`, sorted by their next WINDOW tokens
     sequences: int
     calibration: np.ndarray | None = None  # [buckets, bins, depths] share right; None: uncalibrated
-    # order's range of each first token (token - SEPARATOR): a lookup's first step, its widest, is a read
-    starts: np.ndarray = field(init=False, repr=False, compare=False)
+    # order's range of each first token (token - SEPARATOR): a lookup's first step, its widest, is a
+    # read. Computed from tokens and order unless given (a file holds it).
+    starts: np.ndarray | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        first = self.tokens[self.order]
-        values = np.arange(SEPARATOR, int(first.max(initial=SEPARATOR)) + 2)
-        object.__setattr__(self, "starts", np.searchsorted(first, values))
+        if self.starts is None:
+            first = self.tokens[self.order]
+            values = np.arange(SEPARATOR, int(first.max(initial=SEPARATOR)) + 2)
+            object.__setattr__(self, "starts", np.searchsorted(first, values))
 
     def __len__(self) -> int:
         return len(self.tokens) - self.sequences
@@ -212,17 +220,47 @@ def save(store: Datastore, path: Path, source: str) -> None:
     meta = {"sequences": store.sequences, "tokens": len(store), "window": WINDOW, "source": source}
     tmp = path.with_name(path.name + ".tmp.npz")
     arrays = {} if store.calibration is None else {"calibration": store.calibration}
-    np.savez(tmp, tokens=store.tokens, order=store.order, meta=np.array(json.dumps(meta)), **arrays)
+    # np.savez stores its members uncompressed, which is what lets `load` map them.
+    np.savez(tmp, tokens=store.tokens, order=store.order, starts=store.starts, meta=np.array(json.dumps(meta)),
+             **arrays)
     tmp.replace(path)
 
 
+def _mapped(path: Path) -> dict[str, np.ndarray]:
+    """The arrays of an .npz, each stored member memory-mapped read-only (the data starts after the
+    member's local zip header and its .npy header); compressed or object members are read."""
+    out = {}
+    with zipfile.ZipFile(path) as z, path.open("rb") as raw:
+        for info in z.infolist():
+            name = info.filename.removesuffix(".npy")
+            with z.open(info) as f:
+                version = np.lib.format.read_magic(f)
+                read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+                shape, fortran, dtype = read_header(f)
+                header = f.tell()
+            if info.compress_type != zipfile.ZIP_STORED or dtype.hasobject or not shape:
+                with z.open(info) as f:
+                    out[name] = np.lib.format.read_array(f)
+                continue
+            raw.seek(info.header_offset)
+            fixed = raw.read(30)  # the local file header; its name and extra field lengths end it
+            if len(fixed) != 30 or fixed[:4] != b"PK\x03\x04":
+                raise ValueError(f"member {info.filename}: no local header at offset {info.header_offset}")
+            name_len, extra_len = struct.unpack("<HH", fixed[26:30])
+            offset = info.header_offset + 30 + name_len + extra_len + header
+            mapped = np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape, order="F" if fortran else "C")
+            out[name] = np.asarray(mapped)  # a plain view of the mapping: memmap's own indexing is slower
+    return out
+
+
 def load(path: Path) -> Datastore:
-    """A datastore file as `save` writes it; a file that is not one is one DatastoreError line."""
+    """A datastore file as `save` writes it, its arrays memory-mapped (_mapped); a file that is not
+    one is one DatastoreError line."""
     try:
-        with np.load(path) as z:
-            tokens, order, meta = z["tokens"], z["order"], json.loads(str(z["meta"]))
-            calibration = z["calibration"] if "calibration" in z.files else None
-    except (OSError, KeyError, ValueError) as e:
+        z = _mapped(Path(path))
+        tokens, order, meta = z["tokens"], z["order"], json.loads(str(z["meta"]))
+        calibration, starts = z.get("calibration"), z.get("starts")
+    except (OSError, KeyError, ValueError, zipfile.BadZipFile, struct.error) as e:
         raise DatastoreError(f"{path}: not a datastore ({e}); expected {FILE} as medusa-build --datastore writes it") from None
     if meta.get("window") != WINDOW or len(order) != len(tokens) or tokens.ndim != 1:
         raise DatastoreError(f"{path}: window {meta.get('window')}, {len(tokens)} tokens and {len(order)} order entries; "
@@ -230,7 +268,10 @@ def load(path: Path) -> Datastore:
     shape = (len(MATCH_BUCKETS), AGREEMENT_BINS, DEPTHS)
     if calibration is not None and calibration.shape != shape:
         raise DatastoreError(f"{path}: calibration of shape {calibration.shape}; expected {shape}")
-    return Datastore(tokens, order, int(meta["sequences"]), calibration)
+    if starts is not None and (starts.ndim != 1 or len(starts) < 2 or int(starts[-1]) > len(order)):
+        raise DatastoreError(f"{path}: starts of shape {starts.shape}; expected one range start per first token, "
+                             f"each at most {len(order)}")
+    return Datastore(tokens, order, int(meta["sequences"]), calibration, starts)
 
 
 SOURCE_EXPECTED = ("expected a directory of drafter corpus parts (*.npz.xz, medusa_trt/drafter_corpus.py) or a "

@@ -83,9 +83,19 @@ def test_calibration_scores_long_agreeing_matches_higher(tmp_path):
     path = tmp_path / datastore.FILE
     datastore.save(store, path, source="test")
     back = datastore.load(path)
+    # Mapped, not read: processes serving one engine share its pages.
+    assert all(isinstance(a.base, np.memmap) for a in (back.tokens, back.order, back.starts))
     assert np.array_equal(back.tokens, store.tokens) and np.array_equal(back.order, store.order)
+    assert np.array_equal(back.starts, store.starts)
     assert np.array_equal(back.calibration, store.calibration) and back.sequences == store.sequences
     assert back.chain(phrases[0][:14], 8) == inside
+    # A compressed file, or one without the starts table (written before it), is read as before.
+    with np.load(path) as z:
+        arrays = {k: z[k] for k in z.files if k != "starts"}
+    np.savez_compressed(path, **arrays)
+    again = datastore.load(path)
+    assert not isinstance(again.tokens.base, np.memmap) and np.array_equal(again.starts, store.starts)
+    assert again.chain(phrases[0][:14], 8) == inside
 
 
 def test_a_file_that_is_not_a_datastore_is_one_line(tmp_path):
