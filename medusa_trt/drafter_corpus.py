@@ -10,7 +10,8 @@ whatever order or pack it comes from. Arrays of a part (np.savez, then xz):
 
     keys     uint64 [n]    prompt_key(prompt tokens)
     split    uint8  [n]    0 held-out eval prompt, 1 first human turn or code, 2 later human turn
-    tokens   uint16 [sum]  the continuations, end to end (EOS included where the base wrote it)
+    tokens   uint16 [sum]  the continuations, end to end (EOS included where the base wrote it);
+                           uint32 in a part holding a token id past 65,535 (a larger vocabulary)
     offsets  int64  [n+1]
     meta     str           JSON: decoder, device, arithmetic, new-token limits, when
 
@@ -36,8 +37,17 @@ SUFFIX = ".npz.xz"
 
 
 def prompt_key(prompt: list[int]) -> int:
-    """A 64-bit key for a prompt's tokens (the pack stores them as uint16)."""
-    return int.from_bytes(hashlib.blake2b(np.asarray(prompt, dtype=np.uint16).tobytes(), digest_size=8).digest(), "little")
+    """A 64-bit key for a prompt's tokens, hashed as uint16 (the pack stores them so), or as uint32
+    when an id does not fit, under a personalization of its own so the two forms never collide."""
+    ids = np.asarray(prompt, dtype=np.int64)
+    dtype = _id_dtype(ids)
+    person = b"" if dtype is np.uint16 else b"uint32"
+    return int.from_bytes(hashlib.blake2b(ids.astype(dtype).tobytes(), digest_size=8, person=person).digest(), "little")
+
+
+def _id_dtype(ids: np.ndarray) -> type:
+    """uint16 for token ids that fit it (every SmolLM2 part), else uint32."""
+    return np.uint16 if ids.size == 0 or int(ids.max()) < 2**16 else np.uint32
 
 
 class CorpusError(ValueError):
@@ -107,7 +117,7 @@ class Writer:
     def _write(self) -> None:
         buf = io.BytesIO()
         np.savez(buf, keys=np.array(self.keys, dtype=np.uint64), split=np.array(self.splits, dtype=np.uint8),
-                 tokens=np.array([t for c in self.conts for t in c], dtype=np.uint16),
+                 tokens=(flat := np.array([t for c in self.conts for t in c], dtype=np.int64)).astype(_id_dtype(flat)),
                  offsets=np.cumsum([0] + [len(c) for c in self.conts]).astype(np.int64),
                  meta=json.dumps({**self.meta, "written": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}))
         name = f"part-{self.run}-{self.part:02d}{SUFFIX}"

@@ -20,13 +20,16 @@ merges. Data may also be ShareGPT JSON or JSON Lines (records with "conversation
 turn of each conversation becomes a prompt (chat template applied when the tokenizer has one), and
 the project's held-out rule leaves out every conversation whose sha1(id) is 0 mod 10. With
 --cache DIR the self-distilled text and hidden states are kept in chunks, and a rerun resumes there.
+With --self-distill --corpus DIR the base's continuations are also written as drafter corpus parts
+(medusa_trt/drafter_corpus.py), the source `medusa-build --datastore DIR` indexes: the model's own
+text as draft chains beside the drafter, for any base.
 
 The loss printed (and written to training_summary.json as final_loss) is a sum over the heads: each
 head's cross-entropy weighted 0.8^k for head k (Medusa-1's weighting), so it grows with --num-heads
 and is not one head's loss; the held-out top-1 accuracy per head is the figure to compare.
 
     medusa-train-heads --base DIR --data FILE --out DIR [--arch medusa|amphista] [--num-heads 4]
-                       [--num-layers 1] [--self-distill] [--shared-lm-head] [--cache DIR]
+                       [--num-layers 1] [--self-distill] [--shared-lm-head] [--cache DIR] [--corpus DIR]
 """
 
 from __future__ import annotations
@@ -70,6 +73,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, type=Path, help="directory for the head file + config.json")
     p.add_argument("--arch", default="medusa", help="the drafter: medusa (default) or amphista")
     p.add_argument("--cache", type=Path, help="--arch amphista: keep distilled chunks here and resume from them")
+    p.add_argument("--corpus", type=Path, help="--self-distill: also write the base's continuations here as drafter "
+                   "corpus parts, a source for medusa-build --datastore")
     p.add_argument("--sal-intermediate", type=nonnegative_int, default=0,
                    help="--arch amphista: the adaptation layers' MLP width (default: the base's)")
     p.add_argument("--draft-vocab", type=positive_int, default=4096,
@@ -116,6 +121,11 @@ def _check(args) -> None:
         raise TrainError(f"{args.base}: no config.json; expected a Hugging Face model directory")
     if args.out.exists() and not args.out.is_dir():
         raise TrainError(f"{args.out}: exists and is not a directory")
+    if args.corpus is not None and not args.self_distill:
+        raise TrainError(f"--corpus {args.corpus}: needs --self-distill (the corpus holds the base model's own "
+                         "continuations; without it the targets are the data's text)")
+    if args.corpus is not None and args.corpus.exists() and not args.corpus.is_dir():
+        raise TrainError(f"--corpus {args.corpus}: exists and is not a directory")
     for name in (*HEAD_FILES, "amphista.safetensors"):
         if (args.out / name).exists() and not args.force:
             raise TrainError(f"{args.out / name}: exists; pass --force to replace it")
@@ -211,6 +221,8 @@ def _main(argv: list[str] | None = None) -> int:
         except DataError as e:
             raise TrainError(str(e)) from None
         seqs, starts = build_sequences(args, samples, tok, model, chat)
+        if args.corpus is not None:
+            _write_corpus(args, seqs, starts)
         # Everything is written into a staging dir and moves into --out only once all of it is:
         # a failure or an interrupt leaves --out as it was.
         with staged_files(args.out, supersedes=HEAD_FILES) as args.stage:
@@ -334,6 +346,23 @@ def _train_amphista(args, model, seqs: list[list[int]], starts: list[int], t0: f
 
 
 CHUNK = 256  # sequences per --cache chunk
+
+
+def _write_corpus(args, seqs: list[list[int]], starts: list[int]) -> None:
+    """The base's continuations as drafter corpus parts in --corpus (training side: the held-out
+    rule's conversations are never prompts here). Written as soon as they are decoded, like --cache:
+    a run that fails later keeps them, and a rerun's parts add to them (a prompt's first one wins)."""
+    from medusa_trt.drafter_corpus import Writer
+
+    writer = Writer(args.corpus, {"decoder": f"{PROG} --self-distill (transformers greedy)", "base": str(args.base),
+                                  "new_tokens": args.max_new_tokens})
+    for s, start in zip(seqs, starts, strict=True):
+        writer.add(s[: start + 1], "first", s[start + 1 :])
+    parts = writer.close()
+    if not args.quiet:
+        tokens = sum(len(s) - start - 1 for s, start in zip(seqs, starts, strict=True))
+        print(f"{PROG}: wrote {len(seqs)} continuations ({tokens} tokens) to {args.corpus} ({len(parts)} part(s)); "
+              f"medusa-build --datastore {args.corpus} indexes them")
 
 
 def _cached_samples(args, model, seqs: list[list[int]], starts: list[int]) -> list:

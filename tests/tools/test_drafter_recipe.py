@@ -113,6 +113,16 @@ def test_corpus_parts_roll_over_and_read_back_whole(tmp_path):
     assert all(have[k] == c for k, c in one.items())
 
 
+def test_token_ids_past_65535_are_kept_whole(tmp_path):
+    # A vocabulary past 65,536 ids (Llama 3, Qwen2): a part holding such an id stores uint32, and
+    # such a prompt's key never meets a uint16 one's with the same bytes ([70000] and [4464, 1]).
+    writer = drafter_corpus.Writer(tmp_path, {"decoder": "test"})
+    big = [writer.add([70000], "first", [151_000, 3]), writer.add([4464, 1], "first", [5, 6])]
+    writer.close()
+    have, _ = drafter_corpus.read([tmp_path])
+    assert len(set(big)) == 2 and have == {big[0]: [151_000, 3], big[1]: [5, 6]}
+
+
 def test_a_corpus_part_that_is_not_one_is_refused_naming_the_file(tmp_path):
     (tmp_path / "part-x.npz.xz").write_bytes(b"not xz")
     with pytest.raises(drafter_corpus.CorpusError, match="part-x.npz.xz: not a drafter corpus part"):

@@ -256,7 +256,12 @@ def test_amphista_from_sharegpt_self_distilled_and_resumed_from_its_cache(tiny_b
     args = ["--base", str(tiny_base("llama")), "--data", str(data), "--arch", "amphista", "--self-distill",
             "--num-prompts", "48", "--max-new-tokens", "24", "--steps", "30", "--sal-intermediate", "32",
             "--cache", str(tmp_path / "cache"), "--quiet"]
-    assert train_cli.main([*args, "--out", str(tmp_path / "a")]) == 0
+    assert train_cli.main([*args, "--out", str(tmp_path / "a"), "--corpus", str(tmp_path / "corpus")]) == 0
+    # --corpus: the base's continuations, a datastore source (medusa-build --datastore)
+    from medusa_trt import datastore
+
+    own = datastore.read_source(tmp_path / "corpus", tiny_base("llama"))
+    assert 0 < len(own) <= 48 and all(0 < len(c) <= 24 for c in own)
     config = json.loads((tmp_path / "a" / "config.json").read_text())
     assert config["drafter"] == "amphista" and config["amphista"]["sal_intermediate_size"] == 32
     summary = json.loads((tmp_path / "a" / "training_summary.json").read_text())
@@ -272,6 +277,7 @@ def test_amphista_from_sharegpt_self_distilled_and_resumed_from_its_cache(tiny_b
 
 @pytest.mark.parametrize("case, expect", [
     ("arch", "--arch 'eagle': expected one of amphista, medusa"),
+    ("corpus", "needs --self-distill (the corpus holds the base model's own continuations"),
     ("empty", "no conversations"),
     ("shape", "record 1 (x1): conversations[0]: expected {\"from\": str, \"value\": str}"),
     ("id", "record 0: field 'id': expected a non-empty string"),
@@ -287,11 +293,12 @@ def test_amphista_bad_input_exits_2_and_writes_nothing(case, expect, tiny_base, 
         data.write_text(json.dumps([{"conversations": []}]))
     else:
         _sharegpt(data)
+    extra = ["--corpus", str(tmp_path / "corpus")] if case == "corpus" else []
     rc = train_cli.main(["--base", str(tiny_base("llama")), "--data", str(data), "--out", str(tmp_path / "out"),
-                         "--arch", arch, "--quiet"])
+                         "--arch", arch, "--quiet", *extra])
     err = capsys.readouterr().err
     assert rc == 2 and expect in err and err.count("\n") == 1, err
-    assert not (tmp_path / "out").exists()
+    assert not (tmp_path / "out").exists() and not (tmp_path / "corpus").exists()
 
 
 def test_evaluate_skips_continuations_too_short_for_a_head():
