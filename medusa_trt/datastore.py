@@ -49,6 +49,10 @@ DEPTHS = 8  # calibration depths; deeper nodes share the last
 CALIBRATION_EVERY = 50  # one source sequence in this many is held aside to calibrate on
 CALIBRATION_STRIDE = 4  # ... at every this-many-th position
 CALIBRATION_SEQUENCES = 400  # at most
+# Below this many tokens a datastore measured no gain (SmolLM2, float32, dynamic:16: 0.99x with
+# 0.09M and 0.9M tokens, 1.01-1.02x with 8.2M; docs/benchmarks/issue-35-amphista.md, t): its chains
+# rarely reach past what the drafter and the prompt's n-grams already propose, and cost their slots.
+PAYS_FROM = 1_000_000
 
 
 class DatastoreError(MedusaTrtError):

@@ -119,6 +119,8 @@ def build_engine(opts: BuildOptions, also: Callable[[Path], None] | None = None)
     check_output_dir(opts.out, opts.force, BuildError)
     # The datastore's text is read (and refused) before any engine work; indexed into the temp dir.
     sequences = datastore.read_source(opts.datastore, opts.checkpoint) if opts.datastore is not None else None
+    if sequences is not None:
+        _datastore_advice(opts, sum(len(s) for s in sequences))
     if opts.out.resolve() == opts.checkpoint.resolve() or opts.checkpoint.resolve().is_relative_to(opts.out.resolve()):
         raise BuildError(f"{opts.out}: --out must not be or contain the checkpoint {opts.checkpoint}")
 
@@ -150,6 +152,17 @@ def _refuse_hf_model_dir(checkpoint: Path) -> None:
         raise BuildError(f"{checkpoint}: a Hugging Face model directory, not a merged checkpoint; run medusa-convert "
                          f"first (medusa-convert --base {checkpoint} --heads HEADS --out merged/), then medusa-build "
                          "--checkpoint merged/")
+
+
+def _datastore_advice(opts: BuildOptions, tokens: int) -> None:
+    """What the measurements say about this datastore (it is built anyway: decoding stays exact)."""
+    if tokens < datastore.PAYS_FROM:
+        log.warning("--datastore %s: %d tokens; datastores under %d tokens measured no gain, as the drafter and the "
+                    "prompt's n-grams already propose most of what they hold (docs/benchmarks/issue-35-amphista.md, t)",
+                    opts.datastore, tokens, datastore.PAYS_FROM)
+    if getattr(opts.backend_options, "weights", None) == "int4":
+        log.warning("--datastore with --weights int4: an int4 step verifies one chain, and a datastore measured "
+                    "0.96-0.98x there (docs/benchmarks/issue-35-amphista.md, s)")
 
 
 def recorded_tree(opts: BuildOptions, config: dict) -> tuple[list[list[int]] | str, str] | None:
