@@ -50,7 +50,7 @@ CALIBRATION_EVERY = 50  # one source sequence in this many is held aside to cali
 CALIBRATION_STRIDE = 4  # ... at every this-many-th position
 CALIBRATION_SEQUENCES = 400  # at most
 # Below this many tokens a datastore measured no gain (SmolLM2, float32, dynamic:16: 0.99x with
-# 0.09M and 0.9M tokens, 1.01-1.02x with 8.2M; docs/benchmarks/issue-35-amphista.md, t): its chains
+# 0.09M and 0.86M tokens, 1.01-1.04x with 8.2M; docs/benchmarks/issue-35-amphista.md, s and t): its chains
 # rarely reach past what the drafter and the prompt's n-grams already propose, and cost their slots.
 PAYS_FROM = 1_000_000
 
@@ -264,7 +264,7 @@ def load(path: Path) -> Datastore:
         z = _mapped(Path(path))
         tokens, order, meta = z["tokens"], z["order"], json.loads(str(z["meta"]))
         calibration, starts = z.get("calibration"), z.get("starts")
-    except (OSError, KeyError, ValueError, zipfile.BadZipFile, struct.error) as e:
+    except (OSError, KeyError, ValueError, zipfile.BadZipFile) as e:
         raise DatastoreError(f"{path}: not a datastore ({e}); expected {FILE} as medusa-build --datastore writes it") from None
     if meta.get("window") != WINDOW or len(order) != len(tokens) or tokens.ndim != 1:
         raise DatastoreError(f"{path}: window {meta.get('window')}, {len(tokens)} tokens and {len(order)} order entries; "

@@ -356,11 +356,12 @@ def _write_corpus(args, seqs: list[list[int]], starts: list[int]) -> None:
 
     writer = Writer(args.corpus, {"decoder": f"{PROG} --self-distill (transformers greedy)", "base": str(args.base),
                                   "new_tokens": args.max_new_tokens})
+    tokens = 0
     for s, start in zip(seqs, starts, strict=True):
         writer.add(s[: start + 1], "first", s[start + 1 :])
+        tokens += len(s) - start - 1
     parts = writer.close()
     if not args.quiet:
-        tokens = sum(len(s) - start - 1 for s, start in zip(seqs, starts, strict=True))
         print(f"{PROG}: wrote {len(seqs)} continuations ({tokens} tokens) to {args.corpus} ({len(parts)} part(s)); "
               f"medusa-build --datastore {args.corpus} indexes them")
 
