@@ -6,6 +6,9 @@ compare shares within one profile, not milliseconds across runs. Engines whose p
 the step graph (Medusa heads; not a drafter with its own cache) count their prefills in it too.
 
     python benchmarks/investigations/profile_step.py --engine build/dyn/engine5_int4_amphista --tree dynamic:16
+
+With several --tree, each decodes the same prompts in turn, and the node time per step run of every
+(part, op type) is printed side by side: what a tree's extra rows cost, op by op.
 """
 
 from __future__ import annotations
@@ -56,15 +59,8 @@ def categories(step_graph: Path):
     return of
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--engine", type=Path, required=True, help="an ONNX Runtime engine dir with a fused step graph")
-    p.add_argument("--tree", default="dynamic:16", help="medusa_choices (dynamic:16,cost=1000: the root only)")
-    p.add_argument("--prompts", type=Path, default=Path("medusa_trt/assets/smollm2/prompts_heldout.jsonl"))
-    p.add_argument("--limit", type=int, default=3)
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--threads", type=int, default=1)
-    args = p.parse_args()
+def profile(engine: Path, tree: str, prompts: list[list[int]], new_tokens: int, threads: int) -> tuple[list, int]:
+    """The step session's profile events while decoding `prompts` with `tree`, and its step runs."""
     folder = Path(tempfile.mkdtemp(prefix="profile_step_"))
     plain_options = ort_session.session_options
 
@@ -73,17 +69,54 @@ def main() -> int:
         so.enable_profiling, so.profile_file_prefix = True, str(folder / "p")
         return so
 
-    ort_session.session_options = profiled
+    ort_session.session_options = profiled  # sessions open on first use: kept until the decodes end
+    try:
+        backend = load_backend(engine, ort_options=OrtSessionOptions(threads=threads))
+        cfg = GenerationConfig(max_new_tokens=new_tokens, medusa_choices=tree)
+        for prompt in prompts:
+            for _ in generate(backend, [prompt], cfg):
+                pass
+    finally:
+        ort_session.session_options = plain_options
+    events = json.loads(Path(backend.step_session.end_profiling()).read_text())
+    return events, sum(1 for e in events if e.get("cat") == "Session" and e["name"] == "model_run")
+
+
+def op_table(engine: Path, trees: list[str], runs: list[tuple[list, int]], top: int = 24) -> None:
+    """Node time per step run of each (part, op type), one column per tree."""
+    of = categories(engine / json.loads((engine / "engine.json").read_text())["onnx"]["step_file"])
+    columns = []
+    for events, n in runs:
+        t = collections.Counter()
+        for e in events:
+            if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"):
+                t[(of(e["name"][: -len("_kernel_time")]), e["args"]["op_name"])] += e["dur"] / n / 1e3
+        columns.append(t)
+    keys = sorted({k for c in columns for k in c}, key=lambda k: -max(c[k] for c in columns))
+    print(f"{engine}: node time per step run (ms), by part and op type")
+    print("".ljust(40) + "".join(tree[:18].rjust(20) for tree in trees))
+    print("all nodes".ljust(40) + "".join(f"{sum(c.values()):20.3f}" for c in columns))
+    for k in keys[:top]:
+        print(f"{k[0]}/{k[1]}".ljust(40) + "".join(f"{c[k]:20.3f}" for c in columns))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--engine", type=Path, required=True, help="an ONNX Runtime engine dir with a fused step graph")
+    p.add_argument("--tree", action="append", help="medusa_choices (dynamic:16,cost=1000: the root only); "
+                   "repeat it for an op-type table of the trees side by side (default dynamic:16)")
+    p.add_argument("--prompts", type=Path, default=Path("medusa_trt/assets/smollm2/prompts_heldout.jsonl"))
+    p.add_argument("--limit", type=int, default=3)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args()
+    trees = args.tree or ["dynamic:16"]
     tok = load_tokenizer(args.engine)
     prompts = [tok.encode(json.loads(line)["text"]) for line in args.prompts.open()][: args.limit]
-    backend = load_backend(args.engine, ort_options=OrtSessionOptions(threads=args.threads))
-    cfg = GenerationConfig(max_new_tokens=args.new_tokens, medusa_choices=args.tree)
-    for prompt in prompts:
-        for _ in generate(backend, [prompt], cfg):
-            pass
-    step = backend.step_session
-    events = json.loads(Path(step.end_profiling()).read_text())
-    runs = sum(1 for e in events if e.get("cat") == "Session" and e["name"] == "model_run")
+    if len(trees) > 1:
+        op_table(args.engine, trees, [profile(args.engine, t, prompts, args.new_tokens, args.threads) for t in trees])
+        return 0
+    events, runs = profile(args.engine, trees[0], prompts, args.new_tokens, args.threads)
     of = categories(args.engine / json.loads((args.engine / "engine.json").read_text())["onnx"]["step_file"])
     total, count, largest = collections.Counter(), collections.Counter(), collections.Counter()
     by_op, op_count = collections.Counter(), collections.Counter()
@@ -98,7 +131,7 @@ def main() -> int:
             if c == "drafter":
                 by_op[e["args"]["op_name"]] += e["dur"]
                 op_count[e["args"]["op_name"]] += 1
-    print(f"{args.engine} {args.tree}: {runs} step runs, node time per run:")
+    print(f"{args.engine} {trees[0]}: {runs} step runs, node time per run:")
     for c in ("base", "lm_head", "accept", "drafter"):
         print(f"  {c:8s} {total[c] / runs / 1e3:7.2f} ms  {count[c] / runs:5.0f} nodes  "
               f"{100 * total[c] / max(1, total['base']):5.1f}% of the base")
