@@ -99,7 +99,7 @@ def kernel_case(past: int, nodes: int, heads: int = 32, kv_heads: int = 8, dim: 
     import torch
     import torch.nn.functional as F
 
-    from medusa_trt.engines.trt.tree_attention.kernel import (
+    from medusa_trt.runtime.trt.tree_attention.kernel import (
         dense_mask_from_packed,
         reference_tree_attention,
         triton_tree_attention,

@@ -51,6 +51,7 @@ from medusa_trt.engines.options import (
     limits_for,
     progress_bar,
 )
+from medusa_trt.runtime.trt.versions import EXTRA_HINT, tensorrt_version_problem
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,6 @@ HEADS_ENGINE_FILE = "heads.engine"
 ONNX_DIR = "onnx"
 ATTENTION_MODES = ("plugin", "native")
 DEFAULT_ATTENTION_MODE = "plugin"
-EXTRA_HINT = "pip install 'medusa-trt[tensorrt]'"
 
 
 @dataclass(frozen=True)
@@ -132,27 +132,6 @@ def require_tensorrt():
                          f"{EXTRA_HINT} on a machine with an NVIDIA GPU") from None
     check_tensorrt_version(trt.__version__)
     return trt
-
-
-# The TensorRT releases this project builds and runs with (pyproject's extra states the same range).
-# The floor: the exported graphs are opset 23, with RMSNormalization (parsed by TensorRT's ONNX parser
-# from 10.15) in both modes and Attention (from 10.14) with --trt-attention native. The ceiling: 11.x
-# is the newest major whose Python API every call here was checked against (strongly typed networks
-# only, the Quickly Deployable Plugin API with ahead-of-time kernels, the ONNX parser to opset 25).
-MIN_TENSORRT = (10, 15)
-MAX_TENSORRT = (12, 0)  # exclusive
-SUPPORTED_TENSORRT = "10.15 to 11.x"
-
-
-def tensorrt_version_problem(version: str) -> str | None:
-    """Why TensorRT `version` cannot be used here (one line), or None when it is supported."""
-    parts = tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
-    if MIN_TENSORRT <= parts < MAX_TENSORRT:
-        return None
-    why = ("the exported opset-23 graphs (RMSNormalization, Attention) need 10.15" if parts < MIN_TENSORRT
-           else "its API is not checked against this release")
-    return (f"TensorRT {version} is not supported: medusa-trt works with TensorRT {SUPPORTED_TENSORRT} ({why}); "
-            f"{EXTRA_HINT} installs one")
 
 
 def check_tensorrt_version(version: str) -> None:
@@ -299,7 +278,7 @@ def build_tensorrt(opts: BuildOptions, config: dict, workdir: Path) -> dict:
         bar.set_postfix_str(steps[1])
         plugin_info = None
         if mode == "plugin":
-            from medusa_trt.engines.trt.tree_attention.plugin import (
+            from medusa_trt.runtime.trt.tree_attention.plugin import (
                 PLUGIN_ID,
                 PLUGIN_VERSION,
                 register_plugin,

@@ -57,7 +57,8 @@ from pathlib import Path
 
 import numpy as np
 
-from medusa_trt.engines.trt.tree_attention.plugin import (
+from medusa_trt.errors import MedusaTrtError
+from medusa_trt.runtime.trt.tree_attention.plugin import (
     INPUT_NAMES,
     PLUGIN_NAME,
     PLUGIN_NAMESPACE,
@@ -65,7 +66,6 @@ from medusa_trt.engines.trt.tree_attention.plugin import (
     WINDOW_ATTR,
     onnx_node_attributes,
 )
-from medusa_trt.errors import MedusaTrtError
 
 log = logging.getLogger(__name__)
 
@@ -378,7 +378,7 @@ def _register_ort_op() -> str:
     def tree_attention_op(q, k, v, past_lens, packed_mask, positions, **attrs):
         import torch
 
-        from medusa_trt.engines.trt.tree_attention.kernel import reference_tree_attention, tree_attention
+        from medusa_trt.runtime.trt.tree_attention.kernel import reference_tree_attention, tree_attention
 
         fn = tree_attention if _ort_impl["impl"] == "kernel" else reference_tree_attention
         scale = float(attrs.get(SCALE_ATTR, 0.0)) or None  # 0.0: 1/sqrt(D), as in the plugin

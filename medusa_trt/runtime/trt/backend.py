@@ -31,8 +31,8 @@ from medusa_trt.runtime.backend import (
     scatter_pending,
     zero_cache,
 )
+from medusa_trt.runtime.trt.versions import EXTRA_HINT, tensorrt_version_problem
 
-_EXTRA_HINT = "pip install 'medusa-trt[tensorrt]'"
 _INPUTS = ("input_ids", "position_ids", "past_lengths", "new_mask", "logit_positions")
 _OUTPUTS = ("logits", "hidden", "present_keys", "present_values")
 
@@ -54,7 +54,7 @@ class _Engine:
         data = path.read_bytes()
         engine = runtime.deserialize_cuda_engine(data)
         if engine is None and uses_plugin:
-            from medusa_trt.engines.trt.tree_attention.plugin import register_plugin
+            from medusa_trt.runtime.trt.tree_attention.plugin import register_plugin
 
             register_plugin()
             engine = runtime.deserialize_cuda_engine(data)
@@ -113,9 +113,7 @@ class TensorRTBackend(Backend):
             import tensorrt as trt
         except ImportError as e:
             raise EngineError(f"{self.engine_dir}: a TensorRT engine needs TensorRT, which is not importable here "
-                              f"({e}): {_EXTRA_HINT}") from None
-        from medusa_trt.engines.trt.build import tensorrt_version_problem
-
+                              f"({e}): {EXTRA_HINT}") from None
         problem = tensorrt_version_problem(trt.__version__)
         if problem:
             raise EngineError(f"{self.engine_dir}: {problem}")

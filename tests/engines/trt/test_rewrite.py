@@ -38,13 +38,13 @@ from medusa_trt.engines.trt.rewrite import (  # noqa: E402
     rewrite_attention,
     rewrite_onnx_file,
 )
-from medusa_trt.engines.trt.tree_attention import kernel  # noqa: E402
-from medusa_trt.engines.trt.tree_attention.plugin import PLUGIN_NAME, PLUGIN_NAMESPACE  # noqa: E402
 from medusa_trt.modeling import MedusaModel  # noqa: E402
 from medusa_trt.runtime.decoding import GenerationConfig, decode  # noqa: E402
 from medusa_trt.runtime.dynamic import build_batch  # noqa: E402
 from medusa_trt.runtime.ort.backend import OrtBackend  # noqa: E402
 from medusa_trt.runtime.ort.session import make_session  # noqa: E402
+from medusa_trt.runtime.trt.tree_attention import kernel  # noqa: E402
+from medusa_trt.runtime.trt.tree_attention.plugin import PLUGIN_NAME, PLUGIN_NAMESPACE  # noqa: E402
 from medusa_trt.tree import build_tree, pack_mask  # noqa: E402
 
 TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [2, 0, 0, 0]]  # 9 nodes, depth 4

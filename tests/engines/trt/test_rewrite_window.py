@@ -36,11 +36,11 @@ from medusa_trt.engines.trt.rewrite import (  # noqa: E402
     rewrite_attention,
     rewrite_onnx_file,
 )
-from medusa_trt.engines.trt.tree_attention import kernel  # noqa: E402
-from medusa_trt.engines.trt.tree_attention.plugin import PLUGIN_NAME  # noqa: E402
 from medusa_trt.modeling import MedusaModel  # noqa: E402
 from medusa_trt.runtime.decoding import GenerationConfig, decode  # noqa: E402
 from medusa_trt.runtime.ort.backend import OrtBackend  # noqa: E402
+from medusa_trt.runtime.trt.tree_attention import kernel  # noqa: E402
+from medusa_trt.runtime.trt.tree_attention.plugin import PLUGIN_NAME  # noqa: E402
 from medusa_trt.tree import build_tree  # noqa: E402
 from tests.engines.trt.test_rewrite import TREE, _attr, _feeds, _run_both  # noqa: E402
 

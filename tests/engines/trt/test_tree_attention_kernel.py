@@ -29,8 +29,8 @@ if HAVE_TRITON and DEVICE == "cpu" and "triton" not in sys.modules:
     os.environ["TRITON_INTERPRET"] = "1"
     import triton  # noqa: F401  (first import: fixes interpreter mode for this process)
 
-from medusa_trt.engines.trt.tree_attention import kernel, plugin  # noqa: E402
-from medusa_trt.engines.trt.tree_attention.kernel import (  # noqa: E402
+from medusa_trt.runtime.trt.tree_attention import kernel, plugin  # noqa: E402
+from medusa_trt.runtime.trt.tree_attention.kernel import (  # noqa: E402
     dense_mask_from_packed,
     reference_tree_attention,
     tree_attention,
@@ -360,8 +360,8 @@ def test_plugin_kernel_compiles_to_ptx():
     script = textwrap.dedent(
         """
         import sys
-        from medusa_trt.engines.trt.tree_attention import plugin
-        from medusa_trt.engines.trt.tree_attention.kernel import TUNING_CONFIGS
+        from medusa_trt.runtime.trt.tree_attention import plugin
+        from medusa_trt.runtime.trt.tree_attention.kernel import TUNING_CONFIGS
         assert "triton" not in sys.modules, "importing the plugin module must not import triton"
         for dtype, head_dim, sm, config, window in [("float16", 128, 90, TUNING_CONFIGS[1], 0),
                                                     ("bfloat16", 64, 80, TUNING_CONFIGS[0], 4096),

@@ -102,7 +102,7 @@ def test_onnx_stage_of_the_build(tiny_merged, tmp_path, mode, dtype):
     import onnx
 
     from medusa_trt.engines.trt.build import export_for_tensorrt
-    from medusa_trt.engines.trt.tree_attention.plugin import PLUGIN_NAME
+    from medusa_trt.runtime.trt.tree_attention.plugin import PLUGIN_NAME
 
     opts = BuildOptions(checkpoint=tiny_merged("llama"), out=tmp_path / "e", backend="tensorrt",
                         backend_options=TrtOptions(trt_attention=mode))

@@ -24,7 +24,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from medusa_trt.engines.trt.tree_attention.kernel import TUNING_CONFIGS, TileConfig, head_block, jit_kernel
+from medusa_trt.runtime.trt.tree_attention.kernel import TUNING_CONFIGS, TileConfig, head_block, jit_kernel
 
 PLUGIN_NAMESPACE = "medusa"
 PLUGIN_NAME = "tree_attention"
