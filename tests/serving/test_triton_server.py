@@ -259,7 +259,7 @@ def test_load_16_clients_x_8_requests(served):
     singles = [http_infer(served, c) for c in cases]  # one at a time: nothing to batch with
     for single, case in zip(singles, cases, strict=True):
         same(single, expected(served, case))
-    before = metrics(served)
+    before = settled(lambda: metrics(served))
     start = threading.Barrier(16)
 
     def client(k: int) -> list[tuple[int, dict]]:
@@ -354,24 +354,24 @@ def _request_counts_once_changed(served, before: tuple[int, int]) -> tuple[int, 
     return counts
 
 
-def _settled_request_counts(served) -> tuple[int, int]:
-    """_request_counts once they have not moved for a second (or after 10 s): an earlier test's last
-    request can be counted after its client returned, and a CI run read it into this test's delta."""
+def settled(read):
+    """read() once it has not changed for a second (or after 10 s): Triton can count a request after
+    its client holds the answer, and a CI run read an earlier request into a test's delta."""
     deadline = time.monotonic() + 10
-    counts = _request_counts(served)
+    value = read()
     while time.monotonic() < deadline:
         time.sleep(1.0)
-        if (now := _request_counts(served)) == counts:
+        if (now := read()) == value:
             break
-        counts = now
-    return counts
+        value = now
+    return value
 
 
 def test_max_tokens_beyond_int32_is_refused_and_rejections_count_as_failures(served):
     """JSON max_tokens 4294967297 (2**32 + 1) would arrive as 1 through an INT32 input and answer one
     token; declared INT64 it arrives whole and is refused. A refused request is a failure in
     Triton's metrics, not a success."""
-    success, failure = _settled_request_counts(served)
+    success, failure = settled(lambda: _request_counts(served))
     body = {"inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1, 1], "data": ["Hi"]},
                        {"name": "max_tokens", "datatype": "INT64", "shape": [1, 1], "data": [2**32 + 1]}]}
     status, text = _post_json(served, body)
