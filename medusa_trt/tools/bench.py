@@ -386,7 +386,9 @@ def format_report(r: dict) -> str:
         lines.append(f"{'transformers generate':<22}{hf['tokens_per_s']:>10.1f}")
     lines += [
         f"speedup (Medusa / plain, same run): {m['speedup']:.2f}x (per prompt: median "
-        f"{statistics.median(speedups):.2f}x, min {min(speedups):.2f}x, max {max(speedups):.2f}x)",
+        f"{statistics.median(speedups):.2f}x, min {min(speedups):.2f}x, max {max(speedups):.2f}x); decoding "
+        f"alone {m['decode_speedup']:.2f}x (the prompts' prefill, which both modes run, is "
+        f"{m['prefill_s'] / max(m['wall_s'], 1e-9):.0%} of the Medusa run)",
         f"per-step overhead (Medusa step / plain step): {m['step_overhead']:.2f}x"
         + (f"; the drafter's own calls: {m['drafter_cost']:.1%} of a plain step" if "drafter_cost" in m else ""),
         "acceptance per head (steps whose accepted path reached depth k): "

@@ -53,6 +53,9 @@ def test_bench_on_a_checkpoint(tiny_merged, prompts_file, tmp_path, capsys):
     assert report["backend"] == "TorchBackend"
     printed = capsys.readouterr().out
     assert "speedup (Medusa / plain, same run)" in printed and "transformers generate" in printed
+    m = report["medusa"]
+    assert f"decoding alone {m['decode_speedup']:.2f}x" in printed
+    assert f"is {m['prefill_s'] / m['wall_s']:.0%} of the Medusa run" in printed
 
 
 def test_bench_on_an_onnxruntime_engine(ort_engine, prompts_file, tmp_path):
