@@ -506,8 +506,11 @@ def test_medusa_serve_cli_prints_endpoints_and_stops_on_ctrl_c(served):
         with httpclient.InferenceServerClient(m.group(1)) as client:
             assert client.is_model_ready(MODEL)
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(60) == 0
-        assert "medusa-serve: stopped" in proc.stdout.read()
+        # communicate reads the pipe while waiting: a wait() with the server's shutdown log unread can
+        # block it on a full pipe (a CI run timed out so)
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0, out
+        assert "medusa-serve: stopped" in out
     finally:
         if proc.poll() is None:
             proc.kill()
