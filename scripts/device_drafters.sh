@@ -12,7 +12,7 @@
 #   here:    scripts/device_drafters.sh collect DIR      # DIR = the last call's files_at: parts into the
 #                                                        # corpus, drafters into build/gpu_run
 # Calls follow one another at once: the machine keeps /tmp for 30 s after a call. run's ARGS go to
-# `train_smollm2_drafters.py --stage cuda` (e.g. --budget 540 --gen-share 0.6 --init
+# `train_smollm2_drafters.py --stage cuda` (e.g. --budget 540 --gen-share 0.8 --min-passes 2 --init
 # medusa_trt/assets/smollm2 --lr 3e-4 --batch-samples 32). Its new corpus parts, log, report and
 # drafters (a tar in 15 MiB pieces: 8 files of 16 MiB at most come back) land in $OUT.
 set -euo pipefail

@@ -42,7 +42,9 @@ The cuda stage sets 128 decoded training-side sequences aside (--val) and report
 top-1 on them at a third, two thirds and the end of training: that slice, not the held-out split,
 compares runs. The pack also holds the later human turns of training-side conversations, each with
 the conversation before it (`later_prompts`), decoded after the first turns until the --gen-share
-deadline (docs/benchmarks/issue-35-amphista.md, section j). Decoded text is kept in the repository's
+deadline (docs/benchmarks/issue-35-amphista.md, section j), or earlier: decoding stops once the
+text needs the rest of the training time for its hidden states and --min-passes passes, at the
+rates the device showed on a batch timed first (section v). Decoded text is kept in the repository's
 corpus (data/drafter_corpus/, medusa_trt/drafter_corpus.py): a run reads it, decodes only what it lacks
 and trains on all of it; --decode-only spends the whole budget decoding, so sessions too short to
 decode and train (on a GPU, or this CPU in the background) build one corpus, and a later run trains
@@ -61,6 +63,7 @@ import random
 import sys
 import sysconfig
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -143,6 +146,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "the base's hidden states of the training text once and keep them in device memory (2.3 KB a row as "
                    "float32: 21 GiB for 9.1M rows; see --kept-dtype), so steps do not run the base again")
     p.add_argument("--timed-steps", type=int, default=40, help="cuda stage: steps timed to size the schedule")
+    p.add_argument("--min-passes", type=float, default=2.0, help="cuda stage: decoding stops early enough that the "
+                   "training gets this many passes over all its text (and the time to keep its hidden states), at "
+                   "the rates this device shows on a batch timed before decoding; 0: --gen-share alone decides")
     p.add_argument("--bf16", action="store_true", help="cuda stage: the drafters' forward and backward under bfloat16 "
                    "autocast (the base's hidden states and the teacher distribution stay float32)")
     return p.parse_args(argv)
@@ -536,14 +542,15 @@ def drafter_inputs(model) -> tuple[torch.Tensor, torch.nn.Embedding]:
 
 
 def _cuda_decode(model, prompts: list[list[int]], kinds: list[str], new_tokens: int, eos: int, batch: int,
-                 deadline: float, desc: str, kv_tokens: int | None = None, decoder: str = "static",
-                 keep=None, last: float = 0.0) -> tuple[list, float]:
+                 deadline: float | Callable[[], float], desc: str, kv_tokens: int | None = None,
+                 decoder: str = "static", keep=None, last: float = 0.0) -> tuple[list, float]:
     """Greedy continuations (batched_greedy, or with decoder "generate" transformers' generate), in
     batches of similar lengths taken in random order, so that a run cut off by its deadline still
     holds every length; each stops after EOS. A batch holds at most `batch` prompts and, with
     `kv_tokens`, at most that many cache rows. `keep(sample)` is called on each as its batch ends.
     No batch starts that would end past the deadline if it took as long as the last one (`last` for
-    the first: the previous call's); returns the samples and the last batch's seconds."""
+    the first: the previous call's); a callable deadline is read before each batch (the training's
+    time plan moves it as the text grows). Returns the samples and the last batch's seconds."""
     from tqdm import tqdm
 
     from medusa_trt.tools.distill import Sample
@@ -560,7 +567,7 @@ def _cuda_decode(model, prompts: list[list[int]], kinds: list[str], new_tokens: 
     out = []
     for group in tqdm(groups if prompts else [], desc=desc, mininterval=20):
         started = time.perf_counter()
-        if started + last > deadline:  # the next batch would end past the deadline (as long as the last one)
+        if started + last > (deadline() if callable(deadline) else deadline):  # would end past it, as long as the last
             break
         if decoder == "static":
             conts = batched_greedy.greedy(model, [prompts[i] for i in group], new_tokens, eos)
@@ -784,28 +791,103 @@ def eval_stage(args) -> dict:
     return report
 
 
+def _autocast(dev: torch.device, bf16: bool):
+    """The drafters' forward and backward under bfloat16 autocast (--bf16), else as they are."""
+    import contextlib
+
+    return torch.autocast(dev.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+
+
+def _start_drafters(args, config: dict, lm_head: torch.Tensor, train: list | None) -> tuple[dict, torch.Tensor, float | None]:
+    """The drafters a cuda-stage run trains (--archs), their shared draft vocabulary and the share of
+    `train`'s targets it holds: --init's drafters (a warm start, their vocabulary kept), or new ones
+    whose vocabulary is the most frequent targets of `train`. `train` None: a stand-in vocabulary of
+    the same size (drafters that are only timed)."""
+    from medusa_trt.checkpoint import ModelConfig
+    from medusa_trt.drafters.amphista import Amphista
+    from medusa_trt.tools.train_drafter import MedusaResBlocks, coverage, draft_vocabulary, target_counts
+
+    archs = args.archs.split(",")
+    if args.init:
+        # A warm start: the drafters of --init (the shipped ones) go on learning on this corpus, with
+        # their draft vocabulary. Section (j) found the GPU runs step-bound, and a start that already
+        # drafts at 0.60 spends no steps getting there.
+        init = load_drafters(config, args.init)
+        if missing := [a for a in archs if a not in init]:
+            raise SystemExit(f"{args.init}: no {', '.join(missing)} drafter to start from; expected one per --archs")
+        vocabs = {tuple(init[a][1].tolist()) if init[a][1] is not None else None for a in archs}
+        if len(vocabs) != 1 or None in vocabs:
+            raise SystemExit(f"{args.init}: the drafters' draft vocabularies differ or are missing; expected one shared")
+        vocab = init[archs[0]][1]
+        covered = coverage(target_counts(train, lm_head.shape[0]), vocab) if train is not None else None
+        return {a: init[a][0] for a in archs}, vocab, covered
+    if train is None:
+        vocab, covered = torch.arange(min(args.vocab_size, lm_head.shape[0])), None
+    else:
+        vocab, covered = draft_vocabulary(train, args.vocab_size, lm_head.shape[0])
+    cfg = dataclasses.replace(ModelConfig.from_checkpoint_config(config), drafter="amphista",
+                              drafter_options={"num_heads": 4, "sal_intermediate_size": args.sal_intermediate})
+    amphista = Amphista(cfg)
+    amphista.reset_identity()
+    return {a: MedusaResBlocks(4, 2, lm_head.shape[1]) if a == "medusa" else amphista for a in archs}, vocab, covered
+
+
+def _time_plan(model, train: list, drafters: dict, vocab: torch.Tensor, lm_head: torch.Tensor, embed, args,
+               dev: torch.device) -> dict:
+    """This device's seconds per row of the base's hidden states and of one training step of every
+    drafter, timed on --batch-samples training sequences of the median length with copies of
+    `drafters` (which stay as they are). Each figure is the second of two runs: the first warms up."""
+    import copy
+
+    from medusa_trt.tools.train_drafter import Objective, TrainOptions, _batch, optimizer, step_loss, update
+
+    order = sorted(range(len(train)), key=lambda i: len(train[i].tokens))
+    mid = max(0, min(len(order) // 2 - args.batch_samples // 2, len(order) - args.batch_samples))
+    batch = [train[i] for i in order[mid : mid + args.batch_samples]]
+    rows = sum(len(s.tokens) - 1 for s in batch)
+    opts = TrainOptions(steps=10, lr=args.lr, batch_samples=len(batch), max_len=1024, seed=args.seed)
+    obj = Objective.make(lm_head, vocab)
+    copies = {a: copy.deepcopy(d).to(dev).train() for a, d in drafters.items()}
+    optims = {a: optimizer(d, opts) for a, d in copies.items()}
+    noise = torch.Generator(device=dev).manual_seed(args.seed)
+
+    def timed(fn):
+        for _ in range(2):
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            started = time.perf_counter()
+            out = fn()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+        return out, time.perf_counter() - started
+
+    kept, hidden_s = timed(lambda: _with_hidden(model, batch))
+    bt = _batch(kept, 1024)
+
+    def steps() -> None:
+        for a, d in copies.items():
+            with _autocast(dev, args.bf16):
+                loss = step_loss(d, a, bt, obj, embed, opts, noise)
+            update(d, *optims[a], loss)
+
+    _, step_s = timed(steps)
+    return {"hidden_s_per_row": hidden_s / rows, "step_s_per_row": step_s / rows, "timed_rows": rows}
+
+
 def cuda_stage(args) -> dict:
     """Decode, then train Medusa heads and an Amphista drafter together (the base's hidden states feed
     both: computed once and kept in device memory, or with --no-keep-hidden by each step); steps sized
     to --budget."""
-    import contextlib
-
-    from medusa_trt.checkpoint import ModelConfig
-    from medusa_trt.drafters.amphista import Amphista
     from medusa_trt.tools.distill import Sample
     from medusa_trt.tools.train_drafter import (
-        MedusaResBlocks,
         Objective,
         TrainOptions,
         _batch,
-        coverage,
-        draft_vocabulary,
         evaluate,
         neighbours,
         optimizer,
         save_amphista,
         step_loss,
-        target_counts,
         update,
     )
     from medusa_trt.tools.train_heads import save_heads
@@ -825,6 +907,7 @@ def cuda_stage(args) -> dict:
     print(f"base loaded in {t_loaded - t0:.0f} s")
     end = t0 + args.budget
     decode_end = end if args.decode_only else t0 + args.gen_share * args.budget
+    train_end = end - 0.12 * args.budget  # the rest: evaluation and saving
     # The decoded text lives in the corpus (medusa_trt/drafter_corpus.py): what any earlier run decoded,
     # here or on another machine, is read back, and this run decodes only what it lacks, in order:
     # the held-out prompts (always all), the first turns, then the later human turns in their
@@ -836,12 +919,38 @@ def cuda_stage(args) -> dict:
     print(f"corpus: {len(have)} continuations in {len(parts)} parts ({args.corpus}"
           + (f", {corpus_out}" if corpus_out != args.corpus else "") + ")")
     sets = prompt_sets(pack)
+    forced = []
+    if args.forced_share > 0 and not args.decode_only:
+        if "forced" not in pack:
+            raise SystemExit(f"{args.pack}: no teacher-forced answers (rerun --stage pack); --forced-share needs them")
+        forced = [Sample(t, int(n), None, "forced") for t, n in
+                  zip(_unragged(pack["forced"], pack["forced_offsets"]), pack["forced_start"].tolist(), strict=True)]
+    lm_head, embed = drafter_inputs(model)
+    # The time plan: a run that decodes up to its --gen-share deadline may leave its training no time
+    # (the hidden states of all the text come first). Decoding stops once the text so far needs the
+    # rest of the training time for its hidden states and --min-passes passes, at this device's rates.
+    text = corpus_text(sets, have)[1] + forced
+    text_rows = [sum(len(s.tokens) - 1 for s in text)]  # grows as decoding adds text
+    plan, per_row = None, 0.0
+    if not args.decode_only and args.min_passes > 0 and text:
+        plan = _time_plan(model, text, *_start_drafters(args, config, lm_head, None)[:2], lm_head, embed, args, dev)
+        hidden_s, step_s = plan["hidden_s_per_row"], plan["step_s_per_row"]
+        per_row = hidden_s + args.min_passes * step_s if args.keep_hidden else args.min_passes * (hidden_s + step_s)
+
+    def decode_by() -> float:
+        return decode_end if plan is None else min(decode_end, train_end - per_row * text_rows[0])
+
+    if plan:
+        print(f"time plan: {hidden_s * 1e6:.1f} us a row for the hidden states, {step_s * 1e6:.1f} us a row for a "
+              f"step of every drafter; the {text_rows[0]} rows there are need {per_row * text_rows[0]:.0f} s for "
+              f"--min-passes {args.min_passes:g}: " + (f"decoding stops by {decode_by() - t0:.0f} s" if decode_by() >
+              time.perf_counter() else "no more decoding"), flush=True)
     static_check = None
     if args.decoder == "static":
         static_check = _check_static(model, sets["eval"][0][:4], int(pack["eos"]))
         if "failed" in static_check:
             args.decoder = "generate"
-    limits = {"eval": (args.new_tokens, end), "first": (args.gen_tokens, decode_end), "later": (args.gen_tokens, decode_end)}
+    limits = {"eval": (args.new_tokens, end), "first": (args.gen_tokens, decode_by), "later": (args.gen_tokens, decode_by)}
     writer = drafter_corpus.Writer(corpus_out, {
         "decoder": args.decoder, "device": _device_name(dev),
         "arithmetic": "tf32" if dev.type == "cuda" else "float32",  # TF32 products on a GPU (above)
@@ -857,6 +966,7 @@ def cuda_stage(args) -> dict:
         def keep(sample, split=split):
             cont = sample.tokens[sample.prompt_len :]
             have[writer.add(sample.tokens[: sample.prompt_len], split, cont)] = cont
+            text_rows[0] += (len(sample.tokens) - 1) if split != "eval" else 0
 
         new, last = _cuda_decode(model, todo, todo_kinds, new_tokens, eos, args.gen_batch, deadline,
                                  f"decoding {split}", args.gen_kv_tokens if split != "eval" else None, args.decoder,
@@ -871,6 +981,9 @@ def cuda_stage(args) -> dict:
     decoding = {"decoder": args.decoder, "static_check": static_check, "sequences": len(fresh),
                 "new_tokens": sum(len(s.tokens) - s.prompt_len for s in fresh),
                 "seconds": round(time.perf_counter() - t_loaded, 1)}  # decoding and saving, not loading
+    if plan:
+        plan.update(min_passes=args.min_passes, decoding_stopped_at_s=round(t_gen, 1),
+                    training_s=round(train_end - t0 - t_gen, 1))
     decoded_now = bool(fresh)
     rows = sum(len(s.tokens) - 1 for s in train)
     peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else 0.0  # the KV cache at --gen-batch
@@ -895,36 +1008,10 @@ def cuda_stage(args) -> dict:
     val = [train[i] for i in sorted(shuffled[: args.val])]
     train = [train[i] for i in sorted(shuffled[args.val :])]
     rows = sum(len(s.tokens) - 1 for s in train)
-    forced = []
-    if args.forced_share > 0:
-        if "forced" not in pack:
-            raise SystemExit(f"{args.pack}: no teacher-forced answers (rerun --stage pack); --forced-share needs them")
-        forced = [Sample(t, int(n), None, "forced") for t, n in
-                  zip(_unragged(pack["forced"], pack["forced_offsets"]), pack["forced_start"].tolist(), strict=True)]
+    if forced:
         print(f"{len(forced)} teacher-forced ShareGPT answers ({sum(len(s.tokens) - s.prompt_len for s in forced)} "
               f"rows), read in {args.forced_share:.0%} of the steps")
-
-    lm_head, embed = drafter_inputs(model)
-    archs = args.archs.split(",")
-    if args.init:
-        # A warm start: the drafters of --init (the shipped ones) go on learning on this corpus, with
-        # their draft vocabulary. Section (j) found the GPU runs step-bound, and a start that already
-        # drafts at 0.60 spends no steps getting there.
-        init = load_drafters(config, args.init)
-        if missing := [a for a in archs if a not in init]:
-            raise SystemExit(f"{args.init}: no {', '.join(missing)} drafter to start from; expected one per --archs")
-        vocabs = {tuple(init[a][1].tolist()) if init[a][1] is not None else None for a in archs}
-        if len(vocabs) != 1 or None in vocabs:
-            raise SystemExit(f"{args.init}: the drafters' draft vocabularies differ or are missing; expected one shared")
-        drafters, vocab = {a: init[a][0] for a in archs}, init[archs[0]][1]
-        covered = coverage(target_counts(train, lm_head.shape[0]), vocab)
-    else:
-        vocab, covered = draft_vocabulary(train, args.vocab_size, lm_head.shape[0])
-        cfg = dataclasses.replace(ModelConfig.from_checkpoint_config(config), drafter="amphista",
-                                  drafter_options={"num_heads": 4, "sal_intermediate_size": args.sal_intermediate})
-        amphista = Amphista(cfg)
-        amphista.reset_identity()
-        drafters = {a: MedusaResBlocks(4, 2, lm_head.shape[1]) if a == "medusa" else amphista for a in archs}
+    drafters, vocab, covered = _start_drafters(args, config, lm_head, train)
     for d in drafters.values():
         d.to(dev).train()
     opts = {a: TrainOptions(steps=10**6, lr=args.lr, batch_samples=args.batch_samples, max_len=1024, seed=args.seed)
@@ -949,6 +1036,13 @@ def cuda_stage(args) -> dict:
             print(f"--keep-hidden: the hidden states need {kept_gib:.1f} GiB as float32, {free_gib:.1f} GiB are "
                   "free; each step runs the base instead", flush=True)
             args.keep_hidden = False
+    left = train_end - time.perf_counter()
+    if args.keep_hidden and plan and (need := plan["hidden_s_per_row"] * text_rows[0]) > left / 2:
+        # Keeping them pays from the second pass on; a run with time for less than that would spend
+        # most of it on states no step reads. Steps that run the base each start at once.
+        print(f"--keep-hidden: the hidden states of {text_rows[0]} rows would take ~{need:.0f} s of the {left:.0f} s "
+              "left for training; each step runs the base instead", flush=True)
+        args.keep_hidden = False
     if args.keep_hidden:
         started = time.perf_counter()
         train, forced = _hidden_kept(model, train, dtype=kept_dtype), _hidden_kept(model, forced, dtype=kept_dtype)
@@ -956,8 +1050,6 @@ def cuda_stage(args) -> dict:
               f"({kept_gib * kept_dtype.itemsize / 4:.1f} GiB) in {time.perf_counter() - started:.0f} s", flush=True)
     pools = [(p, sorted(range(len(p)), key=lambda i: len(p[i].tokens))) for p in (train, forced)]
     pick = random.Random(args.seed + 4)
-    def autocast():
-        return torch.autocast(dev.type, dtype=torch.bfloat16) if args.bf16 else contextlib.nullcontext()
     val = _hidden_kept(model, val, 16)
     curve = {a: [] for a in drafters}
 
@@ -982,7 +1074,7 @@ def cuda_stage(args) -> dict:
 
     losses = {a: [] for a in drafters}
     total = next(iter(opts.values())).steps  # until the timed steps size the schedule
-    train_end, step, timed_at, timed_rows = end - 0.12 * args.budget, 0, None, 0  # the rest: evaluation and saving
+    step, timed_at, timed_rows = 0, None, 0
     # Steps differ in length (a batch holds neighbours in length), so the schedule is sized from the
     # time per row of the timed steps and the rows an average step reads.
     mean_rows = args.batch_samples * ((1 - args.forced_share if forced else 1) * rows / len(train) + (
@@ -994,7 +1086,7 @@ def cuda_stage(args) -> dict:
         bt = _batch(batch, 1024)
         timed_rows += sum(len(s.tokens) - 1 for s in batch) if timed_at is not None else 0
         for a, d in drafters.items():
-            with autocast():
+            with _autocast(dev, args.bf16):
                 loss = step_loss(d, a, bt, obj, embed, opts[a], noise)
             update(d, *optim[a], loss)
             losses[a].append(loss.item())
@@ -1031,6 +1123,8 @@ def cuda_stage(args) -> dict:
                        "gen_batch": args.gen_batch if decoded_now else None,
                        "decode_peak_gib": round(peak, 1) if decoded_now else None},
               "device": _device_name(dev), "steps": step, "batch_samples": args.batch_samples,
+              "passes": round(step * mean_rows / (rows + sum(len(s.tokens) - 1 for s in forced)), 2),
+              "time_plan": plan,
               "seconds": {"decode": round(t_gen, 1), "train": round(t_train, 1)}}
     for d in drafters.values():  # the last validation saved them
         d.eval()

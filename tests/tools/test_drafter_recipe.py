@@ -233,6 +233,42 @@ def test_no_batch_starts_that_would_end_past_the_deadline(pack):
     assert len(new) == 4 and 0 < last < 60
 
 
+def test_decoding_stops_where_the_text_would_leave_the_training_too_few_passes(pack, tmp_path):
+    """The time plan (--min-passes): with the first turns already in the corpus, a run allowed to decode
+    for its whole budget decodes no later turn when the text it has needs more training time than is
+    left, and all of them when the plan is off (the plan a GPU session had would have decoded until
+    the hidden states alone took the training's time)."""
+    corpus = tmp_path / "corpus"
+    writer = drafter_corpus.Writer(corpus, {"decoder": "test"})
+    rng = random.Random(1)
+    for p in pack["train"]:
+        writer.add(p, "first", [*(rng.randrange(3, 250) for _ in range(6)), EOS])
+    writer.close()
+    common = ["--budget", "8", "--gen-share", "1", "--batch-samples", "2", "--timed-steps", "2", "--val", "2",
+              "--sal-intermediate", "32", "--vocab-size", "64"]
+    reports = {}
+    for passes in ("1e9", "0"):
+        (out := tmp_path / passes).mkdir()
+        _run(pack, corpus, out, "--min-passes", passes, *common)
+        reports[passes] = json.loads((out / "cuda_report.json").read_text())
+    planned, unplanned = reports["1e9"], reports["0"]
+    assert planned["data"]["later_turns"] == 0
+    assert planned["time_plan"]["hidden_s_per_row"] > 0 and planned["time_plan"]["step_s_per_row"] > 0
+    assert unplanned["data"]["later_turns"] == len({tuple(p) for p in pack["later"]}) and unplanned["time_plan"] is None
+    assert planned["passes"] > 0
+
+
+def test_a_run_without_time_to_keep_the_hidden_states_runs_the_base_each_step(pack, tmp_path, monkeypatch):
+    """Keeping the hidden states pays from the second pass on: where the plan's rates say they would
+    take more than half of the training's time, the steps run the base instead and start at once."""
+    _run(pack, tmp_path / "corpus", tmp_path, "--decode-only", "--budget", "60")
+    monkeypatch.setattr(recipe, "_time_plan", lambda *a, **k: {"hidden_s_per_row": 1.0, "step_s_per_row": 1e-6})
+    _run(pack, tmp_path / "corpus", tmp_path, "--budget", "8", "--gen-share", "0", "--batch-samples", "2",
+         "--timed-steps", "2", "--val", "2", "--sal-intermediate", "32", "--vocab-size", "64")
+    report = json.loads((tmp_path / "cuda_report.json").read_text())
+    assert report["data"]["kept_hidden"] is None and report["steps"] >= 4
+
+
 def test_a_pack_that_is_missing_or_incomplete_is_refused_naming_it(pack, tmp_path):
     with pytest.raises(SystemExit, match="nope.npz: not a pack"):
         recipe.load_pack(tmp_path / "nope.npz")
