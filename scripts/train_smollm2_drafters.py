@@ -791,13 +791,6 @@ def eval_stage(args) -> dict:
     return report
 
 
-def _autocast(dev: torch.device, bf16: bool):
-    """The drafters' forward and backward under bfloat16 autocast (--bf16), else as they are."""
-    import contextlib
-
-    return torch.autocast(dev.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-
-
 def _start_drafters(args, config: dict, lm_head: torch.Tensor, train: list | None) -> tuple[dict, torch.Tensor, float | None]:
     """The drafters a cuda-stage run trains (--archs), their shared draft vocabulary and the share of
     `train`'s targets it holds: --init's drafters (a warm start, their vocabulary kept), or new ones
@@ -827,8 +820,10 @@ def _start_drafters(args, config: dict, lm_head: torch.Tensor, train: list | Non
         vocab, covered = draft_vocabulary(train, args.vocab_size, lm_head.shape[0])
     cfg = dataclasses.replace(ModelConfig.from_checkpoint_config(config), drafter="amphista",
                               drafter_options={"num_heads": 4, "sal_intermediate_size": args.sal_intermediate})
-    amphista = Amphista(cfg)
-    amphista.reset_identity()
+    with torch.random.fork_rng():  # --seed fixes the initialization too
+        torch.manual_seed(args.seed)
+        amphista = Amphista(cfg)
+        amphista.reset_identity()
     return {a: MedusaResBlocks(4, 2, lm_head.shape[1]) if a == "medusa" else amphista for a in archs}, vocab, covered
 
 
@@ -839,7 +834,15 @@ def _time_plan(model, train: list, drafters: dict, vocab: torch.Tensor, lm_head:
     `drafters` (which stay as they are). Each figure is the second of two runs: the first warms up."""
     import copy
 
-    from medusa_trt.tools.train_drafter import Objective, TrainOptions, _batch, optimizer, step_loss, update
+    from medusa_trt.tools.train_drafter import (
+        Objective,
+        TrainOptions,
+        _batch,
+        autocast,
+        optimizer,
+        step_loss,
+        update,
+    )
 
     order = sorted(range(len(train)), key=lambda i: len(train[i].tokens))
     mid = max(0, min(len(order) // 2 - args.batch_samples // 2, len(order) - args.batch_samples))
@@ -866,7 +869,7 @@ def _time_plan(model, train: list, drafters: dict, vocab: torch.Tensor, lm_head:
 
     def steps() -> None:
         for a, d in copies.items():
-            with _autocast(dev, args.bf16):
+            with autocast(dev.type, args.bf16):
                 loss = step_loss(d, a, bt, obj, embed, opts, noise)
             update(d, *optims[a], loss)
 
@@ -883,6 +886,7 @@ def cuda_stage(args) -> dict:
         Objective,
         TrainOptions,
         _batch,
+        autocast,
         evaluate,
         neighbours,
         optimizer,
@@ -1086,7 +1090,7 @@ def cuda_stage(args) -> dict:
         bt = _batch(batch, 1024)
         timed_rows += sum(len(s.tokens) - 1 for s in batch) if timed_at is not None else 0
         for a, d in drafters.items():
-            with _autocast(dev, args.bf16):
+            with autocast(dev.type, args.bf16):
                 loss = step_loss(d, a, bt, obj, embed, opts[a], noise)
             update(d, *optim[a], loss)
             losses[a].append(loss.item())

@@ -325,9 +325,12 @@ def _train_amphista(args, model, seqs: list[list[int]], starts: list[int], t0: f
     vocab, coverage = draft_vocabulary(train, args.draft_vocab, lm_head.shape[0])
     cfg = dataclasses.replace(cfg, drafter="amphista", drafter_options={
         "num_heads": args.num_heads, "sal_intermediate_size": args.sal_intermediate})
-    drafter = Amphista(cfg)
-    drafter.reset_identity()
-    opts = TrainOptions(steps=args.steps, lr=args.lr, batch_samples=max(1, args.batch_tokens // 256), seed=args.seed)
+    with torch.random.fork_rng():  # --seed also fixes the initialization: a rerun ends on the same bits
+        torch.manual_seed(args.seed)
+        drafter = Amphista(cfg)
+        drafter.reset_identity()
+    opts = TrainOptions(steps=args.steps, lr=args.lr, batch_samples=max(1, args.batch_tokens // 256), seed=args.seed,
+                        bf16=args.bf16)
     history = train_drafter(drafter, "amphista", train, lm_head, embed, vocab, opts, progress=not args.quiet)
     dtype = getattr(torch, args.dtype) if args.dtype else (_saved_dtype(args.base) or torch.float32)
     path = save_amphista(drafter, args.stage, base=str(args.base), vocab=vocab, dtype=dtype)
@@ -335,7 +338,7 @@ def _train_amphista(args, model, seqs: list[list[int]], starts: list[int], t0: f
     tail = history[-min(50, len(history)):]
     summary = {"out": str(args.out / path.name), "arch": "amphista", "targets": "self-distillation" if args.self_distill else "data",
                "sequences": len(train), "rows": sum(len(s.hidden) for s in train), "steps": args.steps,
-               "draft_vocab": len(vocab), "target_coverage": round(coverage, 4),
+               "draft_vocab": len(vocab), "target_coverage": round(coverage, 4), "bf16": args.bf16,
                "final_loss": round(sum(tail) / len(tail), 4), "dtype": str(dtype).removeprefix("torch."),
                "seconds": round(time.perf_counter() - t0, 1)}
     if accuracy is not None:

@@ -10,7 +10,6 @@ are used). Everything here runs on the CPU in minutes for models of a few millio
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 from collections import defaultdict
@@ -21,6 +20,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from medusa_trt.drafters.medusa import resblocks, stacked_linear
+from medusa_trt.tools.train_drafter import autocast
 
 LOSS_DECAY = 0.8  # Medusa-1's per-head loss weight: head k counts 0.8^k
 
@@ -194,8 +194,7 @@ def train_heads(
     for _ in bar:
         idx = torch.randint(0, len(x), (n,), generator=g)
         xb = x[idx].float()
-        autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-        with autocast:
+        with autocast("cpu", bf16):
             z = resblocks(xb[None].expand(num_heads, -1, -1), stacked_linear(w, b), range(num_layers))  # [H, n, d]
             logits = z @ base_lm.T if shared_lm_head else torch.einsum("hni,hvi->hnv", z, lm)  # [H, n, V]
         losses = torch.stack([F.cross_entropy(logits[k].float(), y[idx, k]) for k in range(num_heads)])

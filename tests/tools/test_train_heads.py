@@ -272,6 +272,15 @@ def test_amphista_from_sharegpt_self_distilled_and_resumed_from_its_cache(tiny_b
     assert train_cli.main([*args, "--out", str(tmp_path / "b")]) == 0  # resumes: the chunks are read, not redone
     assert [c.stat().st_mtime_ns for c in chunks] == stamps
     assert "held-out top-1" in capsys.readouterr().out
+    # --bf16 reaches the Amphista steps (it once trained the Medusa heads only): the same run under
+    # bfloat16 autocast ends elsewhere, where a rerun in float32 ends on the same bits
+    assert train_cli.main([*args, "--out", str(tmp_path / "c")]) == 0
+    assert train_cli.main([*args, "--out", str(tmp_path / "d"), "--bf16"]) == 0
+    from safetensors.torch import load_file
+
+    b, c, d = (load_file(tmp_path / run / "amphista.safetensors") for run in "bcd")
+    assert all(torch.equal(b[k], c[k]) for k in b) and not all(torch.equal(b[k], d[k]) for k in b)
+    assert json.loads((tmp_path / "d" / "training_summary.json").read_text())["bf16"] is True
     convert(tiny_base("llama"), tmp_path / "a", tmp_path / "ckpt", progress=False)  # medusa-convert takes it
 
 
