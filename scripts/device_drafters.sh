@@ -57,8 +57,9 @@ run)
   cp $X/payload/w/amphista.safetensors medusa_trt/assets/smollm2/amphista/
   export PYTHONPATH=$X/payload/py PYTHONUNBUFFERED=1
   rc=0
-  python3 scripts/train_smollm2_drafters.py --stage cuda --gguf $X/payload/m.gguf --pack $X/payload/pack.npz \
-    --out $X/run --corpus-out "$OUT" "$@" >"$OUT/log.txt" 2>&1 || rc=$?
+  # stopped short of the call's limit (RUN_LIMIT s, for timeout_s 600) so that what it saved is sent back
+  timeout "${RUN_LIMIT:-575}" python3 scripts/train_smollm2_drafters.py --stage cuda --gguf $X/payload/m.gguf \
+    --pack $X/payload/pack.npz --out $X/run --corpus-out "$OUT" "$@" >"$OUT/log.txt" 2>&1 || rc=$?
   # what the run saved comes back even if it failed: its drafters are saved at each validation
   [ -f $X/run/cuda_report.json ] && cp $X/run/cuda_report.json "$OUT/"
   saved=$(cd $X/run 2>/dev/null && ls -d amphista heads 2>/dev/null || true)
