@@ -10,6 +10,7 @@ are used). Everything here runs on the CPU in minutes for models of a few millio
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 from collections import defaultdict
@@ -47,16 +48,18 @@ def greedy_continuations(model, prompts: list[list[int]], new_tokens: int, batch
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     out: list[list[int]] = [[] for _ in prompts]
+    # transformers 5 renamed the cache argument and output `cache` (past_key_values warns, and goes in 5.40)
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     batches = _by_length(prompts, batch_size)
     for idx in tqdm(batches, desc="greedy continuations", disable=not progress, leave=False):
         ids = torch.tensor([prompts[i] for i in idx])  # [B, S]
         res = model(input_ids=ids, use_cache=True)
-        past = res.past_key_values
+        past = res[name]
         tok = res.logits[:, -1].argmax(-1)  # [B]
         gen = [tok]
         for _ in range(new_tokens - 1):
-            res = model(input_ids=tok[:, None], past_key_values=past, use_cache=True)
-            past = res.past_key_values
+            res = model(input_ids=tok[:, None], use_cache=True, **{name: past})
+            past = res[name]
             tok = res.logits[:, -1].argmax(-1)
             gen.append(tok)
         cont = torch.stack(gen, dim=1).tolist()  # [B, new]
