@@ -96,3 +96,23 @@ def test_medusa_check_passes(smollm2):
 
     assert check_main(["--engine", str(smollm2[2]), "--checkpoint", str(smollm2[1]), "--max-new-tokens", "12",
                        "--tree-steps", "2"]) == 0
+
+
+def test_medusa_train_heads_takes_the_gguf_base_as_medusa_convert_does(tmp_path):
+    """--base may be the GGUF file itself: SmolLM2 ships as one, and an HF dir would be a 540 MB copy
+    of it. The Amphista drafter trained on it (a smoke-sized run) is one medusa-convert merges with
+    the same GGUF."""
+    from medusa_trt.cli.train_heads import main as train_main
+
+    gguf = fetch_smollm2(REPO / "build" / "smollm2")
+    data = tmp_path / "data.txt"
+    data.write_text("\n".join(heldout("code", 8)))
+    out = tmp_path / "amphista"
+    assert train_main(["--base", str(gguf), "--data", str(data), "--out", str(out), "--arch", "amphista",
+                       "--self-distill", "--num-prompts", "6", "--max-new-tokens", "6", "--steps", "2",
+                       "--sal-intermediate", "32", "--draft-vocab", "64", "--quiet"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["drafter"] == "amphista" and config["hidden_size"] == 576 and config["base_model_name_or_path"] == str(gguf)
+    convert(gguf, out, tmp_path / "ckpt", dtype="float32", progress=False)
+    merged = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    assert merged["medusa_trt"]["head_format"] == "amphista" and merged["num_medusa_heads"] == 4

@@ -67,7 +67,8 @@ class TrainError(MedusaTrtError):
 
 def parser() -> argparse.ArgumentParser:
     p = new_parser(PROG, __doc__, raw=True)
-    p.add_argument("--base", required=True, type=Path, help="Hugging Face model dir (config.json, weights, tokenizer)")
+    p.add_argument("--base", required=True, type=Path, help="Hugging Face model dir (config.json, weights, tokenizer), "
+                   "or a GGUF file (dequantized to float32, as medusa-convert reads it)")
     p.add_argument("--data", required=True, type=Path,
                    help=".txt (one sample per line) or .jsonl (one {\"text\": ...} per line; text may hold newlines)")
     p.add_argument("--out", required=True, type=Path, help="directory for the head file + config.json")
@@ -117,8 +118,8 @@ def _check(args) -> None:
     if args.arch == "amphista" and (args.shared_lm_head or args.num_layers != 1):
         raise TrainError("--shared-lm-head and --num-layers are Medusa head options; an Amphista drafter "
                          "drafts through the base lm_head over its draft vocabulary")
-    if not (args.base / "config.json").is_file():
-        raise TrainError(f"{args.base}: no config.json; expected a Hugging Face model directory")
+    if _gguf(args.base) is None and not (args.base / "config.json").is_file():
+        raise TrainError(f"{args.base}: no config.json; expected a Hugging Face model directory or a GGUF file")
     if args.out.exists() and not args.out.is_dir():
         raise TrainError(f"{args.out}: exists and is not a directory")
     if args.corpus is not None and not args.self_distill:
@@ -131,8 +132,20 @@ def _check(args) -> None:
             raise TrainError(f"{args.out / name}: exists; pass --force to replace it")
 
 
+def _gguf(base: Path) -> Path | None:
+    """The GGUF file --base names (the file, or a directory holding one and no config.json), else None."""
+    from medusa_trt.converter.gguf import find_gguf
+    from medusa_trt.converter.hf_base import ConvertError
+
+    try:
+        return find_gguf(base)
+    except ConvertError as e:
+        raise TrainError(str(e)) from None
+
+
 def load_base(base: Path, quiet: bool = False):
-    """(model float32 eval, tokenizer), with one clear error for the many ways loading fails."""
+    """(model float32 eval, tokenizer) of an HF model dir or a GGUF file (dequantized to float32, as
+    medusa-convert reads it), with one clear error for the many ways loading fails."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -140,12 +153,15 @@ def load_base(base: Path, quiet: bool = False):
     if quiet:
         hf_logging.disable_progress_bar()
 
+    gguf = _gguf(base)
+    where = {"pretrained_model_name_or_path": str(gguf.parent), "gguf_file": gguf.name} if gguf else \
+        {"pretrained_model_name_or_path": str(base)}
     try:
-        tok = AutoTokenizer.from_pretrained(str(base))
+        tok = AutoTokenizer.from_pretrained(**where)
     except Exception as e:  # transformers raises many unrelated types here
         raise TrainError(f"{base}: cannot load the tokenizer ({type(e).__name__}: {e})") from None
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).eval()
+        model = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32).eval()
     except Exception as e:
         raise TrainError(f"{base}: cannot load a causal LM from it ({type(e).__name__}: {e})") from None
     for p in model.parameters():
@@ -301,6 +317,7 @@ def _train_amphista(args, model, seqs: list[list[int]], starts: list[int], t0: f
     import torch
 
     from medusa_trt.config import ModelConfig
+    from medusa_trt.converter.gguf import gguf_base
     from medusa_trt.converter.hf_base import ConvertError, base_config, read_base
     from medusa_trt.drafters.amphista import Amphista
     from medusa_trt.tools.train_drafter import (
@@ -312,7 +329,9 @@ def _train_amphista(args, model, seqs: list[list[int]], starts: list[int], t0: f
     )
 
     try:
-        cfg = ModelConfig.from_checkpoint_config(base_config(read_base(args.base)))
+        gguf = _gguf(args.base)
+        base = gguf_base(gguf, model, None) if gguf else read_base(args.base)
+        cfg = ModelConfig.from_checkpoint_config(base_config(base))
     except ConvertError as e:
         raise TrainError(str(e)) from None
     samples = _cached_samples(args, model, seqs, starts)
@@ -399,9 +418,12 @@ def _cached_samples(args, model, seqs: list[list[int]], starts: list[int]) -> li
 
 
 def _saved_dtype(base: Path):
-    """The dtype the base's config declares (heads are saved like the model they belong to)."""
+    """The dtype the base's config declares (heads are saved like the model they belong to); None for
+    a GGUF base, whose quantized weights have no such dtype (the heads stay float32)."""
     import torch
 
+    if _gguf(base) is not None:
+        return None
     try:
         cfg = json.loads((base / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:

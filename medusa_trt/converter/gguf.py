@@ -133,6 +133,13 @@ def read_gguf_base(path: Path) -> BaseModel:
                            f"{str(e).splitlines()[0] if str(e) else ''}") from None
     finally:
         hf_logging.set_verbosity(verbosity)
+    return gguf_base(path, model, tokenizer, info)
+
+
+def gguf_base(path: Path, model, tokenizer, info: dict | None = None) -> BaseModel:
+    """The BaseModel of a GGUF file that transformers already loaded (`model`, `tokenizer`): a tool
+    that runs the model itself (medusa-train-heads) reads its config without loading it twice."""
+    info = info if info is not None else inspect_gguf(path)
     hf_config = model.config.to_dict()
     hf_config.pop("quantization_config", None)
     gguf_window(hf_config, info)
