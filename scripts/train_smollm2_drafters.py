@@ -827,6 +827,20 @@ def _start_drafters(args, config: dict, lm_head: torch.Tensor, train: list | Non
     return {a: MedusaResBlocks(4, 2, lm_head.shape[1]) if a == "medusa" else amphista for a in archs}, vocab, covered
 
 
+def _steps(drafters: dict, optims: dict, bt: dict, obj, embed, opts: dict, noise, dev: torch.device,
+           bf16: bool) -> dict[str, float]:
+    """One training step of every drafter on the batch `bt` (train_drafter._batch); each one's loss."""
+    from medusa_trt.tools.train_drafter import autocast, step_loss, update
+
+    losses = {}
+    for a, d in drafters.items():
+        with autocast(dev.type, bf16):
+            loss = step_loss(d, a, bt, obj, embed, opts[a], noise)
+        update(d, *optims[a], loss)
+        losses[a] = loss.item()
+    return losses
+
+
 def _time_plan(model, train: list, drafters: dict, vocab: torch.Tensor, lm_head: torch.Tensor, embed, args,
                dev: torch.device) -> dict:
     """This device's seconds per row of the base's hidden states and of one training step of every
@@ -834,15 +848,7 @@ def _time_plan(model, train: list, drafters: dict, vocab: torch.Tensor, lm_head:
     `drafters` (which stay as they are). Each figure is the second of two runs: the first warms up."""
     import copy
 
-    from medusa_trt.tools.train_drafter import (
-        Objective,
-        TrainOptions,
-        _batch,
-        autocast,
-        optimizer,
-        step_loss,
-        update,
-    )
+    from medusa_trt.tools.train_drafter import Objective, TrainOptions, _batch, optimizer
 
     order = sorted(range(len(train)), key=lambda i: len(train[i].tokens))
     mid = max(0, min(len(order) // 2 - args.batch_samples // 2, len(order) - args.batch_samples))
@@ -866,14 +872,7 @@ def _time_plan(model, train: list, drafters: dict, vocab: torch.Tensor, lm_head:
 
     kept, hidden_s = timed(lambda: _with_hidden(model, batch))
     bt = _batch(kept, 1024)
-
-    def steps() -> None:
-        for a, d in copies.items():
-            with autocast(dev.type, args.bf16):
-                loss = step_loss(d, a, bt, obj, embed, opts, noise)
-            update(d, *optims[a], loss)
-
-    _, step_s = timed(steps)
+    _, step_s = timed(lambda: _steps(copies, optims, bt, obj, embed, dict.fromkeys(copies, opts), noise, dev, args.bf16))
     return {"hidden_s_per_row": hidden_s / rows, "step_s_per_row": step_s / rows, "timed_rows": rows}
 
 
@@ -886,13 +885,10 @@ def cuda_stage(args) -> dict:
         Objective,
         TrainOptions,
         _batch,
-        autocast,
         evaluate,
         neighbours,
         optimizer,
         save_amphista,
-        step_loss,
-        update,
     )
     from medusa_trt.tools.train_heads import save_heads
 
@@ -1089,11 +1085,8 @@ def cuda_stage(args) -> dict:
         batch = batch if args.keep_hidden else _with_hidden(model, batch)
         bt = _batch(batch, 1024)
         timed_rows += sum(len(s.tokens) - 1 for s in batch) if timed_at is not None else 0
-        for a, d in drafters.items():
-            with autocast(dev.type, args.bf16):
-                loss = step_loss(d, a, bt, obj, embed, opts[a], noise)
-            update(d, *optim[a], loss)
-            losses[a].append(loss.item())
+        for a, loss in _steps(drafters, optim, bt, obj, embed, opts, noise, dev, args.bf16).items():
+            losses[a].append(loss)
         step += 1
         if step > args.timed_steps * 3 // 2 and step in {total // 3, 2 * total // 3}:
             validate(step)

@@ -118,7 +118,8 @@ def _check(args) -> None:
     if args.arch == "amphista" and (args.shared_lm_head or args.num_layers != 1):
         raise TrainError("--shared-lm-head and --num-layers are Medusa head options; an Amphista drafter "
                          "drafts through the base lm_head over its draft vocabulary")
-    if _gguf(args.base) is None and not (args.base / "config.json").is_file():
+    args.gguf = _gguf(args.base)  # resolved once: loading, the drafter's config and its saved dtype read it
+    if args.gguf is None and not (args.base / "config.json").is_file():
         raise TrainError(f"{args.base}: no config.json; expected a Hugging Face model directory or a GGUF file")
     if args.out.exists() and not args.out.is_dir():
         raise TrainError(f"{args.out}: exists and is not a directory")
@@ -143,9 +144,10 @@ def _gguf(base: Path) -> Path | None:
         raise TrainError(str(e)) from None
 
 
-def load_base(base: Path, quiet: bool = False):
+def load_base(base: Path, quiet: bool = False, gguf: Path | None = None):
     """(model float32 eval, tokenizer) of an HF model dir or a GGUF file (dequantized to float32, as
-    medusa-convert reads it), with one clear error for the many ways loading fails."""
+    medusa-convert reads it: `gguf`, the file _gguf found in `base`), with one clear error for the many
+    ways loading fails."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -153,7 +155,6 @@ def load_base(base: Path, quiet: bool = False):
     if quiet:
         hf_logging.disable_progress_bar()
 
-    gguf = _gguf(base)
     where = {"pretrained_model_name_or_path": str(gguf.parent), "gguf_file": gguf.name} if gguf else \
         {"pretrained_model_name_or_path": str(base)}
     try:
@@ -231,7 +232,7 @@ def _main(argv: list[str] | None = None) -> int:
 
         if args.threads:
             torch.set_num_threads(args.threads)
-        model, tok = load_base(args.base, args.quiet)
+        model, tok = load_base(args.base, args.quiet, args.gguf)
         try:
             samples, chat = training_texts(args.data, tok, args.prompt_tokens)
         except DataError as e:
@@ -276,7 +277,7 @@ def _train_medusa(args, model, seqs: list[list[int]], starts: list[int], t0: flo
     state = train_heads(model, [], num_heads=args.num_heads, num_layers=args.num_layers, steps=args.steps,
                         lr=args.lr, batch_tokens=args.batch_tokens, seed=args.seed, progress=not args.quiet,
                         bf16=args.bf16, history=history, pairs=pairs, shared_lm_head=args.shared_lm_head)
-    dtype = getattr(torch, args.dtype) if args.dtype else (_saved_dtype(args.base) or torch.float32)
+    dtype = getattr(torch, args.dtype) if args.dtype else (_saved_dtype(args) or torch.float32)
     path = save_heads(state, args.stage, args.base, args.num_heads, args.num_layers, dtype=dtype)
     accuracy = None
     if held:
@@ -329,8 +330,7 @@ def _train_amphista(args, model, seqs: list[list[int]], starts: list[int], t0: f
     )
 
     try:
-        gguf = _gguf(args.base)
-        base = gguf_base(gguf, model, None) if gguf else read_base(args.base)
+        base = gguf_base(args.gguf, model, None) if args.gguf else read_base(args.base)
         cfg = ModelConfig.from_checkpoint_config(base_config(base))
     except ConvertError as e:
         raise TrainError(str(e)) from None
@@ -351,7 +351,7 @@ def _train_amphista(args, model, seqs: list[list[int]], starts: list[int], t0: f
     opts = TrainOptions(steps=args.steps, lr=args.lr, batch_samples=max(1, args.batch_tokens // 256), seed=args.seed,
                         bf16=args.bf16)
     history = train_drafter(drafter, "amphista", train, lm_head, embed, vocab, opts, progress=not args.quiet)
-    dtype = getattr(torch, args.dtype) if args.dtype else (_saved_dtype(args.base) or torch.float32)
+    dtype = getattr(torch, args.dtype) if args.dtype else (_saved_dtype(args) or torch.float32)
     path = save_amphista(drafter, args.stage, base=str(args.base), vocab=vocab, dtype=dtype)
     accuracy = evaluate(drafter, "amphista", held, lm_head, embed, vocab) if held else None
     tail = history[-min(50, len(history)):]
@@ -417,13 +417,14 @@ def _cached_samples(args, model, seqs: list[list[int]], starts: list[int]) -> li
     return out
 
 
-def _saved_dtype(base: Path):
+def _saved_dtype(args):
     """The dtype the base's config declares (heads are saved like the model they belong to); None for
     a GGUF base, whose quantized weights have no such dtype (the heads stay float32)."""
     import torch
 
-    if _gguf(base) is not None:
+    if args.gguf is not None:
         return None
+    base = args.base
     try:
         cfg = json.loads((base / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
