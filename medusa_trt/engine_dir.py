@@ -35,7 +35,8 @@ BACKENDS = ("onnxruntime", "tensorrt", "tensorrt-llm")
 SECTIONS = {"onnxruntime": "onnx", "tensorrt": "tensorrt", "tensorrt-llm": "tensorrt_llm"}
 DTYPES = ("float32", "float16", "bfloat16")
 DEVICES = ("cpu", "cuda")
-WEIGHT_FORMATS = ("float", "int4")  # onnxruntime engines: int4 = MatMulNBits decoder linears and lm_head
+# onnxruntime engines: int4 = MatMulNBits decoder linears and lm_head; int8 = MatMulInteger over int8 rows
+WEIGHT_FORMATS = ("float", "int4", "int8")
 LOAD_DIGEST_BYTES = 64 << 20  # files up to this size are hashed at every load (see module docstring)
 
 
@@ -280,10 +281,11 @@ def check_graph(engine: dict, graph: str | Path, inputs: dict[str, list], output
 
 def check_weight_format(engine: dict, graph: str | Path, ops: set[str]) -> None:
     """engine.json's weights.format against the decoder graph's op types `ops`: an int4 graph has
-    MatMulNBits nodes and a float one none (a mislabelled engine would be verified against the wrong
+    MatMulNBits nodes, an int8 one MatMulInteger nodes, a float one neither (a mislabelled engine would be verified against the wrong
     reference)."""
     fmt = (engine.get("weights") or {}).get("format", "float")
-    if (fmt == "int4") != ("MatMulNBits" in ops):
-        has = "has" if "MatMulNBits" in ops else "has no"
-        raise EngineError(f"{graph}: the graph {has} MatMulNBits nodes, engine.json records weights.format "
-                          f"{fmt!r} (engine.json and the graph disagree: rebuild the engine)")
+    for op, want in (("MatMulNBits", "int4"), ("MatMulInteger", "int8")):
+        if (fmt == want) != (op in ops):
+            has = "has" if op in ops else "has no"
+            raise EngineError(f"{graph}: the graph {has} {op} nodes, engine.json records weights.format "
+                              f"{fmt!r} (engine.json and the graph disagree: rebuild the engine)")

@@ -19,6 +19,8 @@ arithmetic on the same packed bytes the engine holds.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -346,7 +348,7 @@ def quantize_model_int4(model: nn.Module, block_size: int, accuracy_level: int, 
     """Replaces the decoder's Linears (and the lm_head with `lm_head`) by Int4Linear in place: what
     medusa-build --weights int4 exports and what medusa-check runs as the reference. Deterministic,
     so both get the same bytes. Medusa heads that use the base lm_head (v2) then use the int4 one.
-    `draft`: the drafter's own matrices too, as its Drafter.quantize_int4 chooses (Medusa heads: the
+    `draft`: the drafter's own matrices too, as its Drafter.quantize_weights chooses (Medusa heads: the
     draft-vocabulary matrices; Amphista: all of them). `offsets`: per-block float offsets (quantize_int4_offsets)
     instead of zero points; `lm_head_bits` 8: the lm_head as int8 blocks. Returns the names of the
     Linears left in the model dtype because their input size is not a multiple of block_size (the
@@ -357,6 +359,19 @@ def quantize_model_int4(model: nn.Module, block_size: int, accuracy_level: int, 
         raise ValueError(f"int4 accuracy level {accuracy_level}: expected one of {INT4_ACCURACY_LEVELS}")
     if lm_head_bits not in LM_HEAD_BITS:
         raise ValueError(f"lm_head bits {lm_head_bits}: expected one of {LM_HEAD_BITS}")
+
+    def make(name: str, linear: nn.Linear) -> Int4Linear | None:
+        if linear.in_features % block_size:
+            return None
+        return Int4Linear(linear, block_size, accuracy_level, offsets, lm_head_bits if name == "lm_head" else 4)
+
+    return _quantize_linears(model, make, lm_head, draft, "int4")
+
+
+def _quantize_linears(model: nn.Module, make: Callable[[str, nn.Linear], nn.Module | None], lm_head: bool,
+                      draft: bool, scheme: str) -> list[str]:
+    """Swaps the decoder's Linears, the lm_head with `lm_head` and the drafter's own matrices with
+    `draft` for `make(name, linear)` (None: left as they are); returns the names left."""
     names = [f"layers.{i}.{n}" for i in range(len(model.layers)) for n in ("qkv", "dense", "fc", "gate", "proj")]
     if lm_head and model.cfg.drafter == "medusa":
         h = model.cfg.num_medusa_heads
@@ -370,15 +385,72 @@ def quantize_model_int4(model: nn.Module, block_size: int, accuracy_level: int, 
         owner = model.get_submodule(owner_name) if owner_name else model
         linear = getattr(owner, attr)
         if not isinstance(linear, nn.Linear):
-            raise ValueError(f"{name}: {type(linear).__name__} cannot be int4-quantized (FP8 checkpoints stay FP8)")
-        if linear.in_features % block_size:
+            raise ValueError(f"{name}: {type(linear).__name__} cannot be {scheme}-quantized (FP8 checkpoints stay FP8)")
+        quantized = make(name, linear)
+        if quantized is None:
             skipped.append(name)
-            continue
-        bits = lm_head_bits if name == "lm_head" else 4
-        setattr(owner, attr, Int4Linear(linear, block_size, accuracy_level, offsets, bits))
+        else:
+            setattr(owner, attr, quantized)
     if draft:
-        def make(linear: nn.Linear) -> Int4Linear | None:
-            return None if linear.in_features % block_size else Int4Linear(linear, block_size, accuracy_level, offsets)
-
-        skipped += model.drafter.quantize_int4(make)
+        skipped += model.drafter.quantize_weights(lambda linear: make("drafter", linear))
     return skipped
+
+
+# -- int8 weights and activations (medusa-build --weights int8) ----------------------------------
+# W [N, K] as int8 per output channel (symmetric: scale = max|w_n| / 127), and each input row x [K]
+# rounded to int8 before the product (symmetric, the row's own scale max|x| / 127), as ONNX's
+# MatMulInteger then computes it: y = (q_x . q_w) * (s_x * s_w). The integer sum is exact whatever
+# the number of rows, so a row's output never depends on the rows beside it; and a CPU with int8
+# dot products (VNNI) runs it as a GEMM whose every row after the first costs a few percent of the
+# first, where MatMulNBits charges each row about as much as the first's weight reads
+# (docs/benchmarks/issue-35-amphista.md, section x): the kernel a verify step wants.
+
+
+def quantize_int8_channels(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [N, K] -> q [N, K] int8 in [-127, 127] and scales [N] float32 (max|w_n| / 127; 1 for a zero row)."""
+    w = w.detach().to(torch.float32)
+    scale = w.abs().amax(-1) / 127.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous(), scale.contiguous()
+
+
+def int8_matmul(x: torch.Tensor, qweight_t: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [..., K] float32 @ the int8 weight qweight_t [K, N] with per-column scales [N], as the
+    engine's graph computes it (ops.int8_translations): each row of x rounded to int8 by its own
+    scale, the integer product summed exactly (float64 holds it: K x 127 x 127 < 2^53), rounded to
+    float32 once as Cast rounds the int32 sum, then scaled by s_w and then by s_x, in that order:
+    ONNX Runtime fuses the cast and the column scale into MatMulIntegerToFloat, which rounds so
+    (an engine's Int8Linear equals this bit for bit: tests/test_quant.py)."""
+    s = x.abs().amax(-1, keepdim=True) / 127.0
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    q = torch.round(x / s)
+    acc = (q.double() @ qweight_t.double()).to(torch.float32)
+    return (acc * scales) * s
+
+
+class Int8Linear(nn.Module):
+    """A Linear whose weight is int8 per output channel (quantize_int8_channels), run as the int8
+    graph runs it (int8_matmul). `matmul` is a plain attribute so the exporter can swap in its op."""
+
+    kept = ("qweight_t", "scales")
+    _apply = Int4Linear._apply  # dtype casts leave the int8 weight and its float32 scales alone
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        q, scales = quantize_int8_channels(linear.weight)
+        self.register_buffer("qweight_t", q.T.contiguous())  # [K, N]: MatMulInteger's B as it lies
+        self.register_buffer("scales", scales)
+        self.bias = linear.bias
+        self.matmul = int8_matmul
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.matmul(x, self.qweight_t, self.scales)
+        return y if self.bias is None else y + self.bias
+
+
+def quantize_model_int8(model: nn.Module, lm_head: bool = True, draft: bool = True) -> list[str]:
+    """Replaces the decoder's Linears, the lm_head and (with `draft`) the drafter's own matrices by
+    Int8Linear in place: what medusa-build --weights int8 exports and medusa-check runs as the
+    reference. Every matrix qualifies (no block), so nothing is left float; returns []."""
+    return _quantize_linears(model, lambda name, linear: Int8Linear(linear), lm_head, draft, "int8")

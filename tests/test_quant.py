@@ -1,5 +1,6 @@
 """The reference model's int4 numerics (modeling: quantize_int4, the offsets and int8 schemes,
-quantize_model_int4), which MatMulNBits engines are checked against."""
+quantize_model_int4), which MatMulNBits engines are checked against; and the int8 scheme's
+(Int8Linear), which an exported MatMulInteger graph must equal bit for bit."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from medusa_trt.quant import (
     quantize_int4_offsets,
     quantize_int8,
     quantize_model_int4,
+    quantize_model_int8,
 )
 
 
@@ -58,3 +60,59 @@ def test_unfit_block_size_stays_float(tiny_merged):
     assert "layers.0.qkv" in skipped and "lm_head" in skipped and "layers.0.proj" not in skipped
     with pytest.raises(ValueError, match="block size 48"):
         quantize_model_int4(MedusaModel.from_checkpoint(tiny_merged("llama")), 48, 4)
+
+
+def test_int8_rows_are_exact_independent_and_the_exported_graph_equals_them(tmp_path):
+    """Int8Linear: each row rounded to int8 by its own scale, an exact integer product, then the
+    scales. A row's output is the same bits alone or beside others (what keeps a verify step's rows
+    equal to plain steps'), it is within int8 rounding of the float product, and ONNX Runtime's
+    graph for it (rows rounded, MatMulInteger, fused into MatMulIntegerToFloat) gives the same bits."""
+    import numpy as np
+    import onnxruntime as ort
+    from torch import nn
+
+    from medusa_trt.engines.onnx.ops import export_int8_matmul, int8_translations
+    from medusa_trt.quant import Int8Linear, int8_matmul
+    from medusa_trt.runtime.ort.session import session_options
+
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 96)
+    module = Int8Linear(linear)
+    x = torch.randn(3, 5, 64) * 3
+    x[0, 1] = 0.0  # a zero row: scale 1, output the bias
+    y = module(x)
+    assert torch.equal(module(x[1:2, 2:3]), y[1:2, 2:3])
+    want = linear(x)
+    assert ((y - want).abs().max() / want.abs().max()) < 0.03
+    assert torch.equal(y[0, 1], linear.bias)
+
+    class Wrap(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = module
+
+        def forward(self, x):
+            return self.m(x)
+
+    module.matmul = export_int8_matmul
+    try:
+        program = torch.onnx.export(Wrap(), (x,), dynamo=True, opset_version=23, verbose=False,
+                                    custom_translation_table=int8_translations(),
+                                    dynamic_shapes=({0: "b", 1: "s"},))
+    finally:
+        module.matmul = int8_matmul
+    program.save(tmp_path / "int8.onnx")
+    session = ort.InferenceSession(str(tmp_path / "int8.onnx"), session_options(), providers=["CPUExecutionProvider"])
+    name = session.get_inputs()[0].name
+    for rows in (x, x[:1, :1], torch.randn(2, 7, 64)):
+        got = session.run(None, {name: rows.numpy()})[0]
+        np.testing.assert_array_equal(got, module(rows).detach().numpy())
+
+
+def test_int8_quantizes_every_matrix(tiny_merged):
+    """No block constraint: the decoder's Linears and the lm_head all become Int8Linear."""
+    from medusa_trt.quant import Int8Linear
+
+    model = MedusaModel.from_checkpoint(tiny_merged("llama"))
+    assert quantize_model_int8(model) == []
+    assert isinstance(model.lm_head, Int8Linear) and isinstance(model.layers[0].qkv, Int8Linear)

@@ -125,7 +125,7 @@ class Amphista(Drafter):
         self.register_buffer("draft_ids", None, persistent=False)
         self.register_buffer("draft_lm", None, persistent=False)
         self.num_kv_heads, self.head_dim = cfg.num_kv_heads, cfg.head_dim
-        # Quantized forms (quantize_int4; FP8 builds keep the drafter float): w_int4, a module per
+        # Quantized forms (quantize_weights; FP8 builds keep the drafter float): w_int4, a module per
         # head for the ResBlock matrices; draft_int4, the logits projection (one module, or one per
         # head with lm_head "own").
         self.fp8, self.draft_int4, self.w_int4 = None, None, None
@@ -133,13 +133,13 @@ class Amphista(Drafter):
     def set_draft_vocab(self, ids, base_lm_head: torch.Tensor | None = None) -> None:
         """Drafts over the token ids `ids` alone; with the base's lm_head, its rows for them are kept
         as the draft matrix [V', d] (the base lm_head may later be quantized; this matrix keeps its
-        own form: float, or int4 through quantize_int4)."""
+        own form: float, or int4 or int8 through quantize_weights)."""
         ids_t = torch.tensor(ids, dtype=torch.long, device=self.pos_embed.device)
         self.register_buffer("draft_ids", ids_t, persistent=False)
         rows = None if base_lm_head is None or self.lm_heads is not None else base_lm_head.detach()[ids_t].clone()
         self.register_buffer("draft_lm", rows, persistent=False)
 
-    def quantize_int4(self, make: QuantizedLinear) -> list[str]:
+    def quantize_weights(self, make: QuantizedLinear) -> list[str]:
         """Every matrix of the drafter: on an int4 engine its float32 weights would be read every
         step beside a base 7x smaller (46% of a plain int4 step; docs/benchmarks/issue-35-amphista.md).
         Drafts never change the output, so this costs draft quality at most, never exactness."""

@@ -45,10 +45,10 @@ class Drafter(nn.Module):
         drafts at the last row, logits [H, V], with the grown cache."""
         raise NotImplementedError(f"{type(self).__name__} keeps no cache")
 
-    def quantize_int4(self, make: QuantizedLinear) -> list[str]:
+    def quantize_weights(self, make: QuantizedLinear) -> list[str]:
         """Swaps the drafter's own matrices for the quantized modules `make` gives (medusa-build
-        --weights int4; medusa_trt.quant calls it), in place; returns the names `make` left float
-        (it returns None for a matrix whose input size is not a multiple of its block). The default
+        --weights int4 or int8; medusa_trt.quant calls it), in place; returns the names `make` left
+        float (it returns None for a matrix whose input size is not a multiple of its block). The default
         keeps every weight float."""
         return []
 

@@ -89,7 +89,7 @@ class MedusaHeads(Drafter):
         self.register_buffer("draft_ids", ids_t, persistent=False)
         self.register_buffer("draft_lm_heads", self.lm_heads.detach()[:, ids_t].clone(), persistent=False)
 
-    def quantize_int4(self, make: QuantizedLinear) -> list[str]:
+    def quantize_weights(self, make: QuantizedLinear) -> list[str]:
         """The draft-vocabulary matrices, one quantized module per head: they are the heads' largest
         float32 read per step ([V', d] a head; docs/benchmarks/issue-13-int4.md). The ResBlocks stay
         float (a [d, d] matrix per head and layer)."""

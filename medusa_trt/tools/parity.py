@@ -142,6 +142,10 @@ def reference_model(checkpoint: Path, engine: dict) -> MedusaModel:
         quantize_model_int4(model, int(weights["block_size"]), int(weights["accuracy_level"]),
                             draft=bool(weights.get("draft_int4")), offsets=weights.get("offsets", False),
                             lm_head_bits=weights.get("lm_head_bits", 4))
+    elif weights.get("format") == "int8":
+        from medusa_trt.quant import quantize_model_int8
+
+        quantize_model_int8(model, draft=bool(weights.get("draft_int8")))
     return model
 
 
@@ -177,7 +181,8 @@ def run_check(engine_dir: str | Path, checkpoint: str | Path | None = None, prom
     fp8 = bool(engine.get("quantization"))
     # int4 engines round activations to int8 per block (MatMulNBits accuracy level 4) as the int4
     # reference does; a value at a rounding boundary may round the other way, as with FP8: same criterion.
-    int4 = (engine.get("weights") or {}).get("format") == "int4"
+    # int8 engines round every Linear's input rows to int8 (Int8Linear): the same criterion.
+    int4 = (engine.get("weights") or {}).get("format") in ("int4", "int8")
     if fp8 and dtype != "float32" and atol is None:
         raise CheckInputError(f"{engine_dir / 'engine.json'}: an FP8 engine in {dtype} cannot be held to a tolerance "
                               f"that separates a right graph from a wrong one ({dtype} rounding flips e4m3 "

@@ -314,9 +314,10 @@ def default_attention(opset: int, weights: dict) -> str:
     logits, so their tree rows and one-row steps must agree bit for bit. "chain_f32" does for plain
     steps and chain trees, the trees that pay on a CPU (every tuned int4 tree so far is one), and is
     faster a step than "row_exact_f32", which keeps branching trees exact too, and than "row_exact",
-    in float64 (docs/benchmarks/issue-13-int4.md). Float engines keep the fused Attention op
-    ("split" below opset 23)."""
-    if weights.get("format") == "int4" and weights.get("accuracy_level") == 4:
+    in float64 (docs/benchmarks/issue-13-int4.md). int8 engines round every Linear's input rows to
+    int8 too, so the same holds for them. Float engines keep the fused Attention op ("split" below
+    opset 23)."""
+    if (weights.get("format") == "int4" and weights.get("accuracy_level") == 4) or weights.get("format") == "int8":
         return "chain_f32"
     return DEFAULT_ATTENTION if opset >= 23 else "split"
 

@@ -31,7 +31,9 @@ arithmetic, and ONNX Runtime's CPU kernels do not take a float16 input with a fl
 int4 models (quant.quantize_model_int4, medusa-build --weights int4) export each Int4Linear as one
 com.microsoft MatMulNBits node over its packed bytes, scales and zero points (none with per-block
 offsets, whose blocksum(x) @ offsets^T traces as Reshape, ReduceSum, MatMul and Add; bits=8 for an
-8-bit lm_head).
+8-bit lm_head). int8 models (quant.quantize_model_int8, --weights int8) export each Int8Linear as
+its input's rows rounded to int8 (ReduceMax, Div, Round, Cast), one MatMulInteger over the int8
+weight and a float Mul by the two scales.
 
 Graph interface (names are the contract with `medusa_trt.runtime.ort`):
 
@@ -102,13 +104,24 @@ from medusa_trt.engines.onnx.ops import (
     export_dequant,
     export_fake_quant,
     export_int4_matmul,
+    export_int8_matmul,
     fp8_translations,
     has_fp8,
     has_int4,
+    has_int8,
     int4_translations,
+    int8_translations,
 )
 from medusa_trt.modeling import MedusaModel, sliding_window_mask
-from medusa_trt.quant import FP8Module, Int4Linear, dequantize_fp8, fake_quant_fp8, nbits_matmul
+from medusa_trt.quant import (
+    FP8Module,
+    Int4Linear,
+    Int8Linear,
+    dequantize_fp8,
+    fake_quant_fp8,
+    int8_matmul,
+    nbits_matmul,
+)
 from medusa_trt.tree import candidate_topk
 
 log = logging.getLogger(__name__)
@@ -345,6 +358,9 @@ def _export_mode(model: MedusaModel, form: AttentionForm, wrapper: nn.Module) ->
     int4 = [m for m in wrapper.modules() if isinstance(m, Int4Linear)]
     for m in int4:
         m.matmul = export_int4_matmul
+    int8 = [m for m in wrapper.modules() if isinstance(m, Int8Linear)]
+    for m in int8:
+        m.matmul = export_int8_matmul
     try:
         yield
     finally:
@@ -354,6 +370,8 @@ def _export_mode(model: MedusaModel, form: AttentionForm, wrapper: nn.Module) ->
             m.fake_quant, m.dequant = fake_quant_fp8, dequantize_fp8
         for m in int4:
             m.matmul = nbits_matmul
+        for m in int8:
+            m.matmul = int8_matmul
 
 
 def example_inputs(model: MedusaModel, batch: int = 2, new: int = 3, past: int = 5, logits: int = 2) -> dict:
@@ -445,6 +463,8 @@ def export_onnx(
         table.update(fp8_translations())
     if has_int4(model):
         table.update(int4_translations())
+    if has_int8(model):
+        table.update(int8_translations())
     weight_bytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     if external_data is None:
         external_data = weight_bytes > MAX_PROTOBUF_BYTES - (64 << 20)  # leave room for the graph itself

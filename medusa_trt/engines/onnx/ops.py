@@ -1,8 +1,10 @@
-"""Quantized weights in the exported graphs: FP8 as QuantizeLinear/DequantizeLinear, int4 as MatMulNBits.
+"""Quantized weights in the exported graphs: FP8 as QuantizeLinear/DequantizeLinear, int4 as MatMulNBits,
+int8 as MatMulInteger over each row rounded to int8.
 
 While export.export_onnx traces, FP8Module and Int4Linear call the custom ops here instead of
-their eager arithmetic (export_fake_quant, export_dequant, export_int4_matmul), and the exporter's
-translation table (fp8_translations, int4_translations) turns each op into the ONNX nodes a
+their eager arithmetic (export_fake_quant, export_dequant, export_int4_matmul; Int8Linear calls
+export_int8_matmul), and the exporter's translation table (fp8_translations, int4_translations,
+int8_translations) turns each op into the ONNX nodes a
 backend reads as quantized; traced as plain ops they would be Div/Clip/Cast or unpack-and-
 dequantize chains and a float MatMul.
 """
@@ -16,7 +18,15 @@ import numpy as np
 import torch
 
 from medusa_trt.modeling import MedusaModel
-from medusa_trt.quant import FP8Module, Int4Linear, dequantize_fp8, fake_quant_fp8, nbits_matmul
+from medusa_trt.quant import (
+    FP8Module,
+    Int4Linear,
+    Int8Linear,
+    dequantize_fp8,
+    fake_quant_fp8,
+    int8_matmul,
+    nbits_matmul,
+)
 
 # -- FP8 as explicit QuantizeLinear/DequantizeLinear ------------------------------------------------
 
@@ -143,6 +153,55 @@ def _matmul_nbits_translation(x, packed, scales, zero_points, accuracy_level, bi
 def int4_translations() -> dict:
     _int4_op()  # registers torch.ops.medusa_trt.matmul_nbits
     return {torch.ops.medusa_trt.matmul_nbits.default: _matmul_nbits_translation}
+
+
+# -- int8 weights and activations as MatMulInteger -------------------------------------------------
+
+
+@functools.cache
+def _int8_op() -> Callable:
+    """A custom op standing for Int8Linear's matmul, translated to the row rounding, one
+    MatMulInteger and the float scaling (quant.int8_matmul's arithmetic, op for op)."""
+
+    @torch.library.custom_op("medusa_trt::matmul_int8", mutates_args=())
+    def op(x: torch.Tensor, qweight_t: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        return int8_matmul(x, qweight_t, scales)
+
+    @op.register_fake
+    def _(x, qweight_t, scales):
+        return x.new_empty((*x.shape[:-1], qweight_t.shape[1]))
+
+    return op
+
+
+def export_int8_matmul(x, qweight_t, scales):
+    return _int8_op()(x, qweight_t, scales)
+
+
+def _matmul_int8_translation(x, qweight_t, scales):
+    from onnxscript import ir
+    from onnxscript import opset23 as op
+
+    def const(value: float):
+        return op.Constant(value=ir.tensor(np.array(value, dtype=np.float32)))
+
+    # Each row's scale max|x| / 127 (1 for a zero row), the row rounded (half to even, as torch.round)
+    # and offset by 128 into uint8, whose zero point 128 MatMulInteger subtracts again: a symmetric
+    # int8 row in the u8 x s8 form the CPU's int8 GEMM takes.
+    s = op.Div(op.ReduceMax(op.Abs(x), op.Constant(value_ints=[-1]), keepdims=1), const(127.0))
+    s = op.Where(op.Greater(s, const(0.0)), s, const(1.0))
+    q = op.Cast(op.Add(op.Round(op.Div(x, s)), const(128.0)), to=ir.DataType.UINT8)
+    acc = op.MatMulInteger(q, qweight_t, op.Constant(value=ir.tensor(np.array(128, dtype=np.uint8))))
+    return op.Mul(op.Mul(op.Cast(acc, to=ir.DataType.FLOAT), scales), s)
+
+
+def int8_translations() -> dict:
+    _int8_op()  # registers torch.ops.medusa_trt.matmul_int8
+    return {torch.ops.medusa_trt.matmul_int8.default: _matmul_int8_translation}
+
+
+def has_int8(model: MedusaModel) -> bool:
+    return any(isinstance(m, Int8Linear) for m in model.modules())
 
 
 def has_int4(model: MedusaModel) -> bool:

@@ -50,7 +50,8 @@ class OrtOptions(BackendOptions):
 
     backend: ClassVar[str] = "onnxruntime"
 
-    weights: str = "float"  # "int4": 4-bit weight-only MatMulNBits (--weights); "float": the engine dtype
+    weights: str = "float"  # --weights: "int4" 4-bit weight-only MatMulNBits; "int8" int8 weights and
+    # activations (MatMulInteger); "float": the engine dtype
     int4_block_size: int = INT4_DEFAULT_BLOCK_SIZE  # --int4-block-size; read with weights "int4" only
     int4_accuracy_level: int = INT4_DEFAULT_ACCURACY_LEVEL  # --int4-accuracy-level
     int4_offsets: bool = False  # --int4-offsets: a float offset per block instead of a zero point
@@ -134,6 +135,23 @@ def _quantize_int4(opts: BuildOptions, ort: OrtOptions, config: dict, model) -> 
             "float_linears": skipped}
 
 
+def _quantize_int8(opts: BuildOptions, config: dict, model, dtype: str) -> dict:
+    """Quantizes `model` in place for --weights int8; returns engine.json's "weights" section."""
+    from medusa_trt.quant import Int8Linear, quantize_model_int8
+
+    if (config.get("quantization") or {}).get("quant_algo"):
+        raise BuildError(f"{opts.checkpoint / 'config.json'}: an FP8 checkpoint cannot be built with --weights "
+                         "int8; convert the base without --quantize fp8")
+    if dtype != "float32":
+        raise BuildError(f"--dtype {dtype} with --weights int8: expected float32 (the int8 products are "
+                         "scaled back to float32)")
+    quantize_model_int8(model, draft=True)
+    return {"format": "int8", "op": "MatMulInteger", "bits": 8,
+            "scheme": "weights int8 per output channel, symmetric; activations int8 per row, symmetric",
+            "lm_head": True, "heads_use_lm_head": bool(model.drafter.uses_base_lm_head),
+            "draft_int8": any(isinstance(m, Int8Linear) for m in model.drafter.modules())}
+
+
 def _ort_fusions(opts: BuildOptions, ort: OrtOptions, config: dict, model, graphs: list) -> dict[str, int]:
     """Rewrites the decoder and step graphs with ONNX Runtime's fused ops (ort.fusions); returns how
     many patterns each fusion replaced per graph."""
@@ -179,7 +197,7 @@ def build_onnxruntime(opts: BuildOptions, config: dict, workdir: Path) -> dict:
     ort.check()
     # One bar step per piece of work, each graph's export its own (they take most of a build).
     heads = bool(config.get("num_medusa_heads"))
-    total = 5 + (ort.weights == "int4") + heads + (heads and ort.fused_step)
+    total = 5 + (ort.weights != "float") + heads + (heads and ort.fused_step)
     bar = progress_bar(total, opts.progress, "medusa-build")
     started: list[str] = []
 
@@ -196,6 +214,9 @@ def build_onnxruntime(opts: BuildOptions, config: dict, workdir: Path) -> dict:
         if ort.weights == "int4":
             stage("quantize int4")
             weights = _quantize_int4(opts, ort, config, model)
+        elif ort.weights == "int8":
+            stage("quantize int8")
+            weights = _quantize_int8(opts, config, model, dtype)
         attention = opts.attention or default_attention(opset, weights)
         try:
             result = export_onnx(model, workdir / "model.onnx", attention=attention, opset=opset,

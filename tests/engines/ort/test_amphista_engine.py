@@ -1,5 +1,5 @@
 """An Amphista drafter end to end on tiny real checkpoints: trained by the recipe's functions on the
-base's own greedy text, converted by medusa-convert, built into ONNX Runtime engines (float32, int4),
+base's own greedy text, converted by medusa-convert, built into ONNX Runtime engines (float32, int4, int8),
 decoded with output unchanged and drafts equal to the reference's; bad drafter files refused."""
 
 from __future__ import annotations
@@ -66,7 +66,8 @@ def amphista(tmp_path_factory, tiny_base):
     save_amphista(drafter, root / "drafter", base=str(base), vocab=None)
     convert(base, root / "drafter", root / "ckpt", progress=False)
     engines = {}
-    for name, ort in (("float32", OrtOptions()), ("int4", OrtOptions(weights="int4", int4_block_size=32))):
+    for name, ort in (("float32", OrtOptions()), ("int4", OrtOptions(weights="int4", int4_block_size=32)),
+                      ("int8", OrtOptions(weights="int8"))):
         build_engine(BuildOptions(checkpoint=root / "ckpt", out=root / name, progress=False, max_batch_size=4,
                                   backend_options=ort))
         engines[name] = root / name
@@ -89,7 +90,7 @@ def test_the_merged_checkpoint_holds_the_drafter_by_name(amphista):
     assert not any(n.startswith("medusa_heads.") for n in names)
 
 
-@pytest.mark.parametrize("engine", ["reference", "float32", "int4"])
+@pytest.mark.parametrize("engine", ["reference", "float32", "int4", "int8"])
 def test_greedy_with_amphista_equals_plain_greedy(amphista, engine):
     ps = prompts(11)
     backend = (TorchBackend(MedusaModel.from_checkpoint(amphista.ckpt)) if engine == "reference"
@@ -98,7 +99,7 @@ def test_greedy_with_amphista_equals_plain_greedy(amphista, engine):
     spec = decode(backend, ps, cfg)
     plain = decode(backend, ps, GenerationConfig(max_new_tokens=32, use_medusa=False, stop_token_ids=(EOS,)))
     assert spec.tokens == plain.tokens
-    if engine != "int4":  # float32: also transformers' greedy
+    if engine in ("reference", "float32"):  # also transformers' greedy
         assert spec.tokens == [oracle(amphista.hf, p, 32) for p in ps]
     accepted = sum(s.accepted_draft_tokens for s in spec.stats)
     steps = sum(s.steps for s in spec.stats)
@@ -128,7 +129,7 @@ def test_amphista_on_a_qwen2_or_mistral_base(arch, tiny_base, tmp_path):
         assert got.tokens == want, tree
 
 
-@pytest.mark.parametrize("engine", ["float32", "int4"])
+@pytest.mark.parametrize("engine", ["float32", "int4", "int8"])
 def test_the_prefill_computes_the_last_logits_row_only_and_drafts_every_prompt_row(amphista, engine):
     # The decoder graph keeps every row's hidden state (engine.json onnx.hidden_all_rows), so an
     # Amphista prefill needs the lm_head at each prompt's last row only, and the drafter still reads
@@ -149,7 +150,7 @@ def test_the_prefill_computes_the_last_logits_row_only_and_drafts_every_prompt_r
     assert torch.equal(root, ref_root)
     if engine == "float32":  # the reference's drafts, every prompt's (a wrong row would move them far)
         torch.testing.assert_close(drafts, ref_drafts, atol=1e-4, rtol=1e-4)
-    else:  # medusa-check's int4 rule (tools/parity.py), the drafter's 2 adaptation layers counted as layers
+    else:  # medusa-check's int4 rule (tools/parity.py; int8's too), the drafter's 2 adaptation layers counted as layers
         layers = read_engine(amphista.engines[engine])["model"]["num_layers"] + 2
         p90, most = int4_bounds(layers, max(1.0, ref_drafts.abs().max().item() / LOGIT_SCALE))
         err = (drafts - ref_drafts).abs().flatten()
@@ -179,7 +180,7 @@ def test_the_engine_drafts_what_the_reference_drafts(amphista):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("engine", ["float32", "int4"])
+@pytest.mark.parametrize("engine", ["float32", "int4", "int8"])
 def test_the_fused_step_drafts_as_the_two_call_path_does(amphista, engine):
     """One call per step (verify, accept, append the accepted path to the drafter's cache, draft the
     next tree): the tokens and every sequence's accepted drafts equal the two-call path's."""
@@ -314,6 +315,26 @@ def test_an_int4_engine_holds_the_drafter_as_int4_and_medusa_check_passes_it(amp
     nbits = sum(n.op_type == "MatMulNBits" for n in graph.node)
     # fc1, fc2, 4 per adaptation layer (qkv, dense, gate, fc), the AEB's qkv and out, a ResBlock per head
     assert nbits >= 2 + 2 * 4 + 2 + 4, nbits
+    report = run_check(engine, amphista.ckpt, ["a b c", "hello world again"])
+    drafts = [r for r in report.rows if r.stage.endswith("drafts")]
+    assert report.passed and len(drafts) >= 3, report.rows
+
+
+def test_an_int8_engine_rounds_every_matrix_to_int8_and_medusa_check_passes_it(amphista):
+    """--weights int8: every Linear of the base and the drafter is one MatMulInteger over int8 rows
+    (none left float: int8 needs no block), and the engine matches its int8 reference."""
+    import onnx
+
+    from medusa_trt.tools.parity import run_check
+
+    engine = amphista.engines["int8"]
+    weights = read_engine(engine)["weights"]
+    assert weights["format"] == "int8" and weights["draft_int8"]
+    for name, least in (("model.onnx", 5 + 1), ("model_drafter.onnx", 2 + 2 * 5 + 2 + 4 + 1)):
+        ops = [n.op_type for n in onnx.load(engine / name, load_external_data=False).graph.node]
+        # decoder: qkv, dense, gate, fc, proj and the lm_head; drafter: fc1, fc2, 5 per adaptation
+        # layer, the AEB's qkv and out, a ResBlock per head, the logits projection
+        assert ops.count("MatMulInteger") >= least and "MatMulNBits" not in ops, (name, ops.count("MatMulInteger"))
     report = run_check(engine, amphista.ckpt, ["a b c", "hello world again"])
     drafts = [r for r in report.rows if r.stage.endswith("drafts")]
     assert report.passed and len(drafts) >= 3, report.rows

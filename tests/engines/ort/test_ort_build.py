@@ -121,3 +121,17 @@ def test_gguf_blocks_hint_names_the_options_a_gguf_checkpoint_misses():
     assert gguf_blocks_hint(gguf, offsets=True, lm_head_bits=8) is None
     assert gguf_blocks_hint({"medusa_trt": {"gguf": {"tensor_types": {"F16": 3}}}}, False, 4) is None
     assert gguf_blocks_hint({"medusa_trt": {"base": "hf"}}, False, 4) is None
+
+
+def test_int8_weights_need_a_float32_engine_and_nothing_is_written(tiny_merged, tmp_path, capsys):
+    """--weights int8 scales its integer products back to float32: another --dtype is one clear
+    line, exit 2, and no engine directory."""
+    from medusa_trt.cli.build import main as build_main
+
+    out, ckpt = tmp_path / "engine", tiny_merged("llama")
+    capsys.readouterr()  # the fixture's own output
+    code = build_main(["--checkpoint", str(ckpt), "--out", str(out), "--weights", "int8",
+                       "--dtype", "float16", "--quiet"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "--dtype float16 with --weights int8: expected float32" in err[0], err
+    assert not out.exists()
