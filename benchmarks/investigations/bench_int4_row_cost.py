@@ -7,12 +7,13 @@ each with its own random int4 weights quantized as `medusa-build --weights int4`
 at 1-8 rows. `--split` cuts each copy along N into that many matrices of N/split columns: if a row
 costs a re-read of weights that fell out of cache, narrower matrices (which stay in L2 while the
 kernel goes over the rows) cost less per row; if it costs arithmetic, they cost the same.
-`--prefill` times prompt-sized row counts instead, against the same matrices computed by level 0
-(float arithmetic over the int4 blocks) and by float32 MatMul: whether a prefill could run faster
-through another kernel.
+`--prefill` times prompt-sized row counts instead (or `--rows`), against the same matrices computed
+by level 0 (float arithmetic over the int4 blocks), by float32 MatMul, and (`int8`) as `medusa-build
+--weights int8` computes them: each row rounded to int8 by its own scale, MatMulInteger over int8
+weights, the scales (issue-35-amphista.md, section x).
 
     python benchmarks/investigations/bench_int4_row_cost.py [--threads 1] [--split 1,4]
-    python benchmarks/investigations/bench_int4_row_cost.py --prefill
+    python benchmarks/investigations/bench_int4_row_cost.py --prefill [--rows 1,4,8,64,256] [--kernels level4,int8]
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ def session(n: int, k: int, copies: int, split: int, threads: int, kernel: str =
     import onnxruntime as ort
 
     g = torch.Generator().manual_seed(n + k)
+    if kernel == "int8":
+        return int8_session(n, k, copies, threads, g)
     nodes, weights, outputs = [], [], []
     for i in range(copies * split):
         w = torch.randn(n // split, k, generator=g) * 0.05
@@ -61,6 +64,33 @@ def session(n: int, k: int, copies: int, split: int, threads: int, kernel: str =
                                 providers=["CPUExecutionProvider"])
 
 
+def int8_session(n: int, k: int, copies: int, threads: int, g: torch.Generator):
+    """`copies` int8 layers [N, K] as an int8 engine's graph holds them (quant.Int8Linear, exported
+    by engines/onnx/ops.py: each rounds the input's rows itself, as each Linear of an engine does)."""
+    import onnxruntime as ort
+
+    from medusa_trt.engines.onnx.ops import export_int8_matmul, int8_translations
+    from medusa_trt.quant import Int8Linear
+
+    torch.manual_seed(g.initial_seed())
+    layers = torch.nn.ModuleList(Int8Linear(torch.nn.Linear(k, n, bias=False)) for _ in range(copies))
+    for m in layers:
+        m.matmul = export_int8_matmul
+
+    class All(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = layers
+
+        def forward(self, a):
+            return tuple(m(a) for m in self.layers)
+
+    program = torch.onnx.export(All(), (torch.randn(3, k),), dynamo=True, opset_version=23, verbose=False,
+                                custom_translation_table=int8_translations(), dynamic_shapes=({0: "M"},))
+    return ort.InferenceSession(program.model_proto.SerializeToString(),
+                                session_options(OrtSessionOptions(threads=threads)), providers=["CPUExecutionProvider"])
+
+
 def median_ms(s, rows: int, k: int, calls: int = 15, rounds: int = 2) -> float:
     """The best of `rounds` medians of `calls` runs (the machine is shared and noisy)."""
     a = np.random.default_rng(rows).standard_normal((rows, k), dtype=np.float32)
@@ -69,15 +99,15 @@ def median_ms(s, rows: int, k: int, calls: int = 15, rounds: int = 2) -> float:
         times = []
         for _ in range(calls):
             t = time.perf_counter()
-            s.run(None, {"A": a})
+            s.run(None, {s.get_inputs()[0].name: a})
             times.append(time.perf_counter() - t)
         best = min(best, float(np.median(times)) * 1e3)
     return best
 
 
-def prefill(threads: int, rows: tuple[int, ...] = (16, 64, 256)) -> None:
-    """Every matrix a step reads at prompt-sized row counts, by level 4, level 0 and float32 MatMul."""
-    kernels = ("level4", "level0", "float32")
+def prefill(threads: int, rows: tuple[int, ...] = (16, 64, 256),
+            kernels: tuple[str, ...] = ("level4", "level0", "float32", "int8")) -> None:
+    """Every matrix a step reads at prompt-sized row counts, by each of `kernels`."""
     total = {(kn, r): 0.0 for kn in kernels for r in rows}
     for (n, k), copies in SHAPES.values():
         for kn in kernels:
@@ -93,10 +123,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--split", default="1,4", help="comma-separated ways to cut each matrix along N")
-    p.add_argument("--prefill", action="store_true", help="prompt-sized row counts, by three kernels")
+    p.add_argument("--prefill", action="store_true", help="prompt-sized row counts, by several kernels")
+    p.add_argument("--rows", default="16,64,256", help="--prefill: comma-separated row counts")
+    p.add_argument("--kernels", default="level4,level0,float32,int8", help="--prefill: comma-separated kernels")
     args = p.parse_args()
     if args.prefill:
-        prefill(args.threads)
+        prefill(args.threads, tuple(int(r) for r in args.rows.split(",")), tuple(args.kernels.split(",")))
         return
     print(f"ms per run, {args.threads} thread(s); the last column: ms per row from 2 to 8 rows, and multiply-adds "
           "per second of it")
