@@ -8,6 +8,8 @@ Systems, all greedy, batch 1, on the same prompt token ids, with the same thread
   4-bit    onnxruntime-genai's int4 CPU model (same builder); llama.cpp (llama-cpp-python) on the
            original Q4_1 GGUF; ours on an int4 engine when --engine-int4 is given, and on a GGUF-exact
            int4 engine (medusa-build --int4-offsets --int4-lm-head-bits 8) when --engine-int4-exact is.
+  8-bit    ours on an int8 engine (medusa-build --weights int8) when --engine-int8 is; no peer runs
+           8 bits here, so read its tokens/s against the 4-bit peers' in the same run.
 For every thread count (--threads 1,2) the systems take turns per prompt (round robin, the order
 rotated by one each prompt), so drift on a shared machine hits all of them alike. Figures per
 system: tokens/s (new tokens over prefill + decode wall time, as a user waits), the ratio to the
@@ -49,13 +51,15 @@ from medusa_trt.tools.demo import ASSETS
 # The model's shipped assets (heads, tuned tree), as the demo reads them.
 DEFAULT_TREE_FILE = ASSETS / "tree.json"
 DEFAULT_INT4_TREE_FILE = ASSETS / "tree_int4.json"  # medusa-tune-tree on the int4 engine: its own step costs
-FLOAT32, FOUR_BIT = "float32", "4-bit"
+FLOAT32, FOUR_BIT, EIGHT_BIT = "float32", "4-bit", "8-bit"
 # In run order before rotation; the names are the --systems vocabulary.
 SYSTEMS = ("transformers", "ort-genai fp32", "ours plain", "ours medusa", "ours dynamic",
            "ort-genai int4", "llama.cpp Q4_1", "ours int4 plain", "ours int4 medusa", "ours int4 dynamic",
-           "ours int4 exact plain", "ours int4 exact medusa", "ours int4 exact dynamic")
+           "ours int4 exact plain", "ours int4 exact medusa", "ours int4 exact dynamic",
+           "ours int8 plain", "ours int8 medusa", "ours int8 dynamic")
 # Our engines by system-name prefix, with the option that names each.
-ENGINE_OPTIONS = {"ours": "engine", "ours int4": "engine_int4", "ours int4 exact": "engine_int4_exact"}
+ENGINE_OPTIONS = {"ours": "engine", "ours int4": "engine_int4", "ours int4 exact": "engine_int4_exact",
+                  "ours int8": "engine_int8"}
 REFERENCE = "transformers"
 PROG = "bench_peers"
 
@@ -413,8 +417,8 @@ def open_systems(names: list[str], threads: int, ctx: dict, skipped: dict[str, s
         timer = backends[prefix]
         if mode == "medusa" and timer.info.num_medusa_heads == 0:
             raise ValueError(f"{engine}: the engine has no Medusa heads")
-        group = FOUR_BIT if "int4" in prefix else FLOAT32
-        tree = ctx["medusa_choices_int4"] if group == FOUR_BIT else ctx["medusa_choices"]
+        group = FOUR_BIT if "int4" in prefix else EIGHT_BIT if "int8" in prefix else FLOAT32
+        tree = ctx["medusa_choices_int4"] if group != FLOAT32 else ctx["medusa_choices"]  # chains verified
         if mode == "dynamic":  # trees chosen per step, beside the static tree
             tree = ctx["dynamic"]
         return Ours(timer, tree, group, mode != "plain", ctx["stops"])
@@ -534,6 +538,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-int4", type=Path, help="our int4 engine (medusa-build --weights int4), if any")
     p.add_argument("--engine-int4-exact", type=Path, help="our GGUF-exact int4 engine (medusa-build --weights int4 "
                    "--int4-offsets --int4-lm-head-bits 8), if any; its Medusa runs the int4 tree")
+    p.add_argument("--engine-int8", type=Path, help="our int8 engine (medusa-build --weights int8), if any; its "
+                   "Medusa runs the int4 tree (both verify chains)")
     p.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS,
                    help=".jsonl with 'text' and 'kind' (code|chat) (default: the held-out prompts shipped with "
                    "the heads, medusa_trt/assets/smollm2/prompts_heldout.jsonl)")

@@ -145,6 +145,9 @@ def _quantize_int8(opts: BuildOptions, config: dict, model, dtype: str) -> dict:
     if dtype != "float32":
         raise BuildError(f"--dtype {dtype} with --weights int8: expected float32 (the int8 products are "
                          "scaled back to float32)")
+    if opts.device != "cpu":
+        raise BuildError(f"--device {opts.device} with --weights int8: expected cpu (ONNX Runtime's CUDA "
+                         "MatMulInteger takes no uint8 rows; the form is for CPUs with int8 dot products)")
     quantize_model_int8(model, draft=True)
     return {"format": "int8", "op": "MatMulInteger", "bits": 8,
             "scheme": "weights int8 per output channel, symmetric; activations int8 per row, symmetric",

@@ -124,8 +124,8 @@ def test_gguf_blocks_hint_names_the_options_a_gguf_checkpoint_misses():
 
 
 def test_int8_weights_need_a_float32_engine_and_nothing_is_written(tiny_merged, tmp_path, capsys):
-    """--weights int8 scales its integer products back to float32: another --dtype is one clear
-    line, exit 2, and no engine directory."""
+    """--weights int8 scales its integer products back to float32 on a CPU: another --dtype or
+    --device cuda is one clear line, exit 2, and no engine directory."""
     from medusa_trt.cli.build import main as build_main
 
     out, ckpt = tmp_path / "engine", tiny_merged("llama")
@@ -134,4 +134,8 @@ def test_int8_weights_need_a_float32_engine_and_nothing_is_written(tiny_merged, 
                        "--dtype", "float16", "--quiet"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "--dtype float16 with --weights int8: expected float32" in err[0], err
+    assert not out.exists()
+    code = build_main(["--checkpoint", str(ckpt), "--out", str(out), "--weights", "int8", "--device", "cuda", "--quiet"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "--device cuda with --weights int8: expected cpu" in err[0], err
     assert not out.exists()
