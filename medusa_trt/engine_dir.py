@@ -281,8 +281,8 @@ def check_graph(engine: dict, graph: str | Path, inputs: dict[str, list], output
 
 def check_weight_format(engine: dict, graph: str | Path, ops: set[str]) -> None:
     """engine.json's weights.format against the decoder graph's op types `ops`: an int4 graph has
-    MatMulNBits nodes, an int8 one MatMulInteger nodes, a float one neither (a mislabelled engine would be verified against the wrong
-    reference)."""
+    MatMulNBits nodes, an int8 one MatMulInteger nodes, a float one neither (a mislabelled engine
+    would be verified against the wrong reference)."""
     fmt = (engine.get("weights") or {}).get("format", "float")
     for op, want in (("MatMulNBits", "int4"), ("MatMulInteger", "int8")):
         if (fmt == want) != (op in ops):
