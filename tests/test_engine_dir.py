@@ -106,3 +106,24 @@ def test_other_format_version_names_both_versions(ort_engine, tmp_path):
     assert "\n" not in message and str(engine / ENGINE_JSON) in message
     assert f"engine format 7, this runtime reads format {ENGINE_FORMAT_VERSION}" in message
     assert "rebuild it with medusa-build" in message
+
+
+@pytest.mark.parametrize(("fmt", "ops", "error"), [
+    ("float", {"MatMul"}, None),
+    ("int4", {"MatMulNBits", "MatMul"}, None),
+    ("int8", {"MatMulInteger", "Round"}, None),
+    ("float", {"MatMulInteger"}, "has MatMulInteger nodes, engine.json records weights.format 'float'"),
+    ("int8", {"MatMulNBits"}, "has MatMulNBits nodes, engine.json records weights.format 'int8'"),
+    ("int8", {"MatMul"}, "has no MatMulInteger nodes, engine.json records weights.format 'int8'"),
+    ("int4", {"MatMul"}, "has no MatMulNBits nodes"),
+])
+def test_weight_format_must_match_the_graph(fmt, ops, error):
+    """A mislabelled engine would be checked against the wrong reference: the load refuses it."""
+    from medusa_trt.engine_dir import check_weight_format
+
+    engine = {"weights": {"format": fmt}}
+    if error is None:
+        check_weight_format(engine, "model.onnx", ops)
+    else:
+        with pytest.raises(EngineError, match=error):
+            check_weight_format(engine, "model.onnx", ops)
