@@ -276,6 +276,16 @@ def test_draft_vocabulary_heads(distilled, tmp_path):
     assert check_main(["--engine", str(tmp_path / "engine_int4"), "--checkpoint", str(tmp_path / "ckpt"),
                        "--max-new-tokens", "12", "--tree-steps", "2"]) == 0
 
+    # int8 engines hold the heads' draft matrices as int8 too (Int8Linear); Medusa still equals plain.
+    build_engine(BuildOptions(checkpoint=tmp_path / "ckpt", out=tmp_path / "engine_int8", progress=False,
+                              backend_options=OrtOptions(weights="int8")))
+    assert json.loads((tmp_path / "engine_int8" / "engine.json").read_text())["weights"]["draft_int8"]
+    int8 = OrtBackend(tmp_path / "engine_int8")
+    plain = decode(int8, ps, GenerationConfig(max_new_tokens=NEW, use_medusa=False, stop_token_ids=(EOS,)))
+    assert decode(int8, ps, greedy([[0], [0, 0], [1]])).tokens == plain.tokens
+    assert check_main(["--engine", str(tmp_path / "engine_int8"), "--checkpoint", str(tmp_path / "ckpt"),
+                       "--max-new-tokens", "12", "--tree-steps", "2"]) == 0
+
     # Heads sharing one lm_head share one draft matrix: the step graph drafts with as many heads as
     # the tree is deep, and medusa-tune-tree times steps of more slots than that through it.
     from medusa_trt.tools.tune_tree import measure_forward_ms
