@@ -417,7 +417,7 @@ def _rule_in_words(rule: str, fp8: bool, int4_layers: int, scale: float) -> str:
     """The logits rule of the report (docs/design.md, medusa-check)."""
     scaled = f" (scaled x{scale:.3g} with the reference's logit peak)" if scale > 1 else ""
     if int4_layers:
-        return (f"{rule}: int4, p90 bound {INT4_NOISE_PER_LAYER} per layer x {int4_layers} layers{scaled}, max bound "
+        return (f"{rule}: activations rounded to int8 (int4, int8), p90 bound {INT4_NOISE_PER_LAYER} per layer x {int4_layers} layers{scaled}, max bound "
                 f"{INT4_MAX_FACTOR:g} x the p90 bound; plain decodes may diverge from the reference only at a "
                 "near-tie (its top-2 margin within the p90 bound), Medusa decodes must equal the engine's plain one")
     if fp8:
@@ -478,9 +478,9 @@ def _compare_decodes(report: CheckReport, subject, reference, prompts: list[list
                 passed = diverged = margin <= tie
                 detail = (f"from the reference at token {mismatch} of {len(b)} (engine {a[mismatch]} vs reference "
                           f"{b[mismatch]}); the reference's top-2 margin there, {margin:.3g}, is "
-                          + (f"within the int4 p90 bound {tie:.3g}: a near-tie, allowed" if passed
-                             else f"above the int4 p90 bound {tie:.3g}: not a near-tie"))
-            rule = "equal tokens" + (" (int4: a near-tie may diverge)" if tie is not None and mode == "plain" else "")
+                          + (f"within the p90 bound {tie:.3g}: a near-tie, allowed" if passed
+                             else f"above the p90 bound {tie:.3g}: not a near-tie"))
+            rule = "equal tokens" + (" (int8-rounded activations: a near-tie may diverge)" if tie is not None and mode == "plain" else "")
             report.rows.append(CheckRow(f"decode {offset + i} ({mode})", "tokens", passed, detail=detail, rule=rule,
                                         diverged=diverged))
         own_plain = got
