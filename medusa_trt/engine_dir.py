@@ -281,10 +281,12 @@ def check_graph(engine: dict, graph: str | Path, inputs: dict[str, list], output
 
 def check_weight_format(engine: dict, graph: str | Path, ops: set[str]) -> None:
     """engine.json's weights.format against the decoder graph's op types `ops`: an int4 graph has
-    MatMulNBits nodes, an int8 one MatMulInteger nodes, a float one neither (a mislabelled engine
-    would be verified against the wrong reference)."""
+    MatMulNBits nodes, an int8 one MatMulIntegerToFloat nodes (MatMulInteger in engines built before
+    2026-11-28), a float one neither (a mislabelled engine would be verified against the wrong
+    reference)."""
     fmt = (engine.get("weights") or {}).get("format", "float")
-    for op, want in (("MatMulNBits", "int4"), ("MatMulInteger", "int8")):
+    int8 = "MatMulIntegerToFloat" if "MatMulIntegerToFloat" in ops or "MatMulInteger" not in ops else "MatMulInteger"
+    for op, want in (("MatMulNBits", "int4"), (int8, "int8")):
         if (fmt == want) != (op in ops):
             has = "has" if op in ops else "has no"
             raise EngineError(f"{graph}: the graph {has} {op} nodes, engine.json records weights.format "

@@ -406,6 +406,11 @@ def _quantize_linears(model: nn.Module, make: Callable[[str, nn.Linear], nn.Modu
 # (docs/benchmarks/issue-35-amphista.md, section x): the kernel a verify step wants.
 
 
+# A row's scale is at least float32's smallest normal: a zero row then rounds to zeros (and so comes
+# out 0) with no branch in the graph, and no scale is denormal.
+INT8_MIN_SCALE = float(torch.finfo(torch.float32).tiny)
+
+
 def quantize_int8_channels(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """W [N, K] -> q [N, K] int8 in [-127, 127] and scales [N] float32 (max|w_n| / 127; 1 for a zero row)."""
     w = w.detach().to(torch.float32)
@@ -418,11 +423,11 @@ def int8_matmul(x: torch.Tensor, qweight_t: torch.Tensor, scales: torch.Tensor) 
     """x [..., K] float32 @ the int8 weight qweight_t [K, N] with per-column scales [N], as the
     engine's graph computes it (ops.int8_translations): each row of x rounded to int8 by its own
     scale, the integer product summed exactly (float64 holds it: K x 127 x 127 < 2^53), rounded to
-    float32 once as Cast rounds the int32 sum, then scaled by s_w and then by s_x, in that order:
-    ONNX Runtime fuses the cast and the column scale into MatMulIntegerToFloat, which rounds so
-    (an engine's Int8Linear equals this bit for bit: tests/test_quant.py)."""
-    s = x.abs().amax(-1, keepdim=True) / 127.0
-    s = torch.where(s > 0, s, torch.ones_like(s))
+    float32 once as the GEMM converts its int32 sums, then scaled by s_w and then by s_x, in that
+    order: ONNX Runtime's MatMulIntegerToFloat multiplies by the column scale in its output stage,
+    and the graph by the row's after it (an engine's Int8Linear equals this bit for bit:
+    tests/test_quant.py)."""
+    s = (x.abs().amax(-1, keepdim=True) / 127.0).clamp_min(INT8_MIN_SCALE)
     q = torch.round(x / s)
     acc = (q.double() @ qweight_t.double()).to(torch.float32)
     return (acc * scales) * s

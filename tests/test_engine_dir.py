@@ -111,10 +111,12 @@ def test_other_format_version_names_both_versions(ort_engine, tmp_path):
 @pytest.mark.parametrize(("fmt", "ops", "error"), [
     ("float", {"MatMul"}, None),
     ("int4", {"MatMulNBits", "MatMul"}, None),
-    ("int8", {"MatMulInteger", "Round"}, None),
+    ("int8", {"MatMulIntegerToFloat", "QuantizeLinear"}, None),
+    ("int8", {"MatMulInteger", "Round"}, None),  # an int8 engine built before 2026-11-28
+    ("float", {"MatMulIntegerToFloat"}, "has MatMulIntegerToFloat nodes, engine.json records weights.format 'float'"),
     ("float", {"MatMulInteger"}, "has MatMulInteger nodes, engine.json records weights.format 'float'"),
     ("int8", {"MatMulNBits"}, "has MatMulNBits nodes, engine.json records weights.format 'int8'"),
-    ("int8", {"MatMul"}, "has no MatMulInteger nodes, engine.json records weights.format 'int8'"),
+    ("int8", {"MatMul"}, "has no MatMulIntegerToFloat nodes, engine.json records weights.format 'int8'"),
     ("int4", {"MatMul"}, "has no MatMulNBits nodes"),
 ])
 def test_weight_format_must_match_the_graph(fmt, ops, error):

@@ -66,7 +66,8 @@ def test_int8_rows_are_exact_independent_and_the_exported_graph_equals_them(tmp_
     """Int8Linear: each row rounded to int8 by its own scale, an exact integer product, then the
     scales. A row's output is the same bits alone or beside others (what keeps a verify step's rows
     equal to plain steps'), it is within int8 rounding of the float product, and ONNX Runtime's
-    graph for it (rows rounded, MatMulInteger, fused into MatMulIntegerToFloat) gives the same bits."""
+    graph for it (rows rounded by QuantizeLinear, MatMulIntegerToFloat, the row scale) gives the same
+    bits."""
     import numpy as np
     import onnxruntime as ort
     from torch import nn
@@ -79,12 +80,13 @@ def test_int8_rows_are_exact_independent_and_the_exported_graph_equals_them(tmp_
     linear = nn.Linear(64, 96)
     module = Int8Linear(linear)
     x = torch.randn(3, 5, 64) * 3
-    x[0, 1] = 0.0  # a zero row: scale 1, output the bias
+    x[0, 1] = 0.0  # a zero row: rounds to zeros, output the bias
+    x[2, 3] = 1e-39  # a denormal row: its scale is held at INT8_MIN_SCALE, so it rounds to zeros too
     y = module(x)
     assert torch.equal(module(x[1:2, 2:3]), y[1:2, 2:3])
     want = linear(x)
     assert ((y - want).abs().max() / want.abs().max()) < 0.03
-    assert torch.equal(y[0, 1], linear.bias)
+    assert torch.equal(y[0, 1], linear.bias) and torch.equal(y[2, 3], linear.bias)
 
     class Wrap(nn.Module):
         def __init__(self):

@@ -32,8 +32,9 @@ int4 models (quant.quantize_model_int4, medusa-build --weights int4) export each
 com.microsoft MatMulNBits node over its packed bytes, scales and zero points (none with per-block
 offsets, whose blocksum(x) @ offsets^T traces as Reshape, ReduceSum, MatMul and Add; bits=8 for an
 8-bit lm_head). int8 models (quant.quantize_model_int8, --weights int8) export each Int8Linear as
-its input's rows rounded to int8 (ReduceMax, Div, Round, Cast), one MatMulInteger over the int8
-weight and a float Mul by the two scales.
+its input's rows rounded to int8 (ReduceMax, Div, one QuantizeLinear with a block per row), one
+com.microsoft MatMulIntegerToFloat over the int8 weight (the column scales applied in its output
+stage) and a float Mul by the row scales.
 
 Graph interface (names are the contract with `medusa_trt.runtime.ort`):
 

@@ -19,6 +19,7 @@ import torch
 
 from medusa_trt.modeling import MedusaModel
 from medusa_trt.quant import (
+    INT8_MIN_SCALE,
     FP8Module,
     Int4Linear,
     Int8Linear,
@@ -178,21 +179,48 @@ def export_int8_matmul(x, qweight_t, scales):
     return _int8_op()(x, qweight_t, scales)
 
 
+@functools.cache
+def _matmul_integer_to_float_schema():
+    """The inputs of ONNX Runtime's contrib MatMulIntegerToFloat this exporter writes: A, B, their
+    scales and A's zero point (onnx has no schema)."""
+    import onnx
+
+    p = onnx.defs.OpSchema.FormalParameter
+    optional = onnx.defs.OpSchema.FormalParameterOption.Optional
+    return onnx.defs.OpSchema(
+        "MatMulIntegerToFloat", "com.microsoft", 1,
+        inputs=[p("A", "T1"), p("B", "T2"), p("a_scale", "T3"), p("b_scale", "T3"),
+                p("a_zero_point", "T1", param_option=optional)],
+        outputs=[p("Y", "T3")],
+        type_constraints=[("T1", ["tensor(uint8)"], ""), ("T2", ["tensor(int8)"], ""), ("T3", ["tensor(float)"], "")],
+    )
+
+
 def _matmul_int8_translation(x, qweight_t, scales):
     from onnxscript import ir
     from onnxscript import opset23 as op
+    from onnxscript.values import Op, Opset
 
-    def const(value: float):
-        return op.Constant(value=ir.tensor(np.array(value, dtype=np.float32)))
+    mm = Op(Opset("com.microsoft", 1), "MatMulIntegerToFloat", _matmul_integer_to_float_schema())
 
-    # Each row's scale max|x| / 127 (1 for a zero row), the row rounded (half to even, as torch.round)
-    # and offset by 128 into uint8, whose zero point 128 MatMulInteger subtracts again: a symmetric
-    # int8 row in the u8 x s8 form the CPU's int8 GEMM takes.
+    def const(value, dtype=np.float32):
+        return op.Constant(value=ir.tensor(np.array(value, dtype=dtype)))
+
+    # Each row's scale max|x| / 127 (at least float32's smallest normal, so a zero row divides by
+    # something and rounds to 0s), the row rounded half to even and offset by 128 into uint8 by one
+    # QuantizeLinear whose block is the whole row (one scale per row), then ONNX Runtime's
+    # MatMulIntegerToFloat: the u8 x s8 GEMM subtracting zero point 128 again, its int32 sums
+    # converted and scaled by the column scales in the GEMM's own output stage, and last the row
+    # scale. Five passes over a row fewer than rounding op by op (Div, Round, Add, Cast, and Cast,
+    # Mul after the product), which a verify step paid for every row (docs/benchmarks/issue-35-
+    # amphista.md, section y); quant.int8_matmul computes the same bits.
+    k = qweight_t.shape[0]
     s = op.Div(op.ReduceMax(op.Abs(x), op.Constant(value_ints=[-1]), keepdims=1), const(127.0))
-    s = op.Where(op.Greater(s, const(0.0)), s, const(1.0))
-    q = op.Cast(op.Add(op.Round(op.Div(x, s)), const(128.0)), to=ir.DataType.UINT8)
-    acc = op.MatMulInteger(q, qweight_t, op.Constant(value=ir.tensor(np.array(128, dtype=np.uint8))))
-    return op.Mul(op.Mul(op.Cast(acc, to=ir.DataType.FLOAT), scales), s)
+    s = op.Max(s, const(INT8_MIN_SCALE))
+    zero = op.ConstantOfShape(op.Shape(s), value=ir.tensor(np.array([128], dtype=np.uint8)))
+    q = op.QuantizeLinear(x, s, zero, axis=-1, block_size=int(k))
+    y = mm(q, qweight_t, const(1.0), scales, const(128, np.uint8))
+    return op.Mul(y, s)
 
 
 def int8_translations() -> dict:

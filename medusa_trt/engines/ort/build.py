@@ -149,7 +149,7 @@ def _quantize_int8(opts: BuildOptions, config: dict, model, dtype: str) -> dict:
         raise BuildError(f"--device {opts.device} with --weights int8: expected cpu (ONNX Runtime's CUDA "
                          "MatMulInteger takes no uint8 rows; the form is for CPUs with int8 dot products)")
     quantize_model_int8(model, draft=True)
-    return {"format": "int8", "op": "MatMulInteger", "bits": 8,
+    return {"format": "int8", "op": "MatMulIntegerToFloat", "bits": 8,
             "scheme": "weights int8 per output channel, symmetric; activations int8 per row, symmetric",
             "lm_head": True, "heads_use_lm_head": bool(model.drafter.uses_base_lm_head),
             "draft_int8": any(isinstance(m, Int8Linear) for m in model.drafter.modules())}

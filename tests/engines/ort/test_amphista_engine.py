@@ -321,7 +321,7 @@ def test_an_int4_engine_holds_the_drafter_as_int4_and_medusa_check_passes_it(amp
 
 
 def test_an_int8_engine_rounds_every_matrix_to_int8_and_medusa_check_passes_it(amphista):
-    """--weights int8: every Linear of the base and the drafter is one MatMulInteger over int8 rows
+    """--weights int8: every Linear of the base and the drafter is one MatMulIntegerToFloat over int8 rows
     (none left float: int8 needs no block), and the engine matches its int8 reference."""
     import onnx
 
@@ -334,7 +334,7 @@ def test_an_int8_engine_rounds_every_matrix_to_int8_and_medusa_check_passes_it(a
         ops = [n.op_type for n in onnx.load(engine / name, load_external_data=False).graph.node]
         # decoder: qkv, dense, gate, fc, proj and the lm_head; drafter: fc1, fc2, 5 per adaptation
         # layer, the AEB's qkv and out, a ResBlock per head, the logits projection
-        assert ops.count("MatMulInteger") >= least and "MatMulNBits" not in ops, (name, ops.count("MatMulInteger"))
+        assert ops.count("MatMulIntegerToFloat") >= least and "MatMulNBits" not in ops, (name, ops.count("MatMulIntegerToFloat"))
     report = run_check(engine, amphista.ckpt, ["a b c", "hello world again"])
     drafts = [r for r in report.rows if r.stage.endswith("drafts")]
     assert report.passed and len(drafts) >= 3, report.rows
