@@ -58,7 +58,7 @@ class MedusaModel(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.vocab_embedding.weight.dtype
+        return self.ln_f.weight.dtype  # not the embedding's: int4 and int8 engines hold it as int8
 
     def draft(self, hidden: torch.Tensor, next_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """The drafter's logits [H, B, S, V] float32 at hidden [B, S, d] (final normed hidden states)

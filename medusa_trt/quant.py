@@ -344,15 +344,16 @@ class Int4Linear(nn.Module):
 
 
 def quantize_model_int4(model: nn.Module, block_size: int, accuracy_level: int, lm_head: bool = True,
-                        draft: bool = False, offsets: bool = False, lm_head_bits: int = 4) -> list[str]:
+                        draft: bool = False, offsets: bool = False, lm_head_bits: int = 4,
+                        embedding: bool = False) -> list[str]:
     """Replaces the decoder's Linears (and the lm_head with `lm_head`) by Int4Linear in place: what
     medusa-build --weights int4 exports and what medusa-check runs as the reference. Deterministic,
     so both get the same bytes. Medusa heads that use the base lm_head (v2) then use the int4 one.
     `draft`: the drafter's own matrices too, as its Drafter.quantize_weights chooses (Medusa heads: the
     draft-vocabulary matrices; Amphista: all of them). `offsets`: per-block float offsets (quantize_int4_offsets)
-    instead of zero points; `lm_head_bits` 8: the lm_head as int8 blocks. Returns the names of the
-    Linears left in the model dtype because their input size is not a multiple of block_size (the
-    caller warns)."""
+    instead of zero points; `lm_head_bits` 8: the lm_head as int8 blocks; `embedding`: the input
+    embedding as int8 rows (Int8Embedding). Returns the names of the Linears left in the model dtype
+    because their input size is not a multiple of block_size (the caller warns)."""
     if block_size not in INT4_BLOCK_SIZES:
         raise ValueError(f"int4 block size {block_size}: expected one of {INT4_BLOCK_SIZES}")
     if accuracy_level not in INT4_ACCURACY_LEVELS:
@@ -365,6 +366,8 @@ def quantize_model_int4(model: nn.Module, block_size: int, accuracy_level: int, 
             return None
         return Int4Linear(linear, block_size, accuracy_level, offsets, lm_head_bits if name == "lm_head" else 4)
 
+    if embedding:
+        quantize_embedding_int8(model)
     return _quantize_linears(model, make, lm_head, draft, "int4")
 
 
@@ -401,9 +404,9 @@ def _quantize_linears(model: nn.Module, make: Callable[[str, nn.Linear], nn.Modu
 # rounded to int8 before the product (symmetric, the row's own scale max|x| / 127), as ONNX's
 # MatMulInteger then computes it: y = (q_x . q_w) * (s_x * s_w). The integer sum is exact whatever
 # the number of rows, so a row's output never depends on the rows beside it; and a CPU with int8
-# dot products (VNNI) runs it as a GEMM whose every row after the first costs a few percent of the
-# first, where MatMulNBits charges each row about as much as the first's weight reads
-# (docs/benchmarks/issue-35-amphista.md, section x): the kernel a verify step wants.
+# dot products (VNNI) runs it as a GEMM whose rows after the first cost about a fifth of what
+# MatMulNBits charges each row, which is about as much as the first's weight reads
+# (docs/benchmarks/issue-35-amphista.md, sections x and y): the kernel a verify step wants.
 
 
 # A row's scale is at least float32's smallest normal: a zero row then rounds to zeros (and so comes
@@ -454,8 +457,38 @@ class Int8Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def quantize_model_int8(model: nn.Module, lm_head: bool = True, draft: bool = True) -> list[str]:
+class Int8Embedding(nn.Module):
+    """The input embedding as int8 per row (quantize_int8_channels: each token's row by its own scale),
+    looked up as the codes of the rows asked for times their scales: a quarter of a float32 table's
+    bytes (SmolLM2: 113 MB -> 28 MB, most of what an int4 engine held besides its matrices). Plain
+    and Medusa steps read the same rows, so speculation stays exact; int8 and int4 engines hold it
+    (engine.json `weights.embedding`), float ones keep the float table transformers reads."""
+
+    kept = ("qweight", "scales")
+    _apply = Int4Linear._apply  # dtype casts leave the int8 codes and their float32 scales alone
+
+    def __init__(self, embedding: nn.Embedding):
+        super().__init__()
+        q, scales = quantize_int8_channels(embedding.weight)
+        self.register_buffer("qweight", q)  # [V, d]
+        self.register_buffer("scales", scales)  # [V]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.qweight[ids].to(torch.float32) * self.scales[ids].unsqueeze(-1)
+
+
+def quantize_embedding_int8(model: nn.Module) -> None:
+    """Swaps model.vocab_embedding for its Int8Embedding in place (the drafters that read the base's
+    embedding read the same module)."""
+    if not isinstance(model.vocab_embedding, Int8Embedding):
+        model.vocab_embedding = Int8Embedding(model.vocab_embedding)
+
+
+def quantize_model_int8(model: nn.Module, lm_head: bool = True, draft: bool = True, embedding: bool = False) -> list[str]:
     """Replaces the decoder's Linears, the lm_head and (with `draft`) the drafter's own matrices by
-    Int8Linear in place: what medusa-build --weights int8 exports and medusa-check runs as the
-    reference. Every matrix qualifies (no block), so nothing is left float; returns []."""
+    Int8Linear in place, and with `embedding` the input embedding by Int8Embedding: what medusa-build
+    --weights int8 exports and medusa-check runs as the reference. Every matrix qualifies (no block),
+    so nothing is left float; returns []."""
+    if embedding:
+        quantize_embedding_int8(model)
     return _quantize_linears(model, lambda name, linear: Int8Linear(linear), lm_head, draft, "int8")

@@ -111,10 +111,51 @@ def test_int8_rows_are_exact_independent_and_the_exported_graph_equals_them(tmp_
         np.testing.assert_array_equal(got, module(rows).detach().numpy())
 
 
+def test_int8_embedding_rows_and_their_exported_lookup(tmp_path):
+    """Int8Embedding: each token's row as int8 by its own scale, within int8 rounding of the float
+    row; the exported lookup (Gather of the codes and scales, Cast, Mul) gives the same bits."""
+    import numpy as np
+    import onnxruntime as ort
+    from torch import nn
+
+    from medusa_trt.quant import Int8Embedding
+    from medusa_trt.runtime.ort.session import session_options
+
+    torch.manual_seed(0)
+    table = nn.Embedding(50, 16)
+    with torch.no_grad():
+        table.weight[3] = 0.0  # a zero row stays zeros
+    module = Int8Embedding(table)
+    assert module.qweight.dtype == torch.int8 and module.qweight.shape == (50, 16)
+    ids = torch.tensor([[3, 0, 49, 7], [1, 1, 2, 3]])
+    got, want = module(ids), table(ids)
+    assert torch.equal(got[0, 0], torch.zeros(16))
+    assert ((got - want).abs().amax(-1) <= table.weight.abs().amax(-1)[ids] / 254 + 1e-7).all()
+
+    class Wrap(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = module
+
+        def forward(self, ids):
+            return self.m(ids)
+
+    program = torch.onnx.export(Wrap(), (ids,), dynamo=True, opset_version=23, verbose=False,
+                                dynamic_shapes=({0: "b", 1: "s"},))
+    program.save(tmp_path / "embed.onnx")
+    session = ort.InferenceSession(str(tmp_path / "embed.onnx"), session_options(), providers=["CPUExecutionProvider"])
+    for rows in (ids, ids[:1, :1], torch.tensor([[49, 48, 47]])):
+        out = session.run(None, {session.get_inputs()[0].name: rows.numpy()})[0]
+        np.testing.assert_array_equal(out, module(rows).numpy())
+
+
 def test_int8_quantizes_every_matrix(tiny_merged):
-    """No block constraint: the decoder's Linears and the lm_head all become Int8Linear."""
-    from medusa_trt.quant import Int8Linear
+    """No block constraint: the decoder's Linears and the lm_head all become Int8Linear; with
+    `embedding` the input embedding becomes Int8Embedding, and the model keeps its dtype."""
+    from medusa_trt.quant import Int8Embedding, Int8Linear
 
     model = MedusaModel.from_checkpoint(tiny_merged("llama"))
-    assert quantize_model_int8(model) == []
+    dtype = model.dtype
+    assert quantize_model_int8(model, embedding=True) == []
     assert isinstance(model.lm_head, Int8Linear) and isinstance(model.layers[0].qkv, Int8Linear)
+    assert isinstance(model.vocab_embedding, Int8Embedding) and model.dtype == dtype

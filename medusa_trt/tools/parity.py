@@ -131,7 +131,8 @@ class CheckReport:
 def reference_model(checkpoint: Path, engine: dict) -> MedusaModel:
     """The float32 model of `checkpoint`, its weights quantized as the engine (engine.json `engine`)
     holds them: int4 engines' MatMulNBits bytes, and the drafter's too where `draft_int4` says so
-    (engines built before it keep a float drafter)."""
+    (engines built before it keep a float drafter); the int8 embedding where `embedding` says so
+    (absent: a float table, as engines built before 2026-11-28 hold it)."""
     from medusa_trt.modeling import MedusaModel
 
     model = MedusaModel.from_checkpoint(checkpoint, dtype="float32")
@@ -141,11 +142,11 @@ def reference_model(checkpoint: Path, engine: dict) -> MedusaModel:
 
         quantize_model_int4(model, int(weights["block_size"]), int(weights["accuracy_level"]),
                             draft=bool(weights.get("draft_int4")), offsets=weights.get("offsets", False),
-                            lm_head_bits=weights.get("lm_head_bits", 4))
+                            lm_head_bits=weights.get("lm_head_bits", 4), embedding=weights.get("embedding") == "int8")
     elif weights.get("format") == "int8":
         from medusa_trt.quant import quantize_model_int8
 
-        quantize_model_int8(model, draft=bool(weights.get("draft_int8")))
+        quantize_model_int8(model, draft=bool(weights.get("draft_int8")), embedding=weights.get("embedding") == "int8")
     return model
 
 

@@ -122,7 +122,9 @@ def _quantize_int4(opts: BuildOptions, ort: OrtOptions, config: dict, model) -> 
     hint = gguf_blocks_hint(config, offsets, lm_head_bits)
     if hint:
         log.warning("%s: %s", opts.checkpoint / "config.json", hint)
-    skipped = quantize_model_int4(model, block, level, draft=True, offsets=offsets, lm_head_bits=lm_head_bits)
+    # The embedding as int8 rows, except where the rows are to stay the GGUF's own (--int4-offsets).
+    skipped = quantize_model_int4(model, block, level, draft=True, offsets=offsets, lm_head_bits=lm_head_bits,
+                                  embedding=not offsets)
     for name in skipped:
         log.warning("--weights int4: %s stays %s: its input size is not a multiple of --int4-block-size %d",
                     name, model.dtype, block)
@@ -132,7 +134,7 @@ def _quantize_int4(opts: BuildOptions, ort: OrtOptions, config: dict, model) -> 
             "accuracy_level": level, "symmetric": False, "offsets": offsets, "lm_head": "lm_head" not in skipped,
             "lm_head_bits": lm_head_bits,
             "heads_use_lm_head": bool(model.drafter.uses_base_lm_head), "draft_int4": drafter_int4,
-            "float_linears": skipped}
+            "float_linears": skipped, "embedding": "float" if offsets else "int8"}
 
 
 def _quantize_int8(opts: BuildOptions, config: dict, model, dtype: str) -> dict:
@@ -148,11 +150,11 @@ def _quantize_int8(opts: BuildOptions, config: dict, model, dtype: str) -> dict:
     if opts.device != "cpu":
         raise BuildError(f"--device {opts.device} with --weights int8: expected cpu (ONNX Runtime's CUDA "
                          "MatMulInteger takes no uint8 rows; the form is for CPUs with int8 dot products)")
-    quantize_model_int8(model, draft=True)
+    quantize_model_int8(model, draft=True, embedding=True)
     return {"format": "int8", "op": "MatMulIntegerToFloat", "bits": 8,
             "scheme": "weights int8 per output channel, symmetric; activations int8 per row, symmetric",
             "lm_head": True, "heads_use_lm_head": bool(model.drafter.uses_base_lm_head),
-            "draft_int8": any(isinstance(m, Int8Linear) for m in model.drafter.modules())}
+            "draft_int8": any(isinstance(m, Int8Linear) for m in model.drafter.modules()), "embedding": "int8"}
 
 
 def _ort_fusions(opts: BuildOptions, ort: OrtOptions, config: dict, model, graphs: list) -> dict[str, int]:

@@ -44,8 +44,10 @@ def exact_engine(ort_engine, level: int = 4):
 
 
 def int4_reference(tiny_merged, level: int, offsets: bool = False, lm_head_bits: int = 4) -> MedusaModel:
+    """As medusa-build quantizes: the embedding as int8 rows unless the blocks stay the GGUF's (offsets)."""
     model = MedusaModel.from_checkpoint(tiny_merged("llama"))
-    assert quantize_model_int4(model, 32, level, offsets=offsets, lm_head_bits=lm_head_bits) == []
+    assert quantize_model_int4(model, 32, level, offsets=offsets, lm_head_bits=lm_head_bits,
+                               embedding=not offsets) == []
     return model
 
 
@@ -56,7 +58,7 @@ def test_int4_engine_parity(ort_engine, tiny_merged, level, exact, batch, past, 
     engine = exact_engine(ort_engine, level) if exact else int4_engine(ort_engine, level)
     info = json.loads((engine / "engine.json").read_text())["weights"]
     assert info["format"] == "int4" and info["block_size"] == 32 and info["accuracy_level"] == level
-    assert (info["offsets"], info["lm_head_bits"]) == ((True, 8) if exact else (False, 4))
+    assert (info["offsets"], info["lm_head_bits"], info["embedding"]) == ((True, 8, "float") if exact else (False, 4, "int8"))
     model = int4_reference(tiny_merged, level, *((True, 8) if exact else ()))
     feeds, ref_args = make_inputs(model, batch, past, kind)
     got = run_decoder(make_session(engine / "model.onnx"), feeds)
