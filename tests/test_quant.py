@@ -132,15 +132,7 @@ def test_int8_embedding_rows_and_their_exported_lookup(tmp_path):
     assert torch.equal(got[0, 0], torch.zeros(16))
     assert ((got - want).abs().amax(-1) <= table.weight.abs().amax(-1)[ids] / 254 + 1e-7).all()
 
-    class Wrap(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.m = module
-
-        def forward(self, ids):
-            return self.m(ids)
-
-    program = torch.onnx.export(Wrap(), (ids,), dynamo=True, opset_version=23, verbose=False,
+    program = torch.onnx.export(module, (ids,), dynamo=True, opset_version=23, verbose=False,
                                 dynamic_shapes=({0: "b", 1: "s"},))
     program.save(tmp_path / "embed.onnx")
     session = ort.InferenceSession(str(tmp_path / "embed.onnx"), session_options(), providers=["CPUExecutionProvider"])
