@@ -285,8 +285,8 @@ def check_weight_format(engine: dict, graph: str | Path, ops: set[str]) -> None:
     2026-11-28), a float one neither (a mislabelled engine would be verified against the wrong
     reference)."""
     fmt = (engine.get("weights") or {}).get("format", "float")
-    int8 = "MatMulIntegerToFloat" if "MatMulIntegerToFloat" in ops or "MatMulInteger" not in ops else "MatMulInteger"
-    for op, want in (("MatMulNBits", "int4"), (int8, "int8")):
+    old_int8 = "MatMulInteger" in ops and "MatMulIntegerToFloat" not in ops  # named as the graph has it
+    for op, want in (("MatMulNBits", "int4"), ("MatMulInteger" if old_int8 else "MatMulIntegerToFloat", "int8")):
         if (fmt == want) != (op in ops):
             has = "has" if op in ops else "has no"
             raise EngineError(f"{graph}: the graph {has} {op} nodes, engine.json records weights.format "
