@@ -30,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine", action="append", required=True, help="NAME=DIR (repeatable)")
     p.add_argument("--committed", default="128,1024,4096")
     p.add_argument("--capacity", default="512,8192")
+    p.add_argument("--window", type=int, help="instead of --capacity: a cache of committed + slots + WINDOW keys "
+                   "(issue-35-amphista.md, section aa)")
     p.add_argument("--batch", default="1,4")
     p.add_argument("--slots", default="1,8")
     p.add_argument("--threads", type=int, default=1)
@@ -44,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         for b in ints(args.batch):
             for s in ints(args.slots):
                 for c in ints(args.committed):
-                    for cap in ints(args.capacity):
+                    for cap in [c + s + args.window] if args.window is not None else ints(args.capacity):
                         if c + s <= cap:
                             calls[f"{name} b{b} s{s} committed {c} capacity {cap}"] = step_call(be, b, s, c, cap)
     results = round_robin(calls, args.rounds)
