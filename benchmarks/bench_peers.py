@@ -8,8 +8,10 @@ Systems, all greedy, batch 1, on the same prompt token ids, with the same thread
   4-bit    onnxruntime-genai's int4 CPU model (same builder); llama.cpp (llama-cpp-python) on the
            original Q4_1 GGUF; ours on an int4 engine when --engine-int4 is given, and on a GGUF-exact
            int4 engine (medusa-build --int4-offsets --int4-lm-head-bits 8) when --engine-int4-exact is.
-  8-bit    ours on an int8 engine (medusa-build --weights int8) when --engine-int8 is; no peer runs
-           8 bits here, so read its tokens/s against the 4-bit peers' in the same run.
+  8-bit    onnxruntime-genai's int8 CPU model (same builder: MatMulNBits with 8-bit blocks); llama.cpp
+           on a Q8_0 GGUF requantized by llama.cpp from the Q4_1 one (so its weights hold the Q4_1
+           grid, as the HF dir every other system starts from does); ours on an int8 engine
+           (medusa-build --weights int8) when --engine-int8 is given.
 For every thread count (--threads 1,2) the systems take turns per prompt (round robin, the order
 rotated by one each prompt), so drift on a shared machine hits all of them alike. Figures per
 system: tokens/s (new tokens over prefill + decode wall time, as a user waits), the ratio to the
@@ -54,7 +56,8 @@ DEFAULT_INT4_TREE_FILE = ASSETS / "tree_int4.json"  # medusa-tune-tree on the in
 FLOAT32, FOUR_BIT, EIGHT_BIT = "float32", "4-bit", "8-bit"
 # In run order before rotation; the names are the --systems vocabulary.
 SYSTEMS = ("transformers", "ort-genai fp32", "ours plain", "ours medusa", "ours dynamic",
-           "ort-genai int4", "llama.cpp Q4_1", "ours int4 plain", "ours int4 medusa", "ours int4 dynamic",
+           "ort-genai int4", "llama.cpp Q4_1", "ort-genai int8", "llama.cpp Q8_0",
+           "ours int4 plain", "ours int4 medusa", "ours int4 dynamic",
            "ours int4 exact plain", "ours int4 exact medusa", "ours int4 exact dynamic",
            "ours int8 plain", "ours int8 medusa", "ours int8 dynamic")
 # Our engines by system-name prefix, with the option that names each.
@@ -68,7 +71,7 @@ PROG = "bench_peers"
 
 
 def build_ortgenai(hf_dir: Path, out: Path, precision: str) -> Path:
-    """onnxruntime-genai's model builder on the HF dir (cached): a CPU model in fp32 or int4."""
+    """onnxruntime-genai's model builder on the HF dir (cached): a CPU model in fp32, int4 or int8."""
     if (out / "genai_config.json").is_file():
         return out
     tmp = out.with_name(out.name + ".tmp")
@@ -152,12 +155,28 @@ class OrtGenai:
         return Output(tokens, wall)
 
 
-class LlamaCpp:
-    group = FOUR_BIT
+def requantized_gguf(gguf: Path, out: Path, ftype: str) -> Path:
+    """`gguf` requantized by llama.cpp itself to `ftype` (a LLAMA_FTYPE_MOSTLY_* name, e.g. "Q8_0"),
+    cached at `out`."""
+    import llama_cpp
 
-    def __init__(self, gguf: Path, threads: int, stops: tuple[int, ...], n_ctx: int):
+    if out.is_file():
+        return out
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+    params.allow_requantize = True
+    tmp = out.with_name(out.name + ".tmp")
+    if llama_cpp.llama_model_quantize(str(gguf).encode(), str(tmp).encode(), params) != 0:
+        raise RuntimeError(f"llama.cpp could not requantize {gguf} to {ftype}")
+    tmp.rename(out)
+    return out
+
+
+class LlamaCpp:
+    def __init__(self, gguf: Path, threads: int, stops: tuple[int, ...], n_ctx: int, group: str = FOUR_BIT):
         from llama_cpp import Llama
 
+        self.group = group
         self.llm = Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
                          n_batch=n_ctx, seed=0, verbose=False)
         self.stops = set(stops)
@@ -320,7 +339,8 @@ def exit_description(code: int | None) -> str:
 
 
 def _peer_main(make, conn) -> None:
-    """The child: open the system, report its group (or why it failed), then answer generate calls."""
+    """The child: open the system, report its group (or why it failed), then answer its calls
+    (generate; tokenize, llama.cpp's own tokenizer)."""
     try:
         system = make()
     except BaseException as e:  # noqa: BLE001 - every failure to open is the parent's to report
@@ -331,8 +351,8 @@ def _peer_main(make, conn) -> None:
         request = conn.recv()
         if request is None:
             return
-        prompt, max_new_tokens = request
-        conn.send(("ok", system.generate(prompt, max_new_tokens)))
+        method, *args = request
+        conn.send(("ok", getattr(system, method)(*args)))
 
 
 class PeerProcess:
@@ -362,7 +382,11 @@ class PeerProcess:
             raise PeerCrashed(f"{self.name}: its process {exit_description(self.process.exitcode)}") from None
 
     def generate(self, prompt: Prompt, max_new_tokens: int) -> Output:
-        self.conn.send((prompt, max_new_tokens))
+        self.conn.send(("generate", prompt, max_new_tokens))
+        return self._receive()[1]
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        self.conn.send(("tokenize", prompt))
         return self._receive()[1]
 
     def close(self) -> None:
@@ -427,7 +451,7 @@ def open_systems(names: list[str], threads: int, ctx: dict, skipped: dict[str, s
         import onnxruntime_genai  # noqa: F401  (a clear skip before a long build when it is missing)
 
         model_dir = build_ortgenai(ctx["hf_dir"], ctx["workdir"] / f"ortgenai-{precision}", precision)
-        return OrtGenai(model_dir, threads, ctx["stops"], FLOAT32 if precision == "fp32" else FOUR_BIT)
+        return OrtGenai(model_dir, threads, ctx["stops"], {"fp32": FLOAT32, "int8": EIGHT_BIT}.get(precision, FOUR_BIT))
 
     def hf():
         ctx.setdefault("hf_model", None)
@@ -439,13 +463,16 @@ def open_systems(names: list[str], threads: int, ctx: dict, skipped: dict[str, s
     attempt("ort-genai fp32", lambda: genai("fp32"))
     attempt("ort-genai int4", lambda: genai("int4"))
     attempt("llama.cpp Q4_1", lambda: LlamaCpp(ctx["gguf"], threads, ctx["stops"], ctx["n_ctx"]))
+    attempt("ort-genai int8", lambda: genai("int8"))
+    attempt("llama.cpp Q8_0", lambda: LlamaCpp(requantized_gguf(ctx["gguf"], ctx["workdir"] / "smollm2.Q8_0.gguf", "Q8_0"),
+                                               threads, ctx["stops"], ctx["n_ctx"], EIGHT_BIT))
     for prefix in ENGINE_OPTIONS:
         for mode in ("plain", "medusa", "dynamic"):
             attempt(f"{prefix} {mode}", lambda p=prefix, m=mode: ours(p, m))
     return {name: systems[name] for name in SYSTEMS if name in systems}
 
 
-def check_llama_tokenizer(llama: LlamaCpp, prompts: list[Prompt]) -> dict:
+def check_llama_tokenizer(llama: LlamaCpp | PeerProcess, prompts: list[Prompt]) -> dict:
     """llama.cpp's own tokenizer on the same texts against the HF tokenizer's ids (every system is
     fed the HF ids; this says whether a llama.cpp user would have fed the same)."""
     diffs = []

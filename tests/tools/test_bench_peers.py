@@ -112,6 +112,9 @@ class _Echo:
             os.kill(os.getpid(), signal.SIGSEGV)
         return bench_peers.Output(list(prompt.ids)[:max_new_tokens], 0.001)
 
+    def tokenize(self, prompt):  # llama.cpp's own tokenizer, asked through the process (check_llama_tokenizer)
+        return [len(prompt.text)]
+
 
 def _segfault_at_load():
     import os
@@ -131,6 +134,8 @@ def test_a_crashing_peer_is_reported_with_its_signal_and_the_others_run_on():
         with pytest.raises(bench_peers.PeerCrashed, match="bad: its process killed by SIGSEGV"):
             bad.generate(Prompt("x", "crash", [1]), 2)
         assert good.generate(Prompt("y", "chat", [4, 5]), 8).tokens == [4, 5]  # the other peer is untouched
+        tokens = bench_peers.check_llama_tokenizer(good, [Prompt("ab", "chat", [2]), Prompt("abc", "chat", [9])])
+        assert tokens["prompts_with_equal_ids"] == "1/2" and tokens["differences"][0]["llama_cpp"] == [3]
     finally:
         good.close()
         bad.close()
