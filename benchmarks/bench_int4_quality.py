@@ -1,5 +1,5 @@
-"""What 4-bit weights cost in quality: teacher-forced next-token agreement with float32 on held-out
-text, for this project's engines and the 4-bit peers (issue 13).
+"""What 4-bit (and 8-bit) weights cost in quality: teacher-forced next-token agreement with float32 on
+held-out text, for this project's engines and the peers bench_peers runs (issue 13).
 
 Every system reads the same token ids (the held-out prompts as bench_peers feeds them: code as it
 is, chat in the chat template) in one forward pass and gives logits at every position. The reference
@@ -9,9 +9,10 @@ from). Per system, over all positions that predict a next token:
   top-5     share where the reference's argmax is among the system's five largest logits
   KL        mean KL(reference || system) of the next-token distributions, in nats
   ppl       perplexity of the text itself (exp of the mean negative log-likelihood of the next token)
-Systems: ours (--engine NAME=DIR, any number: float32, int4 at several block sizes, ...), the
-onnxruntime-genai int4 model bench_peers builds (--genai-int4 DIR, run by onnxruntime itself), and
-llama.cpp on the Q4_1 GGUF when llama-cpp-python is installed (`pip install -e '.[bench]'`).
+Systems: ours (--engine NAME=DIR, any number: float32, int4 at several block sizes, int8, ...), the
+onnxruntime-genai int4 and int8 models bench_peers builds (--genai-int4 DIR, --genai-int8 DIR, run by
+onnxruntime itself, each where it exists), and llama.cpp on the Q4_1 GGUF and on the Q8_0 one
+bench_peers requantizes (where it exists) when llama-cpp-python is installed (`pip install -e '.[bench]'`).
 
     python benchmarks/bench_int4_quality.py --engine float32=build/real/engine --engine int4=build/real/engine_int4
         [--genai-int4 build/bench_peers/ortgenai-int4] [--limit N] [--threads 2] [--json FILE]
@@ -144,6 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine", action="append", default=[], metavar="NAME=DIR", help="one of our engines (repeatable)")
     p.add_argument("--genai-int4", type=Path, default=Path("build/bench_peers/ortgenai-int4"),
                    help="onnxruntime-genai's int4 model dir (bench_peers builds it; skipped when absent)")
+    p.add_argument("--genai-int8", type=Path, default=Path("build/bench_peers/ortgenai-int8"),
+                   help="onnxruntime-genai's int8 model (bench_peers builds it); skipped where absent")
+    p.add_argument("--gguf-q8", type=Path, default=Path("build/bench_peers/smollm2.Q8_0.gguf"),
+                   help="llama.cpp's Q8_0 GGUF (bench_peers requantizes it); skipped where absent")
     p.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp out")
     p.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS)
     p.add_argument("--limit", type=int, default=None, help="first N prompts (an even share of code and chat)")
@@ -182,8 +187,13 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"{PROG}: ort-genai int4 skipped: {args.genai_int4 / 'model.onnx'} not found (bench_peers builds it)",
               file=sys.stderr)
+    if (args.genai_int8 / "model.onnx").is_file():
+        systems["ort-genai int8"] = lambda: genai_onnx(args.genai_int8, args.threads)
+    n_ctx = max(len(pr.ids) for pr in prompts) + 8
     if not args.no_llama_cpp:
-        systems["llama.cpp Q4_1"] = lambda: llama_cpp(gguf, args.threads, max(len(pr.ids) for pr in prompts) + 8)
+        systems["llama.cpp Q4_1"] = lambda: llama_cpp(gguf, args.threads, n_ctx)
+        if args.gguf_q8.is_file():
+            systems["llama.cpp Q8_0"] = lambda: llama_cpp(args.gguf_q8, args.threads, n_ctx)
     results = {"transformers float32": summary(_sum(compare(r, r, np.array(pr.ids[1:])) for pr, r in zip(prompts, refs, strict=True)))}
     for name, open_system in systems.items():
         try:
