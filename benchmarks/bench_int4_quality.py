@@ -15,7 +15,7 @@ onnxruntime itself, each where it exists), and llama.cpp on the Q4_1 GGUF and on
 bench_peers requantizes (where it exists) when llama-cpp-python is installed (`pip install -e '.[bench]'`).
 
     python benchmarks/bench_int4_quality.py --engine float32=build/real/engine --engine int4=build/real/engine_int4
-        [--genai-int4 build/bench_peers/ortgenai-int4] [--limit N] [--threads 2] [--json FILE]
+        [--genai-int4 DIR] [--genai-int8 DIR] [--gguf-q8 FILE] [--limit N] [--threads 2] [--json FILE]
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--genai-int4", type=Path, default=Path("build/bench_peers/ortgenai-int4"),
                    help="onnxruntime-genai's int4 model dir (bench_peers builds it; skipped when absent)")
     p.add_argument("--genai-int8", type=Path, default=Path("build/bench_peers/ortgenai-int8"),
-                   help="onnxruntime-genai's int8 model (bench_peers builds it); skipped where absent")
+                   help="onnxruntime-genai's int8 model dir (bench_peers builds it; skipped when absent)")
     p.add_argument("--gguf-q8", type=Path, default=Path("build/bench_peers/smollm2.Q8_0.gguf"),
                    help="llama.cpp's Q8_0 GGUF (bench_peers requantizes it); skipped where absent")
     p.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp out")
@@ -182,13 +182,12 @@ def main(argv: list[str] | None = None) -> int:
     del model
 
     systems = {f"ours {name}": (lambda d=d: ours(d, args.threads)) for name, d in engines.items()}
-    if (args.genai_int4 / "model.onnx").is_file():
-        systems["ort-genai int4"] = lambda: genai_onnx(args.genai_int4, args.threads)
-    else:
-        print(f"{PROG}: ort-genai int4 skipped: {args.genai_int4 / 'model.onnx'} not found (bench_peers builds it)",
-              file=sys.stderr)
-    if (args.genai_int8 / "model.onnx").is_file():
-        systems["ort-genai int8"] = lambda: genai_onnx(args.genai_int8, args.threads)
+    for bits, model_dir in (("int4", args.genai_int4), ("int8", args.genai_int8)):
+        if (model_dir / "model.onnx").is_file():
+            systems[f"ort-genai {bits}"] = lambda d=model_dir: genai_onnx(d, args.threads)
+        else:
+            print(f"{PROG}: ort-genai {bits} skipped: {model_dir / 'model.onnx'} not found (bench_peers builds it)",
+                  file=sys.stderr)
     n_ctx = max(len(pr.ids) for pr in prompts) + 8
     if not args.no_llama_cpp:
         systems["llama.cpp Q4_1"] = lambda: llama_cpp(gguf, args.threads, n_ctx)
