@@ -29,7 +29,7 @@ ENGINE_FORMAT_VERSION = 8
 # ignoring its keys and running it wrong. A new optional feature is a new name here, not a new
 # ENGINE_FORMAT_VERSION.
 KNOWN_FEATURES = ("key_block", "cache_in_place", "chains_only", "int4_offsets", "lm_head_bits", "drafter_graph",
-                  "step_dynamic", "hidden_all_rows")
+                  "step_dynamic", "hidden_all_rows", "int8_float_channels")
 ENGINE_JSON = "engine.json"
 BACKENDS = ("onnxruntime", "tensorrt", "tensorrt-llm")
 SECTIONS = {"onnxruntime": "onnx", "tensorrt": "tensorrt", "tensorrt-llm": "tensorrt_llm"}
@@ -103,6 +103,7 @@ def required_features(engine: dict) -> list[str]:
         "drafter_graph": bool(onnx.get("drafter_file")),  # a drafter with its own cache and graph (Amphista)
         "step_dynamic": bool(onnx.get("step_dynamic")),  # a step graph with a tree per sequence and top-k outputs
         "hidden_all_rows": bool(onnx.get("hidden_all_rows")),  # the decoder's hidden output at every new row
+        "int8_float_channels": bool(weights.get("float_channels")),  # int8 Linears with float input channels
     }
     return [name for name in KNOWN_FEATURES if used[name]]
 

@@ -19,7 +19,7 @@ arithmetic on the same packed bytes the engine holds.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -371,17 +371,21 @@ def quantize_model_int4(model: nn.Module, block_size: int, accuracy_level: int, 
     return _quantize_linears(model, make, lm_head, draft, "int4")
 
 
+def base_linear_names(model: nn.Module, lm_head: bool = True) -> list[str]:
+    """The base's Linears the quantizers replace, in their order: each layer's, then the lm_head."""
+    names = [f"layers.{i}.{n}" for i in range(len(model.layers)) for n in ("qkv", "dense", "fc", "gate", "proj")]
+    return [*names, "lm_head"] if lm_head else names
+
+
 def _quantize_linears(model: nn.Module, make: Callable[[str, nn.Linear], nn.Module | None], lm_head: bool,
                       draft: bool, scheme: str) -> list[str]:
     """Swaps the decoder's Linears, the lm_head with `lm_head` and the drafter's own matrices with
     `draft` for `make(name, linear)` (None: left as they are); returns the names left."""
-    names = [f"layers.{i}.{n}" for i in range(len(model.layers)) for n in ("qkv", "dense", "fc", "gate", "proj")]
+    names = base_linear_names(model, lm_head)
     if lm_head and model.cfg.drafter == "medusa":
         h = model.cfg.num_medusa_heads
         model.drafter.uses_base_lm_head = bool(h) and all(
             torch.equal(model.drafter.lm_heads[k], model.lm_head.weight) for k in range(h))
-    if lm_head:
-        names.append("lm_head")
     skipped = []
     for name in names:
         owner_name, _, attr = name.rpartition(".")
@@ -438,22 +442,45 @@ def int8_matmul(x: torch.Tensor, qweight_t: torch.Tensor, scales: torch.Tensor) 
 
 class Int8Linear(nn.Module):
     """A Linear whose weight is int8 per output channel (quantize_int8_channels), run as the int8
-    graph runs it (int8_matmul). `matmul` is a plain attribute so the exporter can swap in its op."""
+    graph runs it (int8_matmul). `matmul` is a plain attribute so the exporter can swap in its op.
 
-    kept = ("qweight_t", "scales")
-    _apply = Int4Linear._apply  # dtype casts leave the int8 weight and its float32 scales alone
+    `float_channels`: input channels kept in float (calibrate_float_channels picks the few whose
+    values are largest). A row's int8 scale is set by its largest value, so a handful of outlier
+    channels otherwise coarsen every other channel's rounding; here they are zeroed before the row
+    is rounded (their int8 weight columns are zero too) and their product [rows, k] @ [k, N] is added
+    in float32. Each row still depends on itself only, so Medusa steps stay equal to plain ones."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, float_channels: Sequence[int] = ()):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        q, scales = quantize_int8_channels(linear.weight)
+        w = linear.weight.detach().to(torch.float32)
+        self.kept: tuple[str, ...] = ("qweight_t", "scales")
+        if float_channels:
+            idx = torch.tensor(sorted(set(float_channels)), dtype=torch.int64)
+            if idx.numel() != len(float_channels) or idx[0] < 0 or idx[-1] >= self.in_features:
+                raise ValueError(f"float channels {list(float_channels)}: expected distinct input channels "
+                                 f"in [0, {self.in_features})")
+            mask = torch.ones(self.in_features)
+            mask[idx] = 0.0
+            self.kept += ("float_channels", "channel_mask", "float_weight_t")
+            self.register_buffer("float_channels", idx)
+            self.register_buffer("channel_mask", mask)
+            self.register_buffer("float_weight_t", w[:, idx].T.contiguous())  # [k, N]
+            w = w * mask
+        q, scales = quantize_int8_channels(w)
         self.register_buffer("qweight_t", q.T.contiguous())  # [K, N]: MatMulInteger's B as it lies
         self.register_buffer("scales", scales)
         self.bias = linear.bias
         self.matmul = int8_matmul
 
+    _apply = Int4Linear._apply  # dtype casts leave the int8 weight and its float32 tensors alone
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.matmul(x, self.qweight_t, self.scales)
+        if "float_channels" in self.kept:
+            y = self.matmul(x * self.channel_mask, self.qweight_t, self.scales)
+            y = y + x.index_select(-1, self.float_channels) @ self.float_weight_t
+        else:
+            y = self.matmul(x, self.qweight_t, self.scales)
         return y if self.bias is None else y + self.bias
 
 
@@ -484,11 +511,73 @@ def quantize_embedding_int8(model: nn.Module) -> None:
         model.vocab_embedding = Int8Embedding(model.vocab_embedding)
 
 
-def quantize_model_int8(model: nn.Module, lm_head: bool = True, draft: bool = True, embedding: bool = False) -> list[str]:
+def quantize_model_int8(model: nn.Module, lm_head: bool = True, draft: bool = True, embedding: bool = False,
+                        float_channels: dict[str, Sequence[int]] | None = None) -> list[str]:
     """Replaces the decoder's Linears, the lm_head and (with `draft`) the drafter's own matrices by
     Int8Linear in place, and with `embedding` the input embedding by Int8Embedding: what medusa-build
-    --weights int8 exports and medusa-check runs as the reference. Every matrix qualifies (no block),
-    so nothing is left float; returns []."""
+    --weights int8 exports and medusa-check runs as the reference. `float_channels`: per Linear name
+    (layers.{i}.qkv, ..., lm_head), the input channels it keeps in float (calibrate_float_channels).
+    Every matrix qualifies (no block), so nothing is left float; returns []."""
     if embedding:
         quantize_embedding_int8(model)
-    return _quantize_linears(model, lambda name, linear: Int8Linear(linear), lm_head, draft, "int8")
+    channels = dict(float_channels or {})
+    done = _quantize_linears(model, lambda name, linear: Int8Linear(linear, channels.pop(name, ())), lm_head,
+                             draft, "int8")
+    if channels:
+        raise ValueError(f"float channels for {sorted(channels)}: the model has no such base Linear")
+    return done
+
+
+# The Linears that get float channels: the attention's output projection (`dense`) gains nothing
+# from them on SmolLM2 (KL to float32 0.0100 without, 0.0103 with), and each Linear with them costs
+# four more graph nodes a step (docs/benchmarks/issue-35-amphista.md, section ac).
+FLOAT_CHANNEL_LINEARS = ("qkv", "fc", "gate", "proj", "lm_head")
+
+
+@torch.no_grad()
+def calibrate_float_channels(model: nn.Module, samples: Sequence[Sequence[int]], count: int) -> dict[str, list[int]]:
+    """For each base Linear of the float `model` named in FLOAT_CHANNEL_LINEARS, the `count` input
+    channels whose largest magnitude over the token sequences `samples` (each run as one prompt) is
+    largest, ascending."""
+    names = [n for n in base_linear_names(model) if n.rpartition(".")[2] in FLOAT_CHANNEL_LINEARS]
+    peak: dict[str, torch.Tensor] = {}
+
+    def hook(name):
+        def record(module, args, output):
+            a = args[0].detach().abs().reshape(-1, args[0].shape[-1]).amax(0).float()
+            peak[name] = torch.maximum(peak[name], a) if name in peak else a
+        return record
+
+    handles = [model.get_submodule(n).register_forward_hook(hook(n)) for n in names]
+    try:
+        for ids in samples:
+            run_prompt(model, list(ids))
+    finally:
+        for h in handles:
+            h.remove()
+    count = min(count, *(p.numel() for p in peak.values()))
+    return {n: sorted(peak[n].topk(count).indices.tolist()) for n in names}
+
+
+def run_prompt(model: nn.Module, ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One prompt through the base with an empty cache: logits [S, V] and the new keys/values."""
+    cfg, s = model.cfg, len(ids)
+    past = torch.zeros(cfg.num_layers, 1, cfg.num_kv_heads, 0, cfg.head_dim, dtype=model.dtype)
+    logits, _, k, v = model.forward_hidden(torch.tensor([list(ids)]), torch.arange(s)[None],
+                                           torch.ones(1, s, s, dtype=torch.bool).tril(), past, past)
+    return logits[0], k, v
+
+
+@torch.no_grad()
+def sample_own_text(model: nn.Module, start_id: int, count: int, length: int, seed: int = 0) -> list[list[int]]:
+    """`count` sequences of `length` tokens after `start_id`, sampled from the float `model` itself at
+    temperature 1 (a fixed seed): calibration text for a checkpoint that brings none."""
+    cfg, gen = model.cfg, torch.Generator().manual_seed(seed)
+    ids = torch.full((count, 1), int(start_id), dtype=torch.int64)
+    past_k = past_v = torch.zeros(cfg.num_layers, count, cfg.num_kv_heads, 0, cfg.head_dim, dtype=model.dtype)
+    for p in range(length):
+        mask = torch.ones(count, 1, p + 1, dtype=torch.bool)
+        logits, _, k, v = model.forward_hidden(ids[:, -1:], torch.full((count, 1), p), mask, past_k, past_v)
+        past_k, past_v = torch.cat([past_k, k], 3), torch.cat([past_v, v], 3)
+        ids = torch.cat([ids, torch.multinomial(logits[:, -1].float().softmax(-1), 1, generator=gen)], 1)
+    return ids.tolist()

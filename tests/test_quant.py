@@ -1,6 +1,7 @@
 """The reference model's int4 numerics (modeling: quantize_int4, the offsets and int8 schemes,
 quantize_model_int4), which MatMulNBits engines are checked against; and the int8 scheme's
-(Int8Linear), which an exported MatMulInteger graph must equal bit for bit."""
+(Int8Linear), which an exported MatMulInteger graph must equal bit for bit, and its float input
+channels (calibrate_float_channels)."""
 
 from __future__ import annotations
 
@@ -62,31 +63,15 @@ def test_unfit_block_size_stays_float(tiny_merged):
         quantize_model_int4(MedusaModel.from_checkpoint(tiny_merged("llama")), 48, 4)
 
 
-def test_int8_rows_are_exact_independent_and_the_exported_graph_equals_them(tmp_path):
-    """Int8Linear: each row rounded to int8 by its own scale, an exact integer product, then the
-    scales. A row's output is the same bits alone or beside others (what keeps a verify step's rows
-    equal to plain steps'), it is within int8 rounding of the float product, and ONNX Runtime's
-    graph for it (rows rounded by QuantizeLinear, MatMulIntegerToFloat, the row scale) gives the same
-    bits."""
-    import numpy as np
+def _int8_session(module, x: torch.Tensor, path):
+    """Module's graph as the ONNX Runtime builder exports it (quant's ops through their ONNX
+    translations), in a session: a function of the rows [b, s, K]."""
     import onnxruntime as ort
     from torch import nn
 
     from medusa_trt.engines.onnx.ops import export_int8_matmul, int8_translations
-    from medusa_trt.quant import Int8Linear, int8_matmul
+    from medusa_trt.quant import int8_matmul
     from medusa_trt.runtime.ort.session import session_options
-
-    torch.manual_seed(0)
-    linear = nn.Linear(64, 96)
-    module = Int8Linear(linear)
-    x = torch.randn(3, 5, 64) * 3
-    x[0, 1] = 0.0  # a zero row: rounds to zeros, output the bias
-    x[2, 3] = 1e-39  # a denormal row: its scale is held at INT8_MIN_SCALE, so it rounds to zeros too
-    y = module(x)
-    assert torch.equal(module(x[1:2, 2:3]), y[1:2, 2:3])
-    want = linear(x)
-    assert ((y - want).abs().max() / want.abs().max()) < 0.03
-    assert torch.equal(y[0, 1], linear.bias) and torch.equal(y[2, 3], linear.bias)
 
     class Wrap(nn.Module):
         def __init__(self):
@@ -103,12 +88,90 @@ def test_int8_rows_are_exact_independent_and_the_exported_graph_equals_them(tmp_
                                     dynamic_shapes=({0: "b", 1: "s"},))
     finally:
         module.matmul = int8_matmul
-    program.save(tmp_path / "int8.onnx")
-    session = ort.InferenceSession(str(tmp_path / "int8.onnx"), session_options(), providers=["CPUExecutionProvider"])
+    program.save(path)
+    session = ort.InferenceSession(str(path), session_options(), providers=["CPUExecutionProvider"])
     name = session.get_inputs()[0].name
+    return lambda rows: session.run(None, {name: rows.numpy()})[0]
+
+
+def test_int8_rows_are_exact_independent_and_the_exported_graph_equals_them(tmp_path):
+    """Int8Linear: each row rounded to int8 by its own scale, an exact integer product, then the
+    scales. A row's output is the same bits alone or beside others (what keeps a verify step's rows
+    equal to plain steps'), it is within int8 rounding of the float product, and ONNX Runtime's
+    graph for it (rows rounded by QuantizeLinear, MatMulIntegerToFloat, the row scale) gives the same
+    bits."""
+    import numpy as np
+    from torch import nn
+
+    from medusa_trt.quant import Int8Linear
+
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 96)
+    module = Int8Linear(linear)
+    x = torch.randn(3, 5, 64) * 3
+    x[0, 1] = 0.0  # a zero row: rounds to zeros, output the bias
+    x[2, 3] = 1e-39  # a denormal row: its scale is held at INT8_MIN_SCALE, so it rounds to zeros too
+    y = module(x)
+    assert torch.equal(module(x[1:2, 2:3]), y[1:2, 2:3])
+    want = linear(x)
+    assert ((y - want).abs().max() / want.abs().max()) < 0.03
+    assert torch.equal(y[0, 1], linear.bias) and torch.equal(y[2, 3], linear.bias)
+    run = _int8_session(module, x, tmp_path / "int8.onnx")
     for rows in (x, x[:1, :1], torch.randn(2, 7, 64)):
-        got = session.run(None, {name: rows.numpy()})[0]
-        np.testing.assert_array_equal(got, module(rows).detach().numpy())
+        np.testing.assert_array_equal(run(rows), module(rows).detach().numpy())
+
+
+def test_int8_float_channels_take_the_outliers_out_of_the_row_scale(tmp_path):
+    """Int8Linear with float channels: those inputs leave the row's int8 rounding (their int8 weight
+    columns are zero) and go through a float product beside it. With two outlier channels 50x the
+    others, the error to the float product drops several fold; the exported graph gives a row the
+    same bits alone or beside other rows, and equals the reference up to the float product's
+    summation order."""
+    import numpy as np
+    from torch import nn
+
+    from medusa_trt.quant import Int8Linear
+
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 96, bias=False)
+    x = torch.randn(3, 5, 64)
+    x[..., [3, 40]] *= 50
+    want = linear(x).detach()
+    plain, split = Int8Linear(linear), Int8Linear(linear, [40, 3])
+    assert split.float_channels.tolist() == [3, 40] and not split.qweight_t[[3, 40]].any()
+    err = lambda m: ((m(x) - want).abs().max() / want.abs().max()).item()  # noqa: E731
+    assert err(split) * 4 < err(plain), (err(split), err(plain))
+    run = _int8_session(split, x, tmp_path / "int8_float.onnx")
+    together = run(x)
+    for b, s in ((0, 0), (1, 3), (2, 4)):
+        np.testing.assert_array_equal(run(x[b:b + 1, s:s + 1])[0, 0], together[b, s])
+    np.testing.assert_allclose(together, split(x).detach().numpy(), rtol=0, atol=1e-5 * want.abs().max().item())
+    for bad in ([64], [3, 3], [-1]):
+        with pytest.raises(ValueError, match="expected distinct input channels in \\[0, 64\\)"):
+            Int8Linear(linear, bad)
+
+
+def test_calibration_finds_a_planted_outlier_channel(tiny_merged):
+    """calibrate_float_channels: the channels whose inputs peak highest, per Linear that takes them
+    (the attention's output projection does not); a norm weight 40x the others puts its channel
+    first for the Linear behind that norm. quantize_model_int8 keeps them float."""
+    from medusa_trt.quant import Int8Linear, calibrate_float_channels, sample_own_text
+
+    model = MedusaModel.from_checkpoint(tiny_merged("llama"))
+    with torch.no_grad():
+        model.layers[0].input_layernorm.weight[5] = 40.0
+        model.layers[1].post_layernorm.weight[7] = 40.0
+    samples = sample_own_text(model, 1, count=2, length=6)
+    assert len(samples) == 2 and all(len(s) == 7 and s[0] == 1 for s in samples)
+    channels = calibrate_float_channels(model, samples, 3)
+    assert "layers.0.dense" not in channels and "lm_head" in channels
+    assert all(len(c) == 3 and c == sorted(c) for c in channels.values())
+    assert 5 in channels["layers.0.qkv"] and 7 in channels["layers.1.fc"] and 7 in channels["layers.1.gate"]
+    quantize_model_int8(model, embedding=True, float_channels=channels)
+    assert model.layers[0].qkv.float_channels.tolist() == channels["layers.0.qkv"]
+    assert isinstance(model.layers[0].dense, Int8Linear) and "float_channels" not in model.layers[0].dense.kept
+    with pytest.raises(ValueError, match="no such base Linear"):
+        quantize_model_int8(MedusaModel.from_checkpoint(tiny_merged("llama")), float_channels={"layers.99.qkv": [0]})
 
 
 def test_int8_embedding_rows_and_their_exported_lookup(tmp_path):

@@ -238,9 +238,16 @@ def engine_json(opts: BuildOptions, config: dict, backend_part: dict, workdir: P
         "artifacts": artifact_checksums(workdir),
         "tools": tool_versions(),
         "build": {"seconds": round(seconds, 3), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                  "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(opts).items()}},
+                  "options": _paths_as_text(asdict(opts))},
     }
     return engine
+
+
+def _paths_as_text(value):
+    """The options with every Path (the backend's own options hold some too) as a string, for JSON."""
+    if isinstance(value, dict):
+        return {k: _paths_as_text(v) for k, v in value.items()}
+    return str(value) if isinstance(value, Path) else value
 
 
 def tool_versions() -> dict[str, str]:

@@ -132,7 +132,8 @@ def reference_model(checkpoint: Path, engine: dict) -> MedusaModel:
     """The float32 model of `checkpoint`, its weights quantized as the engine (engine.json `engine`)
     holds them: int4 engines' MatMulNBits bytes, and the drafter's too where `draft_int4` says so
     (engines built before it keep a float drafter); the int8 embedding where `embedding` says so
-    (absent: a float table, as engines built before 2026-11-28 hold it)."""
+    (absent: a float table, as engines built before 2026-11-28 hold it); an int8 engine's float
+    input channels where `float_channels` names them."""
     from medusa_trt.modeling import MedusaModel
 
     model = MedusaModel.from_checkpoint(checkpoint, dtype="float32")
@@ -146,7 +147,8 @@ def reference_model(checkpoint: Path, engine: dict) -> MedusaModel:
     elif weights.get("format") == "int8":
         from medusa_trt.quant import quantize_model_int8
 
-        quantize_model_int8(model, draft=bool(weights.get("draft_int8")), embedding=weights.get("embedding") == "int8")
+        quantize_model_int8(model, draft=bool(weights.get("draft_int8")), embedding=weights.get("embedding") == "int8",
+                            float_channels=(weights.get("float_channels") or {}).get("channels"))
     return model
 
 

@@ -276,10 +276,17 @@ def test_draft_vocabulary_heads(distilled, tmp_path):
     assert check_main(["--engine", str(tmp_path / "engine_int4"), "--checkpoint", str(tmp_path / "ckpt"),
                        "--max-new-tokens", "12", "--tree-steps", "2"]) == 0
 
-    # int8 engines hold the heads' draft matrices as int8 too (Int8Linear); Medusa still equals plain.
+    # int8 engines hold the heads' draft matrices as int8 too (Int8Linear), and each base Linear's
+    # float channels, picked here on a text file; Medusa still equals plain.
+    (tmp_path / "calib.txt").write_text("a b c d e f\nhello world again and again\n")
     build_engine(BuildOptions(checkpoint=tmp_path / "ckpt", out=tmp_path / "engine_int8", progress=False,
-                              backend_options=OrtOptions(weights="int8")))
-    assert json.loads((tmp_path / "engine_int8" / "engine.json").read_text())["weights"]["draft_int8"]
+                              backend_options=OrtOptions(weights="int8", int8_float_channels=4,
+                                                         int8_calibration=tmp_path / "calib.txt")))
+    info = json.loads((tmp_path / "engine_int8" / "engine.json").read_text())
+    assert info["weights"]["draft_int8"] and "int8_float_channels" in info["requires"]
+    floats = info["weights"]["float_channels"]
+    assert floats["count"] == 4 and floats["calibration"].endswith("calib.txt: 2 texts")
+    assert len(floats["channels"]) == 4 * sub.cfg.num_layers + 1  # qkv, fc, gate, proj per layer; lm_head
     int8 = OrtBackend(tmp_path / "engine_int8")
     plain = decode(int8, ps, GenerationConfig(max_new_tokens=NEW, use_medusa=False, stop_token_ids=(EOS,)))
     assert decode(int8, ps, greedy([[0], [0, 0], [1]])).tokens == plain.tokens

@@ -211,13 +211,17 @@ def _matmul_int8_translation(x, qweight_t, scales):
     # QuantizeLinear whose block is the whole row (one scale per row), then ONNX Runtime's
     # MatMulIntegerToFloat: the u8 x s8 GEMM subtracting zero point 128 again, its int32 sums
     # converted and scaled by the column scales in the GEMM's own output stage, and last the row
-    # scale. Five passes over a row fewer than rounding op by op (Div, Round, Add, Cast, and Cast,
+    # scale (rows offset into uint8 because ONNX Runtime 1.31's s8 x s8 GEMM ran ~25x slower on an
+    # AVX-512 VNNI CPU). Five passes over a row fewer than rounding op by op (Div, Round, Add, Cast, and Cast,
     # Mul after the product), which a verify step paid for every row (docs/benchmarks/issue-35-
     # amphista.md, section y); quant.int8_matmul computes the same bits.
     k = qweight_t.shape[0]
     s = op.Div(op.ReduceMax(op.Abs(x), op.Constant(value_ints=[-1]), keepdims=1), const(127.0))
     s = op.Max(s, const(INT8_MIN_SCALE))
-    zero = op.ConstantOfShape(op.Shape(s), value=ir.tensor(np.array([128], dtype=np.uint8)))
+    # The zero points, 128 in the scales' shape (blocked QuantizeLinear wants one per scale), in one
+    # node where Shape and ConstantOfShape took two: each scale (> 0, finite for a finite row) divided
+    # by float32's largest value rounds to 0, plus the per-tensor zero point 128.
+    zero = op.QuantizeLinear(s, const(np.finfo(np.float32).max), const(128, np.uint8))
     q = op.QuantizeLinear(x, s, zero, axis=-1, block_size=int(k))
     y = mm(q, qweight_t, const(1.0), scales, const(128, np.uint8))
     return op.Mul(y, s)

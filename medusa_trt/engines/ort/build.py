@@ -40,6 +40,11 @@ INT4_DEFAULT_ACCURACY_LEVEL = 4
 # step on the AVX2 CPU (docs/benchmarks/issue-13-int4.md (p)), and the peers measured run
 # zero-anchored grids.
 
+# -- int8 (--weights int8): float input channels, chosen on SmolLM2-135M (docs/benchmarks/issue-35-
+# amphista.md, section ac): 16 per Linear bring the reference's top-1 agreement with float32 from
+# 0.88 to 0.96 (8: 0.95).
+INT8_DEFAULT_FLOAT_CHANNELS = 16
+
 # fusions.py; each measured alone on SmolLM2-135M (docs/benchmarks/issue-13-int4.md).
 ORT_DEFAULT_FUSIONS = ("rotary", "skip_norm", "gate_up")
 
@@ -56,6 +61,8 @@ class OrtOptions(BackendOptions):
     int4_accuracy_level: int = INT4_DEFAULT_ACCURACY_LEVEL  # --int4-accuracy-level
     int4_offsets: bool = False  # --int4-offsets: a float offset per block instead of a zero point
     int4_lm_head_bits: int = 4  # --int4-lm-head-bits
+    int8_float_channels: int = INT8_DEFAULT_FLOAT_CHANNELS  # --int8-float-channels; 0: none
+    int8_calibration: Path | None = None  # --int8-calibration; None: text the model samples itself
     fusions: tuple[str, ...] = ORT_DEFAULT_FUSIONS  # fusions.FUSIONS to apply; () for the plain graphs
     cache_in_place: bool = True  # off: --no-cache-in-place
     fused_step: bool = True  # off: --no-fused-step
@@ -72,6 +79,11 @@ class OrtOptions(BackendOptions):
                                          ("--int4-lm-head-bits", self.int4_lm_head_bits, LM_HEAD_BITS)):
                 if value not in allowed:
                     raise BuildError(f"{flag} {value}: expected one of {', '.join(map(str, allowed))}")
+        if self.int8_float_channels < 0:
+            raise BuildError(f"--int8-float-channels {self.int8_float_channels}: expected a count >= 0")
+        if self.int8_calibration is not None and (self.weights != "int8" or not self.int8_float_channels):
+            raise BuildError(f"--int8-calibration {self.int8_calibration}: read only with --weights int8 and "
+                             "--int8-float-channels above 0")
         unknown = sorted(set(self.fusions) - set(FUSIONS))
         if unknown:
             raise BuildError(f"fusions {unknown}: expected some of {', '.join(FUSIONS)}")
@@ -137,9 +149,41 @@ def _quantize_int4(opts: BuildOptions, ort: OrtOptions, config: dict, model) -> 
             "float_linears": skipped, "embedding": "float" if offsets else "int8"}
 
 
-def _quantize_int8(opts: BuildOptions, config: dict, model, dtype: str) -> dict:
+# Calibration for --int8-float-channels: at most this many samples of at most this many tokens from
+# --int8-calibration, or this many sequences the model samples itself (a channel's peak is a property
+# of the model: 8 x 64 sampled tokens chose channels about as good as 32 chat prompts, section ac).
+INT8_CALIBRATION_SAMPLES, INT8_CALIBRATION_TOKENS, INT8_OWN_TEXT = 32, 512, (8, 64)
+
+
+def _int8_calibration(opts: BuildOptions, ort: OrtOptions, config: dict, model) -> tuple[list[list[int]], str]:
+    """Token sequences to pick the float channels on, and what they were (engine.json)."""
+    from medusa_trt.quant import sample_own_text
+
+    if ort.int8_calibration is not None:
+        from transformers import AutoTokenizer
+
+        from medusa_trt.data import read_prompts
+
+        texts = read_prompts(ort.int8_calibration)[:INT8_CALIBRATION_SAMPLES]
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(opts.checkpoint)
+        except (OSError, ValueError) as e:
+            raise BuildError(f"{opts.checkpoint}: no tokenizer to read --int8-calibration with ({e})") from None
+        samples = [ids[:INT8_CALIBRATION_TOKENS] for ids in tokenizer(texts, add_special_tokens=False).input_ids if ids]
+        return samples, f"{ort.int8_calibration}: {len(samples)} texts"
+    start = config.get("bos_token_id")
+    start = start[0] if isinstance(start, list) and start else start
+    if not isinstance(start, int):
+        raise BuildError(f"{opts.checkpoint / 'config.json'}: bos_token_id {start!r}: expected a token id to sample "
+                         "calibration text from; pass --int8-calibration FILE or --int8-float-channels 0")
+    count, length = INT8_OWN_TEXT
+    return (sample_own_text(model, start, count, length),
+            f"{count} x {length} tokens sampled from the model after token {start} (seed 0)")
+
+
+def _quantize_int8(opts: BuildOptions, ort: OrtOptions, config: dict, model, dtype: str) -> dict:
     """Quantizes `model` in place for --weights int8; returns engine.json's "weights" section."""
-    from medusa_trt.quant import Int8Linear, quantize_model_int8
+    from medusa_trt.quant import Int8Linear, calibrate_float_channels, quantize_model_int8
 
     if (config.get("quantization") or {}).get("quant_algo"):
         raise BuildError(f"{opts.checkpoint / 'config.json'}: an FP8 checkpoint cannot be built with --weights "
@@ -150,11 +194,19 @@ def _quantize_int8(opts: BuildOptions, config: dict, model, dtype: str) -> dict:
     if opts.device != "cpu":
         raise BuildError(f"--device {opts.device} with --weights int8: expected cpu (ONNX Runtime's CUDA "
                          "MatMulInteger takes no uint8 rows; the form is for CPUs with int8 dot products)")
-    quantize_model_int8(model, draft=True, embedding=True)
-    return {"format": "int8", "op": "MatMulIntegerToFloat", "bits": 8,
-            "scheme": "weights int8 per output channel, symmetric; activations int8 per row, symmetric",
+    channels, float_part = {}, None
+    if ort.int8_float_channels:
+        samples, source = _int8_calibration(opts, ort, config, model)
+        channels = calibrate_float_channels(model, samples, ort.int8_float_channels)
+        float_part = {"count": len(next(iter(channels.values()))), "calibration": source, "channels": channels}
+    quantize_model_int8(model, draft=True, embedding=True, float_channels=channels)
+    scheme = "weights int8 per output channel, symmetric; activations int8 per row, symmetric"
+    if float_part:
+        scheme += "; each base Linear's float_channels input channels kept in float32 (a float MatMul beside)"
+    return {"format": "int8", "op": "MatMulIntegerToFloat", "bits": 8, "scheme": scheme,
             "lm_head": True, "heads_use_lm_head": bool(model.drafter.uses_base_lm_head),
-            "draft_int8": any(isinstance(m, Int8Linear) for m in model.drafter.modules()), "embedding": "int8"}
+            "draft_int8": any(isinstance(m, Int8Linear) for m in model.drafter.modules()), "embedding": "int8",
+            **({"float_channels": float_part} if float_part else {})}
 
 
 def _ort_fusions(opts: BuildOptions, ort: OrtOptions, config: dict, model, graphs: list) -> dict[str, int]:
@@ -221,7 +273,7 @@ def build_onnxruntime(opts: BuildOptions, config: dict, workdir: Path) -> dict:
             weights = _quantize_int4(opts, ort, config, model)
         elif ort.weights == "int8":
             stage("quantize int8")
-            weights = _quantize_int8(opts, config, model, dtype)
+            weights = _quantize_int8(opts, ort, config, model, dtype)
         attention = opts.attention or default_attention(opset, weights)
         try:
             result = export_onnx(model, workdir / "model.onnx", attention=attention, opset=opset,

@@ -141,3 +141,33 @@ def test_int8_weights_need_a_float32_engine_and_nothing_is_written(tiny_merged, 
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "--device cuda with --weights int8: expected cpu" in err[0], err
     assert not out.exists()
+
+
+def test_int8_float_channel_options_refuse_bad_input_and_write_nothing(tiny_merged, tmp_path, capsys):
+    """--int8-float-channels below 0, --int8-calibration without int8 float channels, a calibration
+    file that is missing or holds no text, and a checkpoint with no bos_token_id to sample
+    calibration text from: one line naming the flag, file or key, exit 2, no engine directory."""
+    import shutil
+
+    from medusa_trt.cli.build import main as build_main
+
+    out, ckpt = tmp_path / "engine", tiny_merged("llama")
+    no_bos = tmp_path / "no_bos"
+    shutil.copytree(ckpt, no_bos)
+    config = json.loads((no_bos / "config.json").read_text())
+    config["bos_token_id"] = None
+    (no_bos / "config.json").write_text(json.dumps(config))
+    (tmp_path / "empty.jsonl").write_text("\n")
+    capsys.readouterr()  # the fixture's own output
+    for args, message in (
+        (["--weights", "int8", "--int8-float-channels", "-1"], "--int8-float-channels -1: expected a count >= 0"),
+        (["--int8-calibration", "c.txt"], "--int8-calibration c.txt: read only with --weights int8"),
+        (["--weights", "int8", "--int8-calibration", str(tmp_path / "nope.txt")], "nope.txt: file not found"),
+        (["--weights", "int8", "--int8-calibration", str(tmp_path / "empty.jsonl")], "empty.jsonl: no prompts"),
+        (["--weights", "int8", "--checkpoint", str(no_bos)], "bos_token_id None: expected a token id"),
+    ):
+        argv = ["--checkpoint", str(ckpt), "--out", str(out), "--quiet", *args]
+        code = build_main(argv[2:] if "--checkpoint" in args else argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and message in err[0], (args, err)
+        assert not out.exists()
