@@ -13,10 +13,11 @@ Runtime's com.microsoft ops with the same arithmetic:
   reference computes them; tree nodes keep their own positions (position_ids is per token).
 - "skip_norm": RMSNormalization(a + b) -> SkipSimplifiedLayerNormalization(a, b), whose fourth
   output is the sum (the residual stream the next layer reads).
-- "gate_up": MatMuls (float, or MatMulNBits) with constant weights reading the same input (the MLP's
-  gate and up projections) -> one MatMul over the weights concatenated along N, then a Split: one
-  kernel call (and one fork/join of the intra-op threads) instead of two. Each output column is the
-  same dot product as before. Where both the fused MatMulNBits and the fused offset correction of an
+- "gate_up": MatMuls (float, MatMulNBits, or an int8 engine's MatMulIntegerToFloat with its row
+  scale's Mul) with constant weights reading the same input (the MLP's gate and up projections) ->
+  one MatMul over the weights concatenated along N, then a Split: one kernel call (and one
+  fork/join of the intra-op threads) instead of two. Each output column is the same dot product as
+  before (an int8 column's exact integer sum, its own scale, the row's). Where both the fused MatMulNBits and the fused offset correction of an
   exact int4 engine are split only to be added half by half, they are added first and split once.
 
 One more rewrite, not optional because it changes the graph's outputs: `write_cache_in_place`
@@ -231,7 +232,8 @@ def _constant(g: _Graph, name: str):
 
 
 def _fuse_gate_up(model) -> int:
-    """Groups MatMul / MatMulNBits nodes reading one input with constant weights into one node."""
+    """Groups MatMul / MatMulNBits / int8 MatMulIntegerToFloat nodes reading one input with constant
+    weights into one node."""
     import numpy as np
     from onnx import helper, numpy_helper
 
@@ -246,6 +248,9 @@ def _fuse_gate_up(model) -> int:
                 _constant(g, n.input[2]):
             attrs = tuple(_attr(n, a) for a in ("K", "bits", "block_size", "accuracy_level"))
             key = ("MatMulNBits", n.input[0], attrs, len(n.input))  # with zero points or without
+        elif (row_scale := _int8_row_scale(g, n)) is not None:
+            key = ("MatMulIntegerToFloat", *n.input[:1], *n.input[2:3], *n.input[4:], row_scale,
+                   g.init[n.input[1]].dims[0])
         else:
             continue
         groups.setdefault(key, []).append(n)
@@ -255,6 +260,25 @@ def _fuse_gate_up(model) -> int:
             continue
         first = nodes[0]
         stem = f"{first.name or first.output[0]}_fused"
+        if key[0] == "MatMulIntegerToFloat":
+            # The int8 form (ops._matmul_int8_translation): each member scaled by the same row scale
+            # after its GEMM; the fused GEMM is scaled once, then split into the members' Muls' outputs.
+            muls = [g.consumers[n.output[0]][0] for n in nodes]
+            for suffix, i in (("qweight_t", 1), ("scales", 3)):
+                arrays = [numpy_helper.to_array(g.init[n.input[i]]) for n in nodes]
+                new_init.append(numpy_helper.from_array(np.concatenate(arrays, axis=-1), f"{stem}.{suffix}"))
+            sizes = [g.init[n.input[1]].dims[1] for n in nodes]
+            fused = helper.make_node("MatMulIntegerToFloat", [first.input[0], f"{stem}.qweight_t", first.input[2],
+                                                              f"{stem}.scales", first.input[4]],
+                                     [f"{stem}.out"], name=stem, domain=MS_DOMAIN)
+            scaled = helper.make_node("Mul", [f"{stem}.out", key[4]], [f"{stem}.scaled"], name=f"{stem}_scale")
+            new_init.append(numpy_helper.from_array(np.array(sizes, dtype=np.int64), f"{stem}.sizes"))
+            split = helper.make_node("Split", [f"{stem}.scaled", f"{stem}.sizes"], [m.output[0] for m in muls],
+                                     name=f"{stem}_split", axis=-1)
+            replace[id(first)] = [fused, scaled, split]
+            remove.update(id(n) for n in nodes[1:])
+            remove.update(id(m) for m in muls)
+            continue
         if key[0] == "MatMul":
             ws = [numpy_helper.to_array(g.init[n.input[1]]) for n in nodes]
             new_init.append(numpy_helper.from_array(np.concatenate(ws, axis=1), f"{stem}.weight"))
@@ -285,6 +309,18 @@ def _fuse_gate_up(model) -> int:
     graph.initializer.extend(new_init)
     _add_before_split(model)
     return len(replace)
+
+
+def _int8_row_scale(g: _Graph, n) -> str | None:
+    """For a MatMulIntegerToFloat of the int8 form (A, constant int8 B [K, N], a_scale, constant
+    column scales [N], a_zero_point) whose output only a Mul by the row scale reads: that scale."""
+    if n.op_type != "MatMulIntegerToFloat" or n.domain != MS_DOMAIN or len(n.input) != 5 or \
+            n.input[1] not in g.initializers or n.input[3] not in g.initializers or len(g.init[n.input[1]].dims) != 2:
+        return None
+    readers = g.consumers.get(n.output[0], [])
+    if len(readers) != 1 or readers[0].op_type != "Mul" or not g.only_used_by(n.output[0], readers[0]):
+        return None
+    return next((i for i in readers[0].input if i != n.output[0]), None)
 
 
 def _add_before_split(model) -> int:

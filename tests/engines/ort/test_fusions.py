@@ -28,23 +28,27 @@ def _ops(path) -> collections.Counter:
     return collections.Counter(n.op_type for n in onnx.load(str(path), load_external_data=False).graph.node)
 
 
-@pytest.mark.parametrize("weights", ["float", "int4"])
+@pytest.mark.parametrize("weights", ["float", "int4", "int8"])
 def test_fused_graphs(ort_engine, tiny_merged, weights):
     engine = ort_engine(backend_options=OrtOptions(weights=weights))
     layers = MedusaModel.from_checkpoint(tiny_merged("llama")).cfg.num_layers
     info = json.loads((engine / "engine.json").read_text())["onnx"]
     # Query and key rotated per layer; each layer's two norms and the final one follow a residual Add
-    # (the first input norm reads the embedding).
-    assert info["fusions"] == {"rotary": 2 * layers, "skip_norm": 2 * layers, "gate_up": layers}
+    # (the first input norm reads the embedding). An int8 layer fuses its gate and up twice: the int8
+    # products and those of the float channels.
+    gate_up = 2 * layers if weights == "int8" else layers
+    assert info["fusions"] == {"rotary": 2 * layers, "skip_norm": 2 * layers, "gate_up": gate_up}
     for name in (info["file"], info["step_file"]):
         ops = _ops(engine / name)
         assert ops["RotaryEmbedding"] == 2 * layers and ops["SkipSimplifiedLayerNormalization"] == 2 * layers
         assert ops["Neg"] == 0 and ops["Sin"] == 0 and ops["RMSNormalization"] == 1, (name, ops)
-        matmuls = ops["MatMulNBits"] if weights == "int4" else ops["MatMul"]
+        matmuls = {"int4": ops["MatMulNBits"], "int8": ops["MatMulIntegerToFloat"]}.get(weights, ops["MatMul"])
         assert matmuls >= 4 * layers and ops["Split"] >= 2 * layers  # qkv, o, gate+up, down per layer
+        if weights == "int8":  # the gate and up products are one, split once after their float channels are added
+            assert ops["MatMulIntegerToFloat"] == 4 * layers + 1 and ops["MatMul"] == 3 * layers + 1, (name, ops)
 
 
-@pytest.mark.parametrize("weights", ["float", "int4"])
+@pytest.mark.parametrize("weights", ["float", "int4", "int8"])
 def test_fused_engine_decodes_as_plain_graph(ort_engine, weights):
     fused = ort_engine(backend_options=OrtOptions(weights=weights))
     plain = ort_engine(backend_options=OrtOptions(weights=weights, fusions=()))
@@ -57,7 +61,7 @@ def test_fused_engine_decodes_as_plain_graph(ort_engine, weights):
     for backend in (a, b):
         backend.start(2, 32)
     (la, ma), (lb, mb) = a.forward(ids, pos, mask), b.forward(ids, pos, mask)
-    tol = 1e-4 if weights == "float" else 5e-2  # int4: activations are rounded to int8 per block
+    tol = 1e-4 if weights == "float" else 5e-2  # int4, int8: activations are rounded to int8
     torch.testing.assert_close(la, lb, rtol=0, atol=tol * lb.abs().max().item())
     torch.testing.assert_close(ma, mb, rtol=0, atol=tol * mb.abs().max().item())
     if weights == "float":
