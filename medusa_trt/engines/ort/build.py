@@ -170,6 +170,8 @@ def _int8_calibration(opts: BuildOptions, ort: OrtOptions, config: dict, model) 
         except (OSError, ValueError) as e:
             raise BuildError(f"{opts.checkpoint}: no tokenizer to read --int8-calibration with ({e})") from None
         samples = [ids[:INT8_CALIBRATION_TOKENS] for ids in tokenizer(texts, add_special_tokens=False).input_ids if ids]
+        if not samples:
+            raise BuildError(f"--int8-calibration {ort.int8_calibration}: its texts read as no tokens; expected text")
         return samples, f"{ort.int8_calibration}: {len(samples)} texts"
     start = config.get("bos_token_id")
     start = start[0] if isinstance(start, list) and start else start
