@@ -549,23 +549,18 @@ def calibrate_float_channels(model: nn.Module, samples: Sequence[Sequence[int]],
         return record
 
     handles = [model.get_submodule(n).register_forward_hook(hook(n)) for n in names]
+    cfg = model.cfg
+    empty = torch.zeros(cfg.num_layers, 1, cfg.num_kv_heads, 0, cfg.head_dim, dtype=model.dtype)
     try:
-        for ids in samples:
-            run_prompt(model, list(ids))
+        for ids in samples:  # each as a prompt: the hooks record every row's inputs
+            s = len(ids)
+            model.forward_hidden(torch.tensor([list(ids)]), torch.arange(s)[None],
+                                 torch.ones(1, s, s, dtype=torch.bool).tril(), empty, empty)
     finally:
         for h in handles:
             h.remove()
     count = min(count, *(p.numel() for p in peak.values()))
     return {n: sorted(peak[n].topk(count).indices.tolist()) for n in names}
-
-
-def run_prompt(model: nn.Module, ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One prompt through the base with an empty cache: logits [S, V] and the new keys/values."""
-    cfg, s = model.cfg, len(ids)
-    past = torch.zeros(cfg.num_layers, 1, cfg.num_kv_heads, 0, cfg.head_dim, dtype=model.dtype)
-    logits, _, k, v = model.forward_hidden(torch.tensor([list(ids)]), torch.arange(s)[None],
-                                           torch.ones(1, s, s, dtype=torch.bool).tril(), past, past)
-    return logits[0], k, v
 
 
 @torch.no_grad()

@@ -212,8 +212,8 @@ def _matmul_int8_translation(x, qweight_t, scales):
     # MatMulIntegerToFloat: the u8 x s8 GEMM subtracting zero point 128 again, its int32 sums
     # converted and scaled by the column scales in the GEMM's own output stage, and last the row
     # scale (rows offset into uint8 because ONNX Runtime 1.31's s8 x s8 GEMM ran ~25x slower on an
-    # AVX-512 VNNI CPU). Five passes over a row fewer than rounding op by op (Div, Round, Add, Cast, and Cast,
-    # Mul after the product), which a verify step paid for every row (docs/benchmarks/issue-35-
+    # AVX-512 VNNI CPU). Five passes over a row fewer than rounding op by op (Div, Round, Add, Cast,
+    # and Cast, Mul after the product), which a verify step paid for every row (docs/benchmarks/issue-35-
     # amphista.md, section y); quant.int8_matmul computes the same bits.
     k = qweight_t.shape[0]
     s = op.Div(op.ReduceMax(op.Abs(x), op.Constant(value_ints=[-1]), keepdims=1), const(127.0))

@@ -17,8 +17,9 @@ Runtime's com.microsoft ops with the same arithmetic:
   scale's Mul) with constant weights reading the same input (the MLP's gate and up projections) ->
   one MatMul over the weights concatenated along N, then a Split: one kernel call (and one
   fork/join of the intra-op threads) instead of two. Each output column is the same dot product as
-  before (an int8 column's exact integer sum, its own scale, the row's). Where both the fused MatMulNBits and the fused offset correction of an
-  exact int4 engine are split only to be added half by half, they are added first and split once.
+  before (an int8 column's exact integer sum, its own scale, the row's). Where both the fused
+  MatMulNBits and the fused offset correction of an exact int4 engine are split only to be added
+  half by half, they are added first and split once.
 
 One more rewrite, not optional because it changes the graph's outputs: `write_cache_in_place`
 (engine.json onnx.cache_in_place) makes the new K/V land in the cache buffers the runtime binds.
