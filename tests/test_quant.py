@@ -1,7 +1,8 @@
 """The reference model's int4 numerics (modeling: quantize_int4, the offsets and int8 schemes,
 quantize_model_int4), which MatMulNBits engines are checked against; and the int8 scheme's
 (Int8Linear), which an exported MatMulInteger graph must equal bit for bit, and its float input
-channels (calibrate_float_channels)."""
+channels (calibrate_float_channels); the calibrated int4 rounding (quantize_int4 with importance,
+calibrate_input_power)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,55 @@ def test_quantize_int4_round_trip():
     step = scales.repeat_interleave(32, dim=1)
     assert bool(((back - w).abs() <= step / 2 + 1e-6).all())
     assert bool((back[0, :32] == 0).all())
+
+
+def test_calibrated_int4_rounding_never_loses_to_the_nearest_grid():
+    """quantize_int4 with an importance per input channel: every block's importance-weighted squared
+    error is at most the nearest grid's, the total well below it, and the bytes still dequantize as
+    MatMulNBits reads them (a zero point per block, codes 0..15). A channel with all the importance
+    is held closest. Bad importance names or shapes are refused."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 128, generator=g) * (0.2 + 2 * torch.rand(128, generator=g))
+    importance = torch.rand(128, generator=g) ** 4 + 1e-3
+    importance[9] = 50.0
+
+    def err(tensors):
+        back = dequantize_int4(*tensors)
+        return ((w - back) ** 2 * importance).reshape(48, 4, 32).sum(-1), (w - back)[:, 9].abs()
+
+    (nearest, near9), (searched, srch9) = err(quantize_int4(w, 32)), err(quantize_int4(w, 32, importance))
+    assert bool((searched <= nearest * (1 + 1e-5)).all())
+    assert float(searched.sum()) < 0.7 * float(nearest.sum())
+    assert float(srch9.mean()) < 0.5 * float(near9.mean())
+    packed, scales, zp = quantize_int4(w, 32, importance)
+    assert packed.shape == (48, 4, 16) and zp.shape == (48, 2) and bool((scales > 0).all())
+    assert torch.equal(quantize_int4(w, 32, importance)[0], packed)  # deterministic
+
+
+def test_calibrate_input_power_weighs_a_loud_channel(tiny_merged):
+    """calibrate_input_power: every base Linear's inputs' mean squares, positive everywhere (a floor
+    for silent channels); a norm weight 40x the others makes its channel the heaviest behind that
+    norm. quantize_model_int4 takes them per Linear and refuses unknown names and wrong shapes."""
+    from medusa_trt.quant import Int4Linear, base_linear_names, calibrate_input_power, sample_own_text
+
+    model = MedusaModel.from_checkpoint(tiny_merged("llama"))
+    with torch.no_grad():
+        model.layers[0].input_layernorm.weight[5] = 40.0
+    power = calibrate_input_power(model, sample_own_text(model, 1, count=2, length=6))
+    assert list(power) == base_linear_names(model)
+    assert all(bool((p > 0).all()) and p.shape == (model.get_submodule(n).in_features,) for n, p in power.items())
+    assert int(power["layers.0.qkv"].argmax()) == 5
+    nearest, searched = (MedusaModel.from_checkpoint(tiny_merged("llama")) for _ in range(2))
+    quantize_model_int4(nearest, 32, 4)
+    quantize_model_int4(searched, 32, 4, importance=power)
+    assert isinstance(searched.layers[0].qkv, Int4Linear)
+    assert not torch.equal(nearest.layers[0].qkv.packed, searched.layers[0].qkv.packed)
+    with pytest.raises(ValueError, match="expected base Linear names"):
+        quantize_model_int4(MedusaModel.from_checkpoint(tiny_merged("llama")), 32, 4,
+                            importance={"layers.99.qkv": power["layers.0.qkv"]})
+    with pytest.raises(ValueError, match=r"layers.0.qkv: shape \(3,\)"):
+        quantize_model_int4(MedusaModel.from_checkpoint(tiny_merged("llama")), 32, 4,
+                            importance={"layers.0.qkv": torch.ones(3)})
 
 
 def test_offsets_and_int8_hold_gguf_blocks_exactly():

@@ -16,6 +16,7 @@ from medusa_trt.engines.options import BackendOptions, BuildError, BuildOptions
 from medusa_trt.engines.ort.build import (
     INT4_DEFAULT_ACCURACY_LEVEL,
     INT4_DEFAULT_BLOCK_SIZE,
+    INT4_ROUNDINGS,
     INT8_DEFAULT_FLOAT_CHANNELS,
     OrtOptions,
 )
@@ -78,13 +79,18 @@ def parser() -> argparse.ArgumentParser:
                         "GGUF's Q4_1 weights, near float32 quality, at a slower step; BENCHMARKS.md, int4 quality)")
     p.add_argument("--int4-lm-head-bits", type=int, default=4, choices=[4, 8],
                    help="--weights int4: the lm_head's bits (8: exact on a GGUF's Q8_0 embedding; default 4)")
+    p.add_argument("--int4-rounding", default="calibrated", choices=list(INT4_ROUNDINGS),
+                   help="--weights int4: calibrated = each block's grid searched for the least error weighted "
+                        "by its inputs' mean squares on calibration text (default; same format and speed, closer "
+                        "to float32: BENCHMARKS.md, int4 quality); nearest = each block's own range, rounded")
     p.add_argument("--int8-float-channels", type=int, default=INT8_DEFAULT_FLOAT_CHANNELS, metavar="N",
                    help="--weights int8: input channels of each base Linear kept in float32, those with the "
                         "largest values on calibration text (they would otherwise set every row's int8 scale; "
                         f"default {INT8_DEFAULT_FLOAT_CHANNELS}, 0 for none; BENCHMARKS.md, int8)")
-    p.add_argument("--int8-calibration", type=Path, metavar="FILE",
-                   help="--weights int8: texts (.jsonl with a 'text' field, or one per line) to pick the float "
-                        "channels on, read with the checkpoint's tokenizer (default: text the model samples itself)")
+    p.add_argument("--calibration", "--int8-calibration", type=Path, metavar="FILE",
+                   help="--weights int8 and int4: texts (.jsonl with a 'text' field, or one per line) to pick the "
+                        "float channels (int8) or weigh the int4 rounding on, read with the checkpoint's tokenizer "
+                        "(default: text the model samples itself)")
     p.add_argument("--device", default="cpu", choices=list(DEVICES), help="device the engine runs on by default")
     p.add_argument("--tree", help="the tree the engine records, which medusa-run, the Python API, medusa-triton "
                    "and medusa-bench then decode with by default: the tree.json medusa-tune-tree writes, a preset, "
@@ -106,7 +112,7 @@ def backend_options(args: argparse.Namespace) -> BackendOptions:
         return OrtOptions(weights=args.weights, int4_block_size=args.int4_block_size,
                           int4_accuracy_level=args.int4_accuracy_level, int4_offsets=args.int4_offsets,
                           int4_lm_head_bits=args.int4_lm_head_bits, int8_float_channels=args.int8_float_channels,
-                          int8_calibration=args.int8_calibration, cache_in_place=args.cache_in_place,
+                          int4_rounding=args.int4_rounding, calibration=args.calibration, cache_in_place=args.cache_in_place,
                           fused_step=args.fused_step, prepack_weights=args.prepack_weights)
     if args.weights != "float":
         raise BuildError(f"--weights {args.weights}: only --backend onnxruntime builds int4 engines")

@@ -128,9 +128,10 @@ class CheckReport:
         return "\n".join(out)
 
 
-def reference_model(checkpoint: Path, engine: dict) -> MedusaModel:
-    """The float32 model of `checkpoint`, its weights quantized as the engine (engine.json `engine`)
-    holds them: int4 engines' MatMulNBits bytes, and the drafter's too where `draft_int4` says so
+def reference_model(checkpoint: Path, engine: dict, engine_dir: Path | None = None) -> MedusaModel:
+    """The float32 model of `checkpoint`, its weights quantized as the engine (engine.json `engine`,
+    read from `engine_dir`) holds them: int4 engines' MatMulNBits bytes (calibrated rounding searches
+    with the input weights the engine dir keeps), and the drafter's too where `draft_int4` says so
     (engines built before it keep a float drafter); the int8 embedding where `embedding` says so
     (absent: a float table, as engines built before 2026-11-28 hold it); an int8 engine's float
     input channels where `float_channels` names them."""
@@ -141,9 +142,21 @@ def reference_model(checkpoint: Path, engine: dict) -> MedusaModel:
     if weights.get("format") == "int4":
         from medusa_trt.quant import quantize_model_int4
 
+        importance = None
+        rounding = weights.get("rounding")  # absent (engines before it) or a string: no search
+        if isinstance(rounding, dict):
+            from safetensors.torch import load_file
+
+            if engine_dir is None:
+                raise ValueError("an int4 engine with calibrated rounding: its reference needs the engine dir")
+            path = Path(engine_dir) / str(rounding.get("file"))
+            if not path.is_file():
+                raise ValueError(f"{path}: not found; engine.json weights.rounding names it (rebuild the engine)")
+            importance = load_file(str(path))
         quantize_model_int4(model, int(weights["block_size"]), int(weights["accuracy_level"]),
                             draft=bool(weights.get("draft_int4")), offsets=weights.get("offsets", False),
-                            lm_head_bits=weights.get("lm_head_bits", 4), embedding=weights.get("embedding") == "int8")
+                            lm_head_bits=weights.get("lm_head_bits", 4), embedding=weights.get("embedding") == "int8",
+                            importance=importance)
     elif weights.get("format") == "int8":
         from medusa_trt.quant import quantize_model_int8
 
@@ -208,7 +221,11 @@ def run_check(engine_dir: str | Path, checkpoint: str | Path | None = None, prom
         raise CheckInputError(str(e)) from None
     bar.update()
     bar.set_description("loading the reference")
-    model = reference_model(checkpoint, engine)
+    try:
+        model = reference_model(checkpoint, engine, Path(engine_dir))
+    except ValueError as e:
+        bar.close()
+        raise CheckInputError(str(e)) from None
     # The reference keeps the rows the engine keeps, so a draft call names the same rows on both.
     reference = TorchBackend(model, max_draft_len=subject.info.max_draft_len,
                              hidden_all_rows=subject.info.hidden_all_rows)

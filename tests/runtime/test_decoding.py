@@ -281,7 +281,7 @@ def test_draft_vocabulary_heads(distilled, tmp_path):
     (tmp_path / "calib.txt").write_text("a b c d e f\nhello world again and again\n")
     build_engine(BuildOptions(checkpoint=tmp_path / "ckpt", out=tmp_path / "engine_int8", progress=False,
                               backend_options=OrtOptions(weights="int8", int8_float_channels=4,
-                                                         int8_calibration=tmp_path / "calib.txt")))
+                                                         calibration=tmp_path / "calib.txt")))
     info = json.loads((tmp_path / "engine_int8" / "engine.json").read_text())
     assert info["weights"]["draft_int8"] and "int8_float_channels" in info["requires"]
     floats = info["weights"]["float_channels"]

@@ -40,6 +40,12 @@ INT4_DEFAULT_ACCURACY_LEVEL = 4
 # step on the AVX2 CPU (docs/benchmarks/issue-13-int4.md (p)), and the peers measured run
 # zero-anchored grids.
 
+# -- int4 zero-point blocks: "calibrated" searches each block's grid for the least error weighted by
+# its inputs' mean squares on calibration text (quant.quantize_int4); "nearest" rounds onto the
+# block's own range, as onnxruntime-genai's builder does. Same format, same step cost; on SmolLM2
+# top-1 agreement with float32 0.68 -> 0.78 (docs/benchmarks/issue-35-amphista.md, section ad).
+INT4_ROUNDINGS = ("calibrated", "nearest")
+
 # -- int8 (--weights int8): float input channels, chosen on SmolLM2-135M (docs/benchmarks/issue-35-
 # amphista.md, section ac): 16 per Linear bring the reference's top-1 agreement with float32 from
 # 0.88 to 0.96 (8: 0.95).
@@ -61,8 +67,9 @@ class OrtOptions(BackendOptions):
     int4_accuracy_level: int = INT4_DEFAULT_ACCURACY_LEVEL  # --int4-accuracy-level
     int4_offsets: bool = False  # --int4-offsets: a float offset per block instead of a zero point
     int4_lm_head_bits: int = 4  # --int4-lm-head-bits
+    int4_rounding: str = "calibrated"  # --int4-rounding (INT4_ROUNDINGS); zero-point blocks only
     int8_float_channels: int = INT8_DEFAULT_FLOAT_CHANNELS  # --int8-float-channels; 0: none
-    int8_calibration: Path | None = None  # --int8-calibration; None: text the model samples itself
+    calibration: Path | None = None  # --calibration; None: text the model samples itself
     fusions: tuple[str, ...] = ORT_DEFAULT_FUSIONS  # fusions.FUSIONS to apply; () for the plain graphs
     cache_in_place: bool = True  # off: --no-cache-in-place
     fused_step: bool = True  # off: --no-fused-step
@@ -79,14 +86,25 @@ class OrtOptions(BackendOptions):
                                          ("--int4-lm-head-bits", self.int4_lm_head_bits, LM_HEAD_BITS)):
                 if value not in allowed:
                     raise BuildError(f"{flag} {value}: expected one of {', '.join(map(str, allowed))}")
+        if self.int4_rounding not in INT4_ROUNDINGS:
+            raise BuildError(f"--int4-rounding {self.int4_rounding!r}: expected one of {', '.join(INT4_ROUNDINGS)}")
         if self.int8_float_channels < 0:
             raise BuildError(f"--int8-float-channels {self.int8_float_channels}: expected a count >= 0")
-        if self.int8_calibration is not None and (self.weights != "int8" or not self.int8_float_channels):
-            raise BuildError(f"--int8-calibration {self.int8_calibration}: read only with --weights int8 and "
-                             "--int8-float-channels above 0")
+        if self.calibration is not None and not self.calibrates:
+            raise BuildError(f"--calibration {self.calibration}: read only with --weights int8 and "
+                             "--int8-float-channels above 0, or --weights int4 with --int4-rounding calibrated "
+                             "(not --int4-offsets)")
         unknown = sorted(set(self.fusions) - set(FUSIONS))
         if unknown:
             raise BuildError(f"fusions {unknown}: expected some of {', '.join(FUSIONS)}")
+
+    @property
+    def calibrates(self) -> bool:
+        """Whether the build runs calibration text through the model: int8 float channels, or int4
+        zero-point blocks searched against the inputs' mean squares."""
+        if self.weights == "int8":
+            return self.int8_float_channels > 0
+        return self.weights == "int4" and self.int4_rounding == "calibrated" and not self.int4_offsets
 
 
 def _quantization_part(config: dict) -> dict | None:
@@ -122,7 +140,10 @@ def gguf_blocks_hint(config: dict, offsets: bool, lm_head_bits: int) -> str | No
             "(near float32 quality at a slower step: BENCHMARKS.md, int4 quality), this build re-quantizes them")
 
 
-def _quantize_int4(opts: BuildOptions, ort: OrtOptions, config: dict, model) -> dict:
+INT4_IMPORTANCE_FILE = "int4_importance.safetensors"  # engine.json weights.rounding.file
+
+
+def _quantize_int4(opts: BuildOptions, ort: OrtOptions, config: dict, model, workdir: Path) -> dict:
     """Quantizes `model` in place for --weights int4; returns engine.json's "weights" section."""
     from medusa_trt.quant import Int4Linear, quantize_model_int4
 
@@ -134,9 +155,21 @@ def _quantize_int4(opts: BuildOptions, ort: OrtOptions, config: dict, model) -> 
     hint = gguf_blocks_hint(config, offsets, lm_head_bits)
     if hint:
         log.warning("%s: %s", opts.checkpoint / "config.json", hint)
+    importance, rounding = None, "offsets" if offsets else "nearest"
+    if ort.calibrates:
+        from safetensors.torch import save_file
+
+        from medusa_trt.quant import calibrate_input_power
+
+        samples, source = _calibration(opts, ort, config, model, "--int4-rounding nearest")
+        importance = calibrate_input_power(model, samples)
+        # The reference (medusa-check) searches the same grids: it reads the weights from here.
+        save_file({n: t.contiguous() for n, t in importance.items()}, str(workdir / INT4_IMPORTANCE_FILE))
+        (workdir / INT4_IMPORTANCE_FILE).chmod(0o644)  # as the engine's other files (save_file writes 0600)
+        rounding = {"method": "calibrated", "calibration": source, "file": INT4_IMPORTANCE_FILE}
     # The embedding as int8 rows, except where the rows are to stay the GGUF's own (--int4-offsets).
     skipped = quantize_model_int4(model, block, level, draft=True, offsets=offsets, lm_head_bits=lm_head_bits,
-                                  embedding=not offsets)
+                                  embedding=not offsets, importance=importance)
     for name in skipped:
         log.warning("--weights int4: %s stays %s: its input size is not a multiple of --int4-block-size %d",
                     name, model.dtype, block)
@@ -146,39 +179,42 @@ def _quantize_int4(opts: BuildOptions, ort: OrtOptions, config: dict, model) -> 
             "accuracy_level": level, "symmetric": False, "offsets": offsets, "lm_head": "lm_head" not in skipped,
             "lm_head_bits": lm_head_bits,
             "heads_use_lm_head": bool(model.drafter.uses_base_lm_head), "draft_int4": drafter_int4,
-            "float_linears": skipped, "embedding": "float" if offsets else "int8"}
+            "float_linears": skipped, "embedding": "float" if offsets else "int8", "rounding": rounding}
 
 
-# Calibration for --int8-float-channels: at most this many samples of at most this many tokens from
-# --int8-calibration, or this many sequences the model samples itself (a channel's peak is a property
-# of the model: 8 x 64 sampled tokens chose channels about as good as 32 chat prompts, section ac).
-INT8_CALIBRATION_SAMPLES, INT8_CALIBRATION_TOKENS, INT8_OWN_TEXT = 32, 512, (8, 64)
+# Calibration (int8 float channels, int4 rounding): at most this many samples of at most this many
+# tokens from --calibration, or this many sequences the model samples itself (a channel's peak is a
+# property of the model: 8 x 64 sampled tokens chose channels about as good as 32 chat prompts,
+# section ac).
+CALIBRATION_SAMPLES, CALIBRATION_TOKENS, OWN_TEXT = 32, 512, (32, 128)
 
 
-def _int8_calibration(opts: BuildOptions, ort: OrtOptions, config: dict, model) -> tuple[list[list[int]], str]:
-    """Token sequences to pick the float channels on, and what they were (engine.json)."""
+def _calibration(opts: BuildOptions, ort: OrtOptions, config: dict, model, without: str
+                 ) -> tuple[list[list[int]], str]:
+    """Token sequences to calibrate on, and what they were (engine.json). `without`: the flag that
+    builds without calibration, for the error of a checkpoint with nothing to sample from."""
     from medusa_trt.quant import sample_own_text
 
-    if ort.int8_calibration is not None:
+    if ort.calibration is not None:
         from transformers import AutoTokenizer
 
         from medusa_trt.data import read_prompts
 
-        texts = read_prompts(ort.int8_calibration)[:INT8_CALIBRATION_SAMPLES]
+        texts = read_prompts(ort.calibration)[:CALIBRATION_SAMPLES]
         try:
             tokenizer = AutoTokenizer.from_pretrained(opts.checkpoint)
         except (OSError, ValueError) as e:
-            raise BuildError(f"{opts.checkpoint}: no tokenizer to read --int8-calibration with ({e})") from None
-        samples = [ids[:INT8_CALIBRATION_TOKENS] for ids in tokenizer(texts, add_special_tokens=False).input_ids if ids]
+            raise BuildError(f"{opts.checkpoint}: no tokenizer to read --calibration with ({e})") from None
+        samples = [ids[:CALIBRATION_TOKENS] for ids in tokenizer(texts, add_special_tokens=False).input_ids if ids]
         if not samples:
-            raise BuildError(f"--int8-calibration {ort.int8_calibration}: its texts read as no tokens; expected text")
-        return samples, f"{ort.int8_calibration}: {len(samples)} texts"
+            raise BuildError(f"--calibration {ort.calibration}: its texts read as no tokens; expected text")
+        return samples, f"{ort.calibration}: {len(samples)} texts"
     start = config.get("bos_token_id")
     start = start[0] if isinstance(start, list) and start else start
     if not isinstance(start, int):
         raise BuildError(f"{opts.checkpoint / 'config.json'}: bos_token_id {start!r}: expected a token id to sample "
-                         "calibration text from; pass --int8-calibration FILE or --int8-float-channels 0")
-    count, length = INT8_OWN_TEXT
+                         f"calibration text from; pass --calibration FILE or {without}")
+    count, length = OWN_TEXT
     return (sample_own_text(model, start, count, length),
             f"{count} x {length} tokens sampled from the model after token {start} (seed 0)")
 
@@ -198,7 +234,7 @@ def _quantize_int8(opts: BuildOptions, ort: OrtOptions, config: dict, model, dty
                          "MatMulInteger takes no uint8 rows; the form is for CPUs with int8 dot products)")
     channels, float_part = {}, None
     if ort.int8_float_channels:
-        samples, source = _int8_calibration(opts, ort, config, model)
+        samples, source = _calibration(opts, ort, config, model, "--int8-float-channels 0")
         channels = calibrate_float_channels(model, samples, ort.int8_float_channels)
         float_part = {"count": len(next(iter(channels.values()))), "calibration": source, "channels": channels}
     quantize_model_int8(model, draft=True, embedding=True, float_channels=channels)
@@ -272,7 +308,7 @@ def build_onnxruntime(opts: BuildOptions, config: dict, workdir: Path) -> dict:
         weights = {"format": "float"}
         if ort.weights == "int4":
             stage("quantize int4")
-            weights = _quantize_int4(opts, ort, config, model)
+            weights = _quantize_int4(opts, ort, config, model, workdir)
         elif ort.weights == "int8":
             stage("quantize int8")
             weights = _quantize_int8(opts, ort, config, model, dtype)

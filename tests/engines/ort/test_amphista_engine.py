@@ -147,7 +147,7 @@ def test_the_prefill_computes_the_last_logits_row_only_and_drafts_every_prompt_r
     _, root, drafts = prefill(backend, ps)
     assert asked == [(len(ps), 1)]
     # The reference quantized as the engine is (medusa-check's): its drafter int4 too on the int4 engine.
-    ref = TorchBackend(reference_model(amphista.ckpt, read_engine(amphista.engines[engine])))
+    ref = TorchBackend(reference_model(amphista.ckpt, read_engine(amphista.engines[engine]), amphista.engines[engine]))
     ref.start(len(ps), 64)
     _, ref_root, ref_drafts = prefill(ref, ps)
     assert torch.equal(root, ref_root)

@@ -19,11 +19,13 @@ import numpy as np
 import pytest
 import torch
 
+from medusa_trt.engine_dir import read_engine
 from medusa_trt.engines.ort.build import OrtOptions, gguf_blocks_hint
 from medusa_trt.modeling import MedusaModel
 from medusa_trt.quant import quantize_model_int4
 from medusa_trt.runtime.ort.backend import OrtBackend
 from medusa_trt.runtime.ort.session import make_session
+from medusa_trt.tools.parity import reference_model
 from tests.engines.onnx.test_export import ATOL, make_inputs, run_decoder
 
 INT4 = {"weights": "int4", "int4_block_size": 32}
@@ -43,11 +45,11 @@ def exact_engine(ort_engine, level: int = 4):
     return ort_engine("llama", backend_options=OrtOptions(**INT4, **EXACT, int4_accuracy_level=level))
 
 
-def int4_reference(tiny_merged, level: int, offsets: bool = False, lm_head_bits: int = 4) -> MedusaModel:
-    """As medusa-build quantizes: the embedding as int8 rows unless the blocks stay the GGUF's (offsets)."""
-    model = MedusaModel.from_checkpoint(tiny_merged("llama"))
-    assert quantize_model_int4(model, 32, level, offsets=offsets, lm_head_bits=lm_head_bits,
-                               embedding=not offsets) == []
+def int4_reference(tiny_merged, engine) -> MedusaModel:
+    """As medusa-check builds it from engine.json: the embedding as int8 rows unless the blocks stay
+    the GGUF's (offsets), zero-point blocks searched with the input weights the engine dir keeps."""
+    model = reference_model(tiny_merged("llama"), read_engine(engine), engine)
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.layers.modules())  # every Linear int4
     return model
 
 
@@ -59,7 +61,9 @@ def test_int4_engine_parity(ort_engine, tiny_merged, level, exact, batch, past, 
     info = json.loads((engine / "engine.json").read_text())["weights"]
     assert info["format"] == "int4" and info["block_size"] == 32 and info["accuracy_level"] == level
     assert (info["offsets"], info["lm_head_bits"], info["embedding"]) == ((True, 8, "float") if exact else (False, 4, "int8"))
-    model = int4_reference(tiny_merged, level, *((True, 8) if exact else ()))
+    assert info["rounding"] == ("offsets" if exact else {"method": "calibrated", "file": "int4_importance.safetensors",
+                                                         "calibration": info["rounding"]["calibration"]})
+    model = int4_reference(tiny_merged, engine)
     feeds, ref_args = make_inputs(model, batch, past, kind)
     got = run_decoder(make_session(engine / "model.onnx"), feeds)
     with torch.no_grad():
@@ -144,9 +148,10 @@ def test_int8_weights_need_a_float32_engine_and_nothing_is_written(tiny_merged, 
 
 
 def test_int8_float_channel_options_refuse_bad_input_and_write_nothing(tiny_merged, tmp_path, capsys):
-    """--int8-float-channels below 0, --int8-calibration without int8 float channels, a calibration
-    file that is missing or holds no text, and a checkpoint with no bos_token_id to sample
-    calibration text from: one line naming the flag, file or key, exit 2, no engine directory."""
+    """--int8-float-channels below 0, --calibration (or its old name --int8-calibration) where nothing
+    calibrates (no int8 float channels; int4 offsets), a calibration file that is missing or holds no
+    text, and a checkpoint with no bos_token_id to sample calibration text from (int8, and int4's
+    calibrated rounding): one line naming the flag, file or key, exit 2, no engine directory."""
     import shutil
 
     from medusa_trt.cli.build import main as build_main
@@ -161,13 +166,51 @@ def test_int8_float_channel_options_refuse_bad_input_and_write_nothing(tiny_merg
     capsys.readouterr()  # the fixture's own output
     for args, message in (
         (["--weights", "int8", "--int8-float-channels", "-1"], "--int8-float-channels -1: expected a count >= 0"),
-        (["--int8-calibration", "c.txt"], "--int8-calibration c.txt: read only with --weights int8"),
+        (["--int8-calibration", "c.txt"], "--calibration c.txt: read only with --weights int8"),
+        (["--weights", "int4", "--int4-offsets", "--calibration", "c.txt"], "--calibration c.txt: read only with"),
+        (["--weights", "int4", "--int4-rounding", "nearest", "--calibration", "c.txt"], "read only with"),
         (["--weights", "int8", "--int8-calibration", str(tmp_path / "nope.txt")], "nope.txt: file not found"),
-        (["--weights", "int8", "--int8-calibration", str(tmp_path / "empty.jsonl")], "empty.jsonl: no prompts"),
+        (["--weights", "int4", "--calibration", str(tmp_path / "empty.jsonl")], "empty.jsonl: no prompts"),
         (["--weights", "int8", "--checkpoint", str(no_bos)], "bos_token_id None: expected a token id"),
+        (["--weights", "int4", "--checkpoint", str(no_bos)], "or --int4-rounding nearest"),
     ):
         argv = ["--checkpoint", str(ckpt), "--out", str(out), "--quiet", *args]
         code = build_main(argv[2:] if "--checkpoint" in args else argv)
         err = capsys.readouterr().err.strip().splitlines()
         assert code == 2 and len(err) == 1 and message in err[0], (args, err)
         assert not out.exists()
+
+
+def test_int4_rounding_nearest_keeps_the_plain_grid_and_calibrated_keeps_its_weights(ort_engine, tiny_merged, tmp_path,
+                                                                                      capsys):
+    """--int4-rounding nearest builds the bytes quantize_model_int4 gives without importance, and no
+    weights file; the calibrated default keeps each base Linear's input weights in the engine dir,
+    which medusa-check reads to search the same grids: without the file it stops with one line (the
+    artifact check names it first)."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from medusa_trt.cli.check import main as check_main
+    from medusa_trt.quant import base_linear_names
+
+    nearest = ort_engine("llama", backend_options=OrtOptions(**INT4, int4_rounding="nearest"))
+    assert read_engine(nearest)["weights"]["rounding"] == "nearest"
+    assert not (nearest / "int4_importance.safetensors").exists()
+    plain = MedusaModel.from_checkpoint(tiny_merged("llama"))
+    quantize_model_int4(plain, 32, 4, draft=True, embedding=True)
+    ref = reference_model(tiny_merged("llama"), read_engine(nearest), nearest)
+    assert all(torch.equal(a, b) for a, b in zip(plain.buffers(), ref.buffers(), strict=True))
+
+    calibrated = int4_engine(ort_engine, 4)
+    importance = load_file(str(calibrated / "int4_importance.safetensors"))
+    assert set(importance) == set(base_linear_names(plain))
+    searched = reference_model(tiny_merged("llama"), read_engine(calibrated), calibrated)
+    assert not torch.equal(searched.layers[0].qkv.packed, ref.layers[0].qkv.packed)
+    engine = tmp_path / "engine"
+    shutil.copytree(calibrated, engine)
+    (engine / "int4_importance.safetensors").unlink()
+    capsys.readouterr()
+    assert check_main(["--engine", str(engine), "--checkpoint", str(tiny_merged("llama")), "--max-new-tokens", "4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "int4_importance.safetensors: missing" in err[0], err
