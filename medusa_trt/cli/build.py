@@ -76,13 +76,13 @@ def parser() -> argparse.ArgumentParser:
                         "0 = float compute")
     p.add_argument("--int4-offsets", action="store_true",
                    help="--weights int4: a float offset per block instead of a 4-bit zero point (exact on a "
-                        "GGUF's Q4_1 weights, near float32 quality, at a slower step; BENCHMARKS.md, int4 quality)")
+                        "GGUF's Q4_1 weights, near float32 quality, at a slower step; BENCHMARKS.md, int4 engines)")
     p.add_argument("--int4-lm-head-bits", type=int, default=4, choices=[4, 8],
                    help="--weights int4: the lm_head's bits (8: exact on a GGUF's Q8_0 embedding; default 4)")
     p.add_argument("--int4-rounding", default="calibrated", choices=list(INT4_ROUNDINGS),
                    help="--weights int4: calibrated = each block's grid searched for the least error weighted "
                         "by its inputs' mean squares on calibration text (default; same format and speed, closer "
-                        "to float32: BENCHMARKS.md, int4 quality); nearest = each block's own range, rounded")
+                        "to float32: BENCHMARKS.md, int4 engines); nearest = each block's own range, rounded")
     p.add_argument("--int8-float-channels", type=int, default=INT8_DEFAULT_FLOAT_CHANNELS, metavar="N",
                    help="--weights int8: input channels of each base Linear kept in float32, those with the "
                         "largest values on calibration text (they would otherwise set every row's int8 scale; "

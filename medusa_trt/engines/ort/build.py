@@ -137,7 +137,7 @@ def gguf_blocks_hint(config: dict, offsets: bool, lm_head_bits: int) -> str | No
         return None
     blocks = " and ".join(f"{t} ({types[t]} tensor{'s' * (types[t] != 1)})" for t in ("Q4_1", "Q8_0") if t in types)
     return (f"the base came from a GGUF of {blocks}; {' '.join(missing)} would keep those blocks exactly "
-            "(near float32 quality at a slower step: BENCHMARKS.md, int4 quality), this build re-quantizes them")
+            "(near float32 quality at a slower step: BENCHMARKS.md, int4 engines), this build re-quantizes them")
 
 
 INT4_IMPORTANCE_FILE = "int4_importance.safetensors"  # engine.json weights.rounding.file
