@@ -219,23 +219,25 @@ INT4_ACCURACY_LEVELS = (0, 4)  # MatMulNBits: 0 float compute, 4 int8 activation
 LM_HEAD_BITS = (4, 8)
 
 
-def quantize_int4(w: torch.Tensor, block_size: int, importance: torch.Tensor | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_int4(w: torch.Tensor, block_size: int, importance: torch.Tensor | None = None,
+                  rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """W [N, K] (K divisible by block_size) -> packed [N, K/bs, bs/2] uint8 (element 2j in the low
     nibble, 2j+1 in the high one), scales [N, K/bs] float32, zero points [N, ceil(K/bs / 2)] uint8
     (two 4-bit values per byte, block 2j low): MatMulNBits' B, scales and zero_points.
     `importance` [K] (the mean square of each input channel, calibrate_input_power): each block's
     grid is searched for the least importance-weighted squared error (_search_int4_grid) instead of
-    rounding onto the block's own range."""
+    rounding onto the block's own range; `rows` [N] bool: only those output rows are searched
+    (choose_searched_rows), the others keep the nearest grid."""
     n, k = w.shape
     blocks = w.detach().to(torch.float32).reshape(n, k // block_size, block_size)
-    if importance is None:
-        q, scale, zp = _nearest_int4_grid(blocks)
-    else:
+    q, scale, zp = _nearest_int4_grid(blocks)
+    if importance is not None:
+        idx = torch.arange(n) if rows is None else rows.nonzero().flatten()
         weight = importance.detach().to(torch.float32).reshape(1, k // block_size, block_size)
         # Rows in chunks: the search holds a few copies of the blocks at once.
-        parts = [_search_int4_grid(b, weight.expand_as(b)) for b in blocks.split(INT4_SEARCH_ROWS)]
-        q, scale, zp = (torch.cat(t) for t in zip(*parts, strict=True))
+        parts = [_search_int4_grid(blocks[i], weight.expand(len(i), -1, -1)) for i in idx.split(INT4_SEARCH_ROWS)]
+        if parts:
+            q[idx], scale[idx], zp[idx] = (torch.cat(t) for t in zip(*parts, strict=True))
     q = q.to(torch.uint8)
     packed = q[..., 0::2] | (q[..., 1::2] << 4)
     z = F.pad(zp, (0, zp.shape[1] % 2)).to(torch.uint8)
@@ -359,7 +361,7 @@ class Int4Linear(nn.Module):
     MatMulNBits op."""
 
     def __init__(self, linear: nn.Linear, block_size: int, accuracy_level: int, offsets: bool = False,
-                 bits: int = 4, importance: torch.Tensor | None = None):
+                 bits: int = 4, importance: torch.Tensor | None = None, rows: torch.Tensor | None = None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.block_size, self.accuracy_level, self.bits = block_size, accuracy_level, bits
@@ -373,7 +375,7 @@ class Int4Linear(nn.Module):
             tensors = quantize_int4_offsets(linear.weight, block_size)
         else:
             self.kept = ("packed", "scales", "zero_points")
-            tensors = quantize_int4(linear.weight, block_size, importance)
+            tensors = quantize_int4(linear.weight, block_size, importance, rows)
         for name, t in zip(self.kept, tensors, strict=True):
             self.register_buffer(name, t)
         self.bias = linear.bias
@@ -396,7 +398,8 @@ class Int4Linear(nn.Module):
 
 def quantize_model_int4(model: nn.Module, block_size: int, accuracy_level: int, lm_head: bool = True,
                         draft: bool = False, offsets: bool = False, lm_head_bits: int = 4,
-                        embedding: bool = False, importance: dict[str, torch.Tensor] | None = None) -> list[str]:
+                        embedding: bool = False, importance: dict[str, torch.Tensor] | None = None,
+                        searched_rows: dict[str, torch.Tensor] | None = None) -> list[str]:
     """Replaces the decoder's Linears (and the lm_head with `lm_head`) by Int4Linear in place: what
     medusa-build --weights int4 exports and what medusa-check runs as the reference. Deterministic,
     so both get the same bytes. Medusa heads that use the base lm_head (v2) then use the int4 one.
@@ -404,7 +407,8 @@ def quantize_model_int4(model: nn.Module, block_size: int, accuracy_level: int, 
     draft-vocabulary matrices; Amphista: all of them). `offsets`: per-block float offsets (quantize_int4_offsets)
     instead of zero points; `lm_head_bits` 8: the lm_head as int8 blocks; `embedding`: the input
     embedding as int8 rows (Int8Embedding); `importance`: per base Linear name, its inputs' mean
-    squares (calibrate_input_power), whose zero-point blocks are then searched (quantize_int4).
+    squares (calibrate_input_power), whose zero-point blocks are then searched (quantize_int4), in
+    the output rows `searched_rows` names where it names the Linear (choose_searched_rows).
     Returns the names of the Linears left in the model dtype because their input size is not a
     multiple of block_size (the caller warns)."""
     if block_size not in INT4_BLOCK_SIZES:
@@ -426,8 +430,12 @@ def quantize_model_int4(model: nn.Module, block_size: int, accuracy_level: int, 
         if weight is not None and weight.shape != (linear.in_features,):
             raise ValueError(f"int4 importance for {name}: shape {tuple(weight.shape)}, expected "
                              f"({linear.in_features},)")
+        rows = (searched_rows or {}).get(name)
+        if rows is not None and rows.shape != (linear.out_features,):
+            raise ValueError(f"int4 searched rows for {name}: shape {tuple(rows.shape)}, expected "
+                             f"({linear.out_features},)")
         return Int4Linear(linear, block_size, accuracy_level, offsets, lm_head_bits if name == "lm_head" else 4,
-                          weight)
+                          weight, None if rows is None else rows.bool())
 
     if embedding:
         quantize_embedding_int8(model)
@@ -603,30 +611,76 @@ def _input_statistics(model: nn.Module, samples: Sequence[Sequence[int]], names:
     every row of the token sequences `samples` (each run through the float `model` as one prompt)."""
     peak: dict[str, torch.Tensor] = {}
     power: dict[str, torch.Tensor] = {}
-    rows = [0]
 
+    def record(name: str, x: torch.Tensor) -> None:
+        a, sq = x.abs().amax(0), (x * x).sum(0)
+        peak[name] = torch.maximum(peak[name], a) if name in peak else a
+        power[name] = power[name] + sq if name in power else sq
+
+    rows = _run_samples(model, samples, names, record)
+    return peak, {n: p / max(rows, 1) for n, p in power.items()}
+
+
+def _run_samples(model: nn.Module, samples: Sequence[Sequence[int]], names: Sequence[str], record: Callable) -> int:
+    """Runs each token sequence of `samples` through the float `model` as one prompt, calling
+    record(name, x [rows, K] float32) with every input of the base Linears `names`; returns the rows."""
     def hook(name):
-        def record(module, args, output):
-            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
-            a, sq = x.abs().amax(0), (x * x).sum(0)
-            peak[name] = torch.maximum(peak[name], a) if name in peak else a
-            power[name] = power[name] + sq if name in power else sq
-        return record
+        def call(module, args, output):
+            record(name, args[0].detach().reshape(-1, args[0].shape[-1]).float())
+        return call
 
     handles = [model.get_submodule(n).register_forward_hook(hook(n)) for n in names]
-    cfg = model.cfg
+    cfg, rows = model.cfg, 0
     empty = torch.zeros(cfg.num_layers, 1, cfg.num_kv_heads, 0, cfg.head_dim, dtype=model.dtype)
     try:
         with torch.no_grad():
-            for ids in samples:  # each as a prompt: the hooks record every row's inputs
+            for ids in samples:
                 s = len(ids)
                 model.forward_hidden(torch.tensor([list(ids)]), torch.arange(s)[None],
                                      torch.ones(1, s, s, dtype=torch.bool).tril(), empty, empty)
-                rows[0] += s
+                rows += s
     finally:
         for h in handles:
             h.remove()
-    return peak, {n: p / max(rows[0], 1) for n, p in power.items()}
+    return rows
+
+
+@torch.no_grad()
+def choose_searched_rows(model: nn.Module, samples: Sequence[Sequence[int]], importance: dict[str, torch.Tensor],
+                         block_size: int) -> dict[str, torch.Tensor]:
+    """Per base Linear of `importance`, the output rows [N] bool whose searched grid (quantize_int4
+    with importance) gives a smaller squared output error over the calibration rows than the nearest
+    grid: the output error counts how channels move together, which the search's per-channel weights
+    do not, and on some models (a small random one) the search alone moved the output further."""
+    names = [n for n in importance if model.get_submodule(n).in_features % block_size == 0]
+    errors, totals = {}, {}
+    for n in names:
+        w = model.get_submodule(n).weight.detach().float()
+        near = dequantize_int4(*quantize_int4(w, block_size))
+        searched = dequantize_int4(*quantize_int4(w, block_size, importance[n]))
+        errors[n] = torch.stack([w - near, w - searched]).transpose(1, 2)  # [2, K, N]
+        totals[n] = torch.zeros(2, w.shape[0])
+
+    def record(name: str, x: torch.Tensor) -> None:
+        totals[name] += ((x @ errors[name]) ** 2).sum(1)
+
+    _run_samples(model, samples, names, record)
+    return {n: totals[n][1] < totals[n][0] for n in names}
+
+
+ROWS_SUFFIX = ":rows"  # int4_importance.safetensors: "<Linear>" importance [K], "<Linear>:rows" uint8 [N]
+
+
+def int4_calibration_tensors(importance: dict[str, torch.Tensor], rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors an int4 engine keeps of its calibrated rounding (docs/formats.md, "int4 weights")."""
+    return {**{n: t.contiguous() for n, t in importance.items()},
+            **{n + ROWS_SUFFIX: r.to(torch.uint8).contiguous() for n, r in rows.items()}}
+
+
+def split_int4_calibration(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """int4_calibration_tensors' inverse: (importance, searched rows as bool)."""
+    rows = {n[: -len(ROWS_SUFFIX)]: t.bool() for n, t in tensors.items() if n.endswith(ROWS_SUFFIX)}
+    return {n: t for n, t in tensors.items() if not n.endswith(ROWS_SUFFIX)}, rows
 
 
 def calibrate_float_channels(model: nn.Module, samples: Sequence[Sequence[int]], count: int) -> dict[str, list[int]]:

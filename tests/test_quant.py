@@ -61,7 +61,13 @@ def test_calibrate_input_power_weighs_a_loud_channel(tiny_merged):
     """calibrate_input_power: every base Linear's inputs' mean squares, positive everywhere (a floor
     for silent channels); a norm weight 40x the others makes its channel the heaviest behind that
     norm. quantize_model_int4 takes them per Linear and refuses unknown names and wrong shapes."""
-    from medusa_trt.quant import Int4Linear, base_linear_names, calibrate_input_power, sample_own_text
+    from medusa_trt.quant import (
+        Int4Linear,
+        base_linear_names,
+        calibrate_input_power,
+        choose_searched_rows,
+        sample_own_text,
+    )
 
     model = MedusaModel.from_checkpoint(tiny_merged("llama"))
     with torch.no_grad():
@@ -75,6 +81,16 @@ def test_calibrate_input_power_weighs_a_loud_channel(tiny_merged):
     quantize_model_int4(searched, 32, 4, importance=power)
     assert isinstance(searched.layers[0].qkv, Int4Linear)
     assert not torch.equal(nearest.layers[0].qkv.packed, searched.layers[0].qkv.packed)
+    # choose_searched_rows: per output row, the grid with the smaller output error on the samples;
+    # rows it leaves out keep the nearest grid's bytes exactly.
+    rows = choose_searched_rows(model, sample_own_text(model, 1, count=2, length=6), power, 32)
+    assert set(rows) == set(power) and all(r.dtype == torch.bool and r.shape == (model.get_submodule(n).out_features,)
+                                           for n, r in rows.items())
+    w = model.layers[0].qkv.weight.detach()
+    chosen = quantize_int4(w, 32, power["layers.0.qkv"], rows["layers.0.qkv"])[0]
+    near, srch = quantize_int4(w, 32)[0], quantize_int4(w, 32, power["layers.0.qkv"])[0]
+    keep = rows["layers.0.qkv"]
+    assert torch.equal(chosen[keep], srch[keep]) and torch.equal(chosen[~keep], near[~keep])
     with pytest.raises(ValueError, match="expected base Linear names"):
         quantize_model_int4(MedusaModel.from_checkpoint(tiny_merged("llama")), 32, 4,
                             importance={"layers.99.qkv": power["layers.0.qkv"]})

@@ -155,21 +155,25 @@ def _quantize_int4(opts: BuildOptions, ort: OrtOptions, config: dict, model, wor
     hint = gguf_blocks_hint(config, offsets, lm_head_bits)
     if hint:
         log.warning("%s: %s", opts.checkpoint / "config.json", hint)
-    importance, rounding = None, "offsets" if offsets else "nearest"
+    importance, rows, rounding = None, None, "offsets" if offsets else "nearest"
     if ort.calibrates:
         from safetensors.torch import save_file
 
-        from medusa_trt.quant import calibrate_input_power
+        from medusa_trt.quant import calibrate_input_power, choose_searched_rows, int4_calibration_tensors
 
         samples, source = _calibration(opts, ort, config, model, "--int4-rounding nearest")
         importance = calibrate_input_power(model, samples)
-        # The reference (medusa-check) searches the same grids: it reads the weights from here.
-        save_file({n: t.contiguous() for n, t in importance.items()}, str(workdir / INT4_IMPORTANCE_FILE))
+        rows = choose_searched_rows(model, samples, importance, block)
+        # The reference (medusa-check) searches the same grids: it reads the weights and rows from here.
+        save_file(int4_calibration_tensors(importance, rows), str(workdir / INT4_IMPORTANCE_FILE))
         (workdir / INT4_IMPORTANCE_FILE).chmod(0o644)  # as the engine's other files (save_file writes 0600)
-        rounding = {"method": "calibrated", "calibration": source, "file": INT4_IMPORTANCE_FILE}
+        searched = sum(int(r.sum()) for r in rows.values())
+        rounding = {"method": "calibrated", "calibration": source, "file": INT4_IMPORTANCE_FILE,
+                    "searched_rows": f"{searched} of {sum(r.numel() for r in rows.values())}"}
     # The embedding as int8 rows, except where the rows are to stay the GGUF's own (--int4-offsets).
     skipped = quantize_model_int4(model, block, level, draft=True, offsets=offsets, lm_head_bits=lm_head_bits,
-                                  embedding=not offsets, importance=importance)
+                                  embedding=not offsets, importance=importance,
+                                  searched_rows=rows if importance is not None else None)
     for name in skipped:
         log.warning("--weights int4: %s stays %s: its input size is not a multiple of --int4-block-size %d",
                     name, model.dtype, block)

@@ -61,8 +61,8 @@ def test_int4_engine_parity(ort_engine, tiny_merged, level, exact, batch, past, 
     info = json.loads((engine / "engine.json").read_text())["weights"]
     assert info["format"] == "int4" and info["block_size"] == 32 and info["accuracy_level"] == level
     assert (info["offsets"], info["lm_head_bits"], info["embedding"]) == ((True, 8, "float") if exact else (False, 4, "int8"))
-    assert info["rounding"] == ("offsets" if exact else {"method": "calibrated", "file": "int4_importance.safetensors",
-                                                         "calibration": info["rounding"]["calibration"]})
+    assert info["rounding"] == "offsets" if exact else (
+        {k: info["rounding"][k] for k in ("method", "file")} == {"method": "calibrated", "file": "int4_importance.safetensors"})
     model = int4_reference(tiny_merged, engine)
     feeds, ref_args = make_inputs(model, batch, past, kind)
     got = run_decoder(make_session(engine / "model.onnx"), feeds)
@@ -184,15 +184,16 @@ def test_int8_float_channel_options_refuse_bad_input_and_write_nothing(tiny_merg
 def test_int4_rounding_nearest_keeps_the_plain_grid_and_calibrated_keeps_its_weights(ort_engine, tiny_merged, tmp_path,
                                                                                       capsys):
     """--int4-rounding nearest builds the bytes quantize_model_int4 gives without importance, and no
-    weights file; the calibrated default keeps each base Linear's input weights in the engine dir,
-    which medusa-check reads to search the same grids: without the file it stops with one line (the
+    weights file; the calibrated default keeps each base Linear's input weights and searched rows in
+    the engine dir (and how many rows were searched in engine.json), which medusa-check reads to
+    search the same grids: without the file it stops with one line (the
     artifact check names it first)."""
     import shutil
 
     from safetensors.torch import load_file
 
     from medusa_trt.cli.check import main as check_main
-    from medusa_trt.quant import base_linear_names
+    from medusa_trt.quant import base_linear_names, split_int4_calibration
 
     nearest = ort_engine("llama", backend_options=OrtOptions(**INT4, int4_rounding="nearest"))
     assert read_engine(nearest)["weights"]["rounding"] == "nearest"
@@ -203,8 +204,10 @@ def test_int4_rounding_nearest_keeps_the_plain_grid_and_calibrated_keeps_its_wei
     assert all(torch.equal(a, b) for a, b in zip(plain.buffers(), ref.buffers(), strict=True))
 
     calibrated = int4_engine(ort_engine, 4)
-    importance = load_file(str(calibrated / "int4_importance.safetensors"))
-    assert set(importance) == set(base_linear_names(plain))
+    importance, rows = split_int4_calibration(load_file(str(calibrated / "int4_importance.safetensors")))
+    assert set(importance) == set(rows) == set(base_linear_names(plain))
+    searched, total = read_engine(calibrated)["weights"]["rounding"]["searched_rows"].split(" of ")
+    assert int(total) == sum(r.numel() for r in rows.values()) and int(searched) == sum(int(r.sum()) for r in rows.values())
     searched = reference_model(tiny_merged("llama"), read_engine(calibrated), calibrated)
     assert not torch.equal(searched.layers[0].qkv.packed, ref.layers[0].qkv.packed)
     engine = tmp_path / "engine"
