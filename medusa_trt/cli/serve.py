@@ -41,12 +41,14 @@ def _main(argv: Sequence[str] | None = None) -> int:
         with running_server(args.repo, http_port=args.http_port, grpc_port=args.grpc_port,
                             metrics_port=args.metrics_port, models=args.model, log_verbose=args.log_verbose,
                             timeout=args.timeout, workdir=args.workdir) as server:
-            print(f"{PROG}: ready: HTTP {server.http_url}, gRPC {server.grpc_url}, metrics {server.metrics_url}")
-            print(f"{PROG}: log {server.log_path}; Ctrl-C stops the server", flush=True)
+            # Before "ready" is printed: a caller may signal as soon as it reads it, and a SIGINT that
+            # came before the handler was lost where it was ignored (a test under load hung so).
             signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the server as cleanly as Ctrl-C
             # Ctrl-C is how it stops, also when started with SIGINT ignored (inherited from a parent:
             # a non-interactive shell starts background jobs that way), which Python would keep.
             signal.signal(signal.SIGINT, signal.default_int_handler)
+            print(f"{PROG}: ready: HTTP {server.http_url}, gRPC {server.grpc_url}, metrics {server.metrics_url}")
+            print(f"{PROG}: log {server.log_path}; Ctrl-C stops the server", flush=True)
             while server.process.poll() is None:
                 time.sleep(0.5)
             print(f"{PROG}: error: tritonserver exited with status {server.process.returncode}; "
