@@ -357,11 +357,12 @@ def nbits_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ze
 class Int4Linear(nn.Module):
     """A Linear whose weight is int4 blocks (quantize_int4, or quantize_int4_offsets with `offsets`)
     or, with bits=8, int8 blocks (quantize_int8), run as MatMulNBits runs it (nbits_matmul), plus the
-    offsets' blocksum(x) @ offsets^T. `matmul` is a plain attribute so the exporter can swap in the
+    offsets' blocksum(x) @ offsets^T. `grid`: the int4 tensors computed before (a calibrated search),
+    in place of the nearest grid. `matmul` is a plain attribute so the exporter can swap in the
     MatMulNBits op."""
 
     def __init__(self, linear: nn.Linear, block_size: int, accuracy_level: int, offsets: bool = False,
-                 bits: int = 4, importance: torch.Tensor | None = None, rows: torch.Tensor | None = None):
+                 bits: int = 4, grid: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.block_size, self.accuracy_level, self.bits = block_size, accuracy_level, bits
@@ -375,7 +376,7 @@ class Int4Linear(nn.Module):
             tensors = quantize_int4_offsets(linear.weight, block_size)
         else:
             self.kept = ("packed", "scales", "zero_points")
-            tensors = quantize_int4(linear.weight, block_size, importance, rows)
+            tensors = quantize_int4(linear.weight, block_size) if grid is None else grid
         for name, t in zip(self.kept, tensors, strict=True):
             self.register_buffer(name, t)
         self.bias = linear.bias
@@ -398,44 +399,37 @@ class Int4Linear(nn.Module):
 
 def quantize_model_int4(model: nn.Module, block_size: int, accuracy_level: int, lm_head: bool = True,
                         draft: bool = False, offsets: bool = False, lm_head_bits: int = 4,
-                        embedding: bool = False, importance: dict[str, torch.Tensor] | None = None,
-                        searched_rows: dict[str, torch.Tensor] | None = None) -> list[str]:
+                        embedding: bool = False, grids: dict[str, tuple[torch.Tensor, ...]] | None = None) -> list[str]:
     """Replaces the decoder's Linears (and the lm_head with `lm_head`) by Int4Linear in place: what
     medusa-build --weights int4 exports and what medusa-check runs as the reference. Deterministic,
     so both get the same bytes. Medusa heads that use the base lm_head (v2) then use the int4 one.
     `draft`: the drafter's own matrices too, as its Drafter.quantize_weights chooses (Medusa heads: the
     draft-vocabulary matrices; Amphista: all of them). `offsets`: per-block float offsets (quantize_int4_offsets)
     instead of zero points; `lm_head_bits` 8: the lm_head as int8 blocks; `embedding`: the input
-    embedding as int8 rows (Int8Embedding); `importance`: per base Linear name, its inputs' mean
-    squares (calibrate_input_power), whose zero-point blocks are then searched (quantize_int4), in
-    the output rows `searched_rows` names where it names the Linear (choose_searched_rows).
-    Returns the names of the Linears left in the model dtype because their input size is not a
-    multiple of block_size (the caller warns)."""
+    embedding as int8 rows (Int8Embedding); `grids`: per base Linear name, its MatMulNBits tensors
+    (packed, scales, zero points) from the calibrated search (calibration.activations), used in place
+    of the nearest grid. Returns the names of the Linears left in the model dtype because their input
+    size is not a multiple of block_size (the caller warns)."""
     if block_size not in INT4_BLOCK_SIZES:
         raise ValueError(f"int4 block size {block_size}: expected one of {INT4_BLOCK_SIZES}")
     if accuracy_level not in INT4_ACCURACY_LEVELS:
         raise ValueError(f"int4 accuracy level {accuracy_level}: expected one of {INT4_ACCURACY_LEVELS}")
     if lm_head_bits not in LM_HEAD_BITS:
         raise ValueError(f"lm_head bits {lm_head_bits}: expected one of {LM_HEAD_BITS}")
-    importance = dict(importance or {})
-    unknown = sorted(set(importance) - set(base_linear_names(model)))
+    grids = dict(grids or {})
+    unknown = sorted(set(grids) - set(base_linear_names(model)))
     if unknown:
-        raise ValueError(f"int4 importance for {', '.join(unknown)}: expected base Linear names "
-                         "(layers.<i>.qkv|dense|fc|gate|proj, lm_head)")
+        raise ValueError(f"int4 grids for {', '.join(unknown)}: expected base Linear names")
 
     def make(name: str, linear: nn.Linear) -> Int4Linear | None:
         if linear.in_features % block_size:
             return None
-        weight = importance.get(name)
-        if weight is not None and weight.shape != (linear.in_features,):
-            raise ValueError(f"int4 importance for {name}: shape {tuple(weight.shape)}, expected "
-                             f"({linear.in_features},)")
-        rows = (searched_rows or {}).get(name)
-        if rows is not None and rows.shape != (linear.out_features,):
-            raise ValueError(f"int4 searched rows for {name}: shape {tuple(rows.shape)}, expected "
-                             f"({linear.out_features},)")
+        grid = grids.get(name)
+        expected = (linear.out_features, linear.in_features // block_size, block_size // 2)
+        if grid is not None and tuple(grid[0].shape) != expected:
+            raise ValueError(f"int4 grid for {name}: packed shape {tuple(grid[0].shape)}, expected {expected}")
         return Int4Linear(linear, block_size, accuracy_level, offsets, lm_head_bits if name == "lm_head" else 4,
-                          weight, None if rows is None else rows.bool())
+                          grid)  # int4 zero-point grids only: int8 blocks and offsets ignore it
 
     if embedding:
         quantize_embedding_int8(model)
@@ -597,121 +591,3 @@ def quantize_model_int8(model: nn.Module, lm_head: bool = True, draft: bool = Tr
     if channels:
         raise ValueError(f"float channels for {sorted(channels)}: the model has no such base Linear")
     return done
-
-
-# The Linears that get float channels: the attention's output projection (`dense`) gains nothing
-# from them on SmolLM2 (KL to float32 0.0100 without, 0.0103 with), and each Linear with them costs
-# four more graph nodes a step (docs/benchmarks/issue-35-amphista.md, section ac).
-FLOAT_CHANNEL_LINEARS = ("qkv", "fc", "gate", "proj", "lm_head")
-
-
-def _input_statistics(model: nn.Module, samples: Sequence[Sequence[int]], names: Sequence[str]
-                      ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Per base Linear in `names`: each input channel's largest magnitude and its mean square over
-    every row of the token sequences `samples` (each run through the float `model` as one prompt)."""
-    peak: dict[str, torch.Tensor] = {}
-    power: dict[str, torch.Tensor] = {}
-
-    def record(name: str, x: torch.Tensor) -> None:
-        a, sq = x.abs().amax(0), (x * x).sum(0)
-        peak[name] = torch.maximum(peak[name], a) if name in peak else a
-        power[name] = power[name] + sq if name in power else sq
-
-    rows = _run_samples(model, samples, names, record)
-    return peak, {n: p / max(rows, 1) for n, p in power.items()}
-
-
-def _run_samples(model: nn.Module, samples: Sequence[Sequence[int]], names: Sequence[str], record: Callable) -> int:
-    """Runs each token sequence of `samples` through the float `model` as one prompt, calling
-    record(name, x [rows, K] float32) with every input of the base Linears `names`; returns the rows."""
-    def hook(name):
-        def call(module, args, output):
-            record(name, args[0].detach().reshape(-1, args[0].shape[-1]).float())
-        return call
-
-    handles = [model.get_submodule(n).register_forward_hook(hook(n)) for n in names]
-    cfg, rows = model.cfg, 0
-    empty = torch.zeros(cfg.num_layers, 1, cfg.num_kv_heads, 0, cfg.head_dim, dtype=model.dtype)
-    try:
-        with torch.no_grad():
-            for ids in samples:
-                s = len(ids)
-                model.forward_hidden(torch.tensor([list(ids)]), torch.arange(s)[None],
-                                     torch.ones(1, s, s, dtype=torch.bool).tril(), empty, empty)
-                rows += s
-    finally:
-        for h in handles:
-            h.remove()
-    return rows
-
-
-@torch.no_grad()
-def choose_searched_rows(model: nn.Module, samples: Sequence[Sequence[int]], importance: dict[str, torch.Tensor],
-                         block_size: int) -> dict[str, torch.Tensor]:
-    """Per base Linear of `importance`, the output rows [N] bool whose searched grid (quantize_int4
-    with importance) gives a smaller squared output error over the calibration rows than the nearest
-    grid: the output error counts how channels move together, which the search's per-channel weights
-    do not, and on some models (a small random one) the search alone moved the output further."""
-    names = [n for n in importance if model.get_submodule(n).in_features % block_size == 0]
-    errors, totals = {}, {}
-    for n in names:
-        w = model.get_submodule(n).weight.detach().float()
-        near = dequantize_int4(*quantize_int4(w, block_size))
-        searched = dequantize_int4(*quantize_int4(w, block_size, importance[n]))
-        errors[n] = torch.stack([w - near, w - searched]).transpose(1, 2)  # [2, K, N]
-        totals[n] = torch.zeros(2, w.shape[0])
-
-    def record(name: str, x: torch.Tensor) -> None:
-        totals[name] += ((x @ errors[name]) ** 2).sum(1)
-
-    _run_samples(model, samples, names, record)
-    return {n: totals[n][1] < totals[n][0] for n in names}
-
-
-ROWS_SUFFIX = ":rows"  # int4_importance.safetensors: "<Linear>" importance [K], "<Linear>:rows" uint8 [N]
-
-
-def int4_calibration_tensors(importance: dict[str, torch.Tensor], rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The tensors an int4 engine keeps of its calibrated rounding (docs/formats.md, "int4 weights")."""
-    return {**{n: t.contiguous() for n, t in importance.items()},
-            **{n + ROWS_SUFFIX: r.to(torch.uint8).contiguous() for n, r in rows.items()}}
-
-
-def split_int4_calibration(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """int4_calibration_tensors' inverse: (importance, searched rows as bool)."""
-    rows = {n[: -len(ROWS_SUFFIX)]: t.bool() for n, t in tensors.items() if n.endswith(ROWS_SUFFIX)}
-    return {n: t for n, t in tensors.items() if not n.endswith(ROWS_SUFFIX)}, rows
-
-
-def calibrate_float_channels(model: nn.Module, samples: Sequence[Sequence[int]], count: int) -> dict[str, list[int]]:
-    """For each base Linear of the float `model` named in FLOAT_CHANNEL_LINEARS, the `count` input
-    channels whose largest magnitude over the token sequences `samples` (each run as one prompt) is
-    largest, ascending."""
-    names = [n for n in base_linear_names(model) if n.rpartition(".")[2] in FLOAT_CHANNEL_LINEARS]
-    peak, _ = _input_statistics(model, samples, names)
-    count = min(count, *(p.numel() for p in peak.values()))
-    return {n: sorted(peak[n].topk(count).indices.tolist()) for n in names}
-
-
-def calibrate_input_power(model: nn.Module, samples: Sequence[Sequence[int]]) -> dict[str, torch.Tensor]:
-    """Each base Linear's (lm_head included) input channels' mean square over the token sequences
-    `samples`: how much a weight error in that column moves the output, the importance
-    quantize_int4's grid search weighs errors by. A floor of 1e-6 of the mean keeps a silent
-    channel's weights from being rounded arbitrarily."""
-    _, power = _input_statistics(model, samples, base_linear_names(model))
-    return {n: p + 1e-6 * p.mean().clamp(min=1e-30) for n, p in power.items()}
-
-
-@torch.no_grad()
-def sample_own_text(model: nn.Module, start_id: int, count: int, length: int, seed: int = 0) -> list[list[int]]:
-    """`count` sequences of `length` tokens after `start_id`, sampled from the float `model` itself at
-    temperature 1 (a fixed seed): calibration text for a checkpoint that brings none."""
-    cfg, gen = model.cfg, torch.Generator().manual_seed(seed)
-    ids = torch.full((count, 1), int(start_id), dtype=torch.int64)
-    past_k = past_v = torch.zeros(cfg.num_layers, count, cfg.num_kv_heads, 0, cfg.head_dim, dtype=model.dtype)
-    for p in range(length):
-        mask = torch.ones(count, 1, p + 1, dtype=torch.bool)
-        logits, _, k, v = model.forward_hidden(ids[:, -1:], torch.full((count, 1), p), mask, past_k, past_v)
-        past_k, past_v = torch.cat([past_k, k], 3), torch.cat([past_v, v], 3)
-        ids = torch.cat([ids, torch.multinomial(logits[:, -1].float().softmax(-1), 1, generator=gen)], 1)
-    return ids.tolist()

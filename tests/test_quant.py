@@ -1,8 +1,8 @@
 """The reference model's int4 numerics (modeling: quantize_int4, the offsets and int8 schemes,
 quantize_model_int4), which MatMulNBits engines are checked against; and the int8 scheme's
 (Int8Linear), which an exported MatMulInteger graph must equal bit for bit, and its float input
-channels (calibrate_float_channels); the calibrated int4 rounding (quantize_int4 with importance,
-calibrate_input_power)."""
+channels (calibration.activations.calibrate_float_channels); the calibrated int4 rounding
+(quantize_int4 with importance, calibrate_input_power, choose_searched_rows, int4_grids)."""
 
 from __future__ import annotations
 
@@ -60,14 +60,15 @@ def test_calibrated_int4_rounding_never_loses_to_the_nearest_grid():
 def test_calibrate_input_power_weighs_a_loud_channel(tiny_merged):
     """calibrate_input_power: every base Linear's inputs' mean squares, positive everywhere (a floor
     for silent channels); a norm weight 40x the others makes its channel the heaviest behind that
-    norm. quantize_model_int4 takes them per Linear and refuses unknown names and wrong shapes."""
-    from medusa_trt.quant import (
-        Int4Linear,
-        base_linear_names,
+    norm. choose_searched_rows picks rows and hands back the grids, which equal what the reference
+    searches again from the importances and rows (int4_grids); bad names and shapes are refused."""
+    from medusa_trt.calibration.activations import (
         calibrate_input_power,
         choose_searched_rows,
+        int4_grids,
         sample_own_text,
     )
+    from medusa_trt.quant import Int4Linear, base_linear_names
 
     model = MedusaModel.from_checkpoint(tiny_merged("llama"))
     with torch.no_grad():
@@ -76,27 +77,36 @@ def test_calibrate_input_power_weighs_a_loud_channel(tiny_merged):
     assert list(power) == base_linear_names(model)
     assert all(bool((p > 0).all()) and p.shape == (model.get_submodule(n).in_features,) for n, p in power.items())
     assert int(power["layers.0.qkv"].argmax()) == 5
-    nearest, searched = (MedusaModel.from_checkpoint(tiny_merged("llama")) for _ in range(2))
-    quantize_model_int4(nearest, 32, 4)
-    quantize_model_int4(searched, 32, 4, importance=power)
-    assert isinstance(searched.layers[0].qkv, Int4Linear)
-    assert not torch.equal(nearest.layers[0].qkv.packed, searched.layers[0].qkv.packed)
     # choose_searched_rows: per output row, the grid with the smaller output error on the samples;
     # rows it leaves out keep the nearest grid's bytes exactly.
-    rows = choose_searched_rows(model, sample_own_text(model, 1, count=2, length=6), power, 32)
-    assert set(rows) == set(power) and all(r.dtype == torch.bool and r.shape == (model.get_submodule(n).out_features,)
-                                           for n, r in rows.items())
+    rows, grids = choose_searched_rows(model, sample_own_text(model, 1, count=2, length=6), power, 32)
+    assert set(rows) == set(grids) == set(power)
+    assert all(r.dtype == torch.bool and r.shape == (model.get_submodule(n).out_features,) for n, r in rows.items())
     w = model.layers[0].qkv.weight.detach()
-    chosen = quantize_int4(w, 32, power["layers.0.qkv"], rows["layers.0.qkv"])[0]
-    near, srch = quantize_int4(w, 32)[0], quantize_int4(w, 32, power["layers.0.qkv"])[0]
+    near, srch = quantize_int4(w, 32), quantize_int4(w, 32, power["layers.0.qkv"])
     keep = rows["layers.0.qkv"]
-    assert torch.equal(chosen[keep], srch[keep]) and torch.equal(chosen[~keep], near[~keep])
+    assert 0 < int(keep.sum()) and not torch.equal(near[0], srch[0])
+    for chosen, n, s in zip(grids["layers.0.qkv"], near, srch, strict=True):
+        assert torch.equal(chosen[keep], s[keep]) and torch.equal(chosen[~keep], n[~keep])
+    # The reference's grids, searched again over the chosen rows only, are the same bytes.
+    again = int4_grids(model, power, rows, 32)
+    assert all(torch.equal(a, b) for n in grids for a, b in zip(grids[n], again[n], strict=True))
+    searched = MedusaModel.from_checkpoint(tiny_merged("llama"))
+    quantize_model_int4(searched, 32, 4, grids=grids)
+    assert isinstance(searched.layers[0].qkv, Int4Linear)
+    assert torch.equal(searched.layers[0].qkv.packed, grids["layers.0.qkv"][0])
     with pytest.raises(ValueError, match="expected base Linear names"):
-        quantize_model_int4(MedusaModel.from_checkpoint(tiny_merged("llama")), 32, 4,
-                            importance={"layers.99.qkv": power["layers.0.qkv"]})
+        int4_grids(model, {"layers.99.qkv": power["layers.0.qkv"]}, {}, 32)
     with pytest.raises(ValueError, match=r"layers.0.qkv: shape \(3,\)"):
+        int4_grids(model, {"layers.0.qkv": torch.ones(3)}, {}, 32)
+    with pytest.raises(ValueError, match=r"searched rows for layers.0.qkv: shape \(2,\)"):
+        int4_grids(model, {"layers.0.qkv": power["layers.0.qkv"]}, {"layers.0.qkv": torch.ones(2, dtype=torch.bool)}, 32)
+    with pytest.raises(ValueError, match="int4 grids for layers.99.qkv"):
         quantize_model_int4(MedusaModel.from_checkpoint(tiny_merged("llama")), 32, 4,
-                            importance={"layers.0.qkv": torch.ones(3)})
+                            grids={"layers.99.qkv": grids["layers.0.qkv"]})
+    with pytest.raises(ValueError, match="int4 grid for layers.0.dense: packed shape"):
+        quantize_model_int4(MedusaModel.from_checkpoint(tiny_merged("llama")), 32, 4,
+                            grids={"layers.0.dense": grids["layers.0.qkv"]})
 
 
 def test_offsets_and_int8_hold_gguf_blocks_exactly():
@@ -221,7 +231,8 @@ def test_calibration_finds_a_planted_outlier_channel(tiny_merged):
     """calibrate_float_channels: the channels whose inputs peak highest, per Linear that takes them
     (the attention's output projection does not); a norm weight 40x the others puts its channel
     first for the Linear behind that norm. quantize_model_int8 keeps them float."""
-    from medusa_trt.quant import Int8Linear, calibrate_float_channels, sample_own_text
+    from medusa_trt.calibration.activations import calibrate_float_channels, sample_own_text
+    from medusa_trt.quant import Int8Linear
 
     model = MedusaModel.from_checkpoint(tiny_merged("llama"))
     with torch.no_grad():

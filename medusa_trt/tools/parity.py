@@ -142,23 +142,23 @@ def reference_model(checkpoint: Path, engine: dict, engine_dir: Path | None = No
     if weights.get("format") == "int4":
         from medusa_trt.quant import quantize_model_int4
 
-        importance = rows = None
+        grids, block = None, int(weights["block_size"])
         rounding = weights.get("rounding")  # absent (engines before it) or a string: no search
         if isinstance(rounding, dict):
             from safetensors.torch import load_file
 
-            from medusa_trt.quant import split_int4_calibration
+            from medusa_trt.calibration.activations import int4_grids, split_int4_calibration
 
             if engine_dir is None:
                 raise ValueError("an int4 engine with calibrated rounding: its reference needs the engine dir")
             path = Path(engine_dir) / str(rounding.get("file"))
             if not path.is_file():
                 raise ValueError(f"{path}: not found; engine.json weights.rounding names it (rebuild the engine)")
-            importance, rows = split_int4_calibration(load_file(str(path)))
-        quantize_model_int4(model, int(weights["block_size"]), int(weights["accuracy_level"]),
+            grids = int4_grids(model, *split_int4_calibration(load_file(str(path))), block)
+        quantize_model_int4(model, block, int(weights["accuracy_level"]),
                             draft=bool(weights.get("draft_int4")), offsets=weights.get("offsets", False),
                             lm_head_bits=weights.get("lm_head_bits", 4), embedding=weights.get("embedding") == "int8",
-                            importance=importance, searched_rows=rows)
+                            grids=grids)
     elif weights.get("format") == "int8":
         from medusa_trt.quant import quantize_model_int8
 

@@ -155,15 +155,19 @@ def _quantize_int4(opts: BuildOptions, ort: OrtOptions, config: dict, model, wor
     hint = gguf_blocks_hint(config, offsets, lm_head_bits)
     if hint:
         log.warning("%s: %s", opts.checkpoint / "config.json", hint)
-    importance, rows, rounding = None, None, "offsets" if offsets else "nearest"
+    grids, rounding = None, "offsets" if offsets else "nearest"
     if ort.calibrates:
         from safetensors.torch import save_file
 
-        from medusa_trt.quant import calibrate_input_power, choose_searched_rows, int4_calibration_tensors
+        from medusa_trt.calibration.activations import (
+            calibrate_input_power,
+            choose_searched_rows,
+            int4_calibration_tensors,
+        )
 
         samples, source = _calibration(opts, ort, config, model, "--int4-rounding nearest")
         importance = calibrate_input_power(model, samples)
-        rows = choose_searched_rows(model, samples, importance, block)
+        rows, grids = choose_searched_rows(model, samples, importance, block)
         # The reference (medusa-check) searches the same grids: it reads the weights and rows from here.
         save_file(int4_calibration_tensors(importance, rows), str(workdir / INT4_IMPORTANCE_FILE))
         (workdir / INT4_IMPORTANCE_FILE).chmod(0o644)  # as the engine's other files (save_file writes 0600)
@@ -172,8 +176,7 @@ def _quantize_int4(opts: BuildOptions, ort: OrtOptions, config: dict, model, wor
                     "searched_rows": f"{searched} of {sum(r.numel() for r in rows.values())}"}
     # The embedding as int8 rows, except where the rows are to stay the GGUF's own (--int4-offsets).
     skipped = quantize_model_int4(model, block, level, draft=True, offsets=offsets, lm_head_bits=lm_head_bits,
-                                  embedding=not offsets, importance=importance,
-                                  searched_rows=rows if importance is not None else None)
+                                  embedding=not offsets, grids=grids)
     for name in skipped:
         log.warning("--weights int4: %s stays %s: its input size is not a multiple of --int4-block-size %d",
                     name, model.dtype, block)
@@ -197,7 +200,7 @@ def _calibration(opts: BuildOptions, ort: OrtOptions, config: dict, model, witho
                  ) -> tuple[list[list[int]], str]:
     """Token sequences to calibrate on, and what they were (engine.json). `without`: the flag that
     builds without calibration, for the error of a checkpoint with nothing to sample from."""
-    from medusa_trt.quant import sample_own_text
+    from medusa_trt.calibration.activations import sample_own_text
 
     if ort.calibration is not None:
         from transformers import AutoTokenizer
@@ -225,7 +228,8 @@ def _calibration(opts: BuildOptions, ort: OrtOptions, config: dict, model, witho
 
 def _quantize_int8(opts: BuildOptions, ort: OrtOptions, config: dict, model, dtype: str) -> dict:
     """Quantizes `model` in place for --weights int8; returns engine.json's "weights" section."""
-    from medusa_trt.quant import Int8Linear, calibrate_float_channels, quantize_model_int8
+    from medusa_trt.calibration.activations import calibrate_float_channels
+    from medusa_trt.quant import Int8Linear, quantize_model_int8
 
     if (config.get("quantization") or {}).get("quant_algo"):
         raise BuildError(f"{opts.checkpoint / 'config.json'}: an FP8 checkpoint cannot be built with --weights "

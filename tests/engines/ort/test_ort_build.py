@@ -192,8 +192,9 @@ def test_int4_rounding_nearest_keeps_the_plain_grid_and_calibrated_keeps_its_wei
 
     from safetensors.torch import load_file
 
+    from medusa_trt.calibration.activations import split_int4_calibration
     from medusa_trt.cli.check import main as check_main
-    from medusa_trt.quant import base_linear_names, split_int4_calibration
+    from medusa_trt.quant import base_linear_names
 
     nearest = ort_engine("llama", backend_options=OrtOptions(**INT4, int4_rounding="nearest"))
     assert read_engine(nearest)["weights"]["rounding"] == "nearest"
