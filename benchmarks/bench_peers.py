@@ -6,8 +6,9 @@ Systems, all greedy, batch 1, on the same prompt token ids, with the same thread
            model (its model builder, from the same HF dir); ours: plain decoding and Medusa (tree
            --medusa-choices) on one ONNX Runtime engine (--engine, built by medusa-build);
   4-bit    onnxruntime-genai's int4 CPU model (same builder); llama.cpp (llama-cpp-python) on the
-           original Q4_1 GGUF; ours on an int4 engine when --engine-int4 is given, and on a GGUF-exact
-           int4 engine (medusa-build --int4-offsets --int4-lm-head-bits 8) when --engine-int4-exact is.
+           original Q4_1 GGUF; ours on an int4 engine of zero-point blocks when --engine-int4 is given
+           (medusa-build --weights int4 --no-int4-offsets --int4-lm-head-bits 4), and on a GGUF-exact
+           int4 engine (--weights int4, which keeps the GGUF's blocks) when --engine-int4-exact is.
   8-bit    onnxruntime-genai's int8 CPU model (same builder: MatMulNBits with 8-bit blocks); llama.cpp
            on a Q8_0 GGUF requantized by llama.cpp from the Q4_1 one (so its weights hold the Q4_1
            grid, as the HF dir every other system starts from does); ours on an int8 engine
@@ -562,7 +563,8 @@ def run(args, ctx: dict) -> dict:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engine", type=Path, help="our float32 ONNX Runtime engine (medusa-build) of this model")
-    p.add_argument("--engine-int4", type=Path, help="our int4 engine (medusa-build --weights int4), if any")
+    p.add_argument("--engine-int4", type=Path, help="our int4 engine of zero-point blocks (medusa-build --weights int4 "
+                   "--no-int4-offsets --int4-lm-head-bits 4 on the GGUF's checkpoint), if any")
     p.add_argument("--engine-int4-exact", type=Path, help="our GGUF-exact int4 engine (medusa-build --weights int4 "
                    "--int4-offsets --int4-lm-head-bits 8), if any; its Medusa runs the int4 tree")
     p.add_argument("--engine-int8", type=Path, help="our int8 engine (medusa-build --weights int8), if any; its "

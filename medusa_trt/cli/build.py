@@ -74,11 +74,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--int4-accuracy-level", type=int, default=INT4_DEFAULT_ACCURACY_LEVEL, choices=[0, 4],
                    help="--weights int4: MatMulNBits accuracy_level, 4 = int8 activations per block (default), "
                         "0 = float compute")
-    p.add_argument("--int4-offsets", action="store_true",
+    p.add_argument("--int4-offsets", action=argparse.BooleanOptionalAction, default=None,
                    help="--weights int4: a float offset per block instead of a 4-bit zero point (exact on a "
-                        "GGUF's Q4_1 weights, near float32 quality, at a slower step; BENCHMARKS.md, int4 engines)")
-    p.add_argument("--int4-lm-head-bits", type=int, default=4, choices=[4, 8],
-                   help="--weights int4: the lm_head's bits (8: exact on a GGUF's Q8_0 embedding; default 4)")
+                        "GGUF's Q4_1 weights, at a slower step; BENCHMARKS.md, int4 engines). Default: on for a "
+                        "base converted from a GGUF of Q4_1 blocks, else off")
+    p.add_argument("--int4-lm-head-bits", type=int, default=None, choices=[4, 8],
+                   help="--weights int4: the lm_head's bits (8: exact on a GGUF's Q8_0 embedding). Default: 8 "
+                        "for a base converted from a GGUF with Q8_0 tensors, else 4")
     p.add_argument("--int4-rounding", default="calibrated", choices=list(INT4_ROUNDINGS),
                    help="--weights int4: calibrated = each block's grid searched for the least error weighted "
                         "by its inputs' mean squares on calibration text (default; same format and speed, closer "

@@ -11,7 +11,7 @@ Returns the engine.json part of the backend: dtype, "weights", "onnx" and, for F
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import ClassVar
 
@@ -65,8 +65,10 @@ class OrtOptions(BackendOptions):
     # activations (MatMulInteger); "float": the engine dtype
     int4_block_size: int = INT4_DEFAULT_BLOCK_SIZE  # --int4-block-size; read with weights "int4" only
     int4_accuracy_level: int = INT4_DEFAULT_ACCURACY_LEVEL  # --int4-accuracy-level
-    int4_offsets: bool = False  # --int4-offsets: a float offset per block instead of a zero point
-    int4_lm_head_bits: int = 4  # --int4-lm-head-bits
+    # --int4-offsets / --no-int4-offsets: a float offset per block instead of a zero point;
+    # --int4-lm-head-bits. None: as the checkpoint's GGUF blocks say (gguf_int4_defaults).
+    int4_offsets: bool | None = None
+    int4_lm_head_bits: int | None = None
     int4_rounding: str = "calibrated"  # --int4-rounding (INT4_ROUNDINGS); zero-point blocks only
     int8_float_channels: int = INT8_DEFAULT_FLOAT_CHANNELS  # --int8-float-channels; 0: none
     calibration: Path | None = None  # --calibration; None: text the model samples itself
@@ -93,7 +95,8 @@ class OrtOptions(BackendOptions):
         if self.calibration is not None and not self.calibrates:
             raise BuildError(f"--calibration {self.calibration}: read only with --weights int8 and "
                              "--int8-float-channels above 0, or --weights int4 with --int4-rounding calibrated "
-                             "(not --int4-offsets)")
+                             "(not --int4-offsets, which a base from a GGUF of Q4_1 blocks gets unless "
+                             "--no-int4-offsets)")
         unknown = sorted(set(self.fusions) - set(FUSIONS))
         if unknown:
             raise BuildError(f"fusions {unknown}: expected some of {', '.join(FUSIONS)}")
@@ -125,19 +128,37 @@ def _quantization_part(config: dict) -> dict | None:
     }
 
 
+def _gguf_tensor_types(config: dict) -> dict[str, int]:
+    """The GGUF tensor types medusa-convert recorded for a base it read from a GGUF ({} otherwise)."""
+    return ((config.get("medusa_trt") or {}).get("gguf") or {}).get("tensor_types") or {}
+
+
+def gguf_int4_defaults(ort: OrtOptions, config: dict) -> OrtOptions:
+    """`ort` with --int4-offsets and --int4-lm-head-bits decided where the flags left them (None):
+    a base read from a GGUF of Q4_1 blocks keeps them exactly (offsets), and its Q8_0 embedding, the
+    tied lm_head, as int8 blocks. Re-rounding such blocks onto zero-point grids is a second rounding
+    as large as the first (top-1 agreement with the GGUF 0.78 against 0.96 on SmolLM2, at a 14%
+    faster plain step: BENCHMARKS.md, int4 engines); the flags choose that explicitly."""
+    types = _gguf_tensor_types(config)
+    offsets = ("Q4_1" in types) if ort.int4_offsets is None else ort.int4_offsets
+    bits = (8 if "Q8_0" in types else 4) if ort.int4_lm_head_bits is None else ort.int4_lm_head_bits
+    return replace(ort, int4_offsets=offsets, int4_lm_head_bits=bits)
+
+
 def gguf_blocks_hint(config: dict, offsets: bool, lm_head_bits: int) -> str | None:
     """What --weights int4 without the GGUF-exact options gives up on a checkpoint converted from a
     GGUF whose blocks those options would keep (its tensor types, as medusa-convert records them):
     the default re-rounds Q4_1 blocks onto zero-point grids and a Q8_0 lm_head onto 4 bits, a
     second rounding as large as the first. None when there is nothing to keep."""
-    types = ((config.get("medusa_trt") or {}).get("gguf") or {}).get("tensor_types") or {}
+    types = _gguf_tensor_types(config)
     missing = [f for f, kept in (("--int4-offsets", "Q4_1" not in types or offsets),
                                  ("--int4-lm-head-bits 8", "Q8_0" not in types or lm_head_bits == 8)) if not kept]
     if not missing:
         return None
     blocks = " and ".join(f"{t} ({types[t]} tensor{'s' * (types[t] != 1)})" for t in ("Q4_1", "Q8_0") if t in types)
-    return (f"the base came from a GGUF of {blocks}; {' '.join(missing)} would keep those blocks exactly "
-            "(near float32 quality at a slower step: BENCHMARKS.md, int4 engines), this build re-quantizes them")
+    return (f"the base came from a GGUF of {blocks}; {' '.join(missing)} (the default for it) would keep "
+            "those blocks exactly (the GGUF's quality at a slower step: BENCHMARKS.md, int4 engines); this "
+            "build re-quantizes them")
 
 
 INT4_IMPORTANCE_FILE = "int4_importance.safetensors"  # engine.json weights.rounding.file
@@ -294,7 +315,7 @@ def build_onnxruntime(opts: BuildOptions, config: dict, workdir: Path) -> dict:
     from medusa_trt.engines.ort.weights import share_weights
     from medusa_trt.modeling import MedusaModel
 
-    ort = backend_options(opts, OrtOptions)
+    ort = gguf_int4_defaults(backend_options(opts, OrtOptions), config)
     opset = opts.opset or DEFAULT_OPSET
     dtype = resolve_dtype(opts, config)
     ort.check()

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from medusa_trt.engine_dir import read_engine
-from medusa_trt.engines.ort.build import OrtOptions, gguf_blocks_hint
+from medusa_trt.engines.ort.build import OrtOptions, gguf_blocks_hint, gguf_int4_defaults
 from medusa_trt.modeling import MedusaModel
 from medusa_trt.quant import quantize_model_int4
 from medusa_trt.runtime.ort.backend import OrtBackend
@@ -121,12 +121,49 @@ def test_gguf_blocks_hint_names_the_options_a_gguf_checkpoint_misses():
     gguf = {"medusa_trt": {"gguf": {"tensor_types": {"F32": 61, "Q4_1": 210, "Q8_0": 1}}}}
     hint = gguf_blocks_hint(gguf, offsets=False, lm_head_bits=4)
     assert "Q4_1 (210 tensors) and Q8_0 (1 tensor)" in hint
-    assert "--int4-offsets --int4-lm-head-bits 8 would keep" in hint
-    assert "--int4-offsets would keep" in gguf_blocks_hint(gguf, offsets=False, lm_head_bits=8)
-    assert "--int4-lm-head-bits 8 would keep" in gguf_blocks_hint(gguf, offsets=True, lm_head_bits=4)
+    assert "--int4-offsets --int4-lm-head-bits 8 (the default for it) would keep" in hint
+    assert "--int4-offsets (the default" in gguf_blocks_hint(gguf, offsets=False, lm_head_bits=8)
+    assert "--int4-lm-head-bits 8 (the default" in gguf_blocks_hint(gguf, offsets=True, lm_head_bits=4)
     assert gguf_blocks_hint(gguf, offsets=True, lm_head_bits=8) is None
     assert gguf_blocks_hint({"medusa_trt": {"gguf": {"tensor_types": {"F16": 3}}}}, False, 4) is None
     assert gguf_blocks_hint({"medusa_trt": {"base": "hf"}}, False, 4) is None
+    # What the flags leave open (None) follows the GGUF's blocks; what they say stays.
+    auto = OrtOptions(**INT4)
+    assert (auto.int4_offsets, auto.int4_lm_head_bits) == (None, None)
+    picked = gguf_int4_defaults(auto, gguf)
+    assert (picked.int4_offsets, picked.int4_lm_head_bits) == (True, 8) and not picked.calibrates
+    only_q4 = {"medusa_trt": {"gguf": {"tensor_types": {"F32": 61, "Q4_1": 211}}}}
+    assert gguf_int4_defaults(auto, only_q4).int4_lm_head_bits == 4
+    for config in ({"medusa_trt": {"gguf": {"tensor_types": {"F16": 3}}}}, {}):
+        plain = gguf_int4_defaults(auto, config)
+        assert (plain.int4_offsets, plain.int4_lm_head_bits) == (False, 4) and plain.calibrates
+    kept = gguf_int4_defaults(OrtOptions(**INT4, int4_offsets=False, int4_lm_head_bits=4), gguf)
+    assert (kept.int4_offsets, kept.int4_lm_head_bits) == (False, 4)
+
+
+def test_int4_build_keeps_a_gguf_bases_blocks_by_default(tiny_merged, tmp_path, capsys):
+    """medusa-build --weights int4 on a checkpoint medusa-convert read from a GGUF of Q4_1 blocks
+    (its config says so) keeps them: offsets, an 8-bit lm_head, nothing calibrated, no hint; with
+    --no-int4-offsets --int4-lm-head-bits 4 it re-rounds them (calibrated) and says what it gave up."""
+    import shutil
+
+    from medusa_trt.cli.build import main as build_main
+
+    ckpt = tmp_path / "gguf_ckpt"
+    shutil.copytree(tiny_merged("llama"), ckpt)
+    config = json.loads((ckpt / "config.json").read_text())
+    config.setdefault("medusa_trt", {})["gguf"] = {"tensor_types": {"F32": 5, "Q4_1": 14, "Q8_0": 1}}
+    (ckpt / "config.json").write_text(json.dumps(config))
+    base = ["--checkpoint", str(ckpt), "--weights", "int4", "--int4-block-size", "32", "--quiet"]
+    capsys.readouterr()
+    assert build_main([*base, "--out", str(tmp_path / "exact")]) == 0
+    weights = read_engine(tmp_path / "exact")["weights"]
+    assert (weights["offsets"], weights["lm_head_bits"], weights["rounding"]) == (True, 8, "offsets")
+    assert "would keep" not in capsys.readouterr().err
+    assert build_main([*base, "--out", str(tmp_path / "rerounded"), "--no-int4-offsets", "--int4-lm-head-bits", "4"]) == 0
+    weights = read_engine(tmp_path / "rerounded")["weights"]
+    assert (weights["offsets"], weights["lm_head_bits"], weights["rounding"]["method"]) == (False, 4, "calibrated")
+    assert "--int4-offsets --int4-lm-head-bits 8 (the default for it) would keep" in capsys.readouterr().err
 
 
 def test_int8_weights_need_a_float32_engine_and_nothing_is_written(tiny_merged, tmp_path, capsys):
