@@ -148,8 +148,8 @@ def gguf_int4_defaults(ort: OrtOptions, config: dict) -> OrtOptions:
 def gguf_blocks_hint(config: dict, offsets: bool, lm_head_bits: int) -> str | None:
     """What --weights int4 without the GGUF-exact options gives up on a checkpoint converted from a
     GGUF whose blocks those options would keep (its tensor types, as medusa-convert records them):
-    the default re-rounds Q4_1 blocks onto zero-point grids and a Q8_0 lm_head onto 4 bits, a
-    second rounding as large as the first. None when there is nothing to keep."""
+    --no-int4-offsets re-rounds Q4_1 blocks onto zero-point grids and --int4-lm-head-bits 4 a Q8_0
+    lm_head onto 4 bits, a second rounding as large as the first. None when there is nothing to keep."""
     types = _gguf_tensor_types(config)
     missing = [f for f, kept in (("--int4-offsets", "Q4_1" not in types or offsets),
                                  ("--int4-lm-head-bits 8", "Q8_0" not in types or lm_head_bits == 8)) if not kept]
@@ -188,6 +188,8 @@ def _quantize_int4(opts: BuildOptions, ort: OrtOptions, config: dict, model, wor
 
         samples, source = _calibration(opts, ort, config, model, "--int4-rounding nearest")
         importance = calibrate_input_power(model, samples)
+        if lm_head_bits == 8:  # an int8 lm_head has no zero-point grid to search
+            importance.pop("lm_head", None)
         rows, grids = choose_searched_rows(model, samples, importance, block)
         # The reference (medusa-check) searches the same grids: it reads the weights and rows from here.
         save_file(int4_calibration_tensors(importance, rows), str(workdir / INT4_IMPORTANCE_FILE))

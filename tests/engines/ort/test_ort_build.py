@@ -144,10 +144,14 @@ def test_gguf_blocks_hint_names_the_options_a_gguf_checkpoint_misses():
 def test_int4_build_keeps_a_gguf_bases_blocks_by_default(tiny_merged, tmp_path, capsys):
     """medusa-build --weights int4 on a checkpoint medusa-convert read from a GGUF of Q4_1 blocks
     (its config says so) keeps them: offsets, an 8-bit lm_head, nothing calibrated, no hint; with
-    --no-int4-offsets --int4-lm-head-bits 4 it re-rounds them (calibrated) and says what it gave up."""
+    --no-int4-offsets it re-rounds them (calibrated, the 8-bit lm_head left out of the search), says
+    what it gave up, and medusa-check's reference holds the same bytes."""
     import shutil
 
+    from safetensors.torch import load_file
+
     from medusa_trt.cli.build import main as build_main
+    from medusa_trt.cli.check import main as check_main
 
     ckpt = tmp_path / "gguf_ckpt"
     shutil.copytree(tiny_merged("llama"), ckpt)
@@ -160,10 +164,14 @@ def test_int4_build_keeps_a_gguf_bases_blocks_by_default(tiny_merged, tmp_path, 
     weights = read_engine(tmp_path / "exact")["weights"]
     assert (weights["offsets"], weights["lm_head_bits"], weights["rounding"]) == (True, 8, "offsets")
     assert "would keep" not in capsys.readouterr().err
-    assert build_main([*base, "--out", str(tmp_path / "rerounded"), "--no-int4-offsets", "--int4-lm-head-bits", "4"]) == 0
-    weights = read_engine(tmp_path / "rerounded")["weights"]
-    assert (weights["offsets"], weights["lm_head_bits"], weights["rounding"]["method"]) == (False, 4, "calibrated")
-    assert "--int4-offsets --int4-lm-head-bits 8 (the default for it) would keep" in capsys.readouterr().err
+    rerounded = tmp_path / "rerounded"
+    assert build_main([*base, "--out", str(rerounded), "--no-int4-offsets"]) == 0
+    weights = read_engine(rerounded)["weights"]
+    assert (weights["offsets"], weights["lm_head_bits"], weights["rounding"]["method"]) == (False, 8, "calibrated")
+    assert "--int4-offsets (the default for it) would keep" in capsys.readouterr().err
+    kept = load_file(str(rerounded / "int4_importance.safetensors"))
+    assert "layers.0.qkv" in kept and "lm_head" not in kept and "lm_head:rows" not in kept
+    assert check_main(["--engine", str(rerounded), "--checkpoint", str(ckpt), "--max-new-tokens", "4"]) == 0
 
 
 def test_int8_weights_need_a_float32_engine_and_nothing_is_written(tiny_merged, tmp_path, capsys):
