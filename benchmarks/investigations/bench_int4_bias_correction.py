@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from common import DEFAULT_PROMPTS, read_prompts  # noqa: E402
 
-from medusa_trt.calibration.activations import _run_samples, sample_own_text  # noqa: E402
+from medusa_trt.calibration.activations import record_linear_inputs, sample_own_text  # noqa: E402
 from medusa_trt.engine_dir import read_engine  # noqa: E402
 from medusa_trt.modeling import MedusaModel  # noqa: E402
 from medusa_trt.quant import Int4Linear, base_linear_names, dequantize_int4  # noqa: E402
@@ -73,7 +73,7 @@ def main() -> int:
         print(f"{args.checkpoint / 'config.json'}: bos_token_id {start!r}: expected a token id to sample text from",
               file=sys.stderr)
         return 2
-    rows = _run_samples(float_model, sample_own_text(float_model, start, 32, 128), names, record)
+    rows = record_linear_inputs(float_model, sample_own_text(float_model, start, 32, 128), names, record)
     mean = {n: s / rows for n, s in sums.items()}
     tokenizer = AutoTokenizer.from_pretrained(args.engine[0])
     prompts = [pr.ids for pr in read_prompts(args.prompts, tokenizer, args.limit)]

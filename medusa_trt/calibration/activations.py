@@ -34,7 +34,7 @@ FLOAT_CHANNEL_LINEARS = ("qkv", "fc", "gate", "proj", "lm_head")
 ROWS_SUFFIX = ":rows"  # int4_importance.safetensors: "<Linear>" importance [K], "<Linear>:rows" uint8 [N]
 
 
-def _run_samples(model: nn.Module, samples: Sequence[Sequence[int]], names: Sequence[str], record: Callable) -> int:
+def record_linear_inputs(model: nn.Module, samples: Sequence[Sequence[int]], names: Sequence[str], record: Callable) -> int:
     """Runs each token sequence of `samples` through the float `model` as one prompt, calling
     record(name, x [rows, K] float32) with every input of the base Linears `names`; returns the rows."""
     def hook(name):
@@ -70,7 +70,7 @@ def _input_statistics(model: nn.Module, samples: Sequence[Sequence[int]], names:
         peak[name] = torch.maximum(peak[name], a) if name in peak else a
         power[name] = power[name] + sq if name in power else sq
 
-    rows = _run_samples(model, samples, names, record)
+    rows = record_linear_inputs(model, samples, names, record)
     return peak, {n: p / max(rows, 1) for n, p in power.items()}
 
 
@@ -119,7 +119,7 @@ def choose_searched_rows(model: nn.Module, samples: Sequence[Sequence[int]], imp
     def record(name: str, x: torch.Tensor) -> None:
         totals[name] += ((x @ errors[name]) ** 2).sum(1)
 
-    _run_samples(model, samples, names, record)
+    record_linear_inputs(model, samples, names, record)
     rows = {n: totals[n][1] < totals[n][0] for n in names}
     return rows, {n: _pick_rows(rows[n], grids[n][1], grids[n][0]) for n in names}
 
