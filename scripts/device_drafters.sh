@@ -18,7 +18,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 GGUF=${GGUF:-build/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf}
-PACK=${PACK:-build/pack_v8.npz}
+PACK=${PACK:-build/pack_v9.npz}
 WEIGHTS="assets/demo_model/base/model.safetensors assets/demo_model/heads/medusa_lm_head.safetensors
   medusa_trt/assets/smollm2/heads/medusa_lm_head.safetensors medusa_trt/assets/smollm2/amphista/amphista.safetensors"
 EXCLUDE=.git/info/exclude

@@ -95,7 +95,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--code-heldout-percent", type=float, default=8.0)
     p.add_argument("--chat-prompts", type=int, default=6000, help="ShareGPT questions to distill (training side)")
     p.add_argument("--code-prompts", type=int, default=2000, help="code windows to distill (training side)")
-    p.add_argument("--extra-code", type=int, default=20000, help="pack stage: code windows beyond --code-prompts "
+    p.add_argument("--extra-code", type=int, default=60000, help="pack stage: code windows beyond --code-prompts "
                    "(training-side files) for the cuda stage to decode (the first N of a larger draw are the same)")
     p.add_argument("--eval-prompts", type=int, default=128, help="held-out prompts drawn into prompts.json (half chat, half code); "
                    f"--stage pack adds {MORE_HELDOUT} of each kind")
@@ -453,8 +453,9 @@ def pack_stage(args) -> Path:
                                 for c in extra]
     # More code windows than prompts.json's: half the held-out prompts are code, and the training
     # side had 2,000 code windows against 14,482 questions (and 41,145 later turns, all chat). The
-    # drafters fit trained-on code 0.08 better than code they never saw (issue-35-amphista.md, q):
-    # 20,000 since pack_v8, 10,000 before.
+    # drafters fit trained-on code 0.08 better than code they never saw (issue-35-amphista.md, q),
+    # and a code window decodes in about half a later turn's time (issue-35-amphista.md, af):
+    # 60,000 since pack_v9, 20,000 in pack_v8, 10,000 before; each draw's first windows are the last's.
     seen = {p["text"] for split in ("train", "eval", "heldout", "calib") for p in prompts[split]}
     extra_code = code_windows(random.Random(args.seed + 6), tok, code_files(args)["train"], args.extra_code, seen)
     train += list({p["text"]: p for p in extra_code}.values())  # a window drawn twice is decoded once
