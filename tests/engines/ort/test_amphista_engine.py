@@ -302,6 +302,17 @@ def test_medusa_check_compares_the_drafts_and_catches_a_wrong_drafter(amphista, 
     assert not report.passed and failed and all(r.output in ("medusa_logits", "tokens") for r in failed)
 
 
+def test_a_float_engine_runs_the_drafter_without_an_einsum(amphista):
+    """A float engine's drafter products are 2-D MatMuls, whose constant weights ONNX Runtime
+    prepacks: its Einsum does not, and the per-head ResBlock as one took 3.3 ms of SmolLM2's float32
+    step, a third of the drafter's time (docs/benchmarks/issue-35-amphista.md, af)."""
+    import onnx
+
+    for name in ("model_step.onnx", "model_drafter.onnx"):
+        ops = [n.op_type for n in onnx.load(amphista.engines["float32"] / name, load_external_data=False).graph.node]
+        assert "Einsum" not in ops and ops.count("MatMul") + ops.count("Gemm") >= 4, name
+
+
 def test_an_int4_engine_holds_the_drafter_as_int4_and_medusa_check_passes_it(amphista):
     """Drafts never change the output, so an int4 build quantizes the drafter with the base: every
     matrix whose input size is a multiple of the block, the logits projection included."""
