@@ -53,6 +53,22 @@ def test_the_identity_start_drafts_the_next_token_at_every_head():
         torch.testing.assert_close(got[k], want, rtol=1e-5, atol=1e-5)
 
 
+def test_own_lm_heads_project_each_head_slot_with_its_own_matrix():
+    cfg = dataclasses.replace(CFG, drafter_options={**CFG.drafter_options, "lm_head": "own"})
+    model = _model(3, cfg)
+    d = model.drafter
+    h, tokens = torch.randn(2, 5, 32), torch.randint(0, 96, (2, 5))
+    with torch.no_grad():
+        got = model.draft(h, tokens)
+        positions = torch.arange(5).expand(2, 5)
+        h1, h2, _, _ = d.adapt(h, tokens, model.vocab_embedding, positions, torch.ones(5, 5, dtype=torch.bool).tril().expand(2, 5, 5))
+        z = d.features(h1, h2)  # [K, B, S, d]
+        want = torch.einsum("kbsi,kvi->kbsv", z, d.lm_heads)
+        shared = z @ d.lm_heads[0].T
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got[1], shared[1])  # head 1 reads its own matrix, not head 0's
+
+
 def test_the_token_after_each_row_and_the_other_heads_change_the_drafts():
     model = _model()
     h = torch.randn(1, 6, 32)
