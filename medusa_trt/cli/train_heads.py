@@ -170,10 +170,9 @@ def load_base(base: Path, quiet: bool = False, gguf: Path | None = None):
     return model, tok
 
 
-def training_texts(path: Path, tok, prompt_tokens: int) -> tuple[list[str], bool]:
-    """(texts, chat): a ShareGPT file's training-side questions, each cut to `prompt_tokens` tokens and
-    rendered with the tokenizer's chat template when it has one (chat True: whole prompts, not
-    windows), or a .txt/.jsonl file's samples."""
+def read_training_data(path: Path) -> tuple[list[str], bool]:
+    """(texts, chat): a ShareGPT file's training-side first questions (chat True), or a .txt/.jsonl
+    file's samples. Read before the base loads, so a bad file is refused at once; DataError names it."""
     from medusa_trt.data import DataError, is_heldout, read_samples, read_sharegpt, sharegpt_shaped
 
     if not sharegpt_shaped(path):
@@ -183,13 +182,19 @@ def training_texts(path: Path, tok, prompt_tokens: int) -> tuple[list[str], bool
     if not questions:
         raise DataError(f"{path}: no training-side conversation with a human turn (all {len(convs)} are held out "
                         "or empty)")
+    return questions, True
+
+
+def chat_prompts(questions: list[str], tok, prompt_tokens: int) -> list[str]:
+    """Each question cut to `prompt_tokens` tokens and rendered with the tokenizer's chat template when
+    it has one (the prompts are then used whole, not as windows)."""
     texts = []
     for q in questions:
         ids = tok.encode(q, add_special_tokens=False)
         q = tok.decode(ids[:prompt_tokens]) if len(ids) > prompt_tokens else q
         texts.append(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
                                              add_generation_prompt=True) if tok.chat_template else q)
-    return texts, True
+    return texts
 
 
 def build_sequences(args, samples: list[str], tok, model, chat: bool = False) -> tuple[list[list[int]], list[int]]:
@@ -232,11 +237,13 @@ def _main(argv: list[str] | None = None) -> int:
 
         if args.threads:
             torch.set_num_threads(args.threads)
-        model, tok = load_base(args.base, args.quiet, args.gguf)
         try:
-            samples, chat = training_texts(args.data, tok, args.prompt_tokens)
+            samples, chat = read_training_data(args.data)
         except DataError as e:
             raise TrainError(str(e)) from None
+        model, tok = load_base(args.base, args.quiet, args.gguf)
+        if chat:
+            samples = chat_prompts(samples, tok, args.prompt_tokens)
         seqs, starts = build_sequences(args, samples, tok, model, chat)
         if args.corpus is not None:
             _write_corpus(args, seqs, starts)

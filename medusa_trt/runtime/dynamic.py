@@ -141,6 +141,9 @@ def read_dynamic(spec: object) -> DynamicSpec | None:
         return None
     text, _, option = m.group(1).strip().partition(",")
     cost = _cost(spec, option) if option else None
+    if "/" in text:  # medusa-bench's --also suffixes (/fill, /no-context, ...) are modes of the bench, not of a tree
+        raise TreeError(f"medusa_choices {spec!r}: unknown option /{text.partition('/')[2]}; expected dynamic:N or "
+                        "dynamic:N,cost=C (the /fill, /no-context and /no-datastore suffixes are medusa-bench --also's)")
     try:
         budget = int(text)
     except ValueError:

@@ -143,6 +143,7 @@ def test_context_stats_learn_from_what_was_right():
     ("dynamic:8,cost=-0.1", "cost -0.1; expected dynamic:N or dynamic:N,cost=C with C >= 0"),
     ("dynamic:8,cost=nan", "cost nan"),
     ("dynamic:8,width=3", "unknown option 'width=3'"),
+    ("dynamic:4/fill", "unknown option /fill; .* medusa-bench --also's"),
 ])
 def test_bad_budgets_name_the_value_and_the_limit(spec, message):
     with pytest.raises(TreeError, match=message):

@@ -310,6 +310,21 @@ def test_amphista_bad_input_exits_2_and_writes_nothing(case, expect, tiny_base, 
     assert not (tmp_path / "out").exists() and not (tmp_path / "corpus").exists()
 
 
+def test_a_bad_data_file_is_refused_before_the_base_loads(tiny_base, tmp_path, capsys, monkeypatch):
+    # Loading a 7B base takes minutes; a malformed --data file must not wait for it.
+    def no_load(*a, **k):
+        raise AssertionError("the base was loaded before the data file was read")
+
+    monkeypatch.setattr(train_cli, "load_base", no_load)
+    data = tmp_path / "data.json"
+    data.write_text(json.dumps([{"id": "x0", "conversations": [{"from": 1}]}]))
+    rc = train_cli.main(["--base", str(tiny_base("llama")), "--data", str(data), "--out", str(tmp_path / "out"),
+                         "--arch", "amphista", "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "record 0 (x0): conversations[0]" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()
+
+
 def test_evaluate_skips_continuations_too_short_for_a_head():
     # The base sometimes stops one or two tokens into its answer; such a sequence has no row for the
     # later heads, and scoring must count it for the heads it has and not fail (the 2026-11-27 GPU run).
