@@ -504,7 +504,8 @@ class TritonPythonModel:
             # Triton counts a returned error response as a successful request (nv_inference_request_success);
             # only an exception from execute() is counted as a failure. A batch of rejected requests
             # alone (the usual case: a bad request rarely shares a batch) fails that way, each request
-            # getting the messages. In a batch with good requests the bad ones can only get error responses.
+            # getting the messages. In a batch with good requests the bad ones can only get error responses
+            # (a Python-backend limitation, open upstream: triton-inference-server/server#7713).
             raise pb.TritonModelException("; ".join(r.error().message() for r in responses))
         return None if decoupled else responses
 
