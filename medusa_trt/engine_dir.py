@@ -93,16 +93,17 @@ def graph_outputs(names: tuple[str, ...], num_layers: int, in_place: bool) -> li
 
 def required_features(engine: dict) -> list[str]:
     """The KNOWN_FEATURES an engine.json (or a builder's part of it) uses, for its "requires" list."""
-    onnx, weights = engine.get("onnx") or {}, engine.get("weights") or {}
+    onnx, weights, trt = engine.get("onnx") or {}, engine.get("weights") or {}, engine.get("tensorrt") or {}
     used = {
         "key_block": onnx.get("key_block") is not None,  # tree steps kept inside one key block
         "cache_in_place": bool(onnx.get("cache_in_place")),  # graphs that write the cache they are bound to
         "chains_only": bool(onnx.get("chains_only")),  # only a tree's main chain is verified
         "int4_offsets": bool(weights.get("offsets")),  # int4 blocks with float offsets, no zero points
         "lm_head_bits": weights.get("lm_head_bits", 4) != 4,  # an lm_head of other than 4 bits
-        "drafter_graph": bool(onnx.get("drafter_file")),  # a drafter with its own cache and graph (Amphista)
+        # a drafter with its own cache and graph (Amphista), on ONNX Runtime or TensorRT
+        "drafter_graph": bool(onnx.get("drafter_file") or trt.get("drafter_engine")),
         "step_dynamic": bool(onnx.get("step_dynamic")),  # a step graph with a tree per sequence and top-k outputs
-        "hidden_all_rows": bool(onnx.get("hidden_all_rows")),  # the decoder's hidden output at every new row
+        "hidden_all_rows": bool(onnx.get("hidden_all_rows") or trt.get("hidden_all_rows")),  # hidden at every new row
         "int8_float_channels": bool(weights.get("float_channels")),  # int8 Linears with float input channels
     }
     return [name for name in KNOWN_FEATURES if used[name]]
@@ -195,6 +196,8 @@ def validate_engine(engine: Any, path: Path, backend: str | None = None) -> dict
     elif kind == "tensorrt":
         _relative_file(section, "engine", path, p)
         _relative_file(section, "heads_engine", path, p, optional=True)
+        _relative_file(section, "drafter_engine", path, p, optional=True)  # a drafter with its own cache
+        req(section, "hidden_all_rows", bool, p, default=False)
         req(section, "attention", str, p, choices=("plugin", "native"))
     else:
         engines = req(section, "engines", list, p)

@@ -5,7 +5,8 @@ On a machine with a CUDA GPU it
    against PyTorch SDPA with a dense boolean mask (past 1k-8k tokens, trees of 16-64 nodes), with
    the bandwidth each reaches as % of the GPU's peak HBM bandwidth (K/V bytes read / time);
 2. builds the demo model with `medusa-build --backend tensorrt` (plugin and native attention) and
-   runs `medusa-check` on each;
+   runs `medusa-check` on each; then the demo base with an Amphista drafter (drafter.engine, its own
+   cache; the drafter's weights are its identity start plus noise, so every part of it drafts);
 3. builds an ONNX Runtime engine for the CUDA provider and runs `medusa-check --device cuda`;
 4. times Medusa against plain decoding on each engine (`medusa-bench`, one run, alternating);
 5. with `--gguf`, runs SmolLM2-135M-Instruct on CUDA through the PyTorch reference (float32 and
@@ -249,11 +250,35 @@ def run_tool(module: str, args: list[str], timeout: float = 3600) -> dict:
             "tail": (done.stdout + done.stderr).strip().splitlines()[-8:]}
 
 
-def engine_steps(work: Path, name: str, build_args: list[str], device: str) -> list[dict]:
-    """Build, medusa-check, medusa-bench for one engine kind."""
+def amphista_drafter(base: Path, out: Path) -> Path:
+    """An Amphista drafter for `base` in this project's format: its identity start (it drafts the next
+    token at every head) plus noise, so that every part of the drafter engine shows in its drafts."""
+    import dataclasses
+
+    import torch
+
+    from medusa_trt.checkpoint import ModelConfig
+    from medusa_trt.converter.hf_base import base_config, read_base
+    from medusa_trt.drafters.amphista import Amphista
+    from medusa_trt.tools.train_drafter import save_amphista
+
+    cfg = dataclasses.replace(ModelConfig.from_checkpoint_config(base_config(read_base(base))), drafter="amphista",
+                              drafter_options={"num_heads": 4, "sal_intermediate_size": 0})
+    torch.manual_seed(0)
+    drafter = Amphista(cfg)
+    drafter.reset_identity()
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    save_amphista(drafter, out, base=str(base), vocab=None)
+    return out
+
+
+def engine_steps(work: Path, name: str, build_args: list[str], device: str, ckpt: str = "ckpt") -> list[dict]:
+    """Build, medusa-check, medusa-bench for one engine kind (from work/ckpt)."""
     engine = work / name
     steps = [{"step": f"build {name}", **run_tool("medusa_trt.cli.build", [
-        "--checkpoint", str(work / "ckpt"), "--out", str(engine), "--force", "--quiet", *build_args])}]
+        "--checkpoint", str(work / ckpt), "--out", str(engine), "--force", "--quiet", *build_args])}]
     if steps[0]["rc"] != 0:
         return steps
     steps.append({"step": f"check {name}", **run_tool("medusa_trt.cli.check", [
@@ -306,6 +331,10 @@ def main(argv: list[str] | None = None) -> int:
                     ("tensorrt-native", ["--backend", "tensorrt", "--trt-attention", "native"], "cuda"),
                     ("onnxruntime-cuda", ["--device", "cuda", "--dtype", "float16"], "cuda")):
                 report["steps"] += engine_steps(work, name, build_args, device)
+            report["steps"].append({"step": "convert demo base + Amphista", **run_tool("medusa_trt.cli.convert", [
+                "--base", str(demo / "base"), "--heads", str(amphista_drafter(demo / "base", work / "amphista")),
+                "--out", str(work / "ckpt_amphista"), "--force", "--quiet", "--dtype", "float16"])})
+            report["steps"] += engine_steps(work, "tensorrt-amphista", ["--backend", "tensorrt"], "cuda", "ckpt_amphista")
         if args.gguf:
             def save(partial: dict) -> None:  # a run cut off by a time limit keeps what it measured
                 args.out.write_text(json.dumps({**report, "real_model": partial}, indent=2) + "\n")

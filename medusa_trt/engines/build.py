@@ -72,13 +72,11 @@ def check_options(opts: BuildOptions, config: dict) -> None:
         raise BuildError(f"{path}: architecture {config.get('architecture')!r} is not a merged checkpoint "
                          "(expected 'MedusaForCausalLM'; run medusa-convert first)")
     drafter = (config.get("medusa_trt") or {}).get("drafter", "medusa")
-    # Which backends build which drafter: TensorRT-LLM knows Medusa heads only; the drafter graph of
-    # a drafter with its own cache (Amphista) runs on ONNX Runtime.
-    if drafter != "medusa" and opts.backend != "onnxruntime":
-        why = ("TensorRT-LLM has no Amphista drafter" if opts.backend == "tensorrt-llm"
-               else "this version builds its drafter graph for ONNX Runtime only")
-        raise BuildError(f"{path}: drafter {drafter!r}: --backend {opts.backend} cannot build it ({why}); "
-                         "use --backend onnxruntime")
+    # Which backends build which drafter: TensorRT-LLM knows Medusa heads only; ONNX Runtime and
+    # TensorRT build a drafter with its own cache (Amphista) from its drafter graph.
+    if drafter != "medusa" and opts.backend == "tensorrt-llm":
+        raise BuildError(f"{path}: drafter {drafter!r}: --backend tensorrt-llm cannot build it (TensorRT-LLM has "
+                         f"no {drafter.capitalize()} drafter); use --backend onnxruntime or tensorrt")
     quant = (config.get("quantization") or {})
     for key in ("quant_algo", "kv_cache_quant_algo"):
         if quant.get(key) not in (None, "FP8"):

@@ -118,6 +118,25 @@ def last_rows(rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     return rows[torch.arange(len(rows)), counts - 1]
 
 
+def drafter_inputs(hidden: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor, next_tokens: torch.Tensor,
+                   lengths: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The drafter graph's inputs but its cache (engines/onnx/export.py, _DrafterModule; both engine
+    backends): each sequence's committed rows of the last forward's `hidden` [B, S, d] (rows [B, C],
+    counts [B]), the token chosen after each, positions after the drafter's `lengths` [B] committed
+    rows, a causal mask among them and the last row to draft at. Rows past counts[b] are padding:
+    they attend only themselves and are never committed. `hidden` stays on its device; the rest is
+    host tensors."""
+    b, c = len(rows), int(counts.max())
+    j = torch.arange(c)
+    valid = j[None] < counts[:, None]  # [B, C]
+    idx = torch.where(valid, rows[:, :c], 0).to(hidden.device)
+    mask = (torch.ones(c, c, dtype=torch.bool).tril()[None] & valid[:, None, :]) | torch.eye(c, dtype=torch.bool)
+    return {"hidden": hidden[torch.arange(b, device=hidden.device)[:, None], idx],  # [B, C, d]
+            "next_tokens": torch.where(valid, next_tokens[:, :c], 0).long(),
+            "position_ids": lengths[:, None] + j, "past_lengths": lengths, "new_mask": mask.expand(b, c, c),
+            "last": counts - 1}
+
+
 def full_attention_mask(lengths: torch.Tensor, past: int, new_mask: torch.Tensor) -> torch.Tensor:
     """[B, S, past + S] bool: the committed prefix of each sequence, then the mask among new tokens."""
     b, s, _ = new_mask.shape

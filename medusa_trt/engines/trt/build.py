@@ -7,6 +7,10 @@ resolve), and build a strongly typed network with one optimization profile:
 
     rank0.engine   the decoder: same inputs and outputs as the ONNX Runtime engine's model.onnx
     heads.engine   the Medusa heads graph: hidden [N, d] -> medusa_logits [H, N, V]
+    drafter.engine in place of heads.engine, a drafter with a cache of its own (Amphista): the
+                   drafter graph of the ONNX Runtime engine (model_drafter.onnx), with the
+                   decoder's `hidden` holding every new row (a prefill hands the drafter every
+                   prompt row); its attention stays the ONNX Attention op, which TensorRT parses
 
 Why the heads get an engine of their own rather than staying in ONNX Runtime: their lm_heads are
 H x V x d weights (5 x 32000 x 4096 for a 7B model), which on the CPU would cost more per step than
@@ -57,6 +61,7 @@ log = logging.getLogger(__name__)
 
 ENGINE_FILE = "rank0.engine"
 HEADS_ENGINE_FILE = "heads.engine"
+DRAFTER_ENGINE_FILE = "drafter.engine"
 ONNX_DIR = "onnx"
 ATTENTION_MODES = ("plugin", "native")
 DEFAULT_ATTENTION_MODE = "plugin"
@@ -108,6 +113,22 @@ def decoder_profile(limits: Limits, num_layers: int, num_kv_heads: int, head_dim
     for name in past_names(num_layers):
         profile[name] = dims(batch, (num_kv_heads,) * 3, past, (head_dim,) * 3)
     return profile
+
+
+def drafter_profile(limits: Limits, num_kv_heads: int, head_dim: int, hidden_size: int) -> Profile:
+    """The drafter graph's inputs (engine_dir.DRAFTER_INPUT_NAMES, then its 2 layers' cache). A step
+    appends at most a tree's depth + 1 committed rows (opt: a whole tree's width, which bounds it); a
+    prefill every prompt row (max: a whole context). The runtime binds the drafter cache whole, as the
+    decoder's (its capacity), and the graph masks past each sequence's committed rows."""
+    from medusa_trt.engine_dir import DRAFTER_INPUT_NAMES, past_names
+
+    b, seq = limits.max_batch_size, limits.max_seq_len
+    batch, new = (1, b, b), (1, min(limits.tree, seq), seq)
+    past = (1, max(1, seq // 2), limits.max_past)
+    dims = dict(zip(DRAFTER_INPUT_NAMES, ((batch, new, (hidden_size,) * 3), (batch, new), (batch, new), (batch,),
+                                          (batch, new, new), (batch,)), strict=True))
+    dims.update({name: (batch, (num_kv_heads,) * 3, past, (head_dim,) * 3) for name in past_names(2)})
+    return {name: tuple(tuple(d[i] for d in spec) for i in range(3)) for name, spec in dims.items()}  # type: ignore[misc]
 
 
 def heads_profile(limits: Limits, hidden_size: int) -> Profile:
@@ -215,6 +236,7 @@ class TrtOnnx:
 
     decoder: Path  # the graph rank0.engine is built from (rewritten for the plugin, or as exported)
     heads: Path | None
+    drafter: Path | None  # a drafter with a cache of its own (Amphista): its graph, in place of heads
     exported: object  # onnx.export.ExportResult
     plugin_nodes: int  # 0 with --trt-attention native
     num_layers: int
@@ -232,8 +254,11 @@ def export_for_tensorrt(opts: BuildOptions, mode: str, dtype: str, onnx_dir: Pat
     model = MedusaModel.from_checkpoint(opts.checkpoint, dtype=dtype)
     cfg = model.cfg
     try:
+        # A drafter with a cache reads every prompt row of a prefill that computes the last row's
+        # logits only, as on the ONNX Runtime engine (engine.json hidden_all_rows).
         exported = export_onnx(model, onnx_dir / "model.onnx", attention=opts.attention or "attention23",
-                               opset=opts.opset or DEFAULT_OPSET, committed_prefix=False)
+                               opset=opts.opset or DEFAULT_OPSET, committed_prefix=False,
+                               hidden_all_rows=model.drafter.has_cache)
     except ValueError as e:
         raise BuildError(str(e)) from None
     del model
@@ -246,8 +271,8 @@ def export_for_tensorrt(opts: BuildOptions, mode: str, dtype: str, onnx_dir: Pat
         except RewriteError as e:
             raise BuildError(f"{exported.path}: {e}") from None
         decoder, plugin_nodes = rewritten.path, len(rewritten.plugin_nodes)
-    return TrtOnnx(decoder, exported.heads_path, exported, plugin_nodes, cfg.num_layers, cfg.num_kv_heads,
-                   cfg.head_dim, cfg.hidden_size)
+    return TrtOnnx(decoder, exported.heads_path, exported.drafter_path, exported, plugin_nodes, cfg.num_layers,
+                   cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size)
 
 
 def build_tensorrt(opts: BuildOptions, config: dict, workdir: Path) -> dict:
@@ -267,7 +292,7 @@ def build_tensorrt(opts: BuildOptions, config: dict, workdir: Path) -> dict:
     import torch
 
     opts.device = "cuda"  # engine.json's device: TensorRT engines run on the GPU only
-    steps = ["export ONNX", "register plugin", "build decoder", "build heads"]
+    steps = ["export ONNX", "register plugin", "build decoder", "build drafter"]
     bar = progress_bar(len(steps), opts.progress, "medusa-build")
     onnx_dir = workdir / ONNX_DIR
     keep_onnx = backend_options(opts, TrtOptions).keep_onnx
@@ -297,8 +322,11 @@ def build_tensorrt(opts: BuildOptions, config: dict, workdir: Path) -> dict:
         (workdir / ENGINE_FILE).write_bytes(build_serialized(trt, graphs.decoder, profile, tf32=tf32))
         bar.update()
         bar.set_postfix_str(steps[3])
-        heads = None
-        if graphs.heads is not None:
+        heads = drafter = None
+        if graphs.drafter is not None:
+            drafter = drafter_profile(limits, graphs.num_kv_heads, graphs.head_dim, graphs.hidden_size)
+            (workdir / DRAFTER_ENGINE_FILE).write_bytes(build_serialized(trt, graphs.drafter, drafter, tf32=tf32))
+        elif graphs.heads is not None:
             heads = heads_profile(limits, graphs.hidden_size)
             (workdir / HEADS_ENGINE_FILE).write_bytes(build_serialized(trt, graphs.heads, heads, tf32=tf32))
         bar.update()
@@ -315,6 +343,10 @@ def build_tensorrt(opts: BuildOptions, config: dict, workdir: Path) -> dict:
         "tensorrt": {
             "engine": ENGINE_FILE,
             "heads_engine": HEADS_ENGINE_FILE if heads is not None else None,
+            # A drafter with a cache of its own: its engine in place of the heads', and the decoder's
+            # hidden output holds every new row (runtime/trt/backend.py reads both).
+            **({"drafter": (config.get("medusa_trt") or {}).get("drafter"), "drafter_engine": DRAFTER_ENGINE_FILE,
+                "hidden_all_rows": True} if drafter is not None else {}),
             "attention": mode,
             "onnx_attention_form": exported.attention,
             "plugin": plugin_info,
@@ -324,7 +356,8 @@ def build_tensorrt(opts: BuildOptions, config: dict, workdir: Path) -> dict:
             "compute_capability": f"{major}.{minor}",
             "inputs": list(exported.input_names),
             "outputs": list(exported.output_names),
-            "profiles": {"decoder": _json_profile(profile), "heads": _json_profile(heads) if heads else None},
+            "profiles": {"decoder": _json_profile(profile), "heads": _json_profile(heads) if heads else None,
+                         **({"drafter": _json_profile(drafter)} if drafter else {})},
             "onnx": {"opset": exported.opset, "external_data": exported.external_data, "kept": keep_onnx,
                      "files": [f"{ONNX_DIR}/{name}" for name in onnx_files]},
         },

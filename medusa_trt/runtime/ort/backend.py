@@ -51,6 +51,7 @@ from medusa_trt.runtime.backend import (
     Backend,
     ModelInfo,
     check_forward,
+    drafter_inputs,
     last_rows,
     scatter_pending,
     zero_cache,
@@ -310,30 +311,20 @@ class OrtBackend(Backend):
 
     def _run_drafter(self, rows: torch.Tensor, counts: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
         """The drafter graph (engines/onnx/export.py, _DrafterModule): each sequence's committed rows
-        appended to the drafter's cache, drafts at the last. Rows past counts[b] are padding: they
-        attend only themselves and are never committed."""
+        appended to the drafter's cache (backend.drafter_inputs), drafts at the last."""
         b, c = len(rows), int(counts.max())
-        j = torch.arange(c)
-        valid = j[None] < counts[:, None]  # [B, C]
-        idx = torch.where(valid, rows[:, :c], 0)
-        hidden = self._hidden[torch.arange(b)[:, None], idx]  # [B, C, d]
-        mask = (torch.ones(c, c, dtype=torch.bool).tril()[None] & valid[:, None, :]) | torch.eye(c, dtype=torch.bool)
         past = int(self.drafter_lengths.max()) if b else 0
         if past + c > self.drafter_keys.shape[3]:
             raise ValueError(f"drafter cache overflow: {past} + {c} rows > capacity {self.drafter_keys.shape[3]}")
-        feeds = {"hidden": np.ascontiguousarray(hidden.numpy()),
-                 "next_tokens": np.ascontiguousarray(torch.where(valid, next_tokens[:, :c], 0).numpy(), dtype=np.int64),
-                 "position_ids": np.ascontiguousarray((self.drafter_lengths[:, None] + j).numpy(), dtype=np.int64),
-                 "past_lengths": np.ascontiguousarray(self.drafter_lengths.numpy(), dtype=np.int64),
-                 "new_mask": np.ascontiguousarray(mask.expand(b, c, c).numpy()),
-                 "last": np.ascontiguousarray((counts - 1).numpy(), dtype=np.int64)}
+        feeds = {name: np.ascontiguousarray(t.numpy())
+                 for name, t in drafter_inputs(self._hidden, rows, counts, next_tokens, self.drafter_lengths).items()}
         for i, name in enumerate(past_names(2)):
             cache = self.drafter_keys if name.startswith("past_key") else self.drafter_values
             feeds[name] = np.ascontiguousarray(cache[i // 2, :, :, :past].numpy())
         logits, new_k, new_v = self.drafter_session.run(None, feeds)
         self.drafter_lengths = scatter_pending(self.drafter_keys, self.drafter_values,
                                                (torch.from_numpy(new_k), torch.from_numpy(new_v)), self.drafter_lengths,
-                                               j.expand(b, c), counts)
+                                               torch.arange(c).expand(b, c), counts)
         return torch.from_numpy(logits)
 
     def _run_heads(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,8 @@ own work on the cache (commit, keep) is ordered with them without extra synchron
 The small per-step inputs (ids, positions, lengths, mask) are copied to the device each step; the
 logits come back to host tensors, because the decoding loop is host code. The Medusa heads run in
 their own engine (heads.engine) on the rows the loop asks for; the hidden state never leaves the GPU.
+A drafter with a cache of its own (Amphista) runs in drafter.engine instead, with its 2-layer cache
+kept beside the decoder's the same way: each `draft` appends the committed rows and drafts at the last.
 
 Engines built with the tree-attention plugin embed its ahead-of-time compiled kernel, so loading
 needs neither Python plugin code nor Triton; should a TensorRT version still ask for the plugin's
@@ -22,11 +24,12 @@ from pathlib import Path
 
 import torch
 
-from medusa_trt.engine_dir import EngineError, check_artifacts, read_engine_json
+from medusa_trt.engine_dir import EngineError, check_artifacts, past_names, read_engine_json
 from medusa_trt.runtime.backend import (
     Backend,
     ModelInfo,
     check_forward,
+    drafter_inputs,
     last_rows,
     scatter_pending,
     zero_cache,
@@ -130,12 +133,16 @@ class TensorRTBackend(Backend):
         self.decoder = _Engine(trt, self._runtime, self.engine_dir / section["engine"], uses_plugin)
         heads_file = section.get("heads_engine")
         self.heads_engine = _Engine(trt, self._runtime, self.engine_dir / heads_file, False) if heads_file else None
+        drafter_file = section.get("drafter_engine")
+        self.drafter_engine = _Engine(trt, self._runtime, self.engine_dir / drafter_file, False) if drafter_file else None
         model, limits = info["model"], info["limits"]
         self.num_layers, self.num_kv_heads = model["num_layers"], model["num_kv_heads"]
         self.head_dim, self.hidden_size, self.vocab_size = model["head_dim"], model["hidden_size"], model["vocab_size"]
         self.num_medusa_heads = info["medusa"]["num_heads"]
         self.max_batch_size = limits["max_batch_size"]
-        self.info = ModelInfo(self.vocab_size, self.num_medusa_heads, limits["max_seq_len"], limits["max_draft_len"])
+        self.info = ModelInfo(self.vocab_size, self.num_medusa_heads, limits["max_seq_len"], limits["max_draft_len"],
+                              drafter_cache=self.drafter_engine is not None,
+                              hidden_all_rows=bool(section.get("hidden_all_rows")))
         self._past_names = [f"past_{kind}_{i}" for i in range(self.num_layers) for kind in ("key", "value")]
         self.dtype = self.decoder.dtypes[self._past_names[0]]
         self.max_capacity = self.decoder.max_shape(self._past_names[0])[2]
@@ -153,6 +160,10 @@ class TensorRTBackend(Backend):
         self.keys, self.values = zero_cache(self.num_layers, batch, self.num_kv_heads, capacity, self.head_dim,
                                             self.dtype, self.device)
         self.lengths = torch.zeros(batch, dtype=torch.long)
+        if self.drafter_engine is not None:  # the drafter's own cache: its 2 layers, committed rows only
+            self.drafter_keys, self.drafter_values = zero_cache(
+                2, batch, self.num_kv_heads, capacity, self.head_dim, self.drafter_engine.dtypes["past_key_0"], self.device)
+            self.drafter_lengths = torch.zeros(batch, dtype=torch.long)
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self._hidden: torch.Tensor | None = None
 
@@ -180,9 +191,30 @@ class TensorRTBackend(Backend):
     def draft(self, rows: torch.Tensor, counts: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
         if self._hidden is None:
             raise RuntimeError("draft() without a forward()")
+        if self.drafter_engine is not None:
+            return self._run_drafter(rows, counts, next_tokens)
         b = self._hidden.shape[0]  # the heads engine is a Medusa drafter's: the last committed row only
         index = torch.arange(b, device=self.device), last_rows(rows, counts).to(self.device)
         return self._run_heads(self._hidden[index].contiguous())
+
+    def _run_drafter(self, rows: torch.Tensor, counts: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+        """drafter.engine (engines/onnx/export.py, _DrafterModule): each sequence's committed rows
+        appended to the drafter's cache, drafts at the last; logits [H, B, V] float32 on the host.
+        The cache is bound whole, as the decoder's: the graph masks past each committed length."""
+        b, c = len(rows), int(counts.max())
+        past = int(self.drafter_lengths.max()) if b else 0
+        if past + c > self.drafter_keys.shape[3]:
+            raise ValueError(f"drafter cache overflow: {past} + {c} rows > capacity {self.drafter_keys.shape[3]}")
+        engine, dev = self.drafter_engine, self.device
+        feeds = {name: t.to(dev, engine.dtypes[name], non_blocking=True).contiguous()
+                 for name, t in drafter_inputs(self._hidden, rows, counts, next_tokens, self.drafter_lengths).items()}
+        for i, name in enumerate(past_names(2)):
+            feeds[name] = (self.drafter_keys if i % 2 == 0 else self.drafter_values)[i // 2]  # [B, Hkv, cap, D]
+        out = engine.run(feeds, dev)
+        self.drafter_lengths = scatter_pending(self.drafter_keys, self.drafter_values,
+                                               (out["present_keys"], out["present_values"]), self.drafter_lengths,
+                                               torch.arange(c).expand(b, c), counts)
+        return out["medusa_logits"].float().cpu()
 
     def _run_heads(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, d] on the device -> medusa logits [H, N, V] float32 on the host, in chunks of the
@@ -206,6 +238,10 @@ class TensorRTBackend(Backend):
         on_device = rows.to(self.device)
         self.keys, self.values = self.keys[:, on_device].contiguous(), self.values[:, on_device].contiguous()
         self.lengths = self.lengths[rows]
+        if self.drafter_engine is not None:
+            self.drafter_keys = self.drafter_keys[:, on_device].contiguous()
+            self.drafter_values = self.drafter_values[:, on_device].contiguous()
+            self.drafter_lengths = self.drafter_lengths[rows]
         self._pending = None
         if self._hidden is not None:
             self._hidden = self._hidden[on_device]

@@ -123,6 +123,140 @@ def test_onnx_stage_of_the_build(tiny_merged, tmp_path, mode, dtype):
     assert [i.name for i in heads.graph.input] == list(heads_profile(limits, graphs.hidden_size))
 
 
+def _amphista_checkpoint(tiny_base, root):
+    from synthetic import make_amphista
+
+    from medusa_trt.converter.merge import convert
+
+    base = tiny_base("llama")
+    convert(base, make_amphista(root / "drafter", base), root / "ckpt", progress=False)
+    return root / "ckpt"
+
+
+@pytest.mark.parametrize("mode", ["plugin", "native"])
+def test_onnx_stage_of_an_amphista_build(tiny_base, tmp_path, mode):
+    """An Amphista checkpoint's TensorRT build parses the drafter graph in place of the heads graph,
+    and a decoder whose hidden output holds every new row (a prefill hands the drafter every prompt
+    row). The drafter graph bound as the TensorRT backend binds it, its cache whole whatever lies past
+    each committed length, gives what the torch module it was exported from gives on the committed
+    rows alone."""
+    import onnx
+    import onnxruntime as ort
+
+    from medusa_trt.engine_dir import required_features
+    from medusa_trt.engines.onnx.export import _DrafterModule
+    from medusa_trt.engines.trt.build import drafter_profile, export_for_tensorrt
+    from medusa_trt.modeling import MedusaModel
+
+    ckpt = _amphista_checkpoint(tiny_base, tmp_path)
+    opts = BuildOptions(checkpoint=ckpt, out=tmp_path / "e", backend="tensorrt",
+                        backend_options=TrtOptions(trt_attention=mode))
+    graphs = export_for_tensorrt(opts, mode, "float32", tmp_path / "onnx")
+    assert graphs.heads is None and graphs.drafter is not None
+    decoder = onnx.load(str(graphs.decoder), load_external_data=False).graph
+
+    def rows(values, name):  # the symbolic name of a tensor's dimension 1
+        return next(v for v in values if v.name == name).type.tensor_type.shape.dim[1].dim_param
+
+    assert rows(decoder.output, "hidden") == rows(decoder.input, "input_ids") != rows(decoder.output, "logits")
+    drafter = onnx.load(str(graphs.drafter))
+    limits = Limits(max_batch_size=2, max_seq_len=128, max_draft_len=15)
+    profile = drafter_profile(limits, graphs.num_kv_heads, graphs.head_dim, graphs.hidden_size)
+    assert list(profile) == [i.name for i in drafter.graph.input]
+    for value in drafter.graph.input:
+        dims = value.type.tensor_type.shape.dim
+        for i, (d, a, b, c) in enumerate(zip(dims, *profile[value.name], strict=True)):
+            assert 1 <= a <= b <= c, value.name
+            if d.HasField("dim_value"):
+                assert a == b == c == d.dim_value, (value.name, i)
+    assert profile["hidden"][2] == (2, 128, graphs.hidden_size)
+    assert profile["past_key_0"][2][2] == limits.max_past
+    # engine.json's tensorrt part of such a build: a reader that knows neither refuses the engine
+    assert required_features({"tensorrt": {"drafter_engine": "drafter.engine", "hidden_all_rows": True}}) == [
+        "drafter_graph", "hidden_all_rows"]
+
+    g = torch.Generator().manual_seed(0)
+    lengths, counts, cap = torch.tensor([5, 2]), torch.tensor([3, 1]), 8
+    feeds = {"hidden": torch.randn(2, 3, graphs.hidden_size, generator=g),
+             "next_tokens": torch.randint(0, 256, (2, 3), generator=g),
+             "position_ids": lengths[:, None] + torch.arange(3),
+             "past_lengths": lengths,
+             "new_mask": (torch.ones(3, 3, dtype=torch.bool).tril() & (torch.arange(3) < counts[:, None, None]))
+             | torch.eye(3, dtype=torch.bool),
+             "last": counts - 1}
+    shape = (2, graphs.num_kv_heads, cap, graphs.head_dim)
+    whole = [torch.randn(*shape, generator=g) * 3 for _ in range(4)]  # what lies past a length is never read
+    committed = [torch.where(torch.arange(cap)[None, None, :, None] < lengths[:, None, None, None], t, 0)[:, :, :5]
+                 for t in whole]
+    session = ort.InferenceSession(str(graphs.drafter), providers=["CPUExecutionProvider"])
+    names = [i.name for i in drafter.graph.input]
+    got = session.run(None, {n: t.numpy() for n, t in zip(names, [*feeds.values(), *whole], strict=True)})
+    with torch.no_grad():
+        want = _DrafterModule(MedusaModel.from_checkpoint(ckpt, dtype="float32"))(**feeds, past=tuple(committed))
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(torch.from_numpy(a), b, atol=1e-4, rtol=1e-4)
+
+
+class _OnnxRuntimeAsEngine:
+    """The drafter graph a TensorRT build parses, run by ONNX Runtime behind the runtime's engine
+    interface (runtime/trt/backend.py, _Engine: dtypes, run by name), so the TensorRT backend's
+    drafter code runs here on the same graph."""
+
+    def __init__(self, path):
+        import onnxruntime as ort
+
+        self.session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        kinds = {"tensor(float)": torch.float32, "tensor(int64)": torch.int64, "tensor(bool)": torch.bool}
+        self.dtypes = {v.name: kinds[v.type] for v in [*self.session.get_inputs(), *self.session.get_outputs()]}
+
+    def run(self, feeds, device):
+        names = [o.name for o in self.session.get_outputs()]
+        out = self.session.run(names, {k: v.numpy() for k, v in feeds.items()})
+        return {n: torch.from_numpy(a) for n, a in zip(names, out, strict=True)}
+
+
+def test_the_tensorrt_backend_drafts_with_amphista_as_the_reference(tiny_base, tmp_path):
+    """TensorRTBackend's drafter calls (its cache bound whole, the committed rows scattered after each
+    length, `keep` following the batch) on the exported drafter graph, against the PyTorch reference,
+    over a ragged prefill of every prompt row and a step after it."""
+    from medusa_trt.engines.trt.build import export_for_tensorrt
+    from medusa_trt.modeling import MedusaModel
+    from medusa_trt.runtime.backend import zero_cache
+    from medusa_trt.runtime.torch_backend import TorchBackend
+    from medusa_trt.runtime.trt.backend import TensorRTBackend
+
+    ckpt = _amphista_checkpoint(tiny_base, tmp_path)
+    opts = BuildOptions(checkpoint=ckpt, out=tmp_path / "e", backend="tensorrt", backend_options=TrtOptions(trt_attention="native"))
+    graphs = export_for_tensorrt(opts, "native", "float32", tmp_path / "onnx")
+    ref = TorchBackend(MedusaModel.from_checkpoint(ckpt, dtype="float32"))
+    trt = object.__new__(TensorRTBackend)  # no TensorRT here: the drafter engine is the same graph in ONNX Runtime
+    trt.drafter_engine, trt.device = _OnnxRuntimeAsEngine(graphs.drafter), torch.device("cpu")
+    trt.drafter_keys, trt.drafter_values = zero_cache(2, 3, graphs.num_kv_heads, 32, graphs.head_dim, torch.float32, "cpu")
+    trt.drafter_lengths = torch.zeros(3, dtype=torch.long)
+    trt.keys = trt.values = torch.zeros(1, 3, 1, 1, 1)
+    trt.lengths, trt._hidden = torch.zeros(3, dtype=torch.long), None
+    ref.start(3, 32)
+    g = torch.Generator().manual_seed(0)
+    lens = torch.tensor([6, 2, 4])
+    ids = torch.randint(0, 256, (3, 6), generator=g)
+    mask = torch.ones(6, 6, dtype=torch.bool).tril()[None] & (torch.arange(6)[None, :] < lens[:, None])[:, None]
+    rows, after = torch.arange(6).expand(3, 6), torch.randint(0, 256, (3, 6), generator=g)
+    ref.forward(ids, torch.arange(6).expand(3, 6), mask, with_heads=False)
+    ref.commit(rows, lens)
+    trt._hidden = ref._hidden
+    torch.testing.assert_close(trt.draft(rows, lens, after), ref.draft(rows, lens, after), atol=1e-4, rtol=1e-4)
+    for b in (trt, ref):
+        b.keep(torch.tensor([2, 0]))
+    ids = torch.randint(0, 256, (2, 3), generator=g)
+    ref.forward(ids, ref.lengths[:, None] + torch.arange(3), torch.ones(2, 3, 3, dtype=torch.bool).tril(),
+                with_heads=False)
+    rows, counts = torch.tensor([[0, 1, 2], [0, 1, 2]]), torch.tensor([3, 1])
+    ref.commit(rows, counts)
+    trt._hidden, after = ref._hidden, torch.randint(0, 256, (2, 3), generator=g)
+    torch.testing.assert_close(trt.draft(rows, counts, after), ref.draft(rows, counts, after), atol=1e-4, rtol=1e-4)
+    assert trt.drafter_lengths.tolist() == [7, 7]  # 4 + 3 and 6 + 1: committed rows only
+
+
 # -- on a GPU with TensorRT ---------------------------------------------------------------------------
 
 try:
@@ -213,6 +347,44 @@ def test_medusa_greedy_decode_equals_plain(trt_engine):
     medusa = decode(backend, prompts, GenerationConfig(max_new_tokens=32,
                                                        medusa_choices=[[0], [1], [0, 0], [0, 1], [0, 0, 0]]))
     assert medusa.tokens == plain.tokens
+
+
+@gpu
+@pytest.mark.parametrize("mode", ["plugin", "native"])
+def test_amphista_engine_drafts_as_the_reference_and_keeps_greedy(tiny_base, tmp_path, mode):
+    from medusa_trt.engines.build import build_engine
+    from medusa_trt.modeling import MedusaModel
+    from medusa_trt.runtime.decoding import GenerationConfig, decode
+    from medusa_trt.runtime.steps import prefill
+    from medusa_trt.runtime.torch_backend import TorchBackend
+    from medusa_trt.runtime.trt.backend import TensorRTBackend
+    from medusa_trt.tools.parity import run_check
+
+    ckpt, out = _amphista_checkpoint(tiny_base, tmp_path), tmp_path / "engine"
+    build_engine(BuildOptions(checkpoint=ckpt, out=out, backend="tensorrt", max_batch_size=4, max_seq_len=256,
+                              max_draft_len=32, progress=False, backend_options=TrtOptions(trt_attention=mode)))
+    section = json.loads((out / "engine.json").read_text())["tensorrt"]
+    assert section["drafter_engine"] == "drafter.engine" and section["heads_engine"] is None
+    trt = TensorRTBackend(out)
+    ref = TorchBackend(MedusaModel.from_checkpoint(ckpt, dtype="float32"))
+    prompts = [[1, 5, 9, 14, 3], [1, 40], [1, 7, 7, 8, 30, 31, 2]]
+    for b in (trt, ref):
+        b.start(3, 64)
+    got, want = prefill(trt, prompts), prefill(ref, prompts)  # the drafter's cache takes every prompt row
+    torch.testing.assert_close(got[0], want[0], atol=2e-3, rtol=0)
+    torch.testing.assert_close(got[2], want[2], atol=2e-3, rtol=0)
+    for b in (trt, ref):
+        b.keep(torch.tensor([2, 0]))  # the drafter's cache follows the batch
+    rows, counts, after = torch.tensor([[0, 0], [0, 0]]), torch.tensor([1, 1]), torch.tensor([[3, 0], [4, 0]])
+    ids, mask = after[:, :1], torch.ones(2, 1, 1, dtype=torch.bool)
+    for b in (trt, ref):
+        b.forward(ids, b.lengths[:, None], mask, with_heads=False)
+        b.commit(rows, counts)
+    torch.testing.assert_close(trt.draft(rows, counts, after), ref.draft(rows, counts, after), atol=2e-3, rtol=0)
+    tree = [[0], [1], [0, 0], [0, 1], [0, 0, 0]]
+    plain = decode(trt, prompts, GenerationConfig(max_new_tokens=32, use_medusa=False))
+    assert decode(trt, prompts, GenerationConfig(max_new_tokens=32, medusa_choices=tree)).tokens == plain.tokens
+    assert run_check(out, ckpt, ["a b c", "hello world again"]).passed  # medusa-check: drafts included
 
 
 @gpu
