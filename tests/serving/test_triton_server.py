@@ -34,7 +34,7 @@ from medusa_trt.runtime.loading import load_backend, load_tokenizer, stop_tokens
 from medusa_trt.serving.server import ServerError, running_server
 from medusa_trt.serving.triton_repo import write_triton_repo, write_trtllm_triton_repo
 
-MODEL, STREAM_MODEL = "medusa", "medusa_stream"
+MODEL, STREAM_MODEL, AMPHISTA_MODEL = "medusa", "medusa_stream", "amphista"
 OUTPUTS = ("text_output", "output_ids", "acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens",
            "tokens_per_step")
 
@@ -54,10 +54,11 @@ CASES = [
 
 @pytest.fixture(scope="session")
 def served(tiny_merged, tmp_path_factory):
-    """One server for the session: the plain model, a decoupled (streaming) one, and the TensorRT-LLM
-    layout's pre/postprocessing models (its ensemble and tensorrt_llm need the TensorRT-LLM backend,
-    which is not here, so only those two load)."""
+    """One server for the session: the plain model, a decoupled (streaming) one, the same base with an
+    Amphista drafter, and the TensorRT-LLM layout's pre/postprocessing models (its ensemble and
+    tensorrt_llm need the TensorRT-LLM backend, which is not here, so only those two load)."""
     ckpt = tiny_merged(heads_kwargs={"trivial": True})
+    amphista = tiny_merged(fmt="amphista")
     root = tmp_path_factory.mktemp("triton")
     (root / "no-engine").mkdir()  # TensorRT-LLM cannot build an engine here; its path is only written
     repos = [
@@ -65,29 +66,31 @@ def served(tiny_merged, tmp_path_factory):
         write_triton_repo(ckpt, root / "repo_stream", model_name=STREAM_MODEL, max_batch_size=16, decoupled=True,
                           intra_op_threads=1),
         write_trtllm_triton_repo(root / "no-engine", root / "repo_trtllm", ckpt),
+        write_triton_repo(amphista, root / "repo_amphista", model_name=AMPHISTA_MODEL, max_batch_size=16,
+                          intra_op_threads=1),
     ]
     tok = load_tokenizer(ckpt)
     offline = dict(backend=load_backend(ckpt), tok=tok, stops=stop_tokens(ckpt, tok))
-    with running_server(repos, models=[MODEL, STREAM_MODEL, "preprocessing", "postprocessing"],
+    with running_server(repos, models=[MODEL, STREAM_MODEL, "preprocessing", "postprocessing", AMPHISTA_MODEL],
                         workdir=root / "server") as server:
-        yield dict(server=server, ckpt=ckpt, repo=repos[0], **offline)
+        yield dict(server=server, ckpt=ckpt, repo=repos[0], amphista_backend=load_backend(amphista), **offline)
 
 
-def expected(served, case: dict) -> dict:
+def expected(served, case: dict, backend: str = "backend") -> dict:
     """The offline runtime's answer to `case`: decode with the same config, cut at a stop word."""
-    tok = served["tok"]
+    tok, backend = served["tok"], served[backend]
     cfg = GenerationConfig(
         max_new_tokens=case["max_tokens"], medusa_choices=case.get("medusa_choices", "mc_sim_7b_63"),
         acceptance=case.get("acceptance", "greedy"), temperature=case.get("temperature", 0.7),
         posterior_threshold=case.get("posterior_threshold", 0.09), posterior_alpha=case.get("posterior_alpha", 0.3),
         stop_token_ids=(case["end_id"],) if "end_id" in case else served["stops"])
     prompt = tok.encode(case["text"])
-    tokens = decode(served["backend"], [prompt], cfg).tokens[0]
+    tokens = decode(backend, [prompt], cfg).tokens[0]
     for k in range(1, len(tokens) + 1):  # a stop word ends the output after the token completing it
         if any(w and w in tok.decode(tokens[:k], skip_special_tokens=True) for w in case.get("stop_words", [])):
             tokens = tokens[:k]
             break
-    result = decode(served["backend"], [prompt], replace(cfg, max_new_tokens=len(tokens)))
+    result = decode(backend, [prompt], replace(cfg, max_new_tokens=len(tokens)))
     assert result.tokens[0] == tokens
     st = result.stats[0]
     return dict(text=tok.decode(tokens, skip_special_tokens=True), ids=tokens, steps=st.steps,
@@ -172,6 +175,21 @@ def grpc_stream(served, case: dict, stream: bool = True) -> list[tuple[dict, boo
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items() if k != "text"))
 def test_http_matches_offline_decode(served, case):
     same(http_infer(served, case), expected(served, case))
+
+
+AMPHISTA_CASES = [CASES[0], CASES[1], dict(text="Medusa heads draft tokens", max_tokens=16, medusa_choices="dynamic:6"),
+                  CASES[3], CASES[6]]
+
+
+def test_an_amphista_drafter_is_served_as_decoded_offline(served):
+    """The repository serves an Amphista checkpoint unchanged: static and per-step trees, typical
+    acceptance and an end id, sent at once so that the model may batch them (the drafter's cache then
+    holds several sequences and follows the batch as each finishes)."""
+    with ThreadPoolExecutor(len(AMPHISTA_CASES)) as pool:
+        got = list(pool.map(lambda case: http_infer(served, case, model=AMPHISTA_MODEL), AMPHISTA_CASES))
+    for answer_, case in zip(got, AMPHISTA_CASES, strict=True):
+        same(answer_, expected(served, case, backend="amphista_backend"))
+    assert sum(a["accepted"] for a in got) > 0  # the drafter's drafts take part
 
 
 def test_grpc_matches_offline_decode(served):
