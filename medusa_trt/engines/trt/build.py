@@ -10,7 +10,8 @@ resolve), and build a strongly typed network with one optimization profile:
     drafter.engine in place of heads.engine, a drafter with a cache of its own (Amphista): the
                    drafter graph of the ONNX Runtime engine (model_drafter.onnx), with the
                    decoder's `hidden` holding every new row (a prefill hands the drafter every
-                   prompt row); its attention stays the ONNX Attention op, which TensorRT parses
+                   prompt row); its attention over its own 2-layer cache is plain ops (MatMul,
+                   Softmax, Where), parsed as exported in both attention modes
 
 Why the heads get an engine of their own rather than staying in ONNX Runtime: their lm_heads are
 H x V x d weights (5 x 32000 x 4096 for a 7B model), which on the CPU would cost more per step than
