@@ -133,27 +133,37 @@ def _amphista_checkpoint(tiny_base, root):
     return root / "ckpt"
 
 
-@pytest.mark.parametrize("mode", ["plugin", "native"])
-def test_onnx_stage_of_an_amphista_build(tiny_base, tmp_path, mode):
+@pytest.fixture(scope="module")
+def amphista_onnx(tiny_base, tmp_path_factory):
+    """An Amphista checkpoint and the ONNX stage of its plugin build (the drafter graph is the same in
+    both attention modes: the rewrite touches the decoder only)."""
+    from medusa_trt.engines.trt.build import export_for_tensorrt
+
+    root = tmp_path_factory.mktemp("trt-amphista")
+    ckpt = _amphista_checkpoint(tiny_base, root)
+    opts = BuildOptions(checkpoint=ckpt, out=root / "e", backend="tensorrt", backend_options=TrtOptions())
+    return ckpt, export_for_tensorrt(opts, "plugin", "float32", root / "onnx")
+
+
+def test_onnx_stage_of_an_amphista_build(amphista_onnx):
     """An Amphista checkpoint's TensorRT build parses the drafter graph in place of the heads graph,
-    and a decoder whose hidden output holds every new row (a prefill hands the drafter every prompt
-    row). The drafter graph bound as the TensorRT backend binds it, its cache whole whatever lies past
-    each committed length, gives what the torch module it was exported from gives on the committed
-    rows alone."""
+    and a decoder, rewritten for the plugin, whose hidden output holds every new row (a prefill hands
+    the drafter every prompt row). The drafter graph bound as the TensorRT backend binds it, its cache
+    whole whatever lies past each committed length, gives what the torch module it was exported from
+    gives on the committed rows alone."""
     import onnx
     import onnxruntime as ort
 
     from medusa_trt.engine_dir import required_features
     from medusa_trt.engines.onnx.export import _DrafterModule
-    from medusa_trt.engines.trt.build import drafter_profile, export_for_tensorrt
+    from medusa_trt.engines.trt.build import drafter_profile
     from medusa_trt.modeling import MedusaModel
+    from medusa_trt.runtime.trt.tree_attention.plugin import PLUGIN_NAME
 
-    ckpt = _amphista_checkpoint(tiny_base, tmp_path)
-    opts = BuildOptions(checkpoint=ckpt, out=tmp_path / "e", backend="tensorrt",
-                        backend_options=TrtOptions(trt_attention=mode))
-    graphs = export_for_tensorrt(opts, mode, "float32", tmp_path / "onnx")
+    ckpt, graphs = amphista_onnx
     assert graphs.heads is None and graphs.drafter is not None
     decoder = onnx.load(str(graphs.decoder), load_external_data=False).graph
+    assert graphs.plugin_nodes == graphs.num_layers and PLUGIN_NAME in {n.op_type for n in decoder.node}
 
     def rows(values, name):  # the symbolic name of a tensor's dimension 1
         return next(v for v in values if v.name == name).type.tensor_type.shape.dim[1].dim_param
@@ -215,19 +225,16 @@ class _OnnxRuntimeAsEngine:
         return {n: torch.from_numpy(a) for n, a in zip(names, out, strict=True)}
 
 
-def test_the_tensorrt_backend_drafts_with_amphista_as_the_reference(tiny_base, tmp_path):
+def test_the_tensorrt_backend_drafts_with_amphista_as_the_reference(amphista_onnx):
     """TensorRTBackend's drafter calls (its cache bound whole, the committed rows scattered after each
     length, `keep` following the batch) on the exported drafter graph, against the PyTorch reference,
     over a ragged prefill of every prompt row and a step after it."""
-    from medusa_trt.engines.trt.build import export_for_tensorrt
     from medusa_trt.modeling import MedusaModel
     from medusa_trt.runtime.backend import zero_cache
     from medusa_trt.runtime.torch_backend import TorchBackend
     from medusa_trt.runtime.trt.backend import TensorRTBackend
 
-    ckpt = _amphista_checkpoint(tiny_base, tmp_path)
-    opts = BuildOptions(checkpoint=ckpt, out=tmp_path / "e", backend="tensorrt", backend_options=TrtOptions(trt_attention="native"))
-    graphs = export_for_tensorrt(opts, "native", "float32", tmp_path / "onnx")
+    ckpt, graphs = amphista_onnx
     ref = TorchBackend(MedusaModel.from_checkpoint(ckpt, dtype="float32"))
     trt = object.__new__(TensorRTBackend)  # no TensorRT here: the drafter engine is the same graph in ONNX Runtime
     trt.drafter_engine, trt.device = _OnnxRuntimeAsEngine(graphs.drafter), torch.device("cpu")
