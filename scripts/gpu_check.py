@@ -253,24 +253,9 @@ def run_tool(module: str, args: list[str], timeout: float = 3600) -> dict:
 def amphista_drafter(base: Path, out: Path) -> Path:
     """An Amphista drafter for `base` in this project's format: its identity start (it drafts the next
     token at every head) plus noise, so that every part of the drafter engine shows in its drafts."""
-    import dataclasses
+    from medusa_trt.tools.train_drafter import new_amphista, save_amphista
 
-    import torch
-
-    from medusa_trt.checkpoint import ModelConfig
-    from medusa_trt.converter.hf_base import base_config, read_base
-    from medusa_trt.drafters.amphista import Amphista
-    from medusa_trt.tools.train_drafter import save_amphista
-
-    cfg = dataclasses.replace(ModelConfig.from_checkpoint_config(base_config(read_base(base))), drafter="amphista",
-                              drafter_options={"num_heads": 4, "sal_intermediate_size": 0})
-    torch.manual_seed(0)
-    drafter = Amphista(cfg)
-    drafter.reset_identity()
-    with torch.no_grad():
-        for p in drafter.parameters():
-            p.add_(0.02 * torch.randn_like(p))
-    save_amphista(drafter, out, base=str(base), vocab=None)
+    save_amphista(new_amphista(base, noise=0.02), out, base=str(base), vocab=None)
     return out
 
 

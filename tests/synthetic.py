@@ -247,24 +247,11 @@ def make_heads(target: str | Path, fmt: str, base_dir: str | Path, *, num_heads:
 def make_amphista(target: str | Path, base_dir: str | Path, *, num_heads: int = 4, seed: int = 1,
                   draft_vocab: list[int] | None = None, sal_intermediate_size: int = 48) -> Path:
     """An Amphista drafter for the base in this project's format (tools/train_drafter.save_amphista),
-    random weights away from its identity start so every part shows in its drafts. Its adaptation
-    layers take the base's shape as medusa-train-heads gives them (a Qwen2 base's q/k/v biases too)."""
-    import dataclasses
+    random weights away from its identity start so every part shows in its drafts
+    (tools/train_drafter.new_amphista)."""
+    from medusa_trt.tools.train_drafter import new_amphista, save_amphista
 
-    from medusa_trt.checkpoint import ModelConfig
-    from medusa_trt.converter.hf_base import base_config, read_base
-    from medusa_trt.drafters.amphista import Amphista
-    from medusa_trt.tools.train_drafter import save_amphista
-
-    model_cfg = dataclasses.replace(ModelConfig.from_checkpoint_config(base_config(read_base(Path(base_dir)))),
-                                    drafter="amphista",
-                                    drafter_options={"num_heads": num_heads, "sal_intermediate_size": sal_intermediate_size})
-    torch.manual_seed(seed)
-    drafter = Amphista(model_cfg)
-    drafter.reset_identity()
-    with torch.no_grad():
-        for p in drafter.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+    drafter = new_amphista(base_dir, num_heads, sal_intermediate_size, seed=seed, noise=0.05)
     vocab = None if draft_vocab is None else torch.tensor(draft_vocab)
     save_amphista(drafter, target, base=str(base_dir), vocab=vocab)
     return Path(target)

@@ -280,6 +280,31 @@ def hit_counts(drafter: nn.Module, arch: str, samples: list[Sample], lm_head: to
     return counts
 
 
+def new_amphista(base_dir: str | Path, num_heads: int = 4, sal_intermediate_size: int = 0, seed: int = 0,
+                 noise: float = 0.0) -> nn.Module:
+    """An Amphista drafter shaped for the Hugging Face base in `base_dir` (its adaptation layers take
+    the base's shape, a Qwen2 base's q/k/v biases too), at its identity start: it drafts the next token
+    at every head. `noise` (x a standard normal, seeded by `seed`) moves every weight off that start, so
+    that every part shows in the drafts of an untrained drafter (tests, gpu-check)."""
+    import dataclasses
+
+    from medusa_trt.checkpoint import ModelConfig
+    from medusa_trt.converter.hf_base import base_config, read_base
+    from medusa_trt.drafters.amphista import Amphista
+
+    cfg = dataclasses.replace(ModelConfig.from_checkpoint_config(base_config(read_base(Path(base_dir)))),
+                              drafter="amphista",
+                              drafter_options={"num_heads": num_heads, "sal_intermediate_size": sal_intermediate_size})
+    torch.manual_seed(seed)
+    drafter = Amphista(cfg)
+    drafter.reset_identity()
+    if noise:
+        with torch.no_grad():
+            for p in drafter.parameters():
+                p.add_(noise * torch.randn_like(p))
+    return drafter
+
+
 def save_amphista(drafter: nn.Module, out_dir: str | Path, *, base: str, vocab: torch.Tensor | None,
                   dtype: torch.dtype = torch.float32) -> Path:
     """The drafter in this project's Amphista format (docs/formats.md): amphista.safetensors (its

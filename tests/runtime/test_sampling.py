@@ -58,13 +58,8 @@ def small(tmp_path_factory, tiny_base):
 def small_amphista(tmp_path_factory, tiny_base):
     """`small`'s base with a 3-head Amphista drafter trained on its own greedy continuations (its cache
     is advanced with the token drawn after each accepted row under sampling, not the argmax)."""
-    import dataclasses
-
-    from medusa_trt.checkpoint import ModelConfig
-    from medusa_trt.converter.hf_base import base_config, read_base
-    from medusa_trt.drafters.amphista import Amphista
     from medusa_trt.tools.distill import Sample
-    from medusa_trt.tools.train_drafter import TrainOptions, save_amphista, train_drafter
+    from medusa_trt.tools.train_drafter import TrainOptions, new_amphista, save_amphista, train_drafter
     from medusa_trt.tools.train_heads import hidden_states
 
     base = tiny_base("llama", vocab=72, hidden_size=32, intermediate=64, seed=3)
@@ -72,11 +67,7 @@ def small_amphista(tmp_path_factory, tiny_base):
     rng = random.Random(0)
     seqs = greedy_continuations(hf, [[rng.randrange(3, 72) for _ in range(6)] for _ in range(64)], 48)
     samples = [Sample(s, 6, h[: len(s) - 1]) for s, h in zip(seqs, hidden_states(hf, seqs), strict=True)]
-    cfg = dataclasses.replace(ModelConfig.from_checkpoint_config(base_config(read_base(base))), drafter="amphista",
-                              drafter_options={"num_heads": 3, "sal_intermediate_size": 64})
-    torch.manual_seed(0)
-    drafter = Amphista(cfg)
-    drafter.reset_identity()
+    drafter = new_amphista(base, num_heads=3, sal_intermediate_size=64, seed=0)
     train_drafter(drafter, "amphista", samples, hf.lm_head.weight.detach(), hf.get_input_embeddings(),
                   torch.arange(72), TrainOptions(steps=150, lr=3e-3, batch_samples=16, seed=0), progress=False)
     root = tmp_path_factory.mktemp("sampling_amphista")
