@@ -139,15 +139,18 @@ def test_unfit_block_size_stays_float(tiny_merged):
         quantize_model_int4(MedusaModel.from_checkpoint(tiny_merged("llama")), 48, 4)
 
 
-def _int8_session(module, x: torch.Tensor, path):
+def _int8_session(module, x: torch.Tensor, path, opened_as: str = "engine"):
     """Module's graph as the ONNX Runtime builder exports it (quant's ops through their ONNX
-    translations), in a session: a function of the rows [b, s, K]."""
+    translations), in a session: a function of the rows [b, s, K]. `opened_as`: "engine", as the
+    engines open theirs (make_session); "int8", its int8 weights as built; "uint8", read as uint8
+    (int8_weights_as_unsigned) whatever the CPU."""
+    import onnx
     import onnxruntime as ort
     from torch import nn
 
     from medusa_trt.engines.onnx.ops import export_int8_matmul, int8_translations
     from medusa_trt.quant import int8_matmul
-    from medusa_trt.runtime.ort.session import session_options
+    from medusa_trt.runtime.ort.session import int8_weights_as_unsigned, make_session, session_options
 
     class Wrap(nn.Module):
         def __init__(self):
@@ -165,9 +168,36 @@ def _int8_session(module, x: torch.Tensor, path):
     finally:
         module.matmul = int8_matmul
     program.save(path)
-    session = ort.InferenceSession(str(path), session_options(), providers=["CPUExecutionProvider"])
+    if opened_as == "engine":
+        session = make_session(path, "cpu")
+    else:
+        model = onnx.load(str(path))
+        if opened_as == "uint8":
+            assert int8_weights_as_unsigned(model) == 1
+        session = ort.InferenceSession(model.SerializeToString(), session_options(), providers=["CPUExecutionProvider"])
     name = session.get_inputs()[0].name
     return lambda rows: session.run(None, {name: rows.numpy()})[0]
+
+
+def test_int8_weights_read_as_uint8_give_the_same_bits_on_every_cpu(tmp_path):
+    """ONNX Runtime's u8 x s8 GEMM without VNNI (AVX2) adds pairs of products in int16 and saturates:
+    int8 engines there were wrong (and medusa-check failed them) until make_session read their weights
+    as uint8 + 128 with zero point 128 on such CPUs. That form gives the reference's bits on any CPU;
+    the probe that decides says the built int8 form is exact exactly where it is."""
+    import numpy as np
+    from torch import nn
+
+    from medusa_trt.quant import Int8Linear
+    from medusa_trt.runtime.ort.session import signed_int8_gemm_saturates
+
+    torch.manual_seed(0)
+    module = Int8Linear(nn.Linear(256, 64))
+    x = torch.randn(4, 8, 256)  # each row reaches +-127, so 255 or 1 as uint8: pairs of 255 x 127 saturate int16
+    want = module(x).detach().numpy()
+    np.testing.assert_array_equal(_int8_session(module, x, tmp_path / "u8.onnx", "uint8")(x), want)
+    np.testing.assert_array_equal(_int8_session(module, x, tmp_path / "engine.onnx")(x), want)
+    built = _int8_session(module, x, tmp_path / "s8.onnx", "int8")(x)
+    assert np.array_equal(built, want) == (not signed_int8_gemm_saturates())
 
 
 def test_int8_rows_are_exact_independent_and_the_exported_graph_equals_them(tmp_path):

@@ -91,17 +91,18 @@ Shape = tuple[int, ...]
 Profile = dict[str, tuple[Shape, Shape, Shape]]  # input name -> (min, opt, max)
 
 
+def _min_opt_max(*spec: tuple[int, int, int]) -> tuple[Shape, Shape, Shape]:
+    """One input's profile from its dimensions' (min, opt, max) triples: (min shape, opt shape, max shape)."""
+    return tuple(tuple(d[i] for d in spec) for i in range(3))  # type: ignore[return-value]
+
+
 def decoder_profile(limits: Limits, num_layers: int, num_kv_heads: int, head_dim: int) -> Profile:
     """Optimization-profile shapes of every decoder input (names from engine_dir)."""
     from medusa_trt.engine_dir import past_names
 
     b, tree, seq = limits.max_batch_size, limits.tree, limits.max_seq_len
-    opt_new = min(tree, seq)
-
-    def dims(*spec: tuple[int, int, int]) -> tuple[Shape, Shape, Shape]:
-        return tuple(tuple(d[i] for d in spec) for i in range(3))  # type: ignore[return-value]
-
-    batch, new = (1, b, b), (1, opt_new, seq)
+    dims = _min_opt_max
+    batch, new = (1, b, b), (1, min(tree, seq), seq)
     profile: Profile = {
         "input_ids": dims(batch, new),
         "position_ids": dims(batch, new),
@@ -129,7 +130,7 @@ def drafter_profile(limits: Limits, num_kv_heads: int, head_dim: int, hidden_siz
     dims = dict(zip(DRAFTER_INPUT_NAMES, ((batch, new, (hidden_size,) * 3), (batch, new), (batch, new), (batch,),
                                           (batch, new, new), (batch,)), strict=True))
     dims.update({name: (batch, (num_kv_heads,) * 3, past, (head_dim,) * 3) for name in past_names(2)})
-    return {name: tuple(tuple(d[i] for d in spec) for i in range(3)) for name, spec in dims.items()}  # type: ignore[misc]
+    return {name: _min_opt_max(*spec) for name, spec in dims.items()}
 
 
 def heads_profile(limits: Limits, hidden_size: int) -> Profile:

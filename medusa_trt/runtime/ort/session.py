@@ -127,14 +127,88 @@ def make_session(onnx_path: str | Path, device: str = "cpu", options: OrtSession
     if weights is not None:
         for name, value in weights.initializers(Path(onnx_path)).items():
             so.add_initializer(name, value)
+    model: str | bytes = str(onnx_path)
+    if device == "cpu" and signed_int8_gemm_saturates():
+        import onnx
+
+        proto = onnx.load(str(onnx_path), load_external_data=False)
+        if int8_weights_as_unsigned(proto):
+            model = proto.SerializeToString()  # its external data stays where it is, beside the file
+            so.add_session_config_entry("session.model_external_initializers_file_folder_path",
+                                        str(Path(onnx_path).parent))
     try:
-        session = ort.InferenceSession(str(onnx_path), so, providers=providers)
+        session = ort.InferenceSession(model, so, providers=providers)
     except Exception as e:  # onnxruntime raises its own exception types, one per failure kind
         raise EngineError(f"{onnx_path}: onnxruntime {ort.__version__} cannot load it ({e}); an older "
                           "onnxruntime may lack the engine's opset: rebuild with a lower --opset") from None
     if session.get_providers()[0] != provider:
         raise EngineError(f"{onnx_path}: ONNX Runtime did not enable {provider} (got {session.get_providers()})")
     return session
+
+
+@functools.cache
+def signed_int8_gemm_saturates() -> bool:
+    """Whether this CPU's MatMulIntegerToFloat over uint8 rows and int8 weights loses bits. ONNX
+    Runtime's x86 kernels without VNNI (AVX2, AVX-512 without VNNI) add each pair of u8 x s8 products
+    in int16 (vpmaddubsw), which saturates at 32767: two products of 255 x 127 already pass it. With
+    VNNI (one instruction summing into int32) and on uint8 weights (widened to int16 before the
+    multiply) the sums are exact. Answered once per process by one small graph whose sums saturate
+    if the kernel does: rows of 255 against weights of 127, at 1 and 8 rows."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    k, n = 64, 16
+    inits = [numpy_helper.from_array(np.full((k, n), 127, np.int8), "B"),
+             numpy_helper.from_array(np.array(1.0, np.float32), "S"),
+             numpy_helper.from_array(np.array(128, np.uint8), "Z")]
+    node = helper.make_node("MatMulIntegerToFloat", ["A", "B", "S", "S", "Z"], ["Y"], domain="com.microsoft")
+    graph = helper.make_graph([node], "int8_probe", [helper.make_tensor_value_info("A", TensorProto.UINT8, ["M", k])],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", n])], inits)
+    model = helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 21),
+                                                                   helper.make_opsetid("com.microsoft", 1)])
+    session = ort.InferenceSession(model.SerializeToString(), session_options(OrtSessionOptions(threads=1)),
+                                   providers=["CPUExecutionProvider"])
+    exact = float((255 - 128) * 127 * k)
+    return any(not (session.run(None, {"A": np.full((rows, k), 255, np.uint8)})[0] == exact).all()
+               for rows in (1, 8))
+
+
+def int8_weights_as_unsigned(model) -> int:
+    """Rewrites, in place, each MatMulIntegerToFloat of `model` (an onnx ModelProto) whose weights are
+    an int8 initializer to read them as uint8 (the same values + 128) with zero point 128: the same
+    integer sums, bit for bit, through ONNX Runtime's u8 x u8 kernel, which is exact on every CPU
+    (signed_int8_gemm_saturates). The conversion (Cast to int16, + 128, Cast to uint8) reads
+    initializers only, so the session folds it into one uint8 initializer at load, which it then
+    prepacks as it did the int8 one. Returns the number of nodes rewritten; engine files stay as built."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    graph = model.graph
+    int8 = {t.name for t in graph.initializer if t.data_type == TensorProto.INT8}
+    # Only the form the exporter writes (ops._matmul_int8_translation): no weight zero point of its own.
+    nodes = [n for n in graph.node if n.op_type == "MatMulIntegerToFloat" and n.domain == "com.microsoft"
+             and len(n.input) > 1 and n.input[1] in int8 and (len(n.input) < 6 or not n.input[5])]
+    if not nodes:
+        return 0
+    offset, zero = "int8_as_uint8_offset", "int8_as_uint8_zero_point"
+    graph.initializer.extend([numpy_helper.from_array(np.array(128, np.int16), offset),
+                              numpy_helper.from_array(np.array(128, np.uint8), zero)])
+    conversions, converted = [], {}
+    for node in nodes:
+        weight = node.input[1]
+        if weight not in converted:
+            converted[weight] = f"{weight}_as_uint8"
+            conversions += [helper.make_node("Cast", [weight], [f"{weight}_as_int16"], to=TensorProto.INT16),
+                            helper.make_node("Add", [f"{weight}_as_int16", offset], [f"{weight}_as_int16_plus_128"]),
+                            helper.make_node("Cast", [f"{weight}_as_int16_plus_128"], [converted[weight]],
+                                             to=TensorProto.UINT8)]
+        inputs = list(node.input) + [""] * (6 - len(node.input))  # a_zero_point is input 4, b_zero_point 5
+        inputs[1], inputs[5] = converted[weight], zero
+        del node.input[:]
+        node.input.extend(inputs)
+    rest = list(graph.node)  # the conversions first: an ONNX graph lists its nodes in topological order
+    del graph.node[:]
+    graph.node.extend(conversions + rest)
+    return len(nodes)
 
 
 def matmul_nbits_session(w: torch.Tensor, block_size: int, accuracy_level: int,
