@@ -51,7 +51,9 @@ Graph interface (names are the contract with `medusa_trt.runtime.ort`):
 The heads graph (`model_heads.onnx`) maps hidden [rows, hidden_size] -> medusa_logits [heads, rows,
 vocab]. The fused step graph (`model_step.onnx`, models with heads) is one greedy decoding step:
 the decoder over a tree's tokens, greedy acceptance, the heads at the last accepted node and the
-next tree's tokens (medusa_trt/acceptance.py, the functions the decoding loop runs eagerly):
+next tree's tokens (medusa_trt/acceptance.py, the functions the decoding loop runs eagerly). It is
+the decoder graph itself, node for node, between two small traced parts (the slots with logits
+before it, acceptance and drafting after it: _compose_step), so the decoder is traced once per build:
 
   inputs   input_ids, position_ids, past_lengths, new_mask, past_*   as above (new = tree slots)
            retrieve         [batch, paths, depth + 1] int64  root..leaf slots of each sequence's
@@ -75,6 +77,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -124,6 +127,9 @@ from medusa_trt.quant import (
     nbits_matmul,
 )
 from medusa_trt.tree import candidate_topk
+
+if TYPE_CHECKING:
+    import onnx
 
 log = logging.getLogger(__name__)
 
@@ -237,31 +243,46 @@ def drafter_example_inputs(model: MedusaModel) -> dict:
             "past": tuple(cache.clone() for _ in range(4))}
 
 
-class _FusedStepModule(nn.Module):
-    """The fused greedy step graph (see the module docstring): one session call per decoding step
-    instead of two, and no acceptance or top-k in host code (BENCHMARKS.md has the measured gain).
-    Logits never leave the graph; only their argmax is read."""
+def _step_start(input_ids: torch.Tensor, candidate_index: torch.Tensor):
+    """The first of the slots whose logits the fused step computes: the last W = 1 +
+    len(candidate_index), all of a tree's slots; at a prefill through the step graph
+    (runtime/steps.py: _fused_prefill, the prompt's last token in the last slot) a tree's width
+    instead of the whole prompt's lm_head."""
+    return torch.sym_max(input_ids.shape[1] - (candidate_index.shape[0] + 1), 0)
 
-    def __init__(self, decoder: _ExportModule, k: int):
+
+class _StepRowsModule(nn.Module):
+    """The fused step's first part (see _compose_step): its slots with logits, as the decoder's
+    logit_positions [B, W]."""
+
+    def forward(self, input_ids, candidate_index):
+        start = _step_start(input_ids, candidate_index)
+        return torch.arange(start, input_ids.shape[1], device=input_ids.device)[None].expand(input_ids.shape[0], -1)
+
+
+class _StepAcceptModule(nn.Module):
+    """The fused greedy step after the decoder (see the module docstring and _compose_step): one
+    session call per decoding step instead of two, and no acceptance or top-k in host code
+    (BENCHMARKS.md has the measured gain). It reads the decoder's logits [B, W, V] at the step's
+    slots, only their argmax, and its `hidden`: at those slots too, or at every new row when the
+    decoder graph holds them all (`hidden_all_rows`, a drafter with a cache of its own)."""
+
+    def __init__(self, decoder: _ExportModule, k: int, hidden_all_rows: bool):
         super().__init__()
-        self.decoder, self.k = decoder, k
+        self.decoder, self.k, self.hidden_all_rows = decoder, k, hidden_all_rows
 
-    def forward(self, input_ids, position_ids, past_lengths, new_mask, retrieve, candidate_index, past,
-                drafter_past_lengths=None, drafter_past=None):
-        # Logits only at the last W = 1 + len(candidate_index) slots: all of a tree's slots, and at a
-        # prefill through this graph (runtime/steps.py: _fused_prefill, the prompt's last token in
-        # the last slot) a tree's width instead of the whole prompt's lm_head.
-        b, s = input_ids.shape
-        start = torch.sym_max(s - (candidate_index.shape[0] + 1), 0)
-        rows = torch.arange(start, s, device=input_ids.device)[None].expand(b, -1)
-        logits, hidden, new_k, new_v = self.decoder(input_ids, position_ids, past_lengths, new_mask, rows, past)
+    def forward(self, input_ids, retrieve, candidate_index, logits, hidden, drafter_past_lengths=None,
+                drafter_past=None):
+        b = input_ids.shape[0]
+        start = _step_start(input_ids, candidate_index)
+        first = 0 if self.hidden_all_rows else start  # the slot of hidden's first row
         argmax = logits.argmax(-1)
         argmax = torch.cat([argmax.new_zeros(b, start), argmax], dim=1)  # [B, S] by slot; < start never read
         best, accepted = greedy_accept(retrieve, input_ids, argmax)
         path = path_of(retrieve, best)  # [B, D+1]
         last = path.gather(1, accepted[:, None])  # [B, 1] slot whose outputs continue
         root = argmax.gather(1, last).squeeze(1)
-        h = hidden.gather(1, (last - start)[:, :, None].expand(-1, -1, hidden.shape[-1]))[:, 0]  # [B, d]
+        h = hidden.gather(1, (last - first)[:, :, None].expand(-1, -1, hidden.shape[-1]))[:, 0]  # [B, d]
         # A tree of depth D drafts with heads 0..D-1 only: the others' lm_head rows are not computed
         # (on an int4 engine with tree [[0]], 1 of 4 rows; docs/benchmarks/issue-13-int4.md). A tree
         # chosen per step is as deep as its deepest path (a context chain may be deeper than the heads).
@@ -269,14 +290,14 @@ class _FusedStepModule(nn.Module):
         torch._check(depth >= 1)
         used = torch.sym_min(depth, self.decoder.model.drafter.num_heads)
         if drafter_past is not None:  # a drafter with its own cache: it takes the committed path first
-            top, logp, dk, dv = self._cached_draft(path, accepted, argmax, hidden, start, drafter_past_lengths,
+            top, logp, dk, dv = self._cached_draft(path, accepted, argmax, hidden, first, drafter_past_lengths,
                                                    drafter_past)
             top, logp = top.narrow(1, 0, used), logp.narrow(1, 0, used)
-            return best, accepted, candidates_from_topk(root, top, candidate_index), top, logp, dk, dv, new_k, new_v
+            return best, accepted, candidates_from_topk(root, top, candidate_index), top, logp, dk, dv
         top, logp = self.decoder.draft.topk(h, self.k, used)  # [B, used, k] each
-        return best, accepted, candidates_from_topk(root, top, candidate_index), top, logp, new_k, new_v
+        return best, accepted, candidates_from_topk(root, top, candidate_index), top, logp
 
-    def _cached_draft(self, path, accepted, argmax, hidden, start, past_lengths, past):
+    def _cached_draft(self, path, accepted, argmax, hidden, first, past_lengths, past):
         """The accepted path's rows [B, D+1] (the first accepted + 1 valid) appended to the drafter's
         cache with the token chosen after each (the argmax at each node: the next accepted token, then
         the new root), drafts at the last. Returns the top-k ids [B, K, k] and the rows' K/V [2, B,
@@ -296,7 +317,7 @@ class _FusedStepModule(nn.Module):
         valid = j[None] <= accepted[:, None]  # [B, D+1]
         slots = path.clamp(min=0)
         after = argmax.gather(1, slots)
-        h = hidden.gather(1, (slots - start).clamp(min=0)[..., None].expand(-1, -1, hidden.shape[-1]))
+        h = hidden.gather(1, (slots - first).clamp(min=0)[..., None].expand(-1, -1, hidden.shape[-1]))
         t = past[0].shape[2]
         prefix = torch.arange(t, device=path.device)[None, None, :] < past_lengths[:, None, None]
         new = (torch.ones(n, n, dtype=torch.bool, device=path.device).tril()[None] & valid[:, None, :]) | torch.eye(
@@ -405,6 +426,96 @@ class ExportResult:
     drafter_path: Path | None = None  # the drafter graph of a drafter with a cache (_DrafterModule)
 
 
+def _export_step(model: MedusaModel, wrapper: _ExportModule, decoder_program, hidden_all_rows: bool, opset: int,
+                 table: dict, dims: tuple) -> onnx.ModelProto:
+    """The fused step graph: the decoder graph just exported (`decoder_program`, model.onnx's own
+    graph) between two small traced parts, _StepRowsModule before it and _StepAcceptModule after
+    (_compose_step). Tracing only the parts around the decoder, not the decoder a second time, halves
+    an engine build's export time, and a step's decoder is then the plain step's graph itself."""
+    from torch.export import Dim
+
+    batch, new, past, logits = dims
+    inputs = step_example_inputs(model)
+    cached = model.drafter.has_cache
+    rows_program = torch.onnx.export(
+        _StepRowsModule().eval(), (), kwargs={"input_ids": inputs["input_ids"], "candidate_index": inputs["candidate_index"]},
+        dynamic_shapes={"input_ids": {0: batch, 1: new}, "candidate_index": {0: Dim("candidates")}},
+        input_names=["input_ids", "candidate_index"], output_names=["logit_positions"], opset_version=opset,
+        dynamo=True, optimize=True, verbose=False)
+    b, s = inputs["input_ids"].shape
+    w = s  # the example's slots all have logits: 1 + 7 candidates >= 6 slots
+    accept_inputs = {"input_ids": inputs["input_ids"], "retrieve": inputs["retrieve"],
+                     "candidate_index": inputs["candidate_index"],
+                     "logits": torch.zeros(b, w, model.cfg.vocab_size, dtype=model.dtype),
+                     "hidden": torch.zeros(b, s if hidden_all_rows else w, model.cfg.hidden_size, dtype=model.dtype)}
+    shapes = {"input_ids": {0: batch, 1: new}, "retrieve": {0: batch, 1: Dim("paths"), 2: Dim("path_length")},
+              "candidate_index": {0: Dim("candidates")}, "logits": {0: batch, 1: logits},
+              "hidden": {0: batch, 1: new if hidden_all_rows else logits}}
+    if cached:
+        accept_inputs.update(drafter_past_lengths=inputs["drafter_past_lengths"], drafter_past=inputs["drafter_past"])
+        shapes.update(drafter_past_lengths={0: batch},
+                      drafter_past=tuple({0: batch, 2: Dim("drafter_past")} for _ in range(4)))
+    outputs = step_outputs(cached)
+    accept_outputs = [n for n in outputs if n not in ("present_keys", "present_values")]
+    accept_program = torch.onnx.export(
+        _StepAcceptModule(wrapper, step_topk(model), hidden_all_rows).eval(), (), kwargs=accept_inputs,
+        dynamic_shapes=shapes, input_names=[*accept_inputs.keys()][:5] + ([*DRAFTER_STEP_INPUTS] if cached else []),
+        output_names=accept_outputs, opset_version=opset, dynamo=True, custom_translation_table=table or None,
+        optimize=True, verbose=False)
+    inputs_order = [*STEP_INPUT_NAMES, *past_names(model.cfg.num_layers), *(DRAFTER_STEP_INPUTS if cached else ())]
+    return _compose_step(rows_program.model_proto, decoder_program.model_proto, accept_program.model_proto,
+                         inputs_order, list(outputs))
+
+
+def _compose_step(rows: onnx.ModelProto, decoder: onnx.ModelProto, accept: onnx.ModelProto, inputs: list[str],
+                  outputs: list[str]) -> onnx.ModelProto:
+    """One graph of the three: `rows` computes the decoder's logit_positions, `decoder` is the decoder
+    graph as exported, and `accept` reads its logits and hidden. Names in `rows` and `accept` other than
+    the step's own inputs and outputs get a prefix of their part, so nothing clashes with the decoder's."""
+    import onnx
+
+    shared = set(inputs) | set(outputs) | {"logit_positions", "logits", "hidden"}
+    for part, prefix in ((rows, "step_rows/"), (accept, "step_accept/")):
+        _rename(part.graph, lambda name, prefix=prefix: name if name in shared else prefix + name)
+    graphs = (rows.graph, decoder.graph, accept.graph)
+    infos = {v.name: v for g in graphs for v in (*g.input, *g.output)}
+    graph = onnx.helper.make_graph(
+        [n for g in graphs for n in g.node], decoder.graph.name + "_step",
+        [infos[name] for name in inputs], [infos[name] for name in outputs],
+        [t for g in graphs for t in g.initializer],
+        value_info=[*(v for g in graphs for v in g.value_info), infos["logits"], infos["hidden"],
+                    infos["logit_positions"]])
+    functions = {(f.domain, f.name, f.overload): f for m in (rows, decoder, accept) for f in m.functions}
+    opsets = {o.domain: o.version for m in (rows, decoder, accept) for o in m.opset_import}
+    composed = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid(d, v) for d, v in opsets.items()],
+                                      functions=list(functions.values()), ir_version=decoder.ir_version,
+                                      producer_name=decoder.producer_name, producer_version=decoder.producer_version)
+    return composed
+
+
+def _rename(graph: onnx.GraphProto, rename: Callable[[str], str]) -> None:
+    """Renames, in place, every value, initializer and node of `graph` and of its subgraphs (the
+    exporter writes an If for a symbolic max), whose references to outer values follow them."""
+    import onnx
+
+    for node in graph.node:
+        node.name = rename(node.name) if node.name else ""
+        for values in (node.input, node.output):
+            names = [rename(n) if n else "" for n in values]
+            del values[:]
+            values.extend(names)
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                _rename(attribute.g, rename)
+            elif attribute.type == onnx.AttributeProto.GRAPHS:
+                for g in attribute.graphs:
+                    _rename(g, rename)
+    for t in graph.initializer:
+        t.name = rename(t.name)
+    for v in (*graph.input, *graph.output, *graph.value_info):
+        v.name = rename(v.name)
+
+
 def export_onnx(
     model: MedusaModel,
     path: str | Path,
@@ -441,6 +552,7 @@ def export_onnx(
         import onnxscript  # noqa: F401  (torch.onnx's exporter needs it; fail with a clear message)
     except ImportError as e:
         raise RuntimeError("ONNX export needs the 'onnxscript' package (pip install onnxscript)") from e
+    import onnx
     from torch.export import Dim
 
     path = Path(path)
@@ -500,25 +612,11 @@ def export_onnx(
                 input_names=[HEADS_INPUT], output_names=[HEADS_OUTPUT], opset_version=opset, dynamo=True,
                 custom_translation_table=table or None, optimize=True, verbose=False,
             )
-        step_program = None
+        step_model = None
         if cfg.num_medusa_heads and fused_step:
-            step_inputs = step_example_inputs(model)
-            step_shapes = {**{k: v for k, v in dynamic_shapes.items() if k != "logit_positions"},
-                           "retrieve": {0: batch, 1: Dim("paths"), 2: Dim("path_length")},
-                           "candidate_index": {0: Dim("candidates")}}
-            if cached_drafter:
-                step_shapes.update(drafter_past_lengths={0: batch},
-                                   drafter_past=tuple({0: batch, 2: Dim("drafter_past")} for _ in range(4)))
-            step_shapes = {k: step_shapes[k] for k in step_inputs}  # the module's argument order
             on_stage("export fused step graph")
-            step_program = torch.onnx.export(
-                _FusedStepModule(wrapper, step_topk(model)).eval(), (), kwargs=step_inputs,
-                dynamic_shapes=step_shapes,
-                input_names=[*STEP_INPUT_NAMES, *past_names(cfg.num_layers),
-                             *(DRAFTER_STEP_INPUTS if cached_drafter else ())],
-                output_names=list(step_outputs(cached_drafter)), opset_version=opset, dynamo=True,
-                custom_translation_table=table or None, optimize=True, verbose=False,
-            )
+            step_model = _export_step(model, wrapper, program, hidden_all_rows, opset, table,
+                                      (batch, new, past, logits))
     on_stage("save graphs")
     path.parent.mkdir(parents=True, exist_ok=True)
     program.save(path, external_data=external_data)
@@ -531,9 +629,9 @@ def export_onnx(
         drafter_path = path.with_name(path.stem + "_drafter.onnx")
         drafter_program.save(drafter_path, external_data=external_data)
     step_path = None
-    if step_program is not None:
+    if step_model is not None:
         step_path = path.with_name(path.stem + "_step.onnx")
-        step_program.save(step_path, external_data=external_data)
+        onnx.save_model(step_model, step_path, save_as_external_data=external_data, location=step_path.name + ".data")
     files = [p for p in (path, heads_path, step_path, drafter_path) if p is not None]
     if external_data:
         files += sorted(p for p in path.parent.glob(path.stem + "*.data"))
