@@ -426,6 +426,9 @@ class ExportResult:
     drafter_path: Path | None = None  # the drafter graph of a drafter with a cache (_DrafterModule)
 
 
+_TORCH_DTYPES = {1: torch.float32, 10: torch.float16, 16: torch.bfloat16}  # onnx.TensorProto FLOAT, FLOAT16, BFLOAT16
+
+
 def _export_step(model: MedusaModel, wrapper: _ExportModule, decoder_program, hidden_all_rows: bool, opset: int,
                  table: dict, dims: tuple) -> onnx.ModelProto:
     """The fused step graph: the decoder graph just exported (`decoder_program`, model.onnx's own
@@ -442,12 +445,15 @@ def _export_step(model: MedusaModel, wrapper: _ExportModule, decoder_program, hi
         dynamic_shapes={"input_ids": {0: batch, 1: new}, "candidate_index": {0: Dim("candidates")}},
         input_names=["input_ids", "candidate_index"], output_names=["logit_positions"], opset_version=opset,
         dynamo=True, optimize=True, verbose=False)
+    decoder = decoder_program.model_proto
+    # The decoder's outputs as it typed them (logits are float32 in a float16 graph too).
+    dtypes = {o.name: _TORCH_DTYPES[o.type.tensor_type.elem_type] for o in decoder.graph.output}
     b, s = inputs["input_ids"].shape
     w = s  # the example's slots all have logits: 1 + 7 candidates >= 6 slots
     accept_inputs = {"input_ids": inputs["input_ids"], "retrieve": inputs["retrieve"],
                      "candidate_index": inputs["candidate_index"],
-                     "logits": torch.zeros(b, w, model.cfg.vocab_size, dtype=model.dtype),
-                     "hidden": torch.zeros(b, s if hidden_all_rows else w, model.cfg.hidden_size, dtype=model.dtype)}
+                     "logits": torch.zeros(b, w, model.cfg.vocab_size, dtype=dtypes["logits"]),
+                     "hidden": torch.zeros(b, s if hidden_all_rows else w, model.cfg.hidden_size, dtype=dtypes["hidden"])}
     shapes = {"input_ids": {0: batch, 1: new}, "retrieve": {0: batch, 1: Dim("paths"), 2: Dim("path_length")},
               "candidate_index": {0: Dim("candidates")}, "logits": {0: batch, 1: logits},
               "hidden": {0: batch, 1: new if hidden_all_rows else logits}}
@@ -463,7 +469,7 @@ def _export_step(model: MedusaModel, wrapper: _ExportModule, decoder_program, hi
         output_names=accept_outputs, opset_version=opset, dynamo=True, custom_translation_table=table or None,
         optimize=True, verbose=False)
     inputs_order = [*STEP_INPUT_NAMES, *past_names(model.cfg.num_layers), *(DRAFTER_STEP_INPUTS if cached else ())]
-    return _compose_step(rows_program.model_proto, decoder_program.model_proto, accept_program.model_proto,
+    return _compose_step(rows_program.model_proto, decoder, accept_program.model_proto,
                          inputs_order, list(outputs))
 
 
