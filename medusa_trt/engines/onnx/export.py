@@ -433,11 +433,11 @@ def _export_step(model: MedusaModel, wrapper: _ExportModule, decoder_program, hi
                  table: dict, dims: tuple) -> onnx.ModelProto:
     """The fused step graph: the decoder graph just exported (`decoder_program`, model.onnx's own
     graph) between two small traced parts, _StepRowsModule before it and _StepAcceptModule after
-    (_compose_step). Tracing only the parts around the decoder, not the decoder a second time, halves
-    an engine build's export time, and a step's decoder is then the plain step's graph itself."""
+    (_compose_step). A build then traces the decoder once, not twice (tracing is most of a build's
+    time), and a step's decoder is the plain step's graph itself."""
     from torch.export import Dim
 
-    batch, new, past, logits = dims
+    batch, new, logits = dims
     inputs = step_example_inputs(model)
     cached = model.drafter.has_cache
     rows_program = torch.onnx.export(
@@ -621,8 +621,7 @@ def export_onnx(
         step_model = None
         if cfg.num_medusa_heads and fused_step:
             on_stage("export fused step graph")
-            step_model = _export_step(model, wrapper, program, hidden_all_rows, opset, table,
-                                      (batch, new, past, logits))
+            step_model = _export_step(model, wrapper, program, hidden_all_rows, opset, table, (batch, new, logits))
     on_stage("save graphs")
     path.parent.mkdir(parents=True, exist_ok=True)
     program.save(path, external_data=external_data)
