@@ -169,7 +169,7 @@ def _int8_session(module, x: torch.Tensor, path, opened_as: str = "engine"):
         module.matmul = int8_matmul
     program.save(path)
     if opened_as == "engine":
-        session = make_session(path, "cpu")
+        session = make_session(path, "cpu", int8_weights=True)
     else:
         model = onnx.load(str(path))
         if opened_as == "uint8":

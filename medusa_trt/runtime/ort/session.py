@@ -9,11 +9,15 @@ import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from medusa_trt.engine_dir import EngineError
+
+if TYPE_CHECKING:
+    import onnx
 
 _PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 
@@ -76,13 +80,13 @@ class SharedWeights:
         self._file = np.memmap(path, dtype=np.uint8, mode="r")
         self._values: dict[tuple, object] = {}
 
-    def initializers(self, onnx_path: Path) -> dict[str, object]:
-        """OrtValues over the mapping for the graph's initializers stored in this file."""
+    def initializers(self, onnx_path: Path, graph: onnx.GraphProto) -> dict[str, object]:
+        """OrtValues over the mapping for the initializers of `graph` (onnx_path's, loaded without
+        its external data) stored in this file."""
         import onnx
         import onnxruntime as ort
         from onnx.helper import tensor_dtype_to_np_dtype
 
-        graph = onnx.load(str(onnx_path), load_external_data=False).graph
         out = {}
         for t in graph.initializer:
             info = {e.key: e.value for e in t.external_data}
@@ -116,26 +120,31 @@ def execution_provider(device: str) -> str:
 
 
 def make_session(onnx_path: str | Path, device: str = "cpu", options: OrtSessionOptions | None = None,
-                 prepack: bool = True, weights: SharedWeights | None = None):
+                 prepack: bool = True, weights: SharedWeights | None = None, int8_weights: bool = False):
     """An InferenceSession on exactly `device`: a missing provider is an error, never a CPU fall back.
-    `weights`: the engine's shared weights file, mapped once for all its sessions."""
+    `weights`: the engine's shared weights file, mapped once for all its sessions. `int8_weights`:
+    the graph may hold int8 MatMulIntegerToFloat weights (engine.json weights.format "int8"), which
+    a CPU whose kernel saturates reads as uint8 (int8_weights_as_unsigned); other graphs open as
+    they are, without a look inside."""
     import onnxruntime as ort
 
     provider = execution_provider(device)
     providers = [provider] if device == "cpu" else [provider, "CPUExecutionProvider"]  # CPU only for shape ops
     so = session_options(options, prepack=prepack)
-    if weights is not None:
-        for name, value in weights.initializers(Path(onnx_path)).items():
-            so.add_initializer(name, value)
-    model: str | bytes = str(onnx_path)
-    if device == "cpu" and signed_int8_gemm_saturates():
+    unsigned = int8_weights and device == "cpu" and signed_int8_gemm_saturates()
+    proto = None
+    if weights is not None or unsigned:  # the graph, without its weights, read once for both uses
         import onnx
 
         proto = onnx.load(str(onnx_path), load_external_data=False)
-        if int8_weights_as_unsigned(proto):
-            model = proto.SerializeToString()  # its external data stays where it is, beside the file
-            so.add_session_config_entry("session.model_external_initializers_file_folder_path",
-                                        str(Path(onnx_path).parent))
+    if weights is not None:
+        for name, value in weights.initializers(Path(onnx_path), proto.graph).items():
+            so.add_initializer(name, value)
+    model: str | bytes = str(onnx_path)
+    if unsigned and int8_weights_as_unsigned(proto):
+        model = proto.SerializeToString()  # its external data stays where it is, beside the file
+        so.add_session_config_entry("session.model_external_initializers_file_folder_path",
+                                    str(Path(onnx_path).parent))
     try:
         session = ort.InferenceSession(model, so, providers=providers)
     except Exception as e:  # onnxruntime raises its own exception types, one per failure kind
@@ -173,7 +182,7 @@ def signed_int8_gemm_saturates() -> bool:
                for rows in (1, 8))
 
 
-def int8_weights_as_unsigned(model) -> int:
+def int8_weights_as_unsigned(model: onnx.ModelProto) -> int:
     """Rewrites, in place, each MatMulIntegerToFloat of `model` (an onnx ModelProto) whose weights are
     an int8 initializer to read them as uint8 (the same values + 128) with zero point 128: the same
     integer sums, bit for bit, through ONNX Runtime's u8 x u8 kernel, which is exact on every CPU
