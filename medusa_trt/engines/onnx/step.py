@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 
     from medusa_trt.engines.onnx.export import _ExportModule
 
+STACK_TRACE = "pkg.torch.onnx.stack_trace"  # node metadata the exporter writes; engines leave it out
+
 
 def _step_start(input_ids: torch.Tensor, candidate_index: torch.Tensor):
     """The first of the slots whose logits the fused step computes: the last W = 1 +
@@ -182,6 +184,7 @@ def _compose_step(rows: onnx.ModelProto, decoder: onnx.ModelProto, accept: onnx.
     shared = set(inputs) | set(outputs) | {"logit_positions", "logits", "hidden"}
     for part, prefix in ((rows, "step_rows/"), (accept, "step_accept/")):
         _rename(part.graph, lambda name, prefix=prefix: name if name in shared else prefix + name)
+        _drop_stack_traces(part.graph)
     graphs = (rows.graph, decoder.graph, accept.graph)
     infos = {v.name: v for g in graphs for v in (*g.input, *g.output)}
     graph = onnx.helper.make_graph(
@@ -196,6 +199,19 @@ def _compose_step(rows: onnx.ModelProto, decoder: onnx.ModelProto, accept: onnx.
                                       functions=list(functions.values()), ir_version=decoder.ir_version,
                                       producer_name=decoder.producer_name, producer_version=decoder.producer_version)
     return composed
+
+
+def _drop_stack_traces(graph: onnx.GraphProto) -> None:
+    """export.py's _drop_stack_traces for a graph proto and its subgraphs, in place."""
+    import onnx
+
+    for node in graph.node:
+        kept = [p for p in node.metadata_props if p.key != STACK_TRACE]
+        del node.metadata_props[:]
+        node.metadata_props.extend(kept)
+        for attribute in node.attribute:
+            for g in ([attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else attribute.graphs):
+                _drop_stack_traces(g)
 
 
 def _rename(graph: onnx.GraphProto, rename: Callable[[str], str]) -> None:

@@ -206,3 +206,26 @@ def test_step_is_capacity_independent(ort_engine, tiny_merged):
         feeds[name] = big
     for a, b in zip(sess.run(None, feeds), small, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_exports_share_one_torchlib_registry_and_each_gets_its_own_copy():
+    """A build's exports take copies of one registry of aten -> ONNX functions (export.py:
+    _one_torchlib_registry): the same functions as the registry torch.onnx builds itself, and a
+    custom op one export registers stays out of the next export's copy."""
+    from torch.onnx._internal.exporter._registration import ONNXRegistry
+
+    from medusa_trt.engines.onnx.export import _one_torchlib_registry
+    from medusa_trt.engines.onnx.ops import int4_translations
+
+    original = ONNXRegistry.__dict__["from_torchlib"].__func__
+    fresh = ONNXRegistry.from_torchlib(23)
+    with _one_torchlib_registry():
+        first = ONNXRegistry().from_torchlib(opset_version=23)
+        for op, fn in int4_translations().items():
+            first.register_op(op, fn)
+        second = ONNXRegistry().from_torchlib(opset_version=23)
+    assert ONNXRegistry.__dict__["from_torchlib"].__func__ is original  # restored on exit
+    assert second.functions.keys() == fresh.functions.keys() and second.opset_version == fresh.opset_version
+    assert all([d.onnx_function for d in second.functions[k]] == [d.onnx_function for d in fresh.functions[k]]
+               for k in fresh.functions)
+    assert len(first.functions) > len(second.functions)

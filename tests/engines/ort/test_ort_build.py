@@ -14,6 +14,7 @@ runtime, engine_dir) import from here.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -86,6 +87,23 @@ def test_int4_engine_parity(ort_engine, tiny_merged, level, exact, batch, past, 
     bits = sorted({next(a.i for a in n.attribute if a.name == "bits") for n in nodes})
     assert bits == ([4, 8] if exact else [4])
     assert {len(n.input) for n in nodes} == ({3} if exact else {4})  # offsets: no zero points
+
+
+def test_engine_graphs_name_no_path_of_the_build_machine(ort_engine):
+    """The exporter records each node's Python stack trace (files of the build machine by absolute
+    path, a per-process counter): engines leave it out, so a graph's bytes come from the checkpoint
+    and the options, not from where or in which process it was built."""
+    import onnx
+
+    import medusa_trt
+
+    engine = ort_engine("llama")
+    graphs = sorted(engine.glob("*.onnx"))
+    assert {p.name for p in graphs} >= {"model.onnx", "model_heads.onnx", "model_step.onnx"}
+    for path in graphs:
+        data = onnx.load(str(path), load_external_data=False).SerializeToString()
+        assert b"pkg.torch.onnx.stack_trace" not in data, path.name
+        assert str(Path(medusa_trt.__file__).parent).encode() not in data, path.name
 
 
 def test_no_cache_in_place_flag(tiny_merged, tmp_path):
