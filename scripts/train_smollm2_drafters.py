@@ -528,10 +528,13 @@ def load_base(gguf: Path, device: torch.device):
     """The base in float32 on `device`, from its GGUF or a Hugging Face model dir (the tests' tiny bases)."""
     from transformers import AutoModelForCausalLM
 
+    from medusa_trt.converter.gguf import one_gguf_parse
+
     if gguf.is_dir():
         model = AutoModelForCausalLM.from_pretrained(gguf, dtype=torch.float32)
     else:
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        with one_gguf_parse():  # one parse of the file, not four (converter/gguf.py)
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     return model.to(device).eval()
 
 
