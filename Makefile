@@ -21,7 +21,7 @@ demo: setup
 	$(PY) -m medusa_trt.cli.demo --workdir build/demo
 
 # Two workers, whole files per worker; the workers share the tiny checkpoints and engines they build,
-# and the slowest files start first (tests/conftest.py). 17 min on an idle 2-core Xeon (2026-11-28); 13 min
+# and the slowest files start first (tests/conftest.py). 17 min on an idle 2-core Xeon (2026-11-28); 11-13 min
 # on a 2-core AMD EPYC AVX2 (2026-11-29, pytest; docs/benchmarks/issue-35-amphista.md (ai)).
 TEST_WORKERS ?= 2
 test: setup
