@@ -57,11 +57,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -95,7 +93,8 @@ from medusa_trt.engines.onnx.ops import (
     int4_translations,
     int8_translations,
 )
-from medusa_trt.engines.onnx.step import STACK_TRACE, export_step
+from medusa_trt.engines.onnx.step import export_step
+from medusa_trt.engines.onnx.tracing import drop_stack_traces, one_torchlib_registry, quiet_exporter
 from medusa_trt.modeling import MedusaModel, sliding_window_mask
 from medusa_trt.quant import (
     FP8Module,
@@ -107,9 +106,6 @@ from medusa_trt.quant import (
     nbits_matmul,
 )
 from medusa_trt.tree import candidate_topk
-
-if TYPE_CHECKING:
-    pass
 
 log = logging.getLogger(__name__)
 
@@ -247,67 +243,6 @@ def step_topk(model: MedusaModel) -> int:
 
 
 @contextlib.contextmanager
-def _quiet_exporter() -> Iterator[None]:
-    """The exporter warns (Python warnings and its logger) about internals we do not control, such
-    as torchvision not being installed; errors still raise."""
-    logger = logging.getLogger("torch.onnx")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        logger.setLevel(level)
-
-
-def _drop_stack_traces(program) -> None:
-    """Removes the Python stack trace the exporter records on every node (a torch.onnx ONNXProgram,
-    in place): it names files of the build machine by absolute path, and a counter of the process's
-    traced functions, so the same checkpoint gave other graph bytes in another build or folder."""
-    import onnx_ir as ir
-
-    for node in ir.traversal.RecursiveGraphIterator(program.model.graph):
-        node.metadata_props.pop(STACK_TRACE, None)
-
-
-_TORCHLIB_REGISTRIES: dict[tuple, object] = {}  # (registry class, opset) -> torch.onnx's registry, built once
-
-
-@contextlib.contextmanager
-def _one_torchlib_registry() -> Iterator[None]:
-    """Every torch.onnx.export builds its registry of aten -> ONNX functions anew, reading the source
-    of ~500 onnxscript functions: ~2 s of each export, and a build exports four graphs (a tiny
-    model's build 17 s -> 9 s). While open, each export gets a copy of one registry built once per
-    process (a copy: the export adds the build's custom ops to it). torch.onnx's private API: where it
-    differs (another torch), exports build their own registry as before."""
-    try:
-        from torch.onnx._internal.exporter._registration import ONNXRegistry
-
-        original = ONNXRegistry.__dict__["from_torchlib"].__func__
-        ONNXRegistry().functions  # noqa: B018  (the attribute the copy fills)
-    except (ImportError, KeyError, AttributeError):
-        yield
-        return
-
-    def from_torchlib(cls, *args, **kwargs):
-        key = (cls, *args, *sorted(kwargs.items()))
-        if key not in _TORCHLIB_REGISTRIES:
-            _TORCHLIB_REGISTRIES[key] = original(cls, *args, **kwargs)
-        built = _TORCHLIB_REGISTRIES[key]
-        registry = cls()
-        registry._opset_version = built._opset_version
-        registry.functions = {target: list(decomps) for target, decomps in built.functions.items()}
-        return registry
-
-    ONNXRegistry.from_torchlib = classmethod(from_torchlib)
-    try:
-        yield
-    finally:
-        ONNXRegistry.from_torchlib = classmethod(original)
-
-
-@contextlib.contextmanager
 def _export_mode(model: MedusaModel, form: AttentionForm, wrapper: nn.Module) -> Iterator[None]:
     """Swaps the attention form, the int4 ops and the FP8 ops for the duration of the trace."""
     saved = [layer.attend for layer in model.layers]
@@ -432,7 +367,7 @@ def export_onnx(
         external_data = weight_bytes > MAX_PROTOBUF_BYTES - (64 << 20)  # leave room for the graph itself
     if external_data:
         log.info("%s: %.2f GB of weights go to external data files", path, weight_bytes / 1e9)
-    with _export_mode(model, form, wrapper), torch.no_grad(), _quiet_exporter(), _one_torchlib_registry():
+    with _export_mode(model, form, wrapper), torch.no_grad(), quiet_exporter(), one_torchlib_registry():
         on_stage("export decoder graph")
         wrapper.hidden_all_rows = hidden_all_rows
         program = torch.onnx.export(
@@ -463,7 +398,7 @@ def export_onnx(
             )
         for p in (program, heads_program, drafter_program):
             if p is not None:
-                _drop_stack_traces(p)
+                drop_stack_traces(p)
         step_model = None
         if cfg.num_medusa_heads and fused_step:
             on_stage("export fused step graph")

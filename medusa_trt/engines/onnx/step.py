@@ -31,14 +31,11 @@ from torch import nn
 
 from medusa_trt.acceptance import candidates_from_topk, greedy_accept, path_of
 from medusa_trt.engine_dir import DRAFTER_STEP_INPUTS, STEP_INPUT_NAMES, past_names, step_outputs
+from medusa_trt.engines.onnx.tracing import drop_stack_traces
 from medusa_trt.modeling import MedusaModel
 
 if TYPE_CHECKING:
     import onnx
-
-    from medusa_trt.engines.onnx.export import _ExportModule
-
-STACK_TRACE = "pkg.torch.onnx.stack_trace"  # node metadata the exporter writes; engines leave it out
 
 
 def _step_start(input_ids: torch.Tensor, candidate_index: torch.Tensor):
@@ -65,7 +62,7 @@ class _StepAcceptModule(nn.Module):
     slots, only their argmax, and its `hidden`: at those slots too, or at every new row when the
     decoder graph holds them all (`hidden_all_rows`, a drafter with a cache of its own)."""
 
-    def __init__(self, decoder: _ExportModule, k: int, hidden_all_rows: bool):
+    def __init__(self, decoder: nn.Module, k: int, hidden_all_rows: bool):  # export.py's _ExportModule
         super().__init__()
         self.decoder, self.k, self.hidden_all_rows = decoder, k, hidden_all_rows
 
@@ -131,7 +128,7 @@ class _StepAcceptModule(nn.Module):
 _TORCH_DTYPES = {1: torch.float32, 10: torch.float16, 16: torch.bfloat16}  # onnx.TensorProto FLOAT, FLOAT16, BFLOAT16
 
 
-def export_step(model: MedusaModel, wrapper: _ExportModule, decoder: onnx.ModelProto, inputs: dict, topk: int,
+def export_step(model: MedusaModel, wrapper: nn.Module, decoder: onnx.ModelProto, inputs: dict, topk: int,
                 hidden_all_rows: bool, opset: int, table: dict, dims: tuple) -> onnx.ModelProto:
     """The fused step graph: the decoder graph just exported (`decoder`, model.onnx's own graph)
     between two small traced parts, _StepRowsModule before it and _StepAcceptModule after
@@ -170,6 +167,8 @@ def export_step(model: MedusaModel, wrapper: _ExportModule, decoder: onnx.ModelP
         output_names=accept_outputs, opset_version=opset, dynamo=True, custom_translation_table=table or None,
         optimize=True, verbose=False)
     inputs_order = [*STEP_INPUT_NAMES, *past_names(model.cfg.num_layers), *(DRAFTER_STEP_INPUTS if cached else ())]
+    for program in (rows_program, accept_program):
+        drop_stack_traces(program)
     return _compose_step(rows_program.model_proto, decoder, accept_program.model_proto,
                          inputs_order, list(outputs))
 
@@ -184,7 +183,6 @@ def _compose_step(rows: onnx.ModelProto, decoder: onnx.ModelProto, accept: onnx.
     shared = set(inputs) | set(outputs) | {"logit_positions", "logits", "hidden"}
     for part, prefix in ((rows, "step_rows/"), (accept, "step_accept/")):
         _rename(part.graph, lambda name, prefix=prefix: name if name in shared else prefix + name)
-        _drop_stack_traces(part.graph)
     graphs = (rows.graph, decoder.graph, accept.graph)
     infos = {v.name: v for g in graphs for v in (*g.input, *g.output)}
     graph = onnx.helper.make_graph(
@@ -199,19 +197,6 @@ def _compose_step(rows: onnx.ModelProto, decoder: onnx.ModelProto, accept: onnx.
                                       functions=list(functions.values()), ir_version=decoder.ir_version,
                                       producer_name=decoder.producer_name, producer_version=decoder.producer_version)
     return composed
-
-
-def _drop_stack_traces(graph: onnx.GraphProto) -> None:
-    """export.py's _drop_stack_traces for a graph proto and its subgraphs, in place."""
-    import onnx
-
-    for node in graph.node:
-        kept = [p for p in node.metadata_props if p.key != STACK_TRACE]
-        del node.metadata_props[:]
-        node.metadata_props.extend(kept)
-        for attribute in node.attribute:
-            for g in ([attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else attribute.graphs):
-                _drop_stack_traces(g)
 
 
 def _rename(graph: onnx.GraphProto, rename: Callable[[str], str]) -> None:

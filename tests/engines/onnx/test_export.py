@@ -209,17 +209,17 @@ def test_step_is_capacity_independent(ort_engine, tiny_merged):
 
 
 def test_exports_share_one_torchlib_registry_and_each_gets_its_own_copy():
-    """A build's exports take copies of one registry of aten -> ONNX functions (export.py:
-    _one_torchlib_registry): the same functions as the registry torch.onnx builds itself, and a
+    """A build's exports take copies of one registry of aten -> ONNX functions (tracing.py:
+    one_torchlib_registry): the same functions as the registry torch.onnx builds itself, and a
     custom op one export registers stays out of the next export's copy."""
     from torch.onnx._internal.exporter._registration import ONNXRegistry
 
-    from medusa_trt.engines.onnx.export import _one_torchlib_registry
     from medusa_trt.engines.onnx.ops import int4_translations
+    from medusa_trt.engines.onnx.tracing import one_torchlib_registry
 
     original = ONNXRegistry.__dict__["from_torchlib"].__func__
     fresh = ONNXRegistry.from_torchlib(23)
-    with _one_torchlib_registry():
+    with one_torchlib_registry():
         first = ONNXRegistry().from_torchlib(opset_version=23)
         for op, fn in int4_translations().items():
             first.register_op(op, fn)
