@@ -414,8 +414,11 @@ def validate_config(config: dict, path: Path) -> None:
         req(config, key, float, positive=True)
     req(config, "dtype", str, choices=tuple(CONFIG_DTYPES))
     req(config, "logits_dtype", str, choices=tuple(CONFIG_DTYPES))
-    for key in ("architecture", "model_type", "hidden_act", "position_embedding_type"):
+    for key in ("architecture", "model_type"):
         req(config, key, str)
+    # What the model computes: values it does not read would be decoded as if they were these.
+    req(config, "hidden_act", str, choices=("silu",))
+    req(config, "position_embedding_type", str, choices=("rope_gpt_neox",))
     for key in ("attn_bias", "mlp_bias", "use_parallel_embedding", "tie_word_embeddings"):
         req(config, key, bool)
     req(config, "sliding_window", int, positive=True)
@@ -435,7 +438,7 @@ def validate_config(config: dict, path: Path) -> None:
     quant = req(config, "quantization", dict)
     if quant is not None:
         for key in ("quant_algo", "kv_cache_quant_algo"):
-            req(quant, key, str, "quantization.")
+            req(quant, key, str, "quantization.", choices=("FP8",))
         req(quant, "exclude_modules", list, "quantization.")
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         v = config.get(key)
@@ -447,10 +450,27 @@ def validate_config(config: dict, path: Path) -> None:
         req(ours, "drafter", str, "medusa_trt.")
         if ours.get("draft_vocab") is not None:
             check_draft_vocab(ours["draft_vocab"], config.get("vocab_size"), f"{path}: medusa_trt.draft_vocab")
+        if ours.get("drafter") == "amphista":
+            _check_amphista(config, ours, path)
     if config.get("num_attention_heads") and config.get("num_key_value_heads") and (
             config["num_attention_heads"] % config["num_key_value_heads"]):
         raise CheckpointError(f"{path}: num_attention_heads {config['num_attention_heads']} is not a multiple of "
                               f"num_key_value_heads {config['num_key_value_heads']}")
+
+
+def _check_amphista(config: dict, ours: dict, path: Path) -> None:
+    """The Amphista drafter's shape block (medusa_trt.amphista), and its head count beside the
+    config's num_medusa_heads, which the runtime's trees read."""
+    from medusa_trt.drafters.amphista import AmphistaConfig
+
+    try:
+        shape = AmphistaConfig.from_dict(ours.get("amphista"), str(path))
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(str(e)) from None
+    heads = config.get("num_medusa_heads")
+    if isinstance(heads, int) and heads != shape.num_heads:
+        raise CheckpointError(f"{path}: num_medusa_heads {heads}, but medusa_trt.amphista.num_heads is "
+                              f"{shape.num_heads}; expected the drafter's head count in both")
 
 
 def validate_checkpoint(directory: str | os.PathLike, *, strict: bool = True) -> list[str]:

@@ -44,6 +44,11 @@ def read_samples(path: str | Path, *, any_suffix_is_text: bool = False, what: st
             raise DataError(f"{path}:{n}: not valid JSON ({getattr(e, 'msg', e)}); expected an object like {{\"text\": \"...\"}}") from None
         if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
             raise DataError(f"{path}:{n}: expected an object with a string 'text' field, got {line[:60]!r}")
+        try:
+            obj["text"].encode("utf-8")
+        except UnicodeEncodeError as e:  # a JSON escape of half a surrogate pair, which no tokenizer reads
+            raise DataError(f"{path}:{n}: 'text' holds {obj['text'][e.start]!r} at character {e.start}, half a "
+                            "surrogate pair; expected valid Unicode text") from None
         if obj["text"]:
             samples.append(obj["text"])
     if not samples:

@@ -270,6 +270,11 @@ def check_graph(engine: dict, graph: str | Path, inputs: dict[str, list], output
         what = ", ".join([f"lacks {missing[:4]}"] * bool(missing) + [f"has unexpected inputs {extra[:4]}"] * bool(extra))
         raise EngineError(f"{graph}: {what}; engine.json records {engine['model']['num_layers']} layers "
                           "(engine.json and the graph disagree: rebuild the engine)")
+    past = inputs.get("past_key_0") or []
+    for axis, key in ((1, "num_kv_heads"), (3, "head_dim")):  # the cache is [batch, kv heads, positions, head dim]
+        if len(past) == 4 and isinstance(past[axis], int) and past[axis] != engine["model"][key]:
+            raise EngineError(f"{graph}: input 'past_key_0' has {key} {past[axis]}, engine.json records model.{key} "
+                              f"{engine['model'][key]} (engine.json and the graph disagree: rebuild the engine)")
     heads = engine["medusa"]["num_heads"]
     first = (outputs.get(HEADS_OUTPUT) or [None])[0]
     if isinstance(first, int) and first != heads:
@@ -281,6 +286,17 @@ def check_graph(engine: dict, graph: str | Path, inputs: dict[str, list], output
         if isinstance(last, int) and last != vocab:
             raise EngineError(f"{graph}: output {name!r} has vocabulary dim {last}, engine.json records "
                               f"model.vocab_size {vocab} (engine.json and the graph disagree: rebuild the engine)")
+
+
+def check_positions(engine: dict, graph: str | Path, proto_graph) -> None:
+    """engine.json's limits.max_seq_len against the rotary tables the graph holds (`proto_graph`, an
+    onnx GraphProto): a position past a table's end fails inside ONNX Runtime mid-decode."""
+    limit = engine["limits"]["max_seq_len"]
+    tables = {t.name: t.dims[0] for t in proto_graph.initializer if len(t.dims) == 2}
+    for node in proto_graph.node:
+        if node.op_type == "RotaryEmbedding" and len(node.input) > 2 and tables.get(node.input[2], limit) < limit:
+            raise EngineError(f"{graph}: its rotary tables hold {tables[node.input[2]]} positions, engine.json records "
+                              f"limits.max_seq_len {limit} (engine.json and the graph disagree: rebuild the engine)")
 
 
 def check_weight_format(engine: dict, graph: str | Path, ops: set[str]) -> None:

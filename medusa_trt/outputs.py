@@ -10,15 +10,35 @@ from __future__ import annotations
 
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from medusa_trt.errors import MedusaTrtError
 
 
-def check_output_dir(out: Path, force: bool, error: type[MedusaTrtError] = MedusaTrtError) -> None:
-    """Refuses what atomic_output_dir would refuse, before any work is done."""
+def replaced_input(out: Path, inputs: Iterable[Path | str | None], *, directory: bool) -> Path | None:
+    """The first of `inputs` (files or directories the command reads) that writing `out` would
+    replace or delete, whatever --force says: the same path; for a directory `out`, an input inside
+    it (replacing the directory deletes what it holds); for a file `out`, an input directory holding
+    it directly (an engine's engine.json, a checkpoint's config.json)."""
+    target = out.resolve()
+    for src in inputs:
+        if src is None:
+            continue
+        source = Path(src).resolve()
+        if target == source or (directory and source.is_relative_to(target)) or \
+                (not directory and source.is_dir() and target.parent == source):
+            return Path(src)
+    return None
+
+
+def check_output_dir(out: Path, force: bool, error: type[MedusaTrtError] = MedusaTrtError,
+                     inputs: Iterable[Path | str | None] = ()) -> None:
+    """Refuses what atomic_output_dir would refuse, before any work is done; `inputs`: what the
+    command reads, which --out must not be or hold (replaced_input)."""
+    if (src := replaced_input(out, inputs, directory=True)) is not None:
+        raise error(f"{out}: --out must not be or contain the input {src}")
     if out.is_symlink() or (out.exists() and not out.is_dir()):
         raise error(f"{out}: --out exists and is not a directory (a file is never replaced, even with --force)")
     if out.is_dir() and any(out.iterdir()) and not force:
@@ -31,12 +51,13 @@ def check_output_dir(out: Path, force: bool, error: type[MedusaTrtError] = Medus
 
 
 @contextmanager
-def atomic_output_dir(out: str | Path, force: bool = False,
-                      error: type[MedusaTrtError] = MedusaTrtError) -> Iterator[Path]:
+def atomic_output_dir(out: str | Path, force: bool = False, error: type[MedusaTrtError] = MedusaTrtError,
+                      inputs: Iterable[Path | str | None] = ()) -> Iterator[Path]:
     """with atomic_output_dir(out, force) as tmp: write into tmp; on a normal exit tmp becomes `out`
-    (an existing `out` is replaced only with force); on any exception nothing is left behind."""
+    (an existing `out` is replaced only with force, and never when it is or holds one of `inputs`);
+    on any exception nothing is left behind."""
     out = Path(out)
-    check_output_dir(out, force, error)
+    check_output_dir(out, force, error, inputs)
     created = []  # parents made here, removed again on failure
     parent = out.parent
     while not parent.exists():

@@ -145,6 +145,9 @@ def _parse_header(path: Path, f) -> tuple[dict[str, str], dict[str, TensorInfo],
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}: corrupt safetensors header: not valid JSON ({e})") from None
+    except RecursionError:  # nested past the parser's stack; a real header is two levels deep
+        raise CheckpointError(f"{path}: corrupt safetensors header: JSON nested too deep; expected an object of "
+                              "{dtype, shape, data_offsets} entries") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: corrupt safetensors header: expected a JSON object, "
                               f"got {type(header).__name__}")

@@ -37,6 +37,9 @@ MAX_TREE_TEXT = 256 * 1024
 MAX_TREE_NESTING = 8
 # TensorRT-LLM's C++ runtime packs each node's rank into 4 bits: ranks >= 16 collide or throw there.
 TRTLLM_MAX_RANK = 15
+# A rank is an index into a head's top-k of a vocabulary of int32 token ids: one at or past 2**31
+# fits no vocabulary (and past 2**63, no int64 array), whatever the engine.
+MAX_RANK = 2**31
 
 
 class TreeError(MedusaTrtError):
@@ -209,8 +212,11 @@ def check_trtllm_ranks(nodes: list[list[int]], where: str = "medusa_choices") ->
                         f"expected ranks <= {TRTLLM_MAX_RANK}")
 
 
-def validate_and_expand(choices: list, num_heads: int, max_draft_len: int | None = None) -> list[list[int]]:
-    """Check paths, add missing prefixes, and return the nodes sorted by (depth, path)."""
+def validate_and_expand(choices: list, num_heads: int, max_draft_len: int | None = None,
+                        vocab_size: int | None = None) -> list[list[int]]:
+    """Check paths (ranks below `vocab_size` when given, and below MAX_RANK always), add missing
+    prefixes, and return the nodes sorted by (depth, path)."""
+    bound = min(vocab_size, MAX_RANK) if vocab_size is not None else MAX_RANK
     if not isinstance(choices, (list, tuple)) or not choices:
         raise TreeError(f"medusa_choices: got {_short(choices)}; expected a non-empty list of paths")
     given: set[tuple[int, ...]] = set()
@@ -224,6 +230,9 @@ def validate_and_expand(choices: list, num_heads: int, max_draft_len: int | None
                 raise TreeError(f"{where}: rank {r!r} ({type(r).__name__}) is not an integer")
             if r < 0:
                 raise TreeError(f"{where}: rank {r} is negative; expected ranks >= 0")
+            if r >= bound:
+                vocab = f"the vocabulary ({vocab_size} tokens)" if bound == vocab_size else "any vocabulary"
+                raise TreeError(f"{where}: rank {r} is beyond {vocab}; expected ranks < {bound}")
         if len(path) > num_heads:
             raise TreeError(f"{where}: depth {len(path)} exceeds num_heads={num_heads}; "
                             "expected depth <= number of Medusa heads")

@@ -25,6 +25,7 @@ from medusa_trt.cli.common import (
     add_threads_arg,
     add_tree_arg,
     check_output_file,
+    input_paths,
     new_parser,
     ort_session_options,
     positive_int,
@@ -81,7 +82,7 @@ def _main(argv: list[str] | None = None) -> int:
 
         hf_logging.disable_progress_bar()
 
-    check_output_file(args.json, args.force, "--json")  # before the run, not after it
+    check_output_file(args.json, args.force, "--json", input_paths(args))  # before the run, not after it
     try:
         if not args.engine.is_dir():
             raise BenchError(f"{args.engine}: --engine directory not found")
@@ -135,7 +136,7 @@ def _main(argv: list[str] | None = None) -> int:
         report["plain"]["speedup_vs_hf_generate"] = round(report["plain"]["tokens_per_s"] / hf["tokens_per_s"], 4)
     print(format_report(report))
     if args.json:
-        write_output_file(args.json, json.dumps(report, indent=2) + "\n", args.force, "--json")
+        write_output_file(args.json, json.dumps(report, indent=2) + "\n", args.force, "--json", input_paths(args))
     return 0
 
 

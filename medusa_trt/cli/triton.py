@@ -14,8 +14,8 @@ from medusa_trt.cli.common import (
     add_threads_arg,
     add_tree_arg,
     new_parser,
-    nonnegative_int,
     positive_int,
+    queue_delay_us,
     run_cli,
 )
 from medusa_trt.runtime.config import ACCEPTANCE
@@ -40,7 +40,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-input-len", type=positive_int,
                    help="longest prompt in tokens (default: all the engine allows)")
     p.add_argument("--max-output-len", type=positive_int, help="largest max_tokens (default: all the engine allows)")
-    p.add_argument("--max-queue-delay-us", type=nonnegative_int, default=1000,
+    p.add_argument("--max-queue-delay-us", type=queue_delay_us, default=1000,
                    help="dynamic batcher delay (default 1000)")
     add_device_arg(p, help="device for the engine: cpu or cuda (default: the engine's own)")
     add_threads_arg(p, default=0, help="ONNX Runtime intra-op threads per model instance (the PyTorch reference's "

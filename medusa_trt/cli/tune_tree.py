@@ -19,6 +19,7 @@ from medusa_trt.cli.common import (
     add_spin_arg,
     add_threads_arg,
     check_output_file,
+    input_paths,
     new_parser,
     ort_session_options,
     positive_int,
@@ -70,7 +71,7 @@ def _main(argv: list[str] | None = None) -> int:
     from medusa_trt.runtime.loading import load_backend, load_tokenizer, stop_tokens
     from medusa_trt.tools.bench import BenchError, compare, load_prompts
 
-    check_output_file(args.out, args.force)  # before the minutes of tuning, not after
+    check_output_file(args.out, args.force, inputs=input_paths(args))  # before the minutes of tuning, not after
     try:
         if not args.engine.is_dir():
             raise BenchError(f"{args.engine}: --engine directory not found")
@@ -107,7 +108,7 @@ def _main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # BenchError, TreeError, EngineError, DataError: bad input, explained
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
-    write_output_file(args.out, tt.dump_json(result), args.force)
+    write_output_file(args.out, tt.dump_json(result), args.force, inputs=input_paths(args))
     print(tt.format_report(result))
     chosen = result["medusa_choices"]
     what = chosen if isinstance(chosen, str) else f"{len(chosen)} nodes"

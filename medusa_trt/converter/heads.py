@@ -178,10 +178,11 @@ def _amphista(path: Path, base: BaseModel) -> MedusaHeads:
         shape = AmphistaConfig.from_dict(config.get("amphista"), str(config_path))
     except (TypeError, ValueError) as e:
         raise ConvertError(str(e).replace("medusa_trt.amphista", "amphista")) from None
-    d = base.hf_config.get("hidden_size")
-    if config.get("hidden_size") != d:
-        raise ConvertError(f"{config_path}: hidden_size {config.get('hidden_size')!r} does not match the base "
-                           f"hidden_size {d} ({base.config_path})")
+    for key in ("hidden_size", "vocab_size"):  # vocab_size: optional, as drafters written before it lacked it
+        value, want = config.get(key), base.hf_config.get(key)
+        if (key == "hidden_size" or value is not None) and value != want:
+            raise ConvertError(f"{config_path}: {key} {value!r} does not match the base {key} {want} "
+                               f"({base.config_path})")
     source = TensorSource.open([path / AMPHISTA_FILE])
     heads = MedusaHeads("amphista", path, source, True, shape.num_heads, 0, shape.lm_head == "own",
                         {(0, None, n): n for n in source.names()}, config, config_path)

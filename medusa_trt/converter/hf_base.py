@@ -420,6 +420,10 @@ class Piece:
             if self.source.shapes[key] != shape:
                 raise ConvertError(f"{self.source.where[key]}: tensor {key!r} has shape "
                                    f"{list(self.source.shapes[key])}, expected {list(shape)} for {what}")
+            dtype = self.source.dtypes.get(key)
+            if dtype is not None and not dtype.is_floating_point:  # a cast would turn its codes into weights
+                raise ConvertError(f"{self.source.where[key]}: tensor {key!r} has dtype {str(dtype).removeprefix('torch.')}, "
+                                   f"expected floating-point weights for {what}")
 
     def load(self, dtype: torch.dtype) -> torch.Tensor:
         parts = []

@@ -35,7 +35,6 @@ from medusa_trt.converter.hf_base import (
     base_pieces,
     default_out_dtype,
     read_base,
-    same_dir,
     source_dtype,
 )
 from medusa_trt.converter.quantize import EXCLUDED_HEADS as EXCLUDED_HEADS_PATTERN
@@ -126,13 +125,6 @@ def build_config(base: BaseModel, heads: MedusaHeads, *, dtype: str, tp_size: in
     return config
 
 
-def _check_out(out: Path, force: bool, inputs: list[Path]) -> None:
-    check_output_dir(out, force, ConvertError)
-    for src in inputs:
-        if same_dir(out, src) or src.resolve().is_relative_to(out.resolve()):
-            raise ConvertError(f"{out}: --out must not be or contain the input {src}")
-
-
 def convert(base: str | Path, heads: str | Path | None, out: str | Path, *, dtype: str | None = None,
             tp_size: int = 1, max_draft_len: int = DEFAULT_MAX_DRAFT_LEN, force: bool = False,
             progress: bool = True, quant: QuantOptions | None = None) -> ConvertSummary:
@@ -154,7 +146,7 @@ def convert(base: str | Path, heads: str | Path | None, out: str | Path, *, dtyp
     if max_draft_len < 1:
         raise ConvertError(f"--max-draft-len {max_draft_len}: expected a positive integer")
     quant.check()
-    _check_out(out, force, [p for p in (base_dir, heads_path) if p is not None and p.exists()])
+    check_output_dir(out, force, ConvertError, (base_dir, heads_path))
     texts = None
     if quant.active:  # a missing or empty file fails here, before any weight is read
         try:
@@ -195,7 +187,7 @@ def convert(base: str | Path, heads: str | Path | None, out: str | Path, *, dtyp
         if quant.active:
             load, calib = _calibrated(base_model, config, pieces, quant, texts, progress)
 
-        with atomic_output_dir(out, force, ConvertError) as tmp:
+        with atomic_output_dir(out, force, ConvertError, (base_dir, heads_path)) as tmp:
             _write(tmp, config, load, progress)
             if base_model.tokenizer is not None:
                 base_model.tokenizer.save_pretrained(tmp)

@@ -50,6 +50,9 @@ class AmphistaConfig:
 
     @classmethod
     def from_dict(cls, d: dict | None, where: str = "config") -> AmphistaConfig:
+        if d is not None and not isinstance(d, dict):
+            raise ValueError(f"{where}: medusa_trt.amphista {d!r:.60}: expected an object of the drafter's shape "
+                             "(num_heads, sal_intermediate_size, aeb_layers, lm_head)")
         d = dict(d or {})
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names)

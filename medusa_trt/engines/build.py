@@ -114,15 +114,13 @@ def build_engine(opts: BuildOptions, also: Callable[[Path], None] | None = None)
         raise BuildError(str(e)) from None
     check_options(opts, config)
     tree = recorded_tree(opts, config)
-    check_output_dir(opts.out, opts.force, BuildError)
+    check_output_dir(opts.out, opts.force, BuildError, (opts.checkpoint, opts.datastore))
     # The datastore's text is read (and refused) before any engine work; indexed into the temp dir.
     sequences = datastore.read_source(opts.datastore, opts.checkpoint) if opts.datastore is not None else None
     if sequences is not None:
         _datastore_advice(opts, sum(len(s) for s in sequences))
-    if opts.out.resolve() == opts.checkpoint.resolve() or opts.checkpoint.resolve().is_relative_to(opts.out.resolve()):
-        raise BuildError(f"{opts.out}: --out must not be or contain the checkpoint {opts.checkpoint}")
 
-    with atomic_output_dir(opts.out, opts.force, BuildError) as tmp:
+    with atomic_output_dir(opts.out, opts.force, BuildError, (opts.checkpoint, opts.datastore)) as tmp:
         backend_part = BUILDERS[opts.backend](opts, config, tmp)
         _copy_tokenizer(opts.checkpoint, tmp, (config.get("medusa_trt") or {}).get("base_model_type")
                         or config.get("model_type"))
@@ -185,7 +183,7 @@ def recorded_tree(opts: BuildOptions, config: dict) -> tuple[list[list[int]] | s
             dynamic_tree(parsed.text, heads, candidate_topk(int(config["vocab_size"])), limit)  # fits the engine
             spec = str(parsed)
             return spec, "per-step trees" if spec == str(opts.tree).strip() else f"{Path(str(opts.tree)).name}: {spec}"
-        nodes = validate_and_expand(parse_medusa_choices(opts.tree), heads, limit)
+        nodes = validate_and_expand(parse_medusa_choices(opts.tree), heads, limit, int(config["vocab_size"]))
     except TreeError as e:
         raise BuildError(f"--tree: {e}") from None
     spec = str(opts.tree) if isinstance(opts.tree, (str, Path)) else "given"

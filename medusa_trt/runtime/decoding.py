@@ -99,6 +99,15 @@ def step_tree(info: ModelInfo, medusa_choices: object = None, context: bool = Tr
     return StepTree.of(build_tree(spec, info.num_medusa_heads, info.max_draft_len, info.chains_only), info.vocab_size)
 
 
+def check_room(info: ModelInfo, prompts: list[list[int]], max_new_tokens: int, depth: int) -> None:
+    """Refuses a decode whose longest prompt, new tokens and one tree of `depth` pass the engine's
+    max_seq_len (ValueError), before any work: the CLIs check it before they print anything."""
+    longest = max(len(p) for p in prompts)
+    if longest + max_new_tokens + depth > info.max_seq_len:
+        raise ValueError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) + tree depth ({depth}) "
+                         f"exceeds the model's maximum sequence length {info.max_seq_len}")
+
+
 def _seeds(cfg: GenerationConfig, n: int, seeds: list[int] | None) -> list[int]:
     if seeds is not None:
         if len(seeds) != n or not all(is_int(s) for s in seeds):
@@ -134,13 +143,8 @@ def _generate(backend: Backend, prompts: list[list[int]], cfg: GenerationConfig,
     tree = step_tree(info, cfg.medusa_choices, cfg.context_candidates, cfg.slot_cost) if cfg.use_medusa else None
     plan = step_plan(backend, cfg, tree)
     depth = tree.max_depth if tree else 0
-    longest = max(len(p) for p in prompts)
-    if longest + cfg.max_new_tokens + depth > info.max_seq_len:
-        raise ValueError(
-            f"prompt ({longest} tokens) + max_new_tokens ({cfg.max_new_tokens}) + tree depth ({depth}) "
-            f"exceeds the model's maximum sequence length {info.max_seq_len}"
-        )
-    n = len(prompts)
+    check_room(info, prompts, cfg.max_new_tokens, depth)
+    longest, n = max(len(p) for p in prompts), len(prompts)
     sampler = Sampler(cfg, _seeds(cfg, n, seeds)) if cfg.acceptance == "sample" else None
     stats = stats if stats is not None else [SequenceStats() for _ in prompts]
     width = tree.num_slots if tree else 1

@@ -237,7 +237,7 @@ def write_triton_repo(
         (root / model_name / "config.pbtxt").write_text(config)
         (root / model_name / "1" / "model.py").write_text(MODEL_PY)
 
-    return _write_atomically(Path(out_dir), fill, force)
+    return _write_atomically(Path(out_dir), fill, force, (info.directory, engine_dir_as))
 
 
 # --- TensorRT-LLM (tensorrtllm_backend layout) ---------------------------------------------------
@@ -415,7 +415,7 @@ def write_trtllm_triton_repo(
         for name, source in sources.items():  # self-contained files: the TensorRT-LLM image lacks medusa_trt
             shutil.copyfile(source, root / name / "1" / "model.py")
 
-    return _write_atomically(Path(out_dir), fill, force)
+    return _write_atomically(Path(out_dir), fill, force, (engine, tokenizer_dir))
 
 
 # --- helpers -------------------------------------------------------------------------------------
@@ -476,11 +476,12 @@ def _default_tree(medusa_choices: object, info: EngineInfo | None) -> list[list[
         raise RepoError(f"default tree{where}: {err}") from None
 
 
-def _write_atomically(out: Path, fill: Callable[[Path], None], force: bool) -> Path:
-    """fill(tmp) writes the repository into a fresh temp dir beside `out`, renamed into place."""
+def _write_atomically(out: Path, fill: Callable[[Path], None], force: bool, inputs: tuple) -> Path:
+    """fill(tmp) writes the repository into a fresh temp dir beside `out`, renamed into place; `out`
+    must not be or hold `inputs` (the engine it serves), which replacing it would delete."""
     if out.exists() and not force:
         raise RepoError(f"{out}: already exists (pass force=True / --force to replace it)")
-    with atomic_output_dir(out, force, RepoError) as tmp:
+    with atomic_output_dir(out, force, RepoError, inputs) as tmp:
         fill(tmp)
     return out
 

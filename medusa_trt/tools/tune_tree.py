@@ -496,9 +496,16 @@ def _tune(backend, calib, max_nodes, max_new_tokens, stop_token_ids, topk, reps,
         reference = main_chain(reference) if info.chains_only else reference  # what this engine would run
     except TreeError:
         pass  # fewer heads or a smaller max_draft_len than the reference tree needs: no comparison
-    largest = max(max_nodes, len(reference) if reference else 0) + 1
-    # Cache length for the timings: the middle of a typical request.
+    # Cache length for the timings: the middle of a typical request, then one tree of up to `largest` rows.
     context = seqs[0][: len(calib[0]) + max_new_tokens // 2]
+    room = info.max_seq_len - len(context) - 1
+    if reference is not None and len(reference) + 1 > room:
+        reference = None  # the reference tree does not fit this engine after the context: no comparison
+    largest = max(max_nodes, len(reference) if reference else 0) + 1
+    if largest > room:
+        raise ValueError(f"the engine's max_seq_len {info.max_seq_len} leaves {room} positions after a timing context "
+                         f"of {len(context)} tokens, too few for trees of {max_nodes} nodes; lower --max-nodes or "
+                         "--max-new-tokens, or rebuild the engine with a larger --max-seq-len")
     raw, plain_ms = measure_forward_ms(backend, context, largest, reps, progress=progress)
     if info.chains_only:
         host_trees = [[[0] * (d + 1) for d in range(n)] for n in sorted({min(2, max_nodes), max_nodes})]

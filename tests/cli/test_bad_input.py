@@ -186,6 +186,31 @@ def _bad_draft_vocab(c: Ctx) -> Path:
 
 DRAFT_VOCAB_ERROR = ["config.json", "medusa_trt.draft_vocab", "token id 300", "0..255"]
 
+
+def _int_weights(c: Ctx) -> Path:
+    """A copy of the base whose lm_head holds int32 codes where float weights belong."""
+    d = c.copy(c.base, "b")
+    tensors = load_file(d / "model.safetensors")
+    name = next(n for n in sorted(tensors) if n.endswith("down_proj.weight"))
+    tensors[name] = (tensors[name] * 1000).to(dtype=__import__("torch").int32)
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    return d
+
+
+def _deep_header(c: Ctx) -> Path:
+    """A copy of the checkpoint whose safetensors header is JSON nested past the parser's stack."""
+    d = c.copy(c.ckpt, "ck")
+    header = b"[" * 100000
+    (d / "rank0.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+    return d
+
+
+def _garbage_graph(c: Ctx) -> Path:
+    """A copy of the engine whose model.onnx is garbage and whose engine.json no longer hashes it."""
+    d = _engine_dir_with(c, lambda data: data["artifacts"].pop("model.onnx") and None)
+    (d / "model.onnx").write_bytes(b"\x08\xff" * 64)
+    return d
+
 # (id, cli, argv(ctx), substrings the error line must hold)
 CASES = [
     # -- medusa-convert: HF base config.json, weights, --out --------------------------------------
@@ -351,6 +376,62 @@ CASES = [
      ["--json is a directory"]),
     ("bench-prompts-not-utf8", BENCH, lambda c: ["--engine", str(c.ckpt), "--prompts", str(c.write("p.txt", b"\xfe\n"))],
      ["p.txt", "UTF-8"]),
+    # -- trees, prompts, tensors and engine.json values the checks above did not reach -------------
+    ("run-tree-rank-past-int64", RUN, lambda c: run_args(c, None, "--medusa-choices", "[[0], [99999999999999999999999]]"),
+     ["rank 99999999999999999999999", "beyond any vocabulary"]),
+    ("build-tree-rank-beyond-vocab", BUILD, lambda c: build_args(c, None, None, "--tree", "[[0], [300]]"),
+     ["--tree", "rank 300", "beyond the vocabulary (256 tokens)"]),
+    ("run-prompts-lone-surrogate", RUN,
+     lambda c: ["--engine", str(c.engine), "--prompts", str(c.write("p.jsonl", '{"text": "ab\\ud800"}\n')),
+                "--max-new-tokens", "4"], ["p.jsonl:1", "surrogate"]),
+    ("convert-int32-weights", CONVERT, lambda c: convert_args(c, _int_weights(c)),
+     ["model.safetensors", "down_proj.weight", "dtype int32", "floating-point"]),
+    ("run-checkpoint-header-nested-deep", RUN, lambda c: run_ckpt_args(c, _deep_header(c)),
+     ["rank0.safetensors", "nested too deep"]),
+    ("run-engine-seq-beyond-its-tables", RUN,
+     lambda c: run_args(c, _engine_dir_with(c, _set("limits.max_seq_len", 10**6))),
+     ["model.onnx", "rotary tables", "limits.max_seq_len 1000000"]),
+    ("run-engine-head-dim-edited", RUN, lambda c: run_args(c, _engine_dir_with(c, _set("model.head_dim", 32))),
+     ["model.onnx", "past_key_0", "head_dim"]),
+    ("run-engine-graph-garbage-unhashed", RUN, lambda c: run_args(c, _garbage_graph(c)),
+     ["model.onnx", "not a readable ONNX graph"]),
+    ("run-checkpoint-amphista-block-not-object", RUN,
+     lambda c: run_ckpt_args(c, _ckpt_with("medusa_trt", {"drafter": "amphista", "amphista": 5})(c)),
+     ["config.json", "medusa_trt.amphista 5", "expected an object"]),
+    ("run-checkpoint-gelu", RUN, lambda c: run_ckpt_args(c, _ckpt_with("hidden_act", "gelu")(c)),
+     ["config.json", "hidden_act", "'gelu'", "'silu'"]),
+    ("run-checkpoint-fp4", RUN, lambda c: run_ckpt_args(c, _ckpt_with("quantization.quant_algo", "FP4")(c)),
+     ["config.json", "quantization.quant_algo", "'FP4'"]),
+    ("run-threads-past-any-cpu", RUN, lambda c: run_args(c, None, "--threads", "99999999999999999999999"),
+     ["--threads", "at most 1024"]),
+    ("triton-device-unknown", TRITON, lambda c: ["--engine", str(c.engine), "--out", str(c.out), "--device", "tpu"],
+     ["--device", "'tpu'", "cuda"]),
+    ("triton-queue-delay-past-uint64", TRITON,
+     lambda c: ["--engine", str(c.engine), "--out", str(c.out), "--max-queue-delay-us", "99999999999999999999999"],
+     ["--max-queue-delay-us", "at most 10**9"]),
+    ("serve-workdir-is-a-file", ("medusa-serve", serve_main),
+     lambda c: ["--repo", str(c.copy(c.ckpt, "repo")), "--workdir", str(_file(c))], ["a_file", "not a directory"]),
+    ("train-base-dtype-int32", TRAIN,
+     lambda c: ["--base", str(_base_with("dtype", "int32")(c)), "--data", str(c.write("d.txt", "a b c\n")),
+                "--out", str(c.out), "--quiet"], ["config.json", "dtype 'int32'", "float32"]),
+    # -- an output never replaces an input, even with --force --------------------------------------
+    ("triton-out-is-the-engine", TRITON, lambda c: ["--engine", str(c.copy(c.engine, "e")), "--out", str(c.tmp / "e"),
+                                                    "--force"], ["--out must not be or contain the input"]),
+    ("build-triton-repo-is-the-checkpoint", BUILD,
+     lambda c: build_args(c, None, None, "--triton-repo", str(c.ckpt), "--force"),
+     ["--out must not be or contain the input"]),
+    ("check-json-in-the-engine", CHECK,
+     lambda c: ["--engine", str(c.copy(c.engine, "e")), "--json", str(c.tmp / "e" / "engine.json"), "--force"],
+     ["engine.json", "--json is in the input directory"]),
+    ("bench-json-is-the-prompts", BENCH,
+     lambda c: ["--engine", str(c.ckpt), "--prompts", str(c.write("p.txt", "a b c\n")), "--json", str(c.tmp / "p.txt"),
+                "--force"], ["p.txt", "--json is the input"]),
+    ("tune-tree-out-in-the-engine", TUNE,
+     lambda c: ["--engine", str(c.copy(c.engine, "e")), "--prompts", str(c.write("cal.txt", "a b c\n")),
+                "--out", str(c.tmp / "e" / "tree.json"), "--no-measure", "--quiet"], ["--out is in the input directory"]),
+    ("train-out-is-the-base", TRAIN,
+     lambda c: ["--base", str(c.copy(c.base, "b")), "--data", str(c.write("d.txt", "a b c\n")), "--out", str(c.tmp / "b"),
+                "--force", "--quiet"], ["b/config.json", "is the input"]),
     ("train-data-deep-jsonl", TRAIN,
      lambda c: ["--base", str(c.base), "--data", str(c.write("d.jsonl", "[" * 100000 + "\n")), "--out", str(c.out),
                 "--quiet"],
@@ -380,7 +461,7 @@ def _leftovers(root: Path) -> list[str]:
 def test_bad_input(name, cli, argv, expected, fixtures, tmp_path, capsys):
     ctx = Ctx(tmp_path, *fixtures)
     args = argv(ctx)
-    before = {p: p.read_bytes() for p in tmp_path.glob("a_file")}
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}  # inputs included
     capsys.readouterr()
     prog, main = cli
     assert exit_code(main, args) == 2
@@ -392,7 +473,7 @@ def test_bad_input(name, cli, argv, expected, fixtures, tmp_path, capsys):
         assert part in err[0], (part, err[0])
     assert "tree file '.'" not in err[0]
     assert not ctx.out.exists() and not _leftovers(tmp_path)
-    assert {p: p.read_bytes() for p in tmp_path.glob("a_file")} == before  # a file is never replaced
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before  # no file is replaced
 
 
 def test_the_corpus_covers_every_console_script():

@@ -272,9 +272,12 @@ def test_amphista_from_sharegpt_self_distilled_and_resumed_from_its_cache(tiny_b
     assert train_cli.main([*args, "--out", str(tmp_path / "b")]) == 0  # resumes: the chunks are read, not redone
     assert [c.stat().st_mtime_ns for c in chunks] == stamps
     assert "held-out top-1" in capsys.readouterr().out
+    # A damaged chunk is computed again, with a warning, not a traceback (run c reads it back)
+    chunks[0].write_bytes(b"not a chunk")
     # --bf16 reaches the Amphista steps (it once trained the Medusa heads only): the same run under
     # bfloat16 autocast ends elsewhere, where a rerun in float32 ends on the same bits
     assert train_cli.main([*args, "--out", str(tmp_path / "c")]) == 0
+    assert "not a readable cache chunk" in capsys.readouterr().err and torch.load(chunks[0], weights_only=True)
     assert train_cli.main([*args, "--out", str(tmp_path / "d"), "--bf16"]) == 0
     from safetensors.torch import load_file
 

@@ -41,6 +41,7 @@ from medusa_trt.engine_dir import (
     EngineError,
     check_artifacts,
     check_graph,
+    check_positions,
     check_weight_format,
     graph_outputs,
     past_names,
@@ -204,13 +205,18 @@ class OrtBackend(Backend):
             if file is None:
                 continue
             path = self.engine_dir / file
-            graph = onnx.load(str(path), load_external_data=False).graph
+            try:
+                graph = onnx.load(str(path), load_external_data=False).graph
+            except Exception as e:  # noqa: BLE001 - protobuf's DecodeError and kin: the file is not a graph
+                raise EngineError(f"{path}: not a readable ONNX graph ({type(e).__name__}); the engine dir is damaged: "
+                                  "rebuild the engine") from None
             writes = any(o.name.startswith("present_key_") for o in graph.output)
             if name in ("session", "step_session") and writes != self.in_place:
                 raise EngineError(f"{path}: the graph {'writes' if writes else 'does not write'} the cache in place "
                                   f"(present_key_* outputs), engine.json records onnx.cache_in_place {self.in_place} "
                                   "(engine.json and the graph disagree: rebuild the engine)")
             check_graph(engine, path, *io(graph), *expected[name])
+            check_positions(engine, path, graph)
             if name == "session":
                 check_weight_format(engine, path, {n.op_type for n in graph.node})
 

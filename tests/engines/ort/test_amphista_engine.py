@@ -259,6 +259,9 @@ def _broken(amphista, tmp_path, edit) -> str:
     ("hidden", "hidden_size 32 does not match the base hidden_size 64"),
     ("heads", "num_heads 0: expected an integer >= 1"),
     ("nan", "NaN"),
+    ("int32", "'fc2.weight' has dtype int32, expected floating-point weights"),
+    ("vocab", "vocab_size 300 does not match the base vocab_size"),
+    ("block", "amphista [4]: expected an object"),
 ])
 def test_a_bad_drafter_is_one_clear_error_and_nothing_is_written(amphista, tmp_path, case, expect):
     def edit(t, c):
@@ -274,6 +277,12 @@ def test_a_bad_drafter_is_one_clear_error_and_nothing_is_written(amphista, tmp_p
             c["amphista"]["num_heads"] = 0
         elif case == "nan":
             t["pos_embed"][0, 0] = float("nan")
+        elif case == "int32":  # integer codes are not weights: cast, they would be garbage
+            t["fc2.weight"] = t["fc2.weight"].mul(1000).to(torch.int32)
+        elif case == "vocab":
+            c["vocab_size"] = 300
+        elif case == "block":
+            c["amphista"] = [4]
 
     msg = _broken(amphista, tmp_path, edit)
     assert expect in msg, msg
