@@ -48,6 +48,9 @@ def parse_messages(value: object, where: str = "messages") -> list[dict[str, str
         except ValueError as e:
             raise ChatError(f"{where}: not JSON ({e}); expected a list such as "
                             '[{"role": "user", "content": "Hi"}]') from None
+        except RecursionError:  # nested past the parser's stack; real chat turns are two levels deep
+            raise ChatError(f"{where}: JSON nested too deep; expected a list such as "
+                            '[{"role": "user", "content": "Hi"}]') from None
     if not isinstance(value, list) or not value:
         raise ChatError(f"{where}: expected a non-empty list of {{\"role\": ..., \"content\": ...}} objects")
     for i, m in enumerate(value):

@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
+
+import numpy as np
 
 
 @dataclass
@@ -34,8 +37,16 @@ class GenerationConfig:
     seed: int | None = None  # sample: sequence i draws from a torch.Generator seeded seed + i (None: random)
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        for name in ("temperature", "posterior_threshold", "posterior_alpha", "top_p", "slot_cost"):
+            value = getattr(self, name)
+            if not (is_number(value) or (name == "slot_cost" and value is None)):
+                raise ValueError(f"{name} {value!r}: expected a number")
+        if self.stop_token_ids is not None and not (isinstance(self.stop_token_ids, (list, tuple))
+                                                    and all(is_int(t) and t >= 0 for t in self.stop_token_ids)):
+            raise ValueError(f"stop_token_ids {self.stop_token_ids!r}: expected a list of token ids (integers >= 0) "
+                             "or None")
         if self.acceptance not in ACCEPTANCE:
             raise ValueError(f"acceptance must be one of {', '.join(ACCEPTANCE)}, got {self.acceptance!r}")
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):  # inf would divide logits to NaN
@@ -54,11 +65,22 @@ class GenerationConfig:
             raise ValueError(f"slot_cost {self.slot_cost!r}: expected a finite number >= 0")
         if self.seed is not None and not (is_int(self.seed) and 0 <= self.seed < 2**63):
             raise ValueError(f"seed {self.seed!r}: expected an integer in [0, 2**63)")
+        # numpy integers pass the checks above; torch and the JSON reports want Python ints
+        self.max_new_tokens = int(self.max_new_tokens)
+        self.top_k = None if self.top_k is None else int(self.top_k)
+        self.seed = None if self.seed is None else int(self.seed)
+        if self.stop_token_ids is not None:
+            self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
 
 
 ACCEPTANCE = ("greedy", "typical", "sample")
 
 
 def is_int(value: object) -> bool:
-    """An int that is not a bool (JSON and numpy give both)."""
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An integer that is not a bool: a Python int or a numpy one (JSON and numpy give both)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def is_number(value: object) -> bool:
+    """A real number that is not a bool (a string "0.5" is not one)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))

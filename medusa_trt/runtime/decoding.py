@@ -17,13 +17,14 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from medusa_trt.runtime.backend import Backend, ModelInfo
 from medusa_trt.runtime.config import GenerationConfig, is_int
 from medusa_trt.runtime.dynamic import Context, DynamicTree, dynamic_tree
 from medusa_trt.runtime.steps import Sampler, step_plan
-from medusa_trt.tree import DEFAULT_TREE, StepTree, build_tree, candidate_topk, tree_for_engine
+from medusa_trt.tree import DEFAULT_TREE, StepTree, TreeError, build_tree, candidate_topk, tree_for_engine
 
 
 @dataclass
@@ -72,6 +73,9 @@ def resolve_tree(info: ModelInfo, medusa_choices: object = None) -> tuple[object
     given; else the one the engine records (medusa-build --tree); else DEFAULT_TREE cut to the engine."""
     if medusa_choices is not None:
         # A name, spec or file (str or Path) describes itself; a list of paths is counted.
+        if not isinstance(medusa_choices, (str, os.PathLike, list, tuple, np.ndarray)):
+            raise TreeError(f"medusa_choices: got {type(medusa_choices).__name__} {medusa_choices!r:.60}; expected a "
+                            "preset name, a list of paths, a string or a file path")
         given = medusa_choices if isinstance(medusa_choices, (str, os.PathLike)) else \
             f"{len(medusa_choices)} paths given"
         return medusa_choices, str(given)
@@ -99,6 +103,22 @@ def step_tree(info: ModelInfo, medusa_choices: object = None, context: bool = Tr
     return StepTree.of(build_tree(spec, info.num_medusa_heads, info.max_draft_len, info.chains_only), info.vocab_size)
 
 
+def check_prompts(prompts: object, vocab_size: int) -> None:
+    """Refuses (ValueError) prompts that are not a non-empty list of non-empty token id lists within
+    the vocabulary: an id past it fails deep inside a kernel, and a negative one an engine's
+    embedding lookup reads from the end of the table, a silently wrong prompt."""
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError(f"prompts {prompts!r:.60}: expected a non-empty list of token id lists")
+    for i, p in enumerate(prompts):
+        if not isinstance(p, (list, tuple)) or not p:
+            raise ValueError(f"prompt {i}: {p!r:.60}; expected a non-empty list of token ids "
+                             "(every prompt needs at least one token)")
+        j = next((j for j, t in enumerate(p) if not (is_int(t) and 0 <= t < vocab_size)), None)
+        if j is not None:
+            raise ValueError(f"prompt {i}: token {p[j]!r:.40} at position {j}; expected integer ids in "
+                             f"0..{vocab_size - 1}")
+
+
 def check_room(info: ModelInfo, prompts: list[list[int]], max_new_tokens: int, depth: int) -> None:
     """Refuses a decode whose longest prompt, new tokens and one tree of `depth` pass the engine's
     max_seq_len (ValueError), before any work: the CLIs check it before they print anything."""
@@ -110,9 +130,10 @@ def check_room(info: ModelInfo, prompts: list[list[int]], max_new_tokens: int, d
 
 def _seeds(cfg: GenerationConfig, n: int, seeds: list[int] | None) -> list[int]:
     if seeds is not None:
-        if len(seeds) != n or not all(is_int(s) for s in seeds):
-            raise ValueError(f"seeds {seeds!r}: expected {n} integers, one per prompt")
-        return list(seeds)
+        if not isinstance(seeds, (list, tuple)) or len(seeds) != n or \
+                not all(is_int(s) and 0 <= s < 2**63 for s in seeds):
+            raise ValueError(f"seeds {seeds!r:.80}: expected {n} integers in [0, 2**63), one per prompt")
+        return [int(s) for s in seeds]
     base = cfg.seed if cfg.seed is not None else secrets.randbelow(2**62)  # torch's global RNG is fixed-seeded
     return [base + i for i in range(n)]
 
@@ -136,8 +157,10 @@ def generate(backend: Backend, prompts: list[list[int]], cfg: GenerationConfig,
 def _generate(backend: Backend, prompts: list[list[int]], cfg: GenerationConfig,
               stats: list[SequenceStats] | None, seeds: list[int] | None) -> Iterator[StepOutput]:
     info = backend.info
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt needs at least one token")
+    check_prompts(prompts, info.vocab_size)
+    if cfg.stop_token_ids and max(cfg.stop_token_ids) >= info.vocab_size:
+        raise ValueError(f"stop_token_ids {list(cfg.stop_token_ids)}: token id {max(cfg.stop_token_ids)} is beyond the "
+                         f"vocabulary; expected ids in 0..{info.vocab_size - 1}")
     if cfg.use_medusa and info.num_medusa_heads == 0:
         raise ValueError("this model has no Medusa heads; decode with use_medusa=False")
     tree = step_tree(info, cfg.medusa_choices, cfg.context_candidates, cfg.slot_cost) if cfg.use_medusa else None

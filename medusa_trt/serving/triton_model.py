@@ -173,6 +173,8 @@ def parse_request(service: Service, inputs: Mapping[str, np.ndarray], index: int
     if "max_tokens" not in inputs:
         raise RequestError("max_tokens: missing; expected an INT64 tensor with the number of tokens to generate")
     rows = inputs[source].shape[0] if inputs[source].ndim else 1
+    if rows == 0:
+        raise RequestError(f"{source}: 0 rows; expected at least one")
     values = {name: _rows(name, array, rows) for name, array in inputs.items()}
     stream = any(bool(v[0]) for v in values.get("stream", []))
     if stream and not service.decoupled:
@@ -244,6 +246,9 @@ def parse_request(service: Service, inputs: Mapping[str, np.ndarray], index: int
         top_k = int(top_k) if top_k is not None else None
         top_p = float(one("top_p", 1.0))
         seed = one("seed")
+        if seed is not None and not 0 <= int(seed) <= 2**63 - rows:  # row r draws from seed + r
+            raise RequestError(f"seed{where}: {int(seed)}; expected an integer in [0, 2**63 - {rows}] "
+                               f"(row r of this request draws from seed + r)")
         seed = int(seed) + r if seed is not None else secrets.randbelow(2**62)
         try:
             cfg = GenerationConfig(max_new_tokens=max_tokens, medusa_choices=nodes, acceptance=acceptance,
@@ -261,12 +266,14 @@ def parse_request(service: Service, inputs: Mapping[str, np.ndarray], index: int
     return Parsed(jobs, stream)
 
 
-def group_jobs(jobs: list[Job]) -> list[list[Job]]:
-    """Jobs with the same key, in order of first appearance."""
+def group_jobs(jobs: list[Job], max_batch: int | None = None) -> list[list[Job]]:
+    """Jobs with the same key, in order of first appearance, each group cut into batches of at most
+    `max_batch` rows (the engine's max_batch_size: a larger batch would fail every row in it)."""
     groups: dict[tuple, list[Job]] = {}
     for job in jobs:
         groups.setdefault(job.key, []).append(job)
-    return list(groups.values())
+    size = max_batch or len(jobs) or 1
+    return [g[i : i + size] for g in groups.values() for i in range(0, len(g), size)]
 
 
 def decode_group(service: Service, jobs: list[Job], on_step: Callable[[list[Job]], None]) -> None:
@@ -340,6 +347,9 @@ def serve_batch(service: Service, batch: list[Mapping[str, np.ndarray]],
         except (RequestError, ValueError) as err:  # ValueError: tokenizer or config checks
             parsed.append(None)
             deliver(i, err if isinstance(err, RequestError) else RequestError(str(err)), True)
+        except Exception as err:  # noqa: BLE001 - one request's surprise must not cost the batch its answers
+            parsed.append(None)
+            deliver(i, RequestError(f"request refused: {type(err).__name__}: {err}"), True)
 
     def on_step(changed: list[Job]) -> None:
         for i in sorted({j.request for j in changed}):
@@ -353,7 +363,7 @@ def serve_batch(service: Service, batch: list[Mapping[str, np.ndarray]],
                 deliver(i, full_outputs(service, req.jobs), True)
 
     jobs = [j for p in parsed if p for j in p.jobs]
-    for group in group_jobs(jobs):
+    for group in group_jobs(jobs, getattr(service.backend, "max_batch_size", None)):
         if all(j.done for j in group):
             continue  # every request in it was closed already
         try:

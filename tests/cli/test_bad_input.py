@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -634,6 +635,13 @@ def test_request_values_are_refused_by_the_triton_model(fixtures):
         (req(medusa_choices=np.array([[b"dynamic:0"]], dtype=np.object_)), "budget 0; expected dynamic:N with N >= 1"),
         (req(medusa_choices=np.array([[b"dynamic:abc"]], dtype=np.object_)), "budget 'abc' is not an integer"),
         (req(max_tokens=np.array([[-3]], dtype=np.int64)), "max_tokens"),
+        ({"text_input": np.zeros((0, 1), dtype=np.object_), "max_tokens": np.zeros((0, 1), dtype=np.int64)},
+         "text_input: 0 rows; expected at least one"),
+        ({"messages": np.array([[b"[" * 100000]], dtype=np.object_), "max_tokens": np.array([[4]], dtype=np.int64)},
+         "messages: JSON nested too deep"),
+        ({"text_input": np.array([[b"Hi"], [b"Ho"]], dtype=np.object_), "max_tokens": np.array([[4], [4]], dtype=np.int64),
+          "seed": np.array([[2**63 - 1]] * 2, dtype=np.uint64)},
+         re.escape("seed (row 0): 9223372036854775807; expected an integer in [0, 2**63 - 2]")),
     ]
     for inputs, message in cases:
         with pytest.raises(RequestError, match=message) as e:

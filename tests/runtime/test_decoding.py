@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import numpy as np
 import onnx
@@ -152,8 +153,50 @@ def test_too_long_request_is_a_clear_error(distilled):
     m = distilled("llama")
     with pytest.raises(ValueError, match="maximum sequence length 512"):
         next(generate(m.backend, [[5] * 500], greedy()))
-    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+    with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 1"):
         GenerationConfig(max_new_tokens=0)
+
+
+@pytest.mark.parametrize("prompts, config, message", [
+    ([[-1, 5]], {}, "prompt 0: token -1 at position 0; expected integer ids in 0..255"),  # an engine wraps it
+    ([[5], [256]], {}, "prompt 1: token 256"),
+    ([[1.5, 2]], {}, "token 1.5"),
+    ([[True, 5]], {}, "token True"),
+    ([[]], {}, "every prompt needs at least one token"),
+    ("abc", {}, "expected a non-empty list of token id lists"),
+    ([[5]], {"stop_token_ids": (999,)}, "stop_token_ids [999]: token id 999 is beyond the vocabulary"),
+    ([[5]], {"medusa_choices": 5}, "medusa_choices: got int 5"),
+])
+def test_bad_prompts_and_values_are_one_clear_error(distilled, prompts, config, message):
+    from medusa_trt.tree import TreeError
+
+    with pytest.raises((ValueError, TreeError), match=re.escape(message)):
+        next(generate(distilled("llama").backend, prompts, GenerationConfig(max_new_tokens=4, **config)))
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"max_new_tokens": 3.5}, "max_new_tokens must be an integer >= 1, got 3.5"),
+    ({"max_new_tokens": True}, "max_new_tokens must be an integer >= 1, got True"),
+    ({"temperature": "0.5"}, "temperature '0.5': expected a number"),
+    ({"acceptance": "sample", "top_p": None}, "top_p None: expected a number"),
+    ({"stop_token_ids": 5}, "stop_token_ids 5: expected a list of token ids"),
+    ({"stop_token_ids": (-1,)}, "stop_token_ids (-1,)"),
+])
+def test_generation_config_types(config, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        GenerationConfig(**config)
+
+
+def test_numpy_integers_are_integers():
+    cfg = GenerationConfig(acceptance="sample", temperature=1.0, top_k=np.int64(5), seed=np.uint64(3))
+    assert (cfg.top_k, cfg.seed) == (5, 3) and type(cfg.top_k) is int
+
+
+def test_seeds_are_checked_like_the_config_seed(distilled):
+    cfg = GenerationConfig(max_new_tokens=2, acceptance="sample", temperature=1.0)
+    for seeds in ([-1], [2**64], [1, 2]):
+        with pytest.raises(ValueError, match=r"expected 1 integers in \[0, 2\*\*63\)"):
+            next(generate(distilled("llama").backend, [[5, 6]], cfg, None, seeds))
 
 
 def test_medusa_run_cli(distilled, capsys):

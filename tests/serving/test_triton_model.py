@@ -214,3 +214,16 @@ def test_a_row_cut_short_counts_no_draft_past_its_end(service):
         want = offline(service, "Hello world", n, medusa_choices="mc_sim_7b_63").stats[0]
         assert payload["total_accepted_draft_tokens"][row, 0] == want.accepted_draft_tokens
         assert payload["total_draft_tokens"][row, 0] == want.draft_tokens
+
+
+def test_a_group_is_cut_at_the_engines_batch_limit():
+    """Rows of one key beyond the engine's max_batch_size decode in further batches: one batch of
+    them all would fail every row with 'batch exceeds the engine's max_batch_size'."""
+    from types import SimpleNamespace
+
+    from medusa_trt.serving.triton_model import group_jobs
+
+    jobs = [SimpleNamespace(key=k, n=i) for i, k in enumerate("aabaaab")]
+    cut = group_jobs(jobs, max_batch=2)
+    assert [[j.n for j in g] for g in cut] == [[0, 1], [3, 4], [5], [2, 6]]
+    assert [[j.n for j in g] for g in group_jobs(jobs)] == [[0, 1, 3, 4, 5], [2, 6]]
