@@ -27,10 +27,8 @@ from medusa_trt.runtime.chat import encode_chat, has_chat_template, is_rendered,
 from medusa_trt.runtime.decoding import (
     GenerationConfig,
     SequenceStats,
-    check_room,
     generate,
     resolve_tree,
-    step_tree,
 )
 from medusa_trt.runtime.loading import load_backend, load_tokenizer, stop_tokens
 
@@ -101,14 +99,15 @@ def _main(argv: list[str] | None = None) -> int:
             stop_token_ids=stop_tokens(directory, tok), **sampling_options(args),
         )
         prompts = encode_prompts(tok, texts, args)
-        if not args.no_medusa:  # after every check (the tree's and the lengths' too): bad input stays one line
-            check_room(backend.info, prompts, args.max_new_tokens, step_tree(backend.info, tree).max_depth)
-            print(f"medusa-run: tree {described}", file=sys.stderr)
         stats = [SequenceStats() for _ in prompts]
         tokens: list[list[int]] = [[] for _ in prompts]
         stream = len(prompts) == 1 and not args.json
         shown = ""
+        untold = not args.no_medusa
         for step in generate(backend, prompts, cfg, stats):
+            if untold:  # once generate's checks (tree, lengths, batch) have passed: bad input stays one line
+                print(f"medusa-run: tree {described}", file=sys.stderr, flush=True)
+                untold = False
             for i, new in enumerate(step.new_tokens):
                 tokens[i].extend(new)
             if stream:

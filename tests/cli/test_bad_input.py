@@ -392,6 +392,9 @@ CASES = [
     ("run-engine-seq-beyond-its-tables", RUN,
      lambda c: run_args(c, _engine_dir_with(c, _set("limits.max_seq_len", 10**6))),
      ["model.onnx", "rotary tables", "limits.max_seq_len 1000000"]),
+    ("run-more-prompts-than-the-batch", RUN,  # checked before the tree line is printed: one line
+     lambda c: ["--engine", str(c.engine), "--prompts", str(c.write("p.txt", "a b\n" * 9)), "--max-new-tokens", "2"],
+     ["batch 9 exceeds the engine's max_batch_size 8"]),
     ("run-engine-head-dim-edited", RUN, lambda c: run_args(c, _engine_dir_with(c, _set("model.head_dim", 32))),
      ["model.onnx", "past_key_0", "head_dim"]),
     ("run-engine-graph-garbage-unhashed", RUN, lambda c: run_args(c, _garbage_graph(c)),
