@@ -121,7 +121,7 @@ def check_prompts(prompts: object, vocab_size: int) -> None:
 
 def check_room(info: ModelInfo, prompts: list[list[int]], max_new_tokens: int, depth: int) -> None:
     """Refuses a decode whose longest prompt, new tokens and one tree of `depth` pass the engine's
-    max_seq_len (ValueError), before any work: the CLIs check it before they print anything."""
+    max_seq_len (ValueError), before any work (medusa-run prints its tree line only after it)."""
     longest = max(len(p) for p in prompts)
     if longest + max_new_tokens + depth > info.max_seq_len:
         raise ValueError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) + tree depth ({depth}) "
