@@ -528,13 +528,12 @@ def load_base(gguf: Path, device: torch.device):
     """The base in float32 on `device`, from its GGUF or a Hugging Face model dir (the tests' tiny bases)."""
     from transformers import AutoModelForCausalLM
 
-    from medusa_trt.converter.gguf import one_gguf_parse
+    from medusa_trt.converter.gguf import load_gguf
 
     if gguf.is_dir():
         model = AutoModelForCausalLM.from_pretrained(gguf, dtype=torch.float32)
     else:
-        with one_gguf_parse():  # one parse of the file, not four (converter/gguf.py)
-            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        model, _ = load_gguf(gguf, tokenizer=False)
     return model.to(device).eval()
 
 

@@ -35,7 +35,6 @@ and is not one head's loss; the held-out top-1 accuracy per head is the figure t
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import random
 import sys
@@ -158,25 +157,25 @@ def load_base(base: Path, quiet: bool = False, gguf: Path | None = None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    if gguf is not None:
+        from medusa_trt.converter.gguf import load_gguf
+        from medusa_trt.converter.hf_base import ConvertError
+
+        try:
+            return load_gguf(gguf)
+        except ConvertError as e:
+            raise TrainError(str(e)) from None
     if quiet:
         hf_logging.disable_progress_bar()
-
-    from medusa_trt.converter.gguf import one_gguf_parse
-
-    where = {"pretrained_model_name_or_path": str(gguf.parent), "gguf_file": gguf.name} if gguf else \
-        {"pretrained_model_name_or_path": str(base)}
-    with one_gguf_parse() if gguf else contextlib.nullcontext():
-        try:
-            tok = AutoTokenizer.from_pretrained(**where)
-        except Exception as e:  # transformers raises many unrelated types here
-            raise TrainError(f"{base}: cannot load the tokenizer ({type(e).__name__}: {e})") from None
-        try:
-            model = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32).eval()
-        except Exception as e:
-            raise TrainError(f"{base}: cannot load a causal LM from it ({type(e).__name__}: {e})") from None
-    for p in model.parameters():
-        p.requires_grad_(False)
-    return model, tok
+    try:
+        tok = AutoTokenizer.from_pretrained(base)
+    except Exception as e:  # transformers raises many unrelated types here
+        raise TrainError(f"{base}: cannot load the tokenizer ({type(e).__name__}: {e})") from None
+    try:
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    except Exception as e:
+        raise TrainError(f"{base}: cannot load a causal LM from it ({type(e).__name__}: {e})") from None
+    return model.eval().requires_grad_(False), tok
 
 
 def read_training_data(path: Path) -> tuple[list[str], bool]:

@@ -28,6 +28,7 @@ from medusa_trt.cli.common import (
 )
 from medusa_trt.tools import tree_choice as tc
 from medusa_trt.tools import tune_tree as tt
+from medusa_trt.tools.tree_measure import BLOCK
 from medusa_trt.tree import CANDIDATE_TOPK, DEFAULT_TREE
 
 PROG = "medusa-tune-tree"
@@ -48,7 +49,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--topk", type=positive_int, default=CANDIDATE_TOPK,
                    help=f"ranks measured per head (default {CANDIDATE_TOPK})")
     p.add_argument("--reps", type=positive_int, default=5,
-                   help=f"step-time repetitions per tree size, blocks of {tt.BLOCK} steps (default 5)")
+                   help=f"step-time repetitions per tree size, blocks of {BLOCK} steps (default 5)")
     add_prompts_arg(p, name="--eval-prompts", old=["--eval-data"],
                     help="prompts for the measured comparison (default: --prompts)")
     p.add_argument("--eval-limit", type=positive_int, default=8, help="prompts for the measured comparison (default 8)")

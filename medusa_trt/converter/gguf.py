@@ -180,21 +180,31 @@ def gguf_window(hf_config: dict, info: dict) -> None:
 def read_gguf_base(path: Path) -> BaseModel:
     """A GGUF file as a BaseModel: HF config, float32 tensors in memory, and the tokenizer."""
     info = inspect_gguf(path)
+    model, tokenizer = load_gguf(path)
+    return gguf_base(path, model, tokenizer, info)
+
+
+def load_gguf(path: Path, tokenizer: bool = True):
+    """(model, tokenizer or None): transformers' float32 model of a GGUF file (eval mode, weights
+    frozen) and its tokenizer, from one parse of the file. The one loader of a GGUF base for every
+    tool; transformers' per-tensor bars and notes are not shown, and whatever it throws becomes one
+    ConvertError naming the file."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # its per-tensor progress bars and notes are not ours to show
+    hf_logging.set_verbosity_error()
     try:
         with one_gguf_parse():
-            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+            tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name) if tokenizer else None
             model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     except Exception as e:  # noqa: BLE001 - anything the loader throws is about this file
         raise ConvertError(f"{path}: transformers cannot load this GGUF file: {type(e).__name__}: "
                            f"{str(e).splitlines()[0] if str(e) else ''}") from None
     finally:
         hf_logging.set_verbosity(verbosity)
-    return gguf_base(path, model, tokenizer, info)
+    model.eval().requires_grad_(False)
+    return model, tok
 
 
 def gguf_base(path: Path, model, tokenizer, info: dict | None = None) -> BaseModel:

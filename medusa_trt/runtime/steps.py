@@ -85,7 +85,7 @@ class StepPlan:
     backend. The loop runs prefill(prompts, sampler) -> Carry, then step(this step's tree, carry,
     sampler) -> (emitted tokens per sequence, accepted draft tokens [B] or None, carry). `compute`
     (tokens [B, T], positions [B, T], tree) is a step's backend work alone, the call the step
-    makes before acceptance and commit: what tools/tune_tree times."""
+    makes before acceptance and commit: what tools/tree_measure times."""
 
     kind: str  # "fused" (verify, accept and draft in one backend call), "two_call" (forward, then draft) or "plain"
     prefill: Callable[..., Carry]

@@ -338,7 +338,7 @@ def test_draft_vocabulary_heads(distilled, tmp_path):
 
     # Heads sharing one lm_head share one draft matrix: the step graph drafts with as many heads as
     # the tree is deep, and medusa-tune-tree times steps of more slots than that through it.
-    from medusa_trt.tools.tune_tree import measure_forward_ms
+    from medusa_trt.tools.tree_measure import measure_forward_ms
 
     state = torch.load(heads / "medusa_lm_head.pt")
     for h in range(1, config["medusa_num_heads"]):

@@ -19,13 +19,12 @@ from medusa_trt.runtime.dynamic import parse_dynamic, spec_cost
 from medusa_trt.tools import tree_choice as tc
 from medusa_trt.tools import tune_tree as ts
 from medusa_trt.tools.train_heads import rank_hits
+from medusa_trt.tools.tree_measure import StepTimes, non_decreasing
 from medusa_trt.tools.tune_tree import (
-    StepTimes,
     choose_tree,
     expected_tokens_per_step,
     greedy_tree,
     joint_tree,
-    non_decreasing,
     simulate,
 )
 from medusa_trt.tree import build_tree, parse_medusa_choices

@@ -389,7 +389,8 @@ def test_tensor_parallel_and_fp8_conversion_keep_the_drafter(amphista, tmp_path)
 
 
 def test_medusa_tune_tree_tunes_a_tree_for_the_amphista_engine(amphista):
-    from medusa_trt.tools.tune_tree import measure_head_accuracy, tune
+    from medusa_trt.tools.tree_measure import measure_head_accuracy
+    from medusa_trt.tools.tune_tree import tune
 
     backend = load_backend(amphista.engines["float32"])
     calib = prompts(16, lengths=(6, 9, 5))
