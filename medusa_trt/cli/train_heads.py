@@ -157,6 +157,8 @@ def load_base(base: Path, quiet: bool = False, gguf: Path | None = None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    if quiet:
+        hf_logging.disable_progress_bar()
     if gguf is not None:
         from medusa_trt.converter.gguf import load_gguf
         from medusa_trt.converter.hf_base import ConvertError
@@ -165,8 +167,6 @@ def load_base(base: Path, quiet: bool = False, gguf: Path | None = None):
             return load_gguf(gguf)
         except ConvertError as e:
             raise TrainError(str(e)) from None
-    if quiet:
-        hf_logging.disable_progress_bar()
     try:
         tok = AutoTokenizer.from_pretrained(base)
     except Exception as e:  # transformers raises many unrelated types here

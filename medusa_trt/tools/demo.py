@@ -169,7 +169,9 @@ def run_demo(args) -> int:
         print(f"  {name:13s} {total['tokens'] / total['steps']:.2f} tokens/step, {tps:.1f} vs plain {plain_tps:.1f} "
               f"tokens/s -> {tps / plain_tps:.2f}x")
     print(f"  every drafter's output == plain greedy on every prompt: {same}")
-    print(f"measure more: medusa-bench --engine {engines[first]} --prompts {args.prompts}")
+    prompts = args.prompts.resolve()  # as a user types it here: relative when under the working directory
+    prompts = prompts.relative_to(Path.cwd()) if prompts.is_relative_to(Path.cwd()) else prompts
+    print(f"measure more: medusa-bench --engine {engines[first]} --prompts {prompts}")
     return 0 if same else 1
 
 
