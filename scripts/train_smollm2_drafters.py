@@ -67,6 +67,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
@@ -193,7 +194,7 @@ def later_prompts(tok, convs, exclude: set[str]) -> list[list[int]]:
         return tok.decode(ids[:MAX_QUESTION_TOKENS]) if len(ids) > MAX_QUESTION_TOKENS else text
 
     out = []
-    for c in convs:
+    for c in tqdm(convs, desc="later turns", unit="conv", mininterval=10):
         if is_heldout(c.id) or c.id in exclude:
             continue
         msgs = []
@@ -223,7 +224,7 @@ def forced_texts(args, tok, exclude: set[str], limit: int | None) -> list[dict]:
     rng = random.Random(args.seed + 1)
     rng.shuffle(convs)
     out = []
-    for c in convs:
+    for c in tqdm(convs, desc="teacher-forced answers", unit="conv", mininterval=10):
         if limit is not None and len(out) >= limit:
             break
         if is_heldout(c.id) or c.id in exclude or len(c.turns) < 2 or c.turns[0][0] != "human" or c.turns[1][0] != "gpt":
@@ -254,11 +255,13 @@ def code_windows(rng: random.Random, tok, pool: list[tuple[str, str]], n: int,
                  exclude: set[str] | frozenset[str] = frozenset()) -> list[dict]:
     """n code prompts: windows of files drawn from `pool`, none of whose text is in `exclude`."""
     out = []
-    while len(out) < n:
-        rel, text = rng.choice(pool)
-        snippet = code_prompt(rng, text)
-        if snippet and snippet not in exclude and len(tok.encode(snippet)) <= MAX_CODE_TOKENS:
-            out.append({"text": snippet, "kind": "code", "source": rel})
+    with tqdm(total=n, desc="code windows", disable=n < 1000, mininterval=10) as bar:
+        while len(out) < n:
+            rel, text = rng.choice(pool)
+            snippet = code_prompt(rng, text)
+            if snippet and snippet not in exclude and len(tok.encode(snippet)) <= MAX_CODE_TOKENS:
+                out.append({"text": snippet, "kind": "code", "source": rel})
+                bar.update()
     return out
 
 
@@ -467,7 +470,7 @@ def pack_stage(args) -> Path:
     later = later_prompts(tok, convs, calib)  # first turns trained on, their later turns too; calibration never
     random.Random(args.seed + 5).shuffle(later)
     assert len(tok) <= 2**16, "token ids are packed as uint16"
-    train_ids = [tok.encode(p["text"]) for p in train]
+    train_ids = [tok.encode(p["text"]) for p in tqdm(train, desc="tokenizing", unit="prompt", mininterval=10)]
     held = [dict(p, ids=tok.encode(p["text"])) for p in prompts["eval"]]
     taken = {drafter_corpus.prompt_key(ids) for ids in train_ids + later + [p["ids"] for p in held]}
     held += more_heldout(args, tok, convs, taken, seen)
@@ -554,7 +557,6 @@ def _cuda_decode(model, prompts: list[list[int]], kinds: list[str], new_tokens: 
     No batch starts that would end past the deadline if it took as long as the last one (`last` for
     the first: the previous call's); a callable deadline is read before each batch (the training's
     time plan moves it as the text grows). Returns the samples and the last batch's seconds."""
-    from tqdm import tqdm
 
     from medusa_trt.tools.distill import Sample
 
@@ -637,7 +639,6 @@ def _hidden_kept(model, samples: list, batch: int = 32, dtype: torch.dtype = tor
     in `dtype`: the validation and held-out sets, and the training text, whose steps then read them
     instead of running the base again, which is most of a step's work (the base's forward is ~2.7 of
     the ~4 TFLOP of a step of 32 sequences). Steps read them as float32 (train_drafter._batch)."""
-    from tqdm import tqdm
 
     order = sorted(range(len(samples)), key=lambda i: len(samples[i].tokens))  # neighbours pad little
     out = [None] * len(samples)
