@@ -114,6 +114,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--batch-samples", type=int, default=8)
     p.add_argument("--sal-intermediate", type=int, default=768, help="the adaptation layers' MLP width")
+    p.add_argument("--head-layers", type=int, default=2, help="cuda stage: ResBlocks per Medusa head (with --init, "
+                   "layers beyond the loaded ones start as the identity; section ak)")
     p.add_argument("--vocab-size", type=int, default=4096, help="draft vocabulary size")
     p.add_argument("--device", default="cuda", help="cuda stage: the torch device (cpu: a smoke run)")
     p.add_argument("--gguf", type=Path, help="cuda stage: the base's GGUF file (or a Hugging Face model dir)")
@@ -817,7 +819,10 @@ def _start_drafters(args, config: dict, lm_head: torch.Tensor, train: list | Non
             raise SystemExit(f"{args.init}: the drafters' draft vocabularies differ or are missing; expected one shared")
         vocab = init[archs[0]][1]
         covered = coverage(target_counts(train, lm_head.shape[0]), vocab) if train is not None else None
-        return {a: init[a][0] for a in archs}, vocab, covered
+        drafters = {a: init[a][0] for a in archs}
+        if "medusa" in drafters:
+            drafters["medusa"] = deeper_heads(drafters["medusa"], args.head_layers)
+        return drafters, vocab, covered
     if train is None:
         vocab, covered = torch.arange(min(args.vocab_size, lm_head.shape[0])), None
     else:
@@ -828,7 +833,25 @@ def _start_drafters(args, config: dict, lm_head: torch.Tensor, train: list | Non
         torch.manual_seed(args.seed)
         amphista = Amphista(cfg)
         amphista.reset_identity()
-    return {a: MedusaResBlocks(4, 2, lm_head.shape[1]) if a == "medusa" else amphista for a in archs}, vocab, covered
+    return ({a: MedusaResBlocks(4, args.head_layers, lm_head.shape[1]) if a == "medusa" else amphista for a in archs},
+            vocab, covered)
+
+
+def deeper_heads(heads, layers: int):
+    """`heads` (MedusaResBlocks) with `layers` ResBlocks each: the loaded ones first, then zero ones. A
+    zero ResBlock is the identity (x + silu(0) = x), so the heads draft as before and training starts
+    from there. Fewer layers than loaded is refused: dropping trained layers changes the drafts."""
+    from medusa_trt.tools.train_drafter import MedusaResBlocks
+
+    if layers < heads.num_layers:
+        raise SystemExit(f"--head-layers {layers}: the --init heads have {heads.num_layers}; expected at least that many")
+    if layers == heads.num_layers:
+        return heads
+    out = MedusaResBlocks(heads.num_heads, layers, heads.w.shape[-1])
+    with torch.no_grad():
+        out.w[:, : heads.num_layers] = heads.w
+        out.b[:, : heads.num_layers] = heads.b
+    return out
 
 
 def _steps(drafters: dict, optims: dict, bt: dict, obj, embed, opts: dict, noise, dev: torch.device,
@@ -1063,7 +1086,7 @@ def cuda_stage(args) -> dict:
             if a == "amphista":
                 save_amphista(d.cpu(), args.out / "amphista", base=base, vocab=vocab.cpu(), dtype=torch.float16)
             else:
-                save_heads(d.cpu().state(), args.out / "heads", base, 4, 2, torch.float16, draft_vocab=vocab.tolist())
+                save_heads(d.cpu().state(), args.out / "heads", base, 4, d.num_layers, torch.float16, draft_vocab=vocab.tolist())
             d.to(dev)
 
     def validate(at: int) -> None:

@@ -175,6 +175,17 @@ def test_a_warm_start_goes_on_from_saved_drafters_with_their_vocabulary(pack, tm
         assert saved["draft_vocab"] == json.loads((first / "amphista" / "config.json").read_text())["draft_vocab"]
     with pytest.raises(SystemExit, match="--archs amphista,eagle: eagle unknown"):
         _run(pack, corpus, warm, "--budget", "8", "--archs", "amphista,eagle", *common)
+    # Deeper heads from the same start: the added ResBlocks are the identity, so at a learning rate of
+    # 0 they draft as the loaded heads did; fewer layers than loaded would change the drafts.
+    deep = tmp_path / "deep"
+    _run(pack, corpus, deep, "--budget", "8", "--init", str(first), "--lr", "0", "--archs", "medusa",
+         "--head-layers", "3", *common)
+    report = json.loads((deep / "cuda_report.json").read_text())
+    assert report["medusa"]["heldout_top1"] == before["medusa"]["heldout_top1"]
+    assert json.loads((deep / "heads" / "config.json").read_text())["medusa_num_layers"] == 3
+    with pytest.raises(SystemExit, match="--head-layers 1: the --init heads have 2"):
+        _run(pack, corpus, deep, "--budget", "8", "--init", str(first), "--archs", "medusa", "--head-layers", "1",
+             *common)
 
 
 def test_the_eval_stage_refuses_a_folder_without_drafters(pack, tmp_path):
