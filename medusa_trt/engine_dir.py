@@ -35,7 +35,7 @@ BACKENDS = ("onnxruntime", "tensorrt", "tensorrt-llm")
 SECTIONS = {"onnxruntime": "onnx", "tensorrt": "tensorrt", "tensorrt-llm": "tensorrt_llm"}
 DTYPES = ("float32", "float16", "bfloat16")
 DEVICES = ("cpu", "cuda")
-# onnxruntime engines: int4 = MatMulNBits decoder linears and lm_head; int8 = MatMulInteger over int8 rows
+# onnxruntime engines: int4 = MatMulNBits decoder linears and lm_head; int8 = MatMulIntegerToFloat over int8 rows
 WEIGHT_FORMATS = ("float", "int4", "int8")
 LOAD_DIGEST_BYTES = 64 << 20  # files up to this size are hashed at every load (see module docstring)
 

@@ -42,7 +42,8 @@ def parser() -> argparse.ArgumentParser:
                    "checkpoint's max_draft_len)")
     p.add_argument("--opset", type=positive_int, help="ONNX opset (default 23)")
     p.add_argument("--attention", choices=list(ATTENTION_FORMS),
-                   help="ONNX attention form (default: chain_f32 for --weights int4 and int8, whose Medusa greedy then "
+                   help="ONNX attention form (default: chain_f32 for --weights int8 and for int4 at accuracy level 4, whose "
+                        "Medusa greedy then "
                         "equals its plain greedy for chain trees, the runtime running any other tree as its main "
                         "chain; row_exact_f32 keeps branching trees exact too, at a slower step; row_exact does "
                         "it in float64, slower still; otherwise attention23, the fastest measured on CPU; split "
@@ -61,12 +62,13 @@ def parser() -> argparse.ArgumentParser:
                    help="onnxruntime: skip the fused greedy step graph (its session's packed copy of the "
                         "weights in memory; greedy decoding then takes two engine calls and host work per step)")
     p.add_argument("--no-cache-in-place", dest="cache_in_place", action="store_false",
-                   help="onnxruntime int4: the graphs return new K/V for the runtime to scatter instead of "
+                   help="onnxruntime, chain_f32 and row_exact_f32 engines (int4 and int8 by default): the graphs "
+                        "return new K/V for the runtime to scatter instead of "
                         "writing them into the cache it binds (slower; for comparison, docs/formats.md)")
     p.add_argument("--weights", default="float", choices=["float", "int4", "int8"],
                    help="onnxruntime: int4 = 4-bit weight-only MatMulNBits for the decoder linears and the "
                         "lm_head; int8 = int8 weights (per channel) and int8 activations (per row) through "
-                        "MatMulInteger, the form whose verified rows cost least on a CPU with int8 dot "
+                        "MatMulIntegerToFloat, the form whose verified rows cost least on a CPU with int8 dot "
                         "products (VNNI); the drafter's matrices are quantized too (default: float, the "
                         "engine dtype)")
     p.add_argument("--int4-block-size", type=positive_int, default=INT4_DEFAULT_BLOCK_SIZE,

@@ -17,11 +17,14 @@ PROG = "medusa-convert"
 def parser() -> argparse.ArgumentParser:
     p = new_parser(
         PROG,
-        "Merge a Hugging Face Llama/Mistral/Qwen2 model and Medusa heads (FasterDecoding v1/v2, "
-        "Medusa-2 full model, ModelOpt export) into a TensorRT-LLM MedusaForCausalLM checkpoint.")
-    p.add_argument("--base", required=True, help="Hugging Face model directory (config.json + weights)")
-    p.add_argument("--heads", help="Medusa heads: a file (medusa_lm_head.pt/.safetensors) or directory; "
-                                   "optional when the base directory holds the heads")
+        "Merge a Hugging Face or GGUF Llama/Mistral/Qwen2 model and a drafter (Medusa heads: FasterDecoding "
+        "v1/v2, Medusa-2 full model, ModelOpt export; or an Amphista drafter) into a TensorRT-LLM "
+        "MedusaForCausalLM checkpoint.")
+    p.add_argument("--base", required=True, help="Hugging Face model directory (config.json + weights), or a "
+                   "llama.cpp GGUF file (the gguf extra), dequantized to --dtype")
+    p.add_argument("--heads", help="the drafter: Medusa heads (medusa_lm_head.pt/.safetensors, a file or its "
+                                   "directory) or an Amphista drafter directory (amphista.safetensors); optional "
+                                   "when the base directory holds the heads")
     p.add_argument("--out", required=True, help="output checkpoint directory")
     p.add_argument("--dtype", choices=["float16", "bfloat16", "float32"],
                    help="output dtype (default: the base's dtype)")
