@@ -87,16 +87,16 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=Path("build/drafter_features.json"))
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    from transformers import AutoModelForCausalLM
-
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-    import drafter_corpus
     from train_smollm2_drafters import corpus_text, prompt_sets
+
+    from medusa_trt import drafter_corpus
+    from medusa_trt.converter.gguf import load_gguf
 
     held, train, _ = corpus_text(prompt_sets(np.load(args.pack)), drafter_corpus.read([args.corpus])[0])
     train = random.Random(0).sample(train, args.train)
     held = held[: args.held]
-    model = AutoModelForCausalLM.from_pretrained(args.gguf.parent, gguf_file=args.gguf.name, dtype=torch.float32).eval()
+    model, _ = load_gguf(args.gguf, tokenizer=False)
     layers = [int(x) for x in args.layers.split(",")]
     d = model.config.hidden_size
     t0 = time.perf_counter()
