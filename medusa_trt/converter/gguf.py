@@ -180,15 +180,18 @@ def gguf_window(hf_config: dict, info: dict) -> None:
 def read_gguf_base(path: Path) -> BaseModel:
     """A GGUF file as a BaseModel: HF config, float32 tensors in memory, and the tokenizer."""
     info = inspect_gguf(path)
-    model, tokenizer = load_gguf(path)
+    model, tokenizer = load_gguf(path, checked=True)
     return gguf_base(path, model, tokenizer, info)
 
 
-def load_gguf(path: Path, tokenizer: bool = True):
+def load_gguf(path: Path, tokenizer: bool = True, checked: bool = False):
     """(model, tokenizer or None): transformers' float32 model of a GGUF file (eval mode, weights
     frozen) and its tokenizer, from one parse of the file. The one loader of a GGUF base for every
-    tool; transformers' per-tensor bars and notes are not shown, and whatever it throws becomes one
-    ConvertError naming the file."""
+    tool. The file is checked first (inspect_gguf; `checked`: the caller did), so every tool refuses
+    a foreign, truncated or unsupported file with the same line; whatever transformers throws after
+    that becomes one ConvertError naming the file too."""
+    if not checked:
+        inspect_gguf(path)
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 

@@ -153,7 +153,7 @@ def test_plain_targets_and_txt_data(tiny_base, tmp_path, capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("case", ["missing", "empty", "suffix", "bad_json", "no_text", "bad_base", "no_base",
-                                  "too_short", "bad_option"])
+                                  "bad_gguf", "too_short", "bad_option"])
 def test_bad_input_exits_2(case, tiny_base, tmp_path, capsys):
     base, data, out = tiny_base("llama"), tmp_path / "data.jsonl", tmp_path / "heads"
     write_data(data)
@@ -165,6 +165,7 @@ def test_bad_input_exits_2(case, tiny_base, tmp_path, capsys):
         "no_text": "data.jsonl:1: expected an object with a string 'text' field",
         "bad_base": "cannot load",
         "no_base": "no config.json; expected a Hugging Face model directory",
+        "bad_gguf": "model.gguf: not a GGUF file (starts with b'PK\\x03\\x04', expected b'GGUF')",
         "too_short": "no sample is longer than 5 tokens",
         "bad_option": "--steps 0: expected a positive integer",
     }[case]
@@ -187,6 +188,9 @@ def test_bad_input_exits_2(case, tiny_base, tmp_path, capsys):
         args["--base"] = str(broken)
     elif case == "no_base":
         args["--base"] = str(tmp_path / "nowhere")
+    elif case == "bad_gguf":  # refused as medusa-convert refuses it (converter.gguf.load_gguf checks it first)
+        (tmp_path / "model.gguf").write_bytes(b"PK\x03\x04 not gguf at all")
+        args["--base"] = str(tmp_path / "model.gguf")
     elif case == "too_short":
         data.write_text('{"text": "a"}\n')
     elif case == "bad_option":
