@@ -984,23 +984,25 @@ def cuda_stage(args) -> dict:
         "new_tokens": {"eval": args.new_tokens, "first": args.gen_tokens, "later": args.gen_tokens}})
     fresh: list = []  # what this run decodes: the decoder's throughput in the report
     last = 0.0  # the last batch's seconds: a split after one cut off by the deadline starts no batch
-    for split, (prompts, kinds) in sets.items():
-        new_tokens, deadline = limits[split]
-        todo, todo_kinds = _missing(prompts, kinds, have)
-        if not todo:
-            continue
+    try:
+        for split, (prompts, kinds) in sets.items():
+            new_tokens, deadline = limits[split]
+            todo, todo_kinds = _missing(prompts, kinds, have)
+            if not todo:
+                continue
 
-        def keep(sample, split=split):
-            cont = sample.tokens[sample.prompt_len :]
-            have[writer.add(sample.tokens[: sample.prompt_len], split, cont)] = cont
-            text_rows[0] += (len(sample.tokens) - 1) if split != "eval" else 0
+            def keep(sample, split=split):
+                cont = sample.tokens[sample.prompt_len :]
+                have[writer.add(sample.tokens[: sample.prompt_len], split, cont)] = cont
+                text_rows[0] += (len(sample.tokens) - 1) if split != "eval" else 0
 
-        new, last = _cuda_decode(model, todo, todo_kinds, new_tokens, eos, args.gen_batch, deadline,
-                                 f"decoding {split}", args.gen_kv_tokens if split != "eval" else None, args.decoder,
-                                 keep, last if split != "eval" else 0.0)
-        fresh += new
-        print(f"decoded {len(new)} of the {len(todo)} {split} prompts the corpus lacked", flush=True)
-    written = writer.close()
+            new, last = _cuda_decode(model, todo, todo_kinds, new_tokens, eos, args.gen_batch, deadline,
+                                     f"decoding {split}", args.gen_kv_tokens if split != "eval" else None, args.decoder,
+                                     keep, last if split != "eval" else 0.0)
+            fresh += new
+            print(f"decoded {len(new)} of the {len(todo)} {split} prompts the corpus lacked", flush=True)
+    finally:  # an interrupted or failed run keeps what it decoded: the open part is written too
+        written = writer.close()
     if written:
         print(f"wrote {', '.join(written)} to {corpus_out}")
     held, train, later_decoded = corpus_text(sets, have)

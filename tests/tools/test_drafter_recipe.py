@@ -304,6 +304,22 @@ def test_a_static_decoder_that_fails_on_the_device_falls_back_to_generate(pack, 
     assert report["heldout_sequences"] == len({tuple(p) for p in pack["held"]})
 
 
+def test_an_interrupted_decode_keeps_the_batches_it_finished(pack, tmp_path, monkeypatch):
+    """A decode stopped by hand (Ctrl-C; a session's end) keeps every continuation of the batches that
+    ended before it: the writer's open part is written on the way out, not only at the run's end."""
+    real = recipe._cuda_decode
+
+    def stopped(*args, **kwargs):  # the eval split's batches end, then the run is interrupted
+        real(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(recipe, "_cuda_decode", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        _run(pack, tmp_path / "corpus", tmp_path, "--decode-only", "--budget", "60")
+    have, _ = drafter_corpus.read([tmp_path / "corpus"])
+    assert set(have) == set(_keyed(pack["held"])) and all(have.values())
+
+
 def test_a_run_that_fails_after_training_keeps_the_drafters_of_its_last_validation(pack, tmp_path, monkeypatch):
     """A lent session's training is minutes of device time: a failure in scoring drafters (a
     validation bug ended the first GPU run of 2026-11-27) must not take the trained ones along."""
