@@ -147,10 +147,13 @@ def validate_engine(engine: Any, path: Path, backend: str | None = None) -> dict
     medusa = require_section(engine, "medusa", file=path, error=EngineError)
     req(medusa, "num_heads", int, "medusa.", nonnegative=True)
     req(medusa, "num_layers", int, "medusa.", nonnegative=True)
-    tree = medusa.get("tree")  # medusa-build --tree: the default tree, or "dynamic:N" (trees chosen per step)
+    # medusa-build --tree: the default tree, or "dynamic:N[,cost=C]" (trees chosen per step, with the slot
+    # cost medusa-tune-tree measured on the engine, as runtime/dynamic.dynamic_spec writes it)
+    tree = medusa.get("tree")
     if isinstance(tree, str):
-        if not re.fullmatch(r"dynamic:[1-9][0-9]*", tree):
-            raise EngineError(f"{path}: medusa.tree {tree[:60]!r}; expected a list of paths or 'dynamic:N' (N >= 1)")
+        if not re.fullmatch(r"dynamic:[1-9][0-9]*(,cost=[0-9]+(\.[0-9]*)?(e[+-]?[0-9]+)?)?", tree):
+            raise EngineError(f"{path}: medusa.tree {tree[:60]!r}; expected a list of paths or 'dynamic:N' (N >= 1) "
+                              "or 'dynamic:N,cost=C' (C >= 0)")
     elif tree is not None and not (isinstance(tree, list) and tree and all(
             isinstance(p, list) and p and all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in p)
             for p in tree)):

@@ -15,7 +15,7 @@ import pytest
 
 from medusa_trt.cli import build as build_cli
 from medusa_trt.cli import run as run_cli
-from medusa_trt.engine_dir import artifact_checksums
+from medusa_trt.engine_dir import EngineError, artifact_checksums
 from medusa_trt.runtime.chat import encode_chat, messages_for
 from medusa_trt.runtime.decoding import GenerationConfig, decode, resolve_tree, step_tree
 from medusa_trt.runtime.dynamic import SLOT_COST
@@ -191,6 +191,15 @@ def test_engine_records_per_step_trees(ort_engine, tiny_merged, tmp_path, capsys
     assert stats.draft_tokens == 6 * stats.steps  # the recorded budget, all of it every step with slot_cost 0
     code, _, err = run(["--engine", str(engine), "--prompt", "Hi", "--max-new-tokens", "4"], capsys)
     assert code == 0 and "medusa-run: tree dynamic:6 (tree.json: dynamic:6, recorded in the engine" in err
+    # An engine built with the cost recorded loads and decodes with it (engine_dir once refused it).
+    costed = tmp_path / "costed"
+    shutil.copytree(engine, costed)
+    (costed / "engine.json").write_text(json.dumps(data | {"medusa": {**data["medusa"], "tree": recorded[0]}}))
+    assert step_tree(load_backend(costed).info).slot_cost == 0.25
+    for bad in ("dynamic:6,cost=", "dynamic:6,cost=-1", "dynamic:6,size=2"):
+        (costed / "engine.json").write_text(json.dumps(data | {"medusa": {**data["medusa"], "tree": bad}}))
+        with pytest.raises(EngineError, match="expected a list of paths or 'dynamic:N'"):
+            load_backend(costed)
     assert 'string_value: "dynamic:6"' in (write_triton_repo(engine, tmp_path / "repo") / "medusa" / "config.pbtxt").read_text()
     with pytest.raises(Exception, match="TensorRT-LLM engines verify static trees only"):
         recorded_tree(BuildOptions(checkpoint=ckpt, out=tmp_path / "e", tree="dynamic:6", backend="tensorrt-llm"), config)
