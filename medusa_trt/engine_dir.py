@@ -8,7 +8,7 @@ value and what was expected, so a hand-edited or truncated engine.json is an Eng
 KeyError or a run with a wrong size.
 
 Digests: engine.json records sha256 and size of every artifact. Hashing costs about as much as
-loading (BENCHMARKS.md, integrity), so
+loading (docs/benchmarks/gpu-h100.md, "Integrity checks"), so
 at load every size is checked and files up to LOAD_DIGEST_BYTES are hashed; medusa-check hashes
 everything and refuses a mismatch.
 """
@@ -182,11 +182,14 @@ def validate_engine(engine: Any, path: Path, backend: str | None = None) -> dict
         _relative_file(section, "file", path, p)
         _relative_file(section, "heads_file", path, p, optional=True)
         _relative_file(section, "step_file", path, p, optional=True)
+        _relative_file(section, "drafter_file", path, p, optional=True)  # a drafter with its own cache
         _relative_file(section, "weights_file", path, p, optional=True)  # shared by the graphs (absent: inline)
         req(section, "prepack_weights", bool, p, default=True)
         req(section, "key_block", int, p, positive=True, default=None)
         req(section, "cache_in_place", bool, p, default=False)
         req(section, "chains_only", bool, p, default=False)
+        req(section, "step_dynamic", bool, p, default=False)
+        req(section, "hidden_all_rows", bool, p, default=False)
         if section.get("step_file"):
             req(section, "step_topk", int, p, positive=True)
         weights = require_section(engine, "weights", file=path, error=EngineError)

@@ -14,6 +14,8 @@ from tests.engines.ort.test_ort_build import exact_engine, int4_engine
 
 
 @pytest.mark.parametrize("field, value", [("onnx.cache_in_place", "false"), ("onnx.chains_only", "false"),
+                                          ("onnx.step_dynamic", "yes"), ("onnx.hidden_all_rows", 1),
+                                          ("onnx.drafter_file", "../model_drafter.onnx"),
                                           ("weights.offsets", "true"), ("weights.lm_head_bits", 6)])
 def test_engine_json_flags_are_validated(ort_engine, tmp_path, field, value):
     import shutil

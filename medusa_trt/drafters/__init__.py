@@ -7,9 +7,10 @@ the three places a drafter lives:
 - the reference model (`Drafter`, drafters/base.py): `MedusaModel.drafter` is an instance of the
   checkpoint's drafter kind (config `medusa_trt.drafter`, default "medusa"), and the model calls it
   and nothing else;
-- the exported graphs (`Drafter.graph_form`): the heads graph and the fused step graph
-  (engines/onnx/export.py) draft through the form the drafter exports, with 2-D MatMuls and the
-  If-per-head ONNX Runtime runs fast;
+- the exported graphs: the heads graph and the fused step graph (engines/onnx/export.py) draft
+  through the form the drafter exports (engines/onnx/drafters.py: graph_form, with 2-D MatMuls and
+  the If-per-head ONNX Runtime runs fast); a drafter with a cache of its own exports a drafter graph
+  instead (export.py: _DrafterModule) and drafts inside the step graph (step.py: _cached_draft);
 - the runtime (`Backend.draft`, runtime/backend.py): the decoding loop hands every backend the rows
   it committed this step and the tokens chosen after them, once per step.
 

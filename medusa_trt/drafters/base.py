@@ -14,7 +14,8 @@ class Drafter(nn.Module):
 
     Subclasses set `kind` (the checkpoint's `medusa_trt.drafter`) and `num_heads` (how deep a tree
     it drafts), and implement `forward`, the reference math; the engines' exported form of a kind
-    is registered next to the exporter (engines/onnx/drafters.py).
+    is registered next to the exporter (engines/onnx/drafters.py: GRAPH_FORMS; a drafter with a cache
+    of its own: export.py's _DrafterModule).
     `reads_tokens`: whether drafts depend on the token chosen after each row (Amphista, Hydra,
     EAGLE), not on the hidden state alone (Medusa). `has_cache`: whether the drafter keeps a cache
     over committed rows of its own, appended with every committed row and never rolled back.

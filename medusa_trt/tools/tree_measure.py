@@ -26,7 +26,7 @@ BLOCK = 4  # steps timed back to back per tree size and repetition
 class HeadAccuracy:
     accuracy: list[list[float]]  # [H][topk]: P(rank r of head k is the greedy token), not cumulative
     positions: list[int]  # [H] positions measured per head
-    base_agreement: float  # prefill argmax == the decoded greedy token (a sanity check, ~1.0)
+    base_agreement: float  # one forward's argmax at each continuation row == the decoded token (a sanity check, ~1.0)
     # Per calibration sequence, per continuation position t: the rank of the true token in each
     # head's top-k (-1: not there). Enough to replay decoding with any tree exactly.
     rank_paths: list[list[tuple[int, ...]]] = field(default_factory=list)
@@ -39,7 +39,8 @@ class HeadAccuracy:
 def measure_head_accuracy(backend, prompts: list[list[int]], max_new_tokens: int = 128,
                           stop_token_ids: tuple[int, ...] = (), topk: int = CANDIDATE_TOPK,
                           progress: bool = True) -> tuple[HeadAccuracy, list[list[int]]]:
-    """Head accuracies on the base's greedy continuations of `prompts` (see the module docstring).
+    """Head accuracies on the base's greedy continuations of `prompts` (tools/tune_tree.py's module
+    docstring says what is counted).
     Also returns each prompt + continuation."""
     from tqdm import tqdm
 

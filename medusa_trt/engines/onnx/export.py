@@ -127,7 +127,7 @@ class _ExportModule(nn.Module):
         self.committed_prefix = committed_prefix
         self.places_new_keys = places_new_keys
         # The decoder graph's `hidden` output at every new row, not at logit_positions only (export_onnx's
-        # hidden_all_rows): set while the decoder graph is exported, never for the step graph.
+        # hidden_all_rows): set while the decoder graph is exported, and so for the step graph built from it.
         self.hidden_all_rows = False
         # The drafter's exported form (drafters/): the heads graph and the fused step draft through it.
         # A drafter with a cache of its own exports as the drafter graph instead (_DrafterModule).

@@ -12,12 +12,17 @@ once:
                             0..min(depth, heads)-1 draft the next tree, the others are not computed
            candidate_index  [slots - 1] int64  next tree's slots in the heads' flat top-k (its
                             length also sets how many of the last slots get logits: a tree's)
+           drafter_past_lengths, drafter_past_*   a drafter with a cache of its own (Amphista,
+                            engine_dir.DRAFTER_STEP_INPUTS): its cache, which it reads over the
+                            accepted path (_cached_draft) instead of the heads at the last node
   outputs  best_path, accepted  [batch] int64
            next_tokens      [batch, slots] int64  the next step's input_ids (a static tree's)
            next_topk, next_logp  [batch, used heads, k] int64, float32  each drafting head's top-k
                             token ids and log-probabilities: what a tree chosen per step is
                             chosen from (runtime/dynamic.py)
            present_keys, present_values  as the decoder's
+           drafter_present_keys, drafter_present_values  with such a drafter: its K/V of the accepted
+                            path, which `commit` appends to its cache
 """
 
 from __future__ import annotations

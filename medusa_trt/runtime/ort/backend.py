@@ -10,13 +10,16 @@ small object per mode (runtime/ort/cache.py): K/V returned and scattered by `com
 in device memory (CUDA), or written in place by the graph (in-place int4 CPU engines). Returned
 tensors are new every step, so a caller may keep them.
 
-Every graph call goes through one boundary (OrtBackend._feeds): the rows as the kernel needs them
-(pad_one_row), the checks against the cache, and the host feeds.
+Every decoder and step graph call goes through one boundary (OrtBackend._feeds): the rows as the
+kernel needs them (pad_one_row), the checks against the cache, and the host feeds. The heads and
+drafter graphs take their own small feeds (_run_heads, _run_drafter).
 
 Sessions open on first use. ONNX Runtime packs every constant MatMul weight into a buffer of its own
 per session, so each open session holds a copy of the decoder's weights: a greedy Medusa decode on
 the CPU runs on the fused step graph alone (its prefill too, runtime/steps.py), plain decoding on
-the decoder graph alone, and only a process doing both, or sampling, holds two copies
+the decoder graph alone, and only a process doing both, or sampling, holds two copies. A drafter
+with a cache of its own (Amphista) is the exception: its prefill runs the decoder and drafter graphs
+(every prompt row into the drafter's cache), so its greedy decode opens the decoder's session too
 (docs/benchmarks/issue-13-int4.md, memory). The graphs' inputs and outputs are checked against
 engine.json at load, from the files.
 """
@@ -174,8 +177,8 @@ class OrtBackend(Backend):
 
     @property
     def open_session_names(self) -> frozenset[str]:
-        """The graphs whose sessions are open ("session", "heads_session", "step_session"): each
-        open one holds its own packed copy of the weights."""
+        """The graphs whose sessions are open ("session", "heads_session", "step_session",
+        "drafter_session"): each open one holds its own packed copy of the weights."""
         return frozenset(name for name, session in self._sessions.items() if session is not None)
 
     def _check_graphs(self, engine: dict) -> None:
@@ -254,7 +257,8 @@ class OrtBackend(Backend):
         graph, engines/onnx/export.py). Returns best path [B], accepted draft tokens [B] and the next
         input_ids [B, 1 + C], then, where fused_step_dynamic, the drafter's top-k ids and log-probs
         [B, H, k] (None otherwise); the new tokens' KV stays pending until `commit`. A drafter with its
-        own cache takes the accepted path in the same call; its rows are committed here."""
+        own cache takes the accepted path in the same call; its new rows stay pending until `commit`
+        too."""
         b = len(input_ids)
         if self.fused_step_dynamic and retrieve.dim() == 2:  # one tree for the batch, as the graph takes it per sequence
             retrieve = retrieve.expand(b, -1, -1)

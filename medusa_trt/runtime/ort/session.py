@@ -34,7 +34,7 @@ class OrtSessionOptions:
 
 
 def session_options(options: OrtSessionOptions | None = None, *, level: str = "all", prepack: bool = True):
-    """Options measured on a 2-core CPU for decoding (benchmarks/bench_onnx.py --sweep-options): all
+    """Options measured on a 2-core CPU for decoding (benchmarks/investigations/bench_onnx_sweeps.py --sweep-options): all
     graph optimizations (they fuse RMSNorm, SiLU and MatMul+Transpose), one intra-op thread per core
     this process may use, sequential execution (the graph is a chain), and no spinning by default: a
     spinning worker burns a core that another process may need, and on a shared machine steps get
@@ -62,7 +62,7 @@ def session_options(options: OrtSessionOptions | None = None, *, level: str = "a
     # after the decoder's took 2x as long at 2 threads (docs/benchmarks/issue-35-amphista.md (h)).
     so.add_session_config_entry("session.force_spinning_stop", "1" if options.spin else "0")
     so.add_session_config_entry("session.disable_quant_qdq", "1")
-    if not prepack:  # engine.json onnx.prepack_weights (engines/build.py says when and why)
+    if not prepack:  # engine.json onnx.prepack_weights (engines/ort/build.py says when and why)
         so.add_session_config_entry("session.disable_prepacking", "1")
     so.log_severity_level = 3  # warnings about unused initializers are noise to users
     return so
