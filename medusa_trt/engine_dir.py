@@ -21,6 +21,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from medusa_trt.errors import MedusaTrtError, read_json_object, require, require_section
+from medusa_trt.tree import TreeError, dynamic_from_text
 
 # The format's history, and what each optional feature means: docs/formats.md, section 3.
 ENGINE_FORMAT_VERSION = 8
@@ -148,10 +149,14 @@ def validate_engine(engine: Any, path: Path, backend: str | None = None) -> dict
     req(medusa, "num_heads", int, "medusa.", nonnegative=True)
     req(medusa, "num_layers", int, "medusa.", nonnegative=True)
     # medusa-build --tree: the default tree, or "dynamic:N[,cost=C]" (trees chosen per step, with the slot
-    # cost medusa-tune-tree measured on the engine, as runtime/dynamic.dynamic_spec writes it)
+    # cost medusa-tune-tree measured on the engine), read by the runtime's own grammar (tree.py)
     tree = medusa.get("tree")
     if isinstance(tree, str):
-        if not re.fullmatch(r"dynamic:[1-9][0-9]*(,cost=[0-9]+(\.[0-9]*)?(e[+-]?[0-9]+)?)?", tree):
+        try:
+            spec = dynamic_from_text(tree)
+        except TreeError:
+            spec = None
+        if spec is None:
             raise EngineError(f"{path}: medusa.tree {tree[:60]!r}; expected a list of paths or 'dynamic:N' (N >= 1) "
                               "or 'dynamic:N,cost=C' (C >= 0)")
     elif tree is not None and not (isinstance(tree, list) and tree and all(

@@ -398,6 +398,104 @@ def tree_to_brace(choices: list) -> str:
     return ", ".join("{" + ", ".join(str(int(r)) for r in path) + "}" for path in choices)
 
 
+# -- per-step tree specs ("dynamic:N[,cost=C]"), read here so engine.json and the runtime share one grammar
+
+
+_DYNAMIC = re.compile(r"dynamic:(.*)", re.IGNORECASE)
+
+
+def _from_file(spec: object) -> object:
+    """A tree file's medusa_choices when it is a string ("dynamic:N", what medusa-tune-tree writes when
+    per-step trees won), else `spec` itself (a list file is parse_medusa_choices' to read)."""
+    if not isinstance(spec, (str, os.PathLike)) or not str(spec).lower().endswith(".json"):
+        return spec
+    try:
+        path = Path(spec)
+        if not path.is_file() or path.stat().st_size > MAX_TREE_TEXT:
+            return spec
+        text = path.read_text(encoding="utf-8")
+        check_bounds(text, str(path))  # no parser on a file nested to exhaust the stack
+        data = json.loads(text)
+    except (OSError, ValueError, TreeError):
+        return spec  # parse_medusa_choices names the problem
+    choices = data.get("medusa_choices") if isinstance(data, dict) else None
+    return choices if isinstance(choices, str) else spec
+
+
+@dataclass(frozen=True)
+class DynamicSpec:
+    """A parsed "dynamic:N[,cost=C]": the node budget and the slot cost it records (None: none)."""
+
+    text: str
+    budget: int
+    cost: float | None
+
+    def __str__(self) -> str:
+        return dynamic_spec(self.budget, self.cost)
+
+
+def dynamic_spec(budget: int, cost: float | None = None) -> str:
+    """The text of a per-step tree spec: "dynamic:N", or "dynamic:N,cost=C" when it records a cost."""
+    return f"dynamic:{budget}" + ("" if cost is None else f",cost={cost:g}")
+
+
+def read_dynamic(spec: object) -> DynamicSpec | None:
+    """The DynamicSpec of "dynamic:N" or "dynamic:N,cost=C", or of a tree file holding one (read once);
+    None when `spec` is not a dynamic spec. A malformed budget or cost raises TreeError naming it."""
+    return dynamic_from_text(_from_file(spec))
+
+
+def dynamic_from_text(spec: object) -> DynamicSpec | None:
+    """read_dynamic of the spec's text itself, never of a file it names: what engine.json records."""
+    if not isinstance(spec, str):
+        return None
+    m = _DYNAMIC.fullmatch(spec.strip())
+    if m is None:
+        return None
+    text, _, option = m.group(1).strip().partition(",")
+    cost = _cost(spec, option) if option else None
+    if "/" in text:  # medusa-bench's --also suffixes (/fill, /no-context, ...) are modes of the bench, not of a tree
+        raise TreeError(f"medusa_choices {spec!r}: unknown option /{text.partition('/')[2]}; expected dynamic:N or "
+                        "dynamic:N,cost=C (the /fill, /no-context and /no-datastore suffixes are medusa-bench --also's)")
+    try:
+        budget = int(text)
+    except ValueError:
+        raise TreeError(f"medusa_choices {spec!r}: budget {text!r} is not an integer; expected dynamic:N with "
+                        "N >= 1 nodes per step, e.g. dynamic:16") from None
+    if budget < 1:
+        raise TreeError(f"medusa_choices {spec!r}: budget {budget}; expected dynamic:N with N >= 1 nodes per step")
+    return DynamicSpec(spec, budget, cost)
+
+
+def parse_dynamic(spec: object) -> int | None:
+    """The budget N of a dynamic spec (read_dynamic), None when `spec` is not one."""
+    parsed = read_dynamic(spec)
+    return None if parsed is None else parsed.budget
+
+
+def spec_cost(spec: object) -> float | None:
+    """The slot cost a dynamic spec (or a tree file holding one) records, None when it records none:
+    medusa-tune-tree writes the engine's own, measured."""
+    parsed = read_dynamic(spec)
+    return None if parsed is None else parsed.cost
+
+
+def _cost(spec: str, option: str) -> float:
+    """C of a spec's ",cost=C" option: the step time one slot adds on its engine, in plain steps."""
+    name, _, text = option.partition("=")
+    expected = "expected dynamic:N or dynamic:N,cost=C with C >= 0 plain steps per slot, e.g. dynamic:16,cost=0.08"
+    if name.strip().lower() != "cost":
+        raise TreeError(f"medusa_choices {spec!r}: unknown option {option.strip()!r}; {expected}")
+    try:
+        cost = float(text)
+    except ValueError:
+        raise TreeError(f"medusa_choices {spec!r}: cost {text.strip()!r} is not a number; {expected}") from None
+    if not (cost >= 0 and math.isfinite(cost)):
+        raise TreeError(f"medusa_choices {spec!r}: cost {cost}; {expected}")
+    return cost
+
+
+
 @dataclass(frozen=True)
 class StepTree:
     """The tree buffers the decoding loop reads every step, as torch tensors (converted once per

@@ -167,8 +167,14 @@ def recorded_tree(opts: BuildOptions, config: dict) -> tuple[list[list[int]] | s
     file's name, a preset's name or "given")."""
     if opts.tree is None:
         return None
-    from medusa_trt.runtime.dynamic import dynamic_tree, read_dynamic
-    from medusa_trt.tree import TreeError, candidate_topk, parse_medusa_choices, validate_and_expand
+    from medusa_trt.runtime.dynamic import dynamic_tree
+    from medusa_trt.tree import (
+        TreeError,
+        candidate_topk,
+        parse_medusa_choices,
+        read_dynamic,
+        validate_and_expand,
+    )
 
     heads = int(config.get("num_medusa_heads") or 0)
     if heads == 0:

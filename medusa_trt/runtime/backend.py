@@ -42,6 +42,9 @@ class ModelInfo:
     # Where a decode stops unless its config says otherwise: EOS of the model config, generation config
     # and tokenizer, and the chat template's end-of-turn tokens (loading.stop_tokens, set by load_backend).
     stop_token_ids: tuple[int, ...] = ()
+    # The largest batch the engine runs (engine.json limits.max_batch_size): callers cut larger groups
+    # (serving.triton_model.group_jobs) instead of failing every row. None: any batch (a checkpoint).
+    max_batch_size: int | None = None
 
 
 class Backend:

@@ -39,10 +39,16 @@ from medusa_trt.errors import MedusaTrtError
 from medusa_trt.runtime.chat import ChatError, encode_chat, parse_messages
 from medusa_trt.runtime.config import ACCEPTANCE
 from medusa_trt.runtime.decoding import GenerationConfig, SequenceStats, generate, step_tree
-from medusa_trt.runtime.dynamic import dynamic_spec, parse_dynamic
 from medusa_trt.runtime.loading import load_backend, load_tokenizer, stop_tokens
 from medusa_trt.serving.triton_repo import MODEL_INPUTS
-from medusa_trt.tree import TreeError, parse_medusa_choices, preset_names, validate_and_expand
+from medusa_trt.tree import (
+    TreeError,
+    dynamic_spec,
+    parse_dynamic,
+    parse_medusa_choices,
+    preset_names,
+    validate_and_expand,
+)
 
 log = logging.getLogger(__name__)
 
@@ -363,7 +369,7 @@ def serve_batch(service: Service, batch: list[Mapping[str, np.ndarray]],
                 deliver(i, full_outputs(service, req.jobs), True)
 
     jobs = [j for p in parsed if p for j in p.jobs]
-    for group in group_jobs(jobs, getattr(service.backend, "max_batch_size", None)):
+    for group in group_jobs(jobs, service.backend.info.max_batch_size):
         if all(j.done for j in group):
             continue  # every request in it was closed already
         try:

@@ -25,13 +25,14 @@ from medusa_trt.checkpoint import validate_config
 from medusa_trt.engine_dir import ENGINE_JSON, EngineError, read_engine
 from medusa_trt.errors import MedusaTrtError, read_json_object
 from medusa_trt.outputs import atomic_output_dir
-from medusa_trt.runtime.dynamic import dynamic_tree, read_dynamic
+from medusa_trt.runtime.dynamic import dynamic_tree
 from medusa_trt.tree import (
     CANDIDATE_TOPK,
     DEFAULT_TREE,
     TreeError,
     check_trtllm_ranks,
     parse_medusa_choices,
+    read_dynamic,
     tree_for_engine,
     tree_to_brace,
     validate_and_expand,

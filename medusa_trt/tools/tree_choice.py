@@ -3,9 +3,8 @@ budgets, each with the engine's own slot cost) and which of them it writes (runt
 
 from __future__ import annotations
 
-from medusa_trt.runtime.dynamic import dynamic_spec
 from medusa_trt.tools.tree_measure import fit_line
-from medusa_trt.tree import candidate_topk
+from medusa_trt.tree import candidate_topk, dynamic_spec
 
 
 def budgets_for(nodes: int, info, asked: list[int] | None = None) -> list[int]:

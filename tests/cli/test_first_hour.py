@@ -196,7 +196,7 @@ def test_engine_records_per_step_trees(ort_engine, tiny_merged, tmp_path, capsys
     shutil.copytree(engine, costed)
     (costed / "engine.json").write_text(json.dumps(data | {"medusa": {**data["medusa"], "tree": recorded[0]}}))
     assert step_tree(load_backend(costed).info).slot_cost == 0.25
-    for bad in ("dynamic:6,cost=", "dynamic:6,cost=-1", "dynamic:6,size=2"):
+    for bad in ("dynamic:6,cost=", "dynamic:6,cost=-1", "dynamic:6,size=2", "dynamic:0", "dynamic:6/fill", "tree.json"):
         (costed / "engine.json").write_text(json.dumps(data | {"medusa": {**data["medusa"], "tree": bad}}))
         with pytest.raises(EngineError, match="expected a list of paths or 'dynamic:N'"):
             load_backend(costed)

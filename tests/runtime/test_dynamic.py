@@ -23,11 +23,9 @@ from medusa_trt.runtime.dynamic import (
     build_batch,
     choose_nodes,
     dynamic_tree,
-    parse_dynamic,
-    spec_cost,
     worth,
 )
-from medusa_trt.tree import TreeError
+from medusa_trt.tree import TreeError, parse_dynamic, spec_cost
 from tests.runtime.test_decoding import EOS, oracle, prompts
 
 

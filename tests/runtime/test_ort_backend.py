@@ -166,6 +166,7 @@ def test_limits_and_errors(ort_engine):
     engine_dir = ort_engine("llama")
     backend = OrtBackend(engine_dir)
     limits = json.loads((engine_dir / "engine.json").read_text())["limits"]
+    assert backend.info.max_batch_size == limits["max_batch_size"]  # what serving cuts groups at
     with pytest.raises(ValueError, match="max_batch_size"):
         backend.start(limits["max_batch_size"] + 1, 8)
     backend.start(1, 4)

@@ -227,3 +227,23 @@ def test_a_group_is_cut_at_the_engines_batch_limit():
     cut = group_jobs(jobs, max_batch=2)
     assert [[j.n for j in g] for g in cut] == [[0, 1], [3, 4], [5], [2, 6]]
     assert [[j.n for j in g] for g in group_jobs(jobs)] == [[0, 1, 3, 4, 5], [2, 6]]
+
+
+def test_serve_batch_reads_the_limit_from_the_backends_model_info(service, monkeypatch):
+    """Every backend states its batch limit on ModelInfo (engine.json limits.max_batch_size; None for a
+    checkpoint): serve_batch cuts at it whatever the backend, and the rows decode as alone."""
+    import dataclasses
+
+    backend = service.backend
+    assert backend.info.max_batch_size is None  # a checkpoint runs any batch
+    batches = []
+    start = backend.start
+    monkeypatch.setattr(backend, "start", lambda batch, capacity: (batches.append(batch), start(batch, capacity))[1])
+    monkeypatch.setattr(backend, "info", dataclasses.replace(backend.info, max_batch_size=2))
+    texts = ["Hello world", "a", "zzz", "The quick"]
+    sent = run(service, [request(texts, [6] * 4)])
+    assert batches and max(batches) == 2 and sum(batches) >= 4
+    payload = [p for _, p, final in sent if final][0]
+    for r, text in enumerate(texts):
+        ids = payload["output_ids"][r]
+        assert ids[ids >= 0].tolist() == offline(service, text, 6).tokens[0]

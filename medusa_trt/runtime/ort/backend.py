@@ -156,11 +156,10 @@ class OrtBackend(Backend):
         self.head_dim, self.num_medusa_heads = model["head_dim"], engine["medusa"]["num_heads"]
         self.vocab_size, self.hidden_size = model["vocab_size"], model["hidden_size"]
         self.dtype = CONFIG_DTYPES[engine["dtype"]]
-        self.max_batch_size = limits["max_batch_size"]
         self.info = ModelInfo(self.vocab_size, self.num_medusa_heads, limits["max_seq_len"], limits["max_draft_len"],
                               onnx_info.get("key_block"), onnx_info.get("chains_only", False),
                               drafter_cache=bool(onnx_info.get("drafter_file")),
-                              hidden_all_rows=bool(onnx_info.get("hidden_all_rows")))
+                              max_batch_size=limits["max_batch_size"], hidden_all_rows=bool(onnx_info.get("hidden_all_rows")))
         self._past_names = past_names(self.num_layers)
         self._np_dtype = NP_DTYPES.get(self.dtype)
         if self._np_dtype is None:  # numpy has no bfloat16; ONNX Runtime's CPU kernels mostly lack it too
@@ -226,8 +225,8 @@ class OrtBackend(Backend):
     # -- Backend interface ---------------------------------------------------------------------
 
     def start(self, batch: int, capacity: int) -> None:
-        if batch > self.max_batch_size:
-            raise ValueError(f"batch {batch} exceeds the engine's max_batch_size {self.max_batch_size} "
+        if batch > self.info.max_batch_size:
+            raise ValueError(f"batch {batch} exceeds the engine's max_batch_size {self.info.max_batch_size} "
                              f"({self.engine_dir / 'engine.json'}); rebuild with a larger --max-batch-size")
         self.keys, self.values = zero_cache(self.num_layers, batch, self.num_kv_heads, capacity, self.head_dim,
                                             self.dtype, self.device)

@@ -139,10 +139,9 @@ class TensorRTBackend(Backend):
         self.num_layers, self.num_kv_heads = model["num_layers"], model["num_kv_heads"]
         self.head_dim, self.hidden_size, self.vocab_size = model["head_dim"], model["hidden_size"], model["vocab_size"]
         self.num_medusa_heads = info["medusa"]["num_heads"]
-        self.max_batch_size = limits["max_batch_size"]
         self.info = ModelInfo(self.vocab_size, self.num_medusa_heads, limits["max_seq_len"], limits["max_draft_len"],
                               drafter_cache=self.drafter_engine is not None,
-                              hidden_all_rows=bool(section.get("hidden_all_rows")))
+                              max_batch_size=limits["max_batch_size"], hidden_all_rows=bool(section.get("hidden_all_rows")))
         self._past_names = [f"past_{kind}_{i}" for i in range(self.num_layers) for kind in ("key", "value")]
         self.dtype = self.decoder.dtypes[self._past_names[0]]
         self.max_capacity = self.decoder.max_shape(self._past_names[0])[2]
@@ -151,8 +150,8 @@ class TensorRTBackend(Backend):
     # -- Backend interface ---------------------------------------------------------------------
 
     def start(self, batch: int, capacity: int) -> None:
-        if batch > self.max_batch_size:
-            raise ValueError(f"batch {batch} exceeds the engine's max_batch_size {self.max_batch_size} "
+        if batch > self.info.max_batch_size:
+            raise ValueError(f"batch {batch} exceeds the engine's max_batch_size {self.info.max_batch_size} "
                              f"({self.engine_dir / 'engine.json'}); rebuild with a larger --max-batch-size")
         if capacity > self.max_capacity:
             raise ValueError(f"cache capacity {capacity} exceeds the engine's largest past {self.max_capacity} "
