@@ -903,81 +903,17 @@ def _time_plan(model, train: list, drafters: dict, vocab: torch.Tensor, lm_head:
     return {"hidden_s_per_row": hidden_s / rows, "step_s_per_row": step_s / rows, "timed_rows": rows}
 
 
-def cuda_stage(args) -> dict:
-    """Decode, then train Medusa heads and an Amphista drafter together (the base's hidden states feed
-    both: computed once and kept in device memory, or with --no-keep-hidden by each step); steps sized
-    to --budget."""
-    from medusa_trt.tools.distill import Sample
-    from medusa_trt.tools.train_drafter import (
-        Objective,
-        TrainOptions,
-        _batch,
-        evaluate,
-        neighbours,
-        optimizer,
-        save_amphista,
-    )
-    from medusa_trt.tools.train_heads import save_heads
-
-    if unknown := sorted(set(args.archs.split(",")) - {"amphista", "medusa"}):
-        raise SystemExit(f"--archs {args.archs}: {', '.join(unknown)} unknown; expected amphista and/or medusa")
-    t0 = time.perf_counter()
-    dev = torch.device(args.device)
-    torch.backends.cuda.matmul.allow_tf32 = True  # float32 weights, TF32 products: the base stays float32
-    pack = load_pack(args.pack or args.work / "pack.npz")
-    eos, config = int(pack["eos"]), json.loads(str(pack["config"]))
-    model = load_base(args.gguf, dev)
-    if args.decoder == "static" and (why := batched_greedy.supports(model)):
-        print(f"--decoder static: {why}; decoding with transformers' generate")
-        args.decoder = "generate"
-    t_loaded = time.perf_counter()
-    print(f"base loaded in {t_loaded - t0:.0f} s")
-    end = t0 + args.budget
-    decode_end = end if args.decode_only else t0 + args.gen_share * args.budget
-    train_end = end - 0.12 * args.budget  # the rest: evaluation and saving
-    # The decoded text lives in the corpus (medusa_trt/drafter_corpus.py): what any earlier run decoded,
-    # here or on another machine, is read back, and this run decodes only what it lacks, in order:
-    # the held-out prompts (always all), the first turns, then the later human turns in their
-    # conversations (distinct text the base writes itself), until the --gen-share deadline
-    # (--decode-only: the budget's end). Several short sessions so build up one corpus.
-    corpus_out = args.corpus_out or args.corpus
-    have, parts = drafter_corpus.read([args.corpus, corpus_out])
-    reused = bool(have)
-    print(f"corpus: {len(have)} continuations in {len(parts)} parts ({args.corpus}"
-          + (f", {corpus_out}" if corpus_out != args.corpus else "") + ")")
-    sets = prompt_sets(pack)
-    forced = []
-    if args.forced_share > 0 and not args.decode_only:
-        if "forced" not in pack:
-            raise SystemExit(f"{args.pack}: no teacher-forced answers (rerun --stage pack); --forced-share needs them")
-        forced = [Sample(t, int(n), None, "forced") for t, n in
-                  zip(_unragged(pack["forced"], pack["forced_offsets"]), pack["forced_start"].tolist(), strict=True)]
-    lm_head, embed = drafter_inputs(model)
-    # The time plan: a run that decodes up to its --gen-share deadline may leave its training no time
-    # (the hidden states of all the text come first). Decoding stops once the text so far needs the
-    # rest of the training time for its hidden states and --min-passes passes, at this device's rates.
-    text = corpus_text(sets, have)[1] + forced
-    text_rows = [sum(len(s.tokens) - 1 for s in text)]  # grows as decoding adds text
-    plan, per_row = None, 0.0
-    if not args.decode_only and args.min_passes > 0 and text:
-        plan = _time_plan(model, text, *_start_drafters(args, config, lm_head, None)[:2], lm_head, embed, args, dev)
-        hidden_s, step_s = plan["hidden_s_per_row"], plan["step_s_per_row"]
-        per_row = hidden_s + args.min_passes * step_s if args.keep_hidden else args.min_passes * (hidden_s + step_s)
-
-    def decode_by() -> float:
-        return decode_end if plan is None else min(decode_end, train_end - per_row * text_rows[0])
-
-    if plan:
-        print(f"time plan: {hidden_s * 1e6:.1f} us a row for the hidden states, {step_s * 1e6:.1f} us a row for a "
-              f"step of every drafter; the {text_rows[0]} rows there are need {per_row * text_rows[0]:.0f} s for "
-              f"--min-passes {args.min_passes:g}: " + (f"decoding stops by {decode_by() - t0:.0f} s" if decode_by() >
-              time.perf_counter() else "no more decoding"), flush=True)
+def _decode_missing(args, model, dev: torch.device, sets: dict, have: dict[int, list[int]], eos: int, limits: dict,
+                    corpus_out: Path, text_rows: list[int]) -> tuple[list, list[str], str | None]:
+    """Decodes what the corpus lacks, split by split in `sets`' order (held-out first), each until its
+    deadline (`limits`: split -> (new tokens, deadline)). Each batch goes to a new corpus part and to
+    `have` as it ends, and `text_rows[0]` grows with the training text. Returns this run's samples,
+    the parts written (an interrupted run writes what it finished) and the static decoder's check."""
     static_check = None
     if args.decoder == "static":
-        static_check = _check_static(model, sets["eval"][0][:4], int(pack["eos"]))
+        static_check = _check_static(model, sets["eval"][0][:4], eos)
         if "failed" in static_check:
             args.decoder = "generate"
-    limits = {"eval": (args.new_tokens, end), "first": (args.gen_tokens, decode_by), "later": (args.gen_tokens, decode_by)}
     writer = drafter_corpus.Writer(corpus_out, {
         "decoder": args.decoder, "device": _device_name(dev),
         "arithmetic": "tf32" if dev.type == "cuda" else "float32",  # TF32 products on a GPU (above)
@@ -1005,52 +941,15 @@ def cuda_stage(args) -> dict:
         written = writer.close()
     if written:
         print(f"wrote {', '.join(written)} to {corpus_out}")
-    held, train, later_decoded = corpus_text(sets, have)
-    t_gen = time.perf_counter() - t0
-    decoding = {"decoder": args.decoder, "static_check": static_check, "sequences": len(fresh),
-                "new_tokens": sum(len(s.tokens) - s.prompt_len for s in fresh),
-                "seconds": round(time.perf_counter() - t_loaded, 1)}  # decoding and saving, not loading
-    if plan:
-        plan.update(min_passes=args.min_passes, decoding_stopped_at_s=round(t_gen, 1),
-                    training_s=round(train_end - t0 - t_gen, 1))
-    decoded_now = bool(fresh)
-    rows = sum(len(s.tokens) - 1 for s in train)
-    peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else 0.0  # the KV cache at --gen-batch
-    print(f"decoded text: {len(train)} training sequences ({rows} rows; {len(sets['first'][0])} first-turn prompts "
-          f"packed) and {len(held)} held-out, {t_gen:.0f} s (peak {peak:.1f} GiB)")
-    if args.decode_only:
-        report = {"sequences": len(train), "rows": rows, "heldout_sequences": len(held), "later_turns": later_decoded,
-                  "device": _device_name(dev),
-                  "gen_batch": args.gen_batch, "decode_peak_gib": round(peak, 1), "decoded_now": decoding,
-                  "parts_written": written, "seconds": round(t_gen, 1)}
-        (args.out / "decode_report.json").write_text(json.dumps(report, indent=2) + "\n")
-        print(f"{corpus_out}: the corpus, for a training run (no --decode-only); done in {t_gen:.0f} s")
-        return report
+    return fresh, written, static_check
 
-    if len(train) <= args.val:
-        raise SystemExit(f"{args.corpus}: {len(train)} decoded training sequences, expected more than --val {args.val}; "
-                         "decode first (--gen-share above 0, or a --decode-only run)")
-    # The validation slice: decoded training-side sequences no step reads. It follows the learning
-    # curve and decides between runs, so that the held-out split is only ever reported.
-    shuffled = list(range(len(train)))
-    random.Random(args.seed + 3).shuffle(shuffled)
-    val = [train[i] for i in sorted(shuffled[: args.val])]
-    train = [train[i] for i in sorted(shuffled[args.val :])]
-    rows = sum(len(s.tokens) - 1 for s in train)
-    if forced:
-        print(f"{len(forced)} teacher-forced ShareGPT answers ({sum(len(s.tokens) - s.prompt_len for s in forced)} "
-              f"rows), read in {args.forced_share:.0%} of the steps")
-    drafters, vocab, covered = _start_drafters(args, config, lm_head, train)
-    for d in drafters.values():
-        d.to(dev).train()
-    opts = {a: TrainOptions(steps=10**6, lr=args.lr, batch_samples=args.batch_samples, max_len=1024, seed=args.seed)
-            for a in drafters}
-    optim = {a: optimizer(d, opts[a]) for a, d in drafters.items()}
-    obj = Objective.make(lm_head, vocab)
-    g = torch.Generator().manual_seed(args.seed)
-    noise = torch.Generator(device=dev).manual_seed(args.seed)
+
+def _kept_dtype(args, dev: torch.device, kept_gib: float, left: float, need: float | None, rows: int) -> torch.dtype:
+    """The dtype the training text's hidden states are kept in on the device; turns --keep-hidden off
+    (each step then runs the base) when they do not fit beside the steps (`kept_gib`: their size as
+    float32) or would take more than half the `left` seconds of training (`need`: the time plan's
+    estimate for the text's `rows`; None: no plan)."""
     kept_dtype = torch.float16 if args.kept_dtype == "float16" else torch.float32
-    kept_gib = (rows + sum(len(s.tokens) - 1 for s in forced)) * lm_head.shape[1] * 4 / 2**30  # float32 rows
     if args.keep_hidden and dev.type == "cuda":
         torch.cuda.empty_cache()  # the decode's cache blocks
         free_gib = torch.cuda.mem_get_info()[0] / 2**30
@@ -1065,21 +964,43 @@ def cuda_stage(args) -> dict:
             print(f"--keep-hidden: the hidden states need {kept_gib:.1f} GiB as float32, {free_gib:.1f} GiB are "
                   "free; each step runs the base instead", flush=True)
             args.keep_hidden = False
-    left = train_end - time.perf_counter()
-    if args.keep_hidden and plan and (need := plan["hidden_s_per_row"] * text_rows[0]) > left / 2:
+    if args.keep_hidden and need is not None and need > left / 2:
         # Keeping them pays from the second pass on; a run with time for less than that would spend
         # most of it on states no step reads. Steps that run the base each start at once.
-        print(f"--keep-hidden: the hidden states of {text_rows[0]} rows would take ~{need:.0f} s of the {left:.0f} s "
+        print(f"--keep-hidden: the hidden states of {rows} rows would take ~{need:.0f} s of the {left:.0f} s "
               "left for training; each step runs the base instead", flush=True)
         args.keep_hidden = False
-    if args.keep_hidden:
-        started = time.perf_counter()
-        train, forced = _hidden_kept(model, train, dtype=kept_dtype), _hidden_kept(model, forced, dtype=kept_dtype)
-        print(f"hidden states of {len(train) + len(forced)} sequences kept on {dev} as {str(kept_dtype)[6:]} "
-              f"({kept_gib * kept_dtype.itemsize / 4:.1f} GiB) in {time.perf_counter() - started:.0f} s", flush=True)
+    return kept_dtype
+
+
+@dataclasses.dataclass
+class _Training:
+    """What the training loop steps: the drafters with their options and optimizers, the objective
+    over the draft vocabulary, and the base's lm_head and embedding that the drafters read."""
+
+    drafters: dict
+    opts: dict
+    optim: dict
+    obj: object
+    vocab: torch.Tensor
+    lm_head: torch.Tensor
+    embed: torch.nn.Embedding
+
+
+def _train(args, model, dev: torch.device, t: _Training, train: list, forced: list, val: list, rows: int,
+           train_end: float) -> tuple[int, dict, dict, float]:
+    """Steps every drafter together until `train_end`, the schedule's length set from the time of
+    --timed-steps steps; validates (and saves) at a third, two thirds and the end. Returns the steps,
+    each drafter's losses and validation curve, and the rows an average step reads."""
+    from medusa_trt.tools.train_drafter import _batch, evaluate, neighbours, save_amphista
+    from medusa_trt.tools.train_heads import save_heads
+
+    drafters, opts, optim, obj, vocab, lm_head, embed = (t.drafters, t.opts, t.optim, t.obj, t.vocab, t.lm_head,
+                                                         t.embed)
+    g = torch.Generator().manual_seed(args.seed)
+    noise = torch.Generator(device=dev).manual_seed(args.seed)
     pools = [(p, sorted(range(len(p)), key=lambda i: len(p[i].tokens))) for p in (train, forced)]
     pick = random.Random(args.seed + 4)
-    val = _hidden_kept(model, val, 16)
     curve = {a: [] for a in drafters}
 
     def save() -> None:
@@ -1135,6 +1056,124 @@ def cuda_stage(args) -> dict:
             print(f"step {step}: " + ", ".join(f"{a} loss {sum(v[-100:]) / len(v[-100:]):.3f}" for a, v in losses.items()),
                   flush=True)
     validate(step)
+    return step, losses, curve, mean_rows
+
+
+def cuda_stage(args) -> dict:
+    """Decode, then train Medusa heads and an Amphista drafter together (the base's hidden states feed
+    both: computed once and kept in device memory, or with --no-keep-hidden by each step); steps sized
+    to --budget."""
+    from medusa_trt.tools.distill import Sample
+    from medusa_trt.tools.train_drafter import Objective, TrainOptions, optimizer
+
+    if unknown := sorted(set(args.archs.split(",")) - {"amphista", "medusa"}):
+        raise SystemExit(f"--archs {args.archs}: {', '.join(unknown)} unknown; expected amphista and/or medusa")
+    t0 = time.perf_counter()
+    dev = torch.device(args.device)
+    torch.backends.cuda.matmul.allow_tf32 = True  # float32 weights, TF32 products: the base stays float32
+    pack = load_pack(args.pack or args.work / "pack.npz")
+    eos, config = int(pack["eos"]), json.loads(str(pack["config"]))
+    model = load_base(args.gguf, dev)
+    if args.decoder == "static" and (why := batched_greedy.supports(model)):
+        print(f"--decoder static: {why}; decoding with transformers' generate")
+        args.decoder = "generate"
+    t_loaded = time.perf_counter()
+    print(f"base loaded in {t_loaded - t0:.0f} s")
+    end = t0 + args.budget
+    decode_end = end if args.decode_only else t0 + args.gen_share * args.budget
+    train_end = end - 0.12 * args.budget  # the rest: evaluation and saving
+    # The decoded text lives in the corpus (medusa_trt/drafter_corpus.py): what any earlier run decoded,
+    # here or on another machine, is read back, and this run decodes only what it lacks, in order:
+    # the held-out prompts (always all), the first turns, then the later human turns in their
+    # conversations (distinct text the base writes itself), until the --gen-share deadline
+    # (--decode-only: the budget's end). Several short sessions so build up one corpus.
+    corpus_out = args.corpus_out or args.corpus
+    have, parts = drafter_corpus.read([args.corpus, corpus_out])
+    reused = bool(have)
+    print(f"corpus: {len(have)} continuations in {len(parts)} parts ({args.corpus}"
+          + (f", {corpus_out}" if corpus_out != args.corpus else "") + ")")
+    sets = prompt_sets(pack)
+    forced = []
+    if args.forced_share > 0 and not args.decode_only:
+        if "forced" not in pack:
+            raise SystemExit(f"{args.pack}: no teacher-forced answers (rerun --stage pack); --forced-share needs them")
+        forced = [Sample(t, int(n), None, "forced") for t, n in
+                  zip(_unragged(pack["forced"], pack["forced_offsets"]), pack["forced_start"].tolist(), strict=True)]
+    lm_head, embed = drafter_inputs(model)
+    # The time plan: a run that decodes up to its --gen-share deadline may leave its training no time
+    # (the hidden states of all the text come first). Decoding stops once the text so far needs the
+    # rest of the training time for its hidden states and --min-passes passes, at this device's rates.
+    text = corpus_text(sets, have)[1] + forced
+    text_rows = [sum(len(s.tokens) - 1 for s in text)]  # grows as decoding adds text
+    plan, per_row = None, 0.0
+    if not args.decode_only and args.min_passes > 0 and text:
+        plan = _time_plan(model, text, *_start_drafters(args, config, lm_head, None)[:2], lm_head, embed, args, dev)
+        hidden_s, step_s = plan["hidden_s_per_row"], plan["step_s_per_row"]
+        per_row = hidden_s + args.min_passes * step_s if args.keep_hidden else args.min_passes * (hidden_s + step_s)
+
+    def decode_by() -> float:
+        return decode_end if plan is None else min(decode_end, train_end - per_row * text_rows[0])
+
+    if plan:
+        print(f"time plan: {hidden_s * 1e6:.1f} us a row for the hidden states, {step_s * 1e6:.1f} us a row for a "
+              f"step of every drafter; the {text_rows[0]} rows there are need {per_row * text_rows[0]:.0f} s for "
+              f"--min-passes {args.min_passes:g}: " + (f"decoding stops by {decode_by() - t0:.0f} s" if decode_by() >
+              time.perf_counter() else "no more decoding"), flush=True)
+    limits = {"eval": (args.new_tokens, end), "first": (args.gen_tokens, decode_by), "later": (args.gen_tokens, decode_by)}
+    fresh, written, static_check = _decode_missing(args, model, dev, sets, have, eos, limits, corpus_out, text_rows)
+    held, train, later_decoded = corpus_text(sets, have)
+    t_gen = time.perf_counter() - t0
+    decoding = {"decoder": args.decoder, "static_check": static_check, "sequences": len(fresh),
+                "new_tokens": sum(len(s.tokens) - s.prompt_len for s in fresh),
+                "seconds": round(time.perf_counter() - t_loaded, 1)}  # decoding and saving, not loading
+    if plan:
+        plan.update(min_passes=args.min_passes, decoding_stopped_at_s=round(t_gen, 1),
+                    training_s=round(train_end - t0 - t_gen, 1))
+    decoded_now = bool(fresh)
+    rows = sum(len(s.tokens) - 1 for s in train)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else 0.0  # the KV cache at --gen-batch
+    print(f"decoded text: {len(train)} training sequences ({rows} rows; {len(sets['first'][0])} first-turn prompts "
+          f"packed) and {len(held)} held-out, {t_gen:.0f} s (peak {peak:.1f} GiB)")
+    if args.decode_only:
+        report = {"sequences": len(train), "rows": rows, "heldout_sequences": len(held), "later_turns": later_decoded,
+                  "device": _device_name(dev),
+                  "gen_batch": args.gen_batch, "decode_peak_gib": round(peak, 1), "decoded_now": decoding,
+                  "parts_written": written, "seconds": round(t_gen, 1)}
+        (args.out / "decode_report.json").write_text(json.dumps(report, indent=2) + "\n")
+        print(f"{corpus_out}: the corpus, for a training run (no --decode-only); done in {t_gen:.0f} s")
+        return report
+
+    if len(train) <= args.val:
+        raise SystemExit(f"{args.corpus}: {len(train)} decoded training sequences, expected more than --val {args.val}; "
+                         "decode first (--gen-share above 0, or a --decode-only run)")
+    # The validation slice: decoded training-side sequences no step reads. It follows the learning
+    # curve and decides between runs, so that the held-out split is only ever reported.
+    shuffled = list(range(len(train)))
+    random.Random(args.seed + 3).shuffle(shuffled)
+    val = [train[i] for i in sorted(shuffled[: args.val])]
+    train = [train[i] for i in sorted(shuffled[args.val :])]
+    rows = sum(len(s.tokens) - 1 for s in train)
+    if forced:
+        print(f"{len(forced)} teacher-forced ShareGPT answers ({sum(len(s.tokens) - s.prompt_len for s in forced)} "
+              f"rows), read in {args.forced_share:.0%} of the steps")
+    drafters, vocab, covered = _start_drafters(args, config, lm_head, train)
+    for d in drafters.values():
+        d.to(dev).train()
+    opts = {a: TrainOptions(steps=10**6, lr=args.lr, batch_samples=args.batch_samples, max_len=1024, seed=args.seed)
+            for a in drafters}
+    optim = {a: optimizer(d, opts[a]) for a, d in drafters.items()}
+    obj = Objective.make(lm_head, vocab)
+    kept_gib = (rows + sum(len(s.tokens) - 1 for s in forced)) * lm_head.shape[1] * 4 / 2**30  # float32 rows
+    kept_dtype = _kept_dtype(args, dev, kept_gib, train_end - time.perf_counter(),
+                             plan["hidden_s_per_row"] * text_rows[0] if plan else None, text_rows[0])
+    if args.keep_hidden:
+        started = time.perf_counter()
+        train, forced = _hidden_kept(model, train, dtype=kept_dtype), _hidden_kept(model, forced, dtype=kept_dtype)
+        print(f"hidden states of {len(train) + len(forced)} sequences kept on {dev} as {str(kept_dtype)[6:]} "
+              f"({kept_gib * kept_dtype.itemsize / 4:.1f} GiB) in {time.perf_counter() - started:.0f} s", flush=True)
+    val = _hidden_kept(model, val, 16)
+    step, losses, curve, mean_rows = _train(args, model, dev, _Training(drafters, opts, optim, obj, vocab, lm_head, embed),
+                                            train, forced, val, rows, train_end)
     t_train = time.perf_counter() - t0 - t_gen
     report = {"data": {"sequences": len(train), "rows": rows, "code": sum(s.kind == "code" for s in train),
                        "validation_sequences": len(val), "forced_sequences": len(forced),
