@@ -58,10 +58,20 @@ def candidates_from_topk(root: torch.Tensor, top: torch.Tensor, index: torch.Ten
     return torch.cat([root[:, None], top.reshape(top.shape[0], -1).index_select(1, index)], dim=1)
 
 
+def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits / temperature in float32, shifted so that the largest is 0: the same softmax, without
+    the overflow to inf (and NaN probabilities) that a small temperature > 0 gives logits / T. As T
+    shrinks the softmax tends to the argmax's point mass, and reaches it: a T that float32 rounds to
+    0 leaves the largest logits at 0 (0 / 0, set to 0) and the others at -inf."""
+    x = logits.float()
+    x = (x - x.amax(-1, keepdim=True)) / temperature
+    return x.masked_fill(x.isnan(), 0.0)
+
+
 def typical_posterior(logits: torch.Tensor, temperature: float, epsilon: float, delta: float):
     """p = softmax(logits / T) [..., V] and the acceptance threshold min(epsilon, delta * exp(-H(p)))
     [...] of the Medusa reference's typical acceptance."""
-    probs = torch.softmax(logits / temperature, dim=-1)
+    probs = torch.softmax(tempered(logits, temperature), dim=-1)
     entropy = -(probs * torch.log(probs + 1e-5)).sum(-1)
     return probs, torch.minimum(torch.full_like(entropy, epsilon), delta * torch.exp(-entropy))
 
@@ -94,7 +104,7 @@ def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int | None =
     top_k most likely tokens (ties at the k-th value kept), then to the nucleus (the most likely
     tokens until their mass reaches top_p; a token is dropped when the tokens above it already hold
     top_p), renormalized. Same order and rules as transformers' TopK/TopP warpers."""
-    x = logits.float() / temperature
+    x = tempered(logits, temperature)
     if top_k is not None and top_k < x.shape[-1]:
         x = x.masked_fill(x < x.topk(top_k, dim=-1).values[..., -1:], -torch.inf)
     probs = torch.softmax(x, dim=-1)

@@ -171,6 +171,8 @@ def _generate(backend: Backend, prompts: list[list[int]], cfg: GenerationConfig,
     sampler = Sampler(cfg, _seeds(cfg, n, seeds)) if cfg.acceptance == "sample" else None
     stats = stats if stats is not None else [SequenceStats() for _ in prompts]
     width = tree.num_slots if tree else 1
+    if isinstance(tree, DynamicTree):  # the fused step pads every path to the heads' depth, and a drafter
+        width = max(width, tree.heads + 1)  # with a cache of its own appends that many rows (dynamic:1: 5 > 2)
     backend.start(n, longest + cfg.max_new_tokens + width + 1)
 
     t0 = time.perf_counter()

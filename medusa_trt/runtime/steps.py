@@ -35,8 +35,9 @@ def _greedy(cfg: GenerationConfig) -> bool:
 
 class Sampler:
     """Per-sequence random streams and the target distribution of `sample` acceptance. Each
-    sequence owns a torch.Generator and draws a fixed number of uniforms per step (one per tree
-    slot), so its tokens depend on its seed only: not on the backend, the batch or its row."""
+    sequence owns a torch.Generator and draws one uniform per tree slot a step, so its tokens depend
+    on its seed and its trees, not on the backend; with trees that do not depend on the batch (a
+    static tree; per-step trees at slot cost 0) not on the batch or its row either (docs/sampling.md)."""
 
     def __init__(self, cfg: GenerationConfig, seeds: list[int]):
         self.cfg = cfg

@@ -22,7 +22,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from medusa_trt.acceptance import greedy_accept, sample_accept, sample_tokens, sampling_probs, typical_accept
+from medusa_trt.acceptance import (
+    greedy_accept,
+    sample_accept,
+    sample_tokens,
+    sampling_probs,
+    typical_accept,
+    typical_posterior,
+)
 from medusa_trt.cli.run import main as run_main
 from medusa_trt.converter.merge import convert
 from medusa_trt.modeling import MedusaModel
@@ -325,6 +332,11 @@ def test_seeded_runs_repeat_and_rows_equal_single_runs(small):
         assert decode(small.backend, [p], GenerationConfig(**{**cfg.__dict__, "seed": 42 + i})).tokens == [batch[i]]
     other = decode(small.backend, prompts, GenerationConfig(**{**cfg.__dict__, "seed": 43})).tokens
     assert other != batch
+    # Per-step trees with the whole budget every step: each row's tree is its own drafts', so again.
+    full = GenerationConfig(**{**cfg.__dict__, "medusa_choices": "dynamic:8", "slot_cost": 0.0})
+    batch = decode(small.backend, prompts, full).tokens
+    for i, p in enumerate(prompts):
+        assert decode(small.backend, [p], GenerationConfig(**{**full.__dict__, "seed": 42 + i})).tokens == [batch[i]]
 
 
 def test_temperature_to_zero_is_greedy(small):
@@ -332,6 +344,22 @@ def test_temperature_to_zero_is_greedy(small):
     greedy = decode(small.backend, prompts, GenerationConfig(max_new_tokens=24, medusa_choices=WIDE)).tokens
     cold = GenerationConfig(max_new_tokens=24, medusa_choices=WIDE, acceptance="sample", temperature=1e-4, seed=0)
     assert decode(small.backend, prompts, cold).tokens == greedy
+
+
+def test_a_temperature_below_float32s_range_is_greedy_not_token_0(small):
+    """logits / T overflowed float32 for a T such as 1e-40 (allowed: any T > 0), the probabilities came
+    out NaN and every draw was token 0, silently. The tempered logits are shifted first (acceptance.tempered)."""
+    prompts = [PROMPT, [9, 3, 60]]
+    greedy = decode(small.backend, prompts, GenerationConfig(max_new_tokens=12, medusa_choices=WIDE)).tokens
+    for t in (1e-40, 1e-300):
+        for medusa in (True, False):
+            tree = {"medusa_choices": WIDE} if medusa else {"use_medusa": False}
+            cold = GenerationConfig(max_new_tokens=12, acceptance="sample", temperature=t, seed=0, **tree)
+            assert decode(small.backend, prompts, cold).tokens == greedy, (t, medusa)
+    logits = torch.tensor([[1.0, 3.0, 3.0, -2.0]])
+    assert sampling_probs(logits, 1e-300).tolist() == [[0.0, 0.5, 0.5, 0.0]]  # ties share the point mass
+    probs, threshold = typical_posterior(logits, 1e-40, 0.09, 0.3)
+    assert probs.isfinite().all() and threshold.isfinite().all()
 
 
 def test_same_seed_same_tokens_on_onnx_runtime(ort_engine, tiny_merged):

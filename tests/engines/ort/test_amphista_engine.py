@@ -109,6 +109,21 @@ def test_greedy_with_amphista_equals_plain_greedy(amphista, engine):
     assert accepted / steps > (0.3 if engine == "int8" else 0.35)
 
 
+def test_per_step_trees_narrower_than_the_drafters_heads(amphista):
+    """dynamic:1 and dynamic:2 on the fused step: it pads each path to the heads' depth (4 + 1 rows),
+    which the drafter's cache takes, so a decode's cache holds that many rows beyond the prompt and
+    its new tokens, not the tree's 2 or 3 slots (dynamic:1 overflowed it). Also at the engine's
+    exact room, and batched."""
+    backend = load_backend(amphista.engines["float32"])
+    for depth in (1, 2):
+        tree = f"dynamic:{depth}"
+        exact = prompts(14, lengths=[backend.info.max_seq_len - 40 - depth])  # room for 40 tokens and the tree
+        for batch in (prompts(13, lengths=[3, 9]), exact):
+            spec = decode(backend, batch, GenerationConfig(max_new_tokens=40, medusa_choices=tree, stop_token_ids=()))
+            plain = decode(backend, batch, GenerationConfig(max_new_tokens=40, use_medusa=False, stop_token_ids=()))
+            assert spec.tokens == plain.tokens, (tree, [len(p) for p in batch])
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "mistral"])
 def test_amphista_on_a_qwen2_or_mistral_base(arch, tiny_base, tmp_path):
     # The adaptation layers take the base's shape: a Qwen2 base's q/k/v biases, a sliding window
