@@ -43,6 +43,10 @@ class GenerationConfig:
             value = getattr(self, name)
             if not (is_number(value) or (name == "slot_cost" and value is None)):
                 raise ValueError(f"{name} {value!r}: expected a number")
+        for name in ("use_medusa", "context_candidates", "datastore"):  # "no" would read as True
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                raise ValueError(f"{name} {getattr(self, name)!r}: expected True or False")
+            setattr(self, name, bool(getattr(self, name)))
         if self.stop_token_ids is not None and not (isinstance(self.stop_token_ids, (list, tuple))
                                                     and all(is_int(t) and t >= 0 for t in self.stop_token_ids)):
             raise ValueError(f"stop_token_ids {self.stop_token_ids!r}: expected a list of token ids (integers >= 0) "
