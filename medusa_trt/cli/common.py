@@ -256,8 +256,8 @@ def add_sampling_args(p: argparse.ArgumentParser, *, typical: bool = True, seed:
     p.add_argument("--seed", type=seed_int, default=None, help=seed_help)
     p.set_defaults(seed_default=seed)
     if typical:
-        p.add_argument("--posterior-threshold", type=nonnegative_float, default=0.09, help="typical acceptance epsilon")
-        p.add_argument("--posterior-alpha", type=nonnegative_float, default=0.3, help="typical acceptance delta")
+        p.add_argument("--posterior-threshold", type=positive_float, default=0.09, help="typical acceptance epsilon")
+        p.add_argument("--posterior-alpha", type=positive_float, default=0.3, help="typical acceptance delta")
 
 
 SAMPLING_DEFAULTS = {"temperature": 0.7, "top_p": 1.0}

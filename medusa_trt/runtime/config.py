@@ -55,9 +55,9 @@ class GenerationConfig:
             raise ValueError(f"acceptance must be one of {', '.join(ACCEPTANCE)}, got {self.acceptance!r}")
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):  # inf would divide logits to NaN
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        for name in ("posterior_threshold", "posterior_alpha"):
-            if not (getattr(self, name) >= 0 and math.isfinite(getattr(self, name))):
-                raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
+        for name in ("posterior_threshold", "posterior_alpha"):  # 0: the threshold min(eps, alpha e^-H) is 0,
+            if not (getattr(self, name) > 0 and math.isfinite(getattr(self, name))):  # every draft accepted
+                raise ValueError(f"{name} must be a finite number > 0, got {getattr(self, name)}")
         if self.acceptance == "sample" and not self.temperature > 0:
             raise ValueError(f"temperature {self.temperature} with acceptance 'sample': expected > 0 "
                              "(for temperature 0 use acceptance 'greedy')")

@@ -196,9 +196,9 @@ def write_triton_repo(
         raise RepoError(f"acceptance {acceptance!r}: expected 'greedy', 'typical' or 'sample'")
     if acceptance == "sample" and not temperature > 0:
         raise RepoError(f"temperature {temperature} with acceptance 'sample': expected > 0 (use acceptance 'greedy')")
-    if temperature < 0 or posterior_threshold <= 0 or posterior_alpha < 0:
+    if temperature < 0 or posterior_threshold <= 0 or posterior_alpha <= 0:
         raise RepoError(f"temperature {temperature}, posterior_threshold {posterior_threshold}, posterior_alpha "
-                        f"{posterior_alpha}: expected temperature >= 0, threshold > 0, alpha >= 0")
+                        f"{posterior_alpha}: expected temperature >= 0, threshold > 0, alpha > 0")
     if instance_count < 1 or max_queue_delay_us < 0 or intra_op_threads < 0:
         raise RepoError(f"instance_count {instance_count}, max_queue_delay_us {max_queue_delay_us}, "
                         f"intra_op_threads {intra_op_threads}: expected >= 1, >= 0, >= 0")
