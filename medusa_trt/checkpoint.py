@@ -23,6 +23,7 @@ from medusa_trt.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig  # 
 from medusa_trt.drafters import drafter_tensors
 from medusa_trt.errors import CheckpointError, read_json_object, require
 from medusa_trt.safetensors_io import SafetensorsFile, SafetensorsWriter, check_finite
+from medusa_trt.tree import MAX_DRAFT_LEN
 
 # ----------------------------------------------------------------------------------------------
 # TensorRT-LLM names and the expected tensors of a config
@@ -407,7 +408,7 @@ def validate_config(config: dict, path: Path) -> None:
         return require(obj, key, kind, file=path, prefix=prefix, error=CheckpointError, default=None, **kw)
 
     for key in _POSITIVE_INTS:
-        req(config, key, int, positive=True)
+        req(config, key, int, positive=True, maximum=MAX_DRAFT_LEN if key == "max_draft_len" else None)
     for key in ("num_medusa_heads", "num_medusa_layers", "embedding_sharding_dim"):
         req(config, key, int, nonnegative=True)
     for key in ("rotary_base", "norm_epsilon"):

@@ -21,7 +21,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from medusa_trt.errors import MedusaTrtError, read_json_object, require, require_section
-from medusa_trt.tree import TreeError, dynamic_from_text
+from medusa_trt.tree import MAX_DRAFT_LEN, TreeError, dynamic_from_text
 
 # The format's history, and what each optional feature means: docs/formats.md, section 3.
 ENGINE_FORMAT_VERSION = 8
@@ -32,6 +32,9 @@ ENGINE_FORMAT_VERSION = 8
 KNOWN_FEATURES = ("key_block", "cache_in_place", "chains_only", "int4_offsets", "lm_head_bits", "drafter_graph",
                   "step_dynamic", "hidden_all_rows", "int8_float_channels")
 ENGINE_JSON = "engine.json"
+# The largest max_batch_size an engine may be built for: well past any one engine's batch, and inside
+# the int32 that Triton's config.pbtxt max_batch_size and TensorRT's dimensions hold.
+MAX_BATCH_SIZE = 65536
 BACKENDS = ("onnxruntime", "tensorrt", "tensorrt-llm")
 SECTIONS = {"onnxruntime": "onnx", "tensorrt": "tensorrt", "tensorrt-llm": "tensorrt_llm"}
 DTYPES = ("float32", "float16", "bfloat16")
@@ -165,8 +168,8 @@ def validate_engine(engine: Any, path: Path, backend: str | None = None) -> dict
         raise EngineError(f"{path}: medusa.tree {str(tree)[:60]}; expected a non-empty list of paths such as [[0], [0, 0]]")
     req(medusa, "tree_source", str, "medusa.", default=None)
     limits = require_section(engine, "limits", file=path, error=EngineError)
-    for key in ("max_batch_size", "max_seq_len", "max_draft_len"):
-        req(limits, key, int, "limits.", positive=True)
+    for key, most in (("max_batch_size", MAX_BATCH_SIZE), ("max_seq_len", None), ("max_draft_len", MAX_DRAFT_LEN)):
+        req(limits, key, int, "limits.", positive=True, maximum=most)
     eos = engine.get("eos_token_id")
     if eos is not None and not (isinstance(eos, int) and not isinstance(eos, bool) and eos >= 0) and not (
             isinstance(eos, list) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in eos)):

@@ -32,10 +32,10 @@ def _where(file: str | Path | None, key: str) -> str:
 
 
 def require(obj: Any, key: str, kind: type | tuple[type, ...], *, file: str | Path | None = None,
-            default: Any = _MISSING, positive: bool = False, nonnegative: bool = False,
+            default: Any = _MISSING, positive: bool = False, nonnegative: bool = False, maximum: float | None = None,
             choices: Collection | None = None, prefix: str = "", error: type[MedusaTrtError] = MedusaTrtError) -> Any:
     """obj[key] checked to be of `kind` (bool is never an int; an int is a float), finite when a number,
-    > 0 with positive, >= 0 with nonnegative, in `choices`; `default` when absent or null (if given).
+    > 0 with positive, >= 0 with nonnegative, <= maximum, in `choices`; `default` when absent or null (if given).
     `prefix` is the dotted path of obj within the file, for the message ("model.")."""
     name = f"{prefix}{key}"
     if not isinstance(obj, dict):
@@ -59,6 +59,8 @@ def require(obj: Any, key: str, kind: type | tuple[type, ...], *, file: str | Pa
             raise error(f"{_where(file, name)}: {value}; expected a positive {_kind_name(kind)}")
         if nonnegative and value < 0:
             raise error(f"{_where(file, name)}: {value}; expected a non-negative {_kind_name(kind)}")
+        if maximum is not None and value > maximum:
+            raise error(f"{_where(file, name)}: {_short(value)}; expected at most {maximum}")
     if choices is not None and value not in choices:
         raise error(f"{_where(file, name)}: {_short(value)}; expected one of {', '.join(map(repr, choices))}")
     return value

@@ -37,6 +37,10 @@ MAX_TREE_TEXT = 256 * 1024
 MAX_TREE_NESTING = 8
 # TensorRT-LLM's C++ runtime packs each node's rank into 4 bits: ranks >= 16 collide or throw there.
 TRTLLM_MAX_RANK = 15
+# The largest tree (nodes, root excluded) an engine or checkpoint may be built for (max_draft_len): a
+# step's mask is (N + 1)^2 per sequence, so a mistyped 10**12 would be an allocation of terabytes at
+# the first decode. Medusa's published trees have 63 nodes, per-step trees here 4-40.
+MAX_DRAFT_LEN = 1024
 # A rank is an index into a head's top-k of a vocabulary of int32 token ids: one at or past 2**31
 # fits no vocabulary (and past 2**63, no int64 array), whatever the engine.
 MAX_RANK = 2**31

@@ -8,8 +8,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from medusa_trt.cli.common import add_quiet_arg, new_parser, positive_int, run_cli
-from medusa_trt.engine_dir import DEVICES, DTYPES
+from medusa_trt.cli.common import add_quiet_arg, int_up_to, new_parser, positive_int, run_cli
+from medusa_trt.engine_dir import DEVICES, DTYPES, MAX_BATCH_SIZE
 from medusa_trt.engines.build import BUILDERS, build_engine
 from medusa_trt.engines.onnx.attention import ATTENTION_FORMS
 from medusa_trt.engines.options import BackendOptions, BuildError, BuildOptions
@@ -23,6 +23,7 @@ from medusa_trt.engines.ort.build import (
 from medusa_trt.engines.trt.build import TrtOptions
 from medusa_trt.engines.trtllm.build import TrtllmOptions
 from medusa_trt.outputs import check_output_dir
+from medusa_trt.tree import MAX_DRAFT_LEN
 
 PROG = "medusa-build"
 
@@ -35,10 +36,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default="onnxruntime", choices=list(BUILDERS), help="default: onnxruntime")
     p.add_argument("--dtype", choices=list(DTYPES),
                    help="compute dtype (default: float32 for --device cpu, the checkpoint's for cuda)")
-    p.add_argument("--max-batch-size", type=positive_int, default=8, help="largest batch the engine runs (default 8)")
+    p.add_argument("--max-batch-size", type=int_up_to(MAX_BATCH_SIZE), default=8, help="largest batch the engine runs (default 8)")
     p.add_argument("--max-seq-len", type=positive_int, help="prompt + generated + tree depth (default: the model's "
                    "max_position_embeddings)")
-    p.add_argument("--max-draft-len", type=positive_int, help="largest Medusa tree, root excluded (default: the "
+    p.add_argument("--max-draft-len", type=int_up_to(MAX_DRAFT_LEN), help="largest Medusa tree, root excluded (default: the "
                    "checkpoint's max_draft_len)")
     p.add_argument("--opset", type=positive_int, help="ONNX opset (default 23)")
     p.add_argument("--attention", choices=list(ATTENTION_FORMS),

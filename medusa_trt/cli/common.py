@@ -171,6 +171,13 @@ def _number(kind: type, expected: str, ok: Callable[[float], bool]) -> Callable[
 
 
 positive_int = _number(int, "a positive integer", lambda v: v > 0)
+
+
+def int_up_to(most: int) -> Callable[[str], int]:
+    """A count with a ceiling (an engine's max_batch_size, max_draft_len: tree.MAX_DRAFT_LEN,
+    engine_dir.MAX_BATCH_SIZE), refused at the flag rather than as an allocation at the first step."""
+    return _number(int, f"an integer in 1..{most}", lambda v: 0 < v <= most)
+
 nonnegative_int = _number(int, "a non-negative integer", lambda v: v >= 0)
 positive_float = _number(float, "a positive finite number", lambda v: v > 0)
 nonnegative_float = _number(float, "a non-negative finite number", lambda v: v >= 0)

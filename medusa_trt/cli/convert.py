@@ -7,9 +7,10 @@ import sys
 from collections.abc import Sequence
 
 from medusa_trt.checkpoint import DEFAULT_MAX_DRAFT_LEN
-from medusa_trt.cli.common import add_quiet_arg, new_parser, positive_int, run_cli
+from medusa_trt.cli.common import add_quiet_arg, int_up_to, new_parser, positive_int, run_cli
 from medusa_trt.converter.merge import convert
 from medusa_trt.converter.quantize import KV_CACHE_DTYPES, QUANTIZE_CHOICES, QuantOptions
+from medusa_trt.tree import MAX_DRAFT_LEN
 
 PROG = "medusa-convert"
 
@@ -29,7 +30,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["float16", "bfloat16", "float32"],
                    help="output dtype (default: the base's dtype)")
     p.add_argument("--tp-size", type=positive_int, default=1, help="tensor-parallel ranks to write (default 1)")
-    p.add_argument("--max-draft-len", type=positive_int, default=DEFAULT_MAX_DRAFT_LEN,
+    p.add_argument("--max-draft-len", type=int_up_to(MAX_DRAFT_LEN), default=DEFAULT_MAX_DRAFT_LEN,
                    help=f"largest Medusa tree the engine will verify (default {DEFAULT_MAX_DRAFT_LEN})")
     q = p.add_argument_group("FP8 quantization (TensorRT-LLM per-tensor FP8, calibrated)")
     q.add_argument("--quantize", choices=QUANTIZE_CHOICES,

@@ -13,11 +13,13 @@ from medusa_trt.cli.common import (
     add_source_args,
     add_threads_arg,
     add_tree_arg,
+    int_up_to,
     new_parser,
     positive_int,
     queue_delay_us,
     run_cli,
 )
+from medusa_trt.engine_dir import MAX_BATCH_SIZE
 from medusa_trt.runtime.config import ACCEPTANCE
 from medusa_trt.serving.triton_repo import default_tree, read_engine_info, write_triton_repo
 
@@ -30,7 +32,7 @@ def parser() -> argparse.ArgumentParser:
     add_source_args(p, engine_help="engine dir, merged checkpoint or TensorRT-LLM engine")
     p.add_argument("--out", required=True, type=Path, help="model repository dir to write")
     p.add_argument("--model-name", default="medusa", help="Python-backend model name (default: medusa)")
-    p.add_argument("--max-batch-size", type=positive_int,
+    p.add_argument("--max-batch-size", type=int_up_to(MAX_BATCH_SIZE),
                    help="largest dynamic batch (default: the engine's limit, or 8)")
     add_tree_arg(p, context=False, help="default tree: preset name, list, JSON/YAML file or brace form (default: the tree the "
                  "engine records, medusa-build --tree)")
@@ -64,7 +66,8 @@ def _main(argv: Sequence[str] | None = None) -> int:
     info = read_engine_info(args.engine)
     if info.kind != "tensorrt-llm":
         tree, source = default_tree(args.medusa_choices, info)
-        print(f"{PROG}: default tree {source} ({len(tree)} nodes; a request's medusa_choices replaces it)")
+        nodes = "trees chosen per step" if isinstance(tree, str) else f"{len(tree)} nodes"  # str: "dynamic:N"
+        print(f"{PROG}: default tree {source} ({nodes}; a request's medusa_choices replaces it)")
     print(f"{PROG}: wrote {out} (models: {', '.join(models)}); serve it with: medusa-serve --repo {out}")
     return 0
 

@@ -41,6 +41,7 @@ from medusa_trt.converter.quantize import EXCLUDED_HEADS as EXCLUDED_HEADS_PATTE
 from medusa_trt.converter.quantize import QuantOptions, fp8_tensors, quantization_block
 from medusa_trt.errors import CheckpointError
 from medusa_trt.outputs import atomic_output_dir, check_output_dir
+from medusa_trt.tree import MAX_DRAFT_LEN
 
 log = logging.getLogger("medusa_trt.converter")
 
@@ -143,8 +144,8 @@ def convert(base: str | Path, heads: str | Path | None, out: str | Path, *, dtyp
     quant = quant or QuantOptions()
     if dtype is not None and dtype not in CONFIG_DTYPES:
         raise ConvertError(f"--dtype {dtype!r}: expected one of {', '.join(CONFIG_DTYPES)}")
-    if max_draft_len < 1:
-        raise ConvertError(f"--max-draft-len {max_draft_len}: expected a positive integer")
+    if not 1 <= max_draft_len <= MAX_DRAFT_LEN:
+        raise ConvertError(f"--max-draft-len {max_draft_len}: expected an integer in 1..{MAX_DRAFT_LEN}")
     quant.check()
     check_output_dir(out, force, ConvertError, (base_dir, heads_path))
     texts = None

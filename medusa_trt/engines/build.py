@@ -26,6 +26,7 @@ from medusa_trt.engine_dir import (
     DEVICES,
     ENGINE_FORMAT_VERSION,
     ENGINE_JSON,
+    MAX_BATCH_SIZE,
     artifact_checksums,
     required_features,
     sha256_file,
@@ -37,6 +38,7 @@ from medusa_trt.engines.trt.build import build_tensorrt
 from medusa_trt.engines.trtllm.build import build_trtllm
 from medusa_trt.errors import CheckpointError
 from medusa_trt.outputs import atomic_output_dir, check_output_dir
+from medusa_trt.tree import MAX_DRAFT_LEN
 
 log = logging.getLogger(__name__)
 
@@ -89,10 +91,11 @@ def check_options(opts: BuildOptions, config: dict) -> None:
     if given is not None and given.backend != opts.backend:
         raise BuildError(f"--backend {opts.backend}: backend options {type(given).__name__} are for --backend "
                          f"{given.backend}")
-    for name in ("max_batch_size", "max_seq_len", "max_draft_len"):
+    for name, most in (("max_batch_size", MAX_BATCH_SIZE), ("max_seq_len", None), ("max_draft_len", MAX_DRAFT_LEN)):
         value = getattr(opts, name)
-        if value is not None and value < 1:
-            raise BuildError(f"--{name.replace('_', '-')} {value}: expected a positive integer")
+        if value is not None and not (value >= 1 and (most is None or value <= most)):
+            raise BuildError(f"--{name.replace('_', '-')} {value}: expected "
+                             + ("a positive integer" if most is None else f"an integer in 1..{most}"))
     max_pos = int(config["max_position_embeddings"])
     if opts.max_seq_len is not None and opts.max_seq_len > max_pos:
         raise BuildError(f"--max-seq-len {opts.max_seq_len} exceeds the model's max_position_embeddings "

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import secrets
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -40,7 +39,7 @@ from medusa_trt.runtime.chat import ChatError, encode_chat, parse_messages
 from medusa_trt.runtime.config import ACCEPTANCE
 from medusa_trt.runtime.decoding import GenerationConfig, SequenceStats, generate, step_tree
 from medusa_trt.runtime.loading import load_backend, load_tokenizer, stop_tokens
-from medusa_trt.serving.triton_repo import MODEL_INPUTS
+from medusa_trt.serving.triton_repo import MODEL_INPUTS, acceptance_setting_problem
 from medusa_trt.tree import (
     TreeError,
     dynamic_spec,
@@ -142,6 +141,7 @@ class Job:
     key: tuple  # rows with equal keys decode in one batched generate call
     stop_words: tuple[str, ...] = ()
     seed: int | None = None  # sample acceptance: this row's generator seed
+    depth: int = 0  # the tree's depth: what a batch holding this row needs beyond its prompts and max_tokens
     tokens: list[int] = field(default_factory=list)
     live: SequenceStats | None = None  # filled by generate while the group decodes
     final: SequenceStats | None = None  # snapshot when this row finished
@@ -234,12 +234,8 @@ def parse_request(service: Service, inputs: Mapping[str, np.ndarray], index: int
         temperature = float(one("temperature", s.temperature))
         threshold = float(one("posterior_threshold", s.posterior_threshold))
         alpha = float(one("posterior_alpha", s.posterior_alpha))
-        for name, value, ok in (("temperature", temperature, temperature >= 0),
-                                ("posterior_threshold", threshold, 0 < threshold <= 1),
-                                ("posterior_alpha", alpha, alpha >= 0)):
-            if not (math.isfinite(value) and ok):
-                expected = {"temperature": ">= 0", "posterior_threshold": "in (0, 1]", "posterior_alpha": ">= 0"}
-                raise RequestError(f"{name}{where}: {value}; expected a finite value {expected[name]}")
+        if bad := acceptance_setting_problem(temperature, threshold, alpha):
+            raise RequestError(f"{bad[0]}{where}: {bad[1]}; expected a finite value {bad[2]}")
         stop_ids = service.stop_ids
         if "end_id" in values:
             end_id = int(one("end_id"))
@@ -268,18 +264,36 @@ def parse_request(service: Service, inputs: Mapping[str, np.ndarray], index: int
             acceptance = "greedy" if acceptance == "greedy" or temperature == 0 else "typical"
             knobs = None if acceptance == "greedy" else (temperature, threshold, alpha)  # typical knobs only
         key = (nodes if isinstance(nodes, str) else tuple(map(tuple, nodes)), acceptance, knobs, stop_ids)
-        jobs.append(Job(index, r, prompt, max_tokens, cfg, key, stop_words, seed if acceptance == "sample" else None))
+        jobs.append(Job(index, r, prompt, max_tokens, cfg, key, stop_words, seed if acceptance == "sample" else None,
+                        depth))
     return Parsed(jobs, stream)
 
 
-def group_jobs(jobs: list[Job], max_batch: int | None = None) -> list[list[Job]]:
-    """Jobs with the same key, in order of first appearance, each group cut into batches of at most
-    `max_batch` rows (the engine's max_batch_size: a larger batch would fail every row in it)."""
+def group_jobs(jobs: list[Job], max_batch: int | None = None, max_seq_len: int | None = None) -> list[list[Job]]:
+    """Jobs with the same key, in order of first appearance, each group cut into batches that one
+    generate call runs, or it fails every row in it: at most `max_batch` rows (the engine's
+    max_batch_size), and, with `max_seq_len`, the longest prompt + the largest max_tokens (a batch
+    runs to it) + the tree's depth within it. Each row fits alone (parse_request); two may not."""
     groups: dict[tuple, list[Job]] = {}
     for job in jobs:
         groups.setdefault(job.key, []).append(job)
     size = max_batch or len(jobs) or 1
-    return [g[i : i + size] for g in groups.values() for i in range(0, len(g), size)]
+
+    def fits(batch: list[Job], job: Job) -> bool:
+        if len(batch) >= size:
+            return False
+        rows = [*batch, job]
+        return max_seq_len is None or (max(len(j.prompt) for j in rows) + max(j.max_tokens for j in rows)
+                                       + job.depth <= max_seq_len)
+
+    batches: list[list[Job]] = []
+    for group in groups.values():
+        batches.append([])
+        for job in group:
+            if batches[-1] and not fits(batches[-1], job):
+                batches.append([])
+            batches[-1].append(job)
+    return batches
 
 
 def decode_group(service: Service, jobs: list[Job], on_step: Callable[[list[Job]], None]) -> None:
@@ -369,7 +383,7 @@ def serve_batch(service: Service, batch: list[Mapping[str, np.ndarray]],
                 deliver(i, full_outputs(service, req.jobs), True)
 
     jobs = [j for p in parsed if p for j in p.jobs]
-    for group in group_jobs(jobs, service.backend.info.max_batch_size):
+    for group in group_jobs(jobs, service.backend.info.max_batch_size, service.backend.info.max_seq_len):
         if all(j.done for j in group):
             continue  # every request in it was closed already
         try:

@@ -15,6 +15,7 @@ This module only writes text: no torch, no tritonclient.
 
 from __future__ import annotations
 
+import math
 import re
 import shutil
 from collections.abc import Callable, Sequence
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from medusa_trt.checkpoint import validate_config
-from medusa_trt.engine_dir import ENGINE_JSON, EngineError, read_engine
+from medusa_trt.engine_dir import ENGINE_JSON, MAX_BATCH_SIZE, EngineError, read_engine
 from medusa_trt.errors import MedusaTrtError, read_json_object
 from medusa_trt.outputs import atomic_output_dir
 from medusa_trt.runtime.dynamic import dynamic_tree
@@ -196,9 +197,8 @@ def write_triton_repo(
         raise RepoError(f"acceptance {acceptance!r}: expected 'greedy', 'typical' or 'sample'")
     if acceptance == "sample" and not temperature > 0:
         raise RepoError(f"temperature {temperature} with acceptance 'sample': expected > 0 (use acceptance 'greedy')")
-    if temperature < 0 or posterior_threshold <= 0 or posterior_alpha <= 0:
-        raise RepoError(f"temperature {temperature}, posterior_threshold {posterior_threshold}, posterior_alpha "
-                        f"{posterior_alpha}: expected temperature >= 0, threshold > 0, alpha > 0")
+    if bad := acceptance_setting_problem(temperature, posterior_threshold, posterior_alpha):
+        raise RepoError(f"{bad[0]} {bad[1]}: expected a finite value {bad[2]}")
     if instance_count < 1 or max_queue_delay_us < 0 or intra_op_threads < 0:
         raise RepoError(f"instance_count {instance_count}, max_queue_delay_us {max_queue_delay_us}, "
                         f"intra_op_threads {intra_op_threads}: expected >= 1, >= 0, >= 0")
@@ -431,16 +431,28 @@ def _check_tokenizer(directory: Path) -> None:
                         "tokenizes text_input with it")
 
 
+def acceptance_setting_problem(temperature: float, threshold: float, alpha: float) -> tuple[str, float, str] | None:
+    """The first of temperature, posterior_threshold and posterior_alpha out of its range, as (name,
+    value, expected range), or None: the repository's defaults and each request's inputs
+    (triton_model.parse_request) are held to the same ranges, so no default refuses every request."""
+    for name, value, ok, expected in (("temperature", temperature, temperature >= 0, ">= 0"),
+                                      ("posterior_threshold", threshold, 0 < threshold <= 1, "in (0, 1]"),
+                                      ("posterior_alpha", alpha, alpha > 0, "> 0")):
+        if not (math.isfinite(value) and ok):
+            return name, value, expected
+    return None
+
+
 def _check_batch(max_batch_size: int | None, info: EngineInfo | None) -> int:
     limit = info.max_batch_size if info else None
     batch = max_batch_size if max_batch_size is not None else (limit or 8)
-    if batch < 1 or (limit is not None and batch > limit):
-        raise RepoError(f"max_batch_size {batch}: expected 1..{limit or 'any'}"
+    if batch < 1 or batch > (limit or MAX_BATCH_SIZE):
+        raise RepoError(f"max_batch_size {batch}: expected 1..{limit or MAX_BATCH_SIZE}"
                         + (f" (the engine {info.directory} was built for {limit})" if limit else ""))
     return batch
 
 
-def default_tree(medusa_choices: object, info: EngineInfo | None) -> tuple[list[list[int]], str]:
+def default_tree(medusa_choices: object, info: EngineInfo | None) -> tuple[list[list[int]] | str, str]:
     """The repository's default tree and where it came from: `medusa_choices`, else the tree the
     engine records (medusa-build --tree), else DEFAULT_TREE cut to the engine."""
     if medusa_choices is not None:

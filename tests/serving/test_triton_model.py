@@ -229,6 +229,26 @@ def test_a_group_is_cut_at_the_engines_batch_limit():
     assert [[j.n for j in g] for g in group_jobs(jobs)] == [[0, 1, 3, 4, 5], [2, 6]]
 
 
+def test_rows_that_fit_alone_but_not_together_decode_in_separate_batches(tiny_merged):
+    """A batch runs to its largest max_tokens, so a long prompt with few tokens and a short one with
+    many each fit max_seq_len alone and not in one batch: they once failed together ('exceeds the
+    model's maximum sequence length'), whichever request the long prompt came from."""
+    ckpt = tiny_merged(heads_kwargs={"trivial": True})
+    service = load_service(ModelSettings(engine_dir=ckpt, medusa_choices="mc_sim_7b_63", max_input_len=470,
+                                         max_output_len=120), decoupled=False)
+    room = service.backend.info.max_seq_len
+    long_text = "a " * 220  # ~440 tokens: + 10 fits, + 100 does not
+    assert len(service.tokenizer.encode(long_text)) + 100 > room
+    for batch in ([request([long_text], [10]), request(["b"], [100])], [request([long_text, "b"], [10, 100])]):
+        sent = run(service, batch)
+        outs = [(i, p) for i, p, final in sent if final]
+        assert len(outs) == len(batch) and not any(isinstance(p, Exception) for _, p in outs), outs
+        rows = [(p, r) for _, p in outs for r in range(p["output_ids"].shape[0])]
+        for (payload, r), (text, n) in zip(rows, [(long_text, 10), ("b", 100)], strict=True):
+            ids = payload["output_ids"][r]
+            assert ids[ids >= 0].tolist() == offline(service, text, n).tokens[0]
+
+
 def test_serve_batch_reads_the_limit_from_the_backends_model_info(service, monkeypatch):
     """Every backend states its batch limit on ModelInfo (engine.json limits.max_batch_size; None for a
     checkpoint): serve_batch cuts at it whatever the backend, and the rows decode as alone."""

@@ -280,6 +280,23 @@ def test_cli(tiny_merged, tmp_path, capsys):
     assert main(["--engine", str(tmp_path / "nope"), "--out", str(tmp_path / "repo2")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("medusa-triton: error: ") and "nope: engine directory not found" in err
+    # a per-step default tree is named as one, not counted as the characters of "dynamic:6"
+    assert main(["--engine", str(tiny_merged()), "--out", str(tmp_path / "repo3"), "--medusa-choices", "dynamic:6"]) == 0
+    assert "default tree dynamic:6 (trees chosen per step;" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("setting,message", [
+    (dict(temperature=float("nan")), "temperature nan: expected a finite value >= 0"),
+    (dict(temperature=float("inf")), "temperature inf"),
+    (dict(posterior_threshold=1.5), r"posterior_threshold 1.5: expected a finite value in \(0, 1\]"),
+    (dict(posterior_alpha=0.0), "posterior_alpha 0.0: expected a finite value > 0"),
+])
+def test_defaults_every_request_would_refuse_are_refused_at_write(setting, message, tiny_merged, tmp_path):
+    """The repository's default knobs are held to the request's own ranges (triton_model.parse_request):
+    a NaN temperature once made a repository whose model refused every request."""
+    with pytest.raises(RepoError, match=message):
+        write_triton_repo(tiny_merged(), tmp_path / "repo", **setting)
+    assert not (tmp_path / "repo").exists()
 
 
 def test_medusa_build_writes_the_repository_beside_the_engine(tmp_path, tiny_merged):
