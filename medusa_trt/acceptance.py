@@ -61,11 +61,11 @@ def candidates_from_topk(root: torch.Tensor, top: torch.Tensor, index: torch.Ten
 def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """logits / temperature in float32, shifted so that the largest is 0: the same softmax, without
     the overflow to inf (and NaN probabilities) that a small temperature > 0 gives logits / T. As T
-    shrinks the softmax tends to the argmax's point mass, and reaches it: a T that float32 rounds to
-    0 leaves the largest logits at 0 (0 / 0, set to 0) and the others at -inf."""
+    shrinks the softmax tends to the argmax's point mass, and reaches it: the largest logits stay 0
+    even where T rounds to 0 in float32 (not 0 / 0), the others go to -inf. A NaN logit stays NaN."""
     x = logits.float()
-    x = (x - x.amax(-1, keepdim=True)) / temperature
-    return x.masked_fill(x.isnan(), 0.0)
+    x = x - x.amax(-1, keepdim=True)
+    return torch.where(x == 0, x, x / temperature)
 
 
 def typical_posterior(logits: torch.Tensor, temperature: float, epsilon: float, delta: float):

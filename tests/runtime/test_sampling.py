@@ -360,6 +360,7 @@ def test_a_temperature_below_float32s_range_is_greedy_not_token_0(small):
     assert sampling_probs(logits, 1e-300).tolist() == [[0.0, 0.5, 0.5, 0.0]]  # ties share the point mass
     probs, threshold = typical_posterior(logits, 1e-40, 0.09, 0.3)
     assert probs.isfinite().all() and threshold.isfinite().all()
+    assert sampling_probs(torch.tensor([[1.0, float("nan")]]), 1e-40).isnan().all()  # not hidden as a token
 
 
 def test_same_seed_same_tokens_on_onnx_runtime(ort_engine, tiny_merged):
