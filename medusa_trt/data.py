@@ -19,9 +19,12 @@ class DataError(MedusaTrtError):
 def read_samples(path: str | Path, *, any_suffix_is_text: bool = False, what: str = "samples") -> list[str]:
     """Text samples from a .txt file (one sample per non-empty line) or a .jsonl file (one JSON
     object per line with a string `text`, which may hold newlines: the form for code).
-    `any_suffix_is_text`: a file of any other suffix is read as .txt instead of refused."""
+    `any_suffix_is_text`: a file of any other suffix but .json is read as .txt instead of refused."""
     path = Path(path)
     jsonl = path.suffix == ".jsonl"
+    if path.suffix == ".json" and any_suffix_is_text:  # read as lines, an array's "[" and "{" would be texts
+        raise DataError(f"{path}: a .json file is not read as {what}; expected .txt (one per line) or .jsonl "
+                        "(objects with a 'text' field)")
     if path.suffix not in DATA_SUFFIXES and not any_suffix_is_text:
         raise DataError(f"{path}: unsupported suffix {path.suffix!r}; expected .txt (one sample per line) "
                         "or .jsonl (objects with a 'text' field)")
@@ -58,7 +61,7 @@ def read_samples(path: str | Path, *, any_suffix_is_text: bool = False, what: st
 
 def read_prompts(path: str | Path) -> list[str]:
     """Prompts to decode, from the file of every CLI's --prompts: .jsonl objects with a `text` field,
-    any other file one prompt per non-empty line (medusa-run's --batch-file took any name)."""
+    any other file but .json one prompt per non-empty line (medusa-run's --batch-file took any name)."""
     return read_samples(path, any_suffix_is_text=True, what="prompts")
 
 

@@ -263,7 +263,7 @@ def add_sampling_args(p: argparse.ArgumentParser, *, typical: bool = True, seed:
     p.add_argument("--seed", type=seed_int, default=None, help=seed_help)
     p.set_defaults(seed_default=seed)
     if typical:
-        p.add_argument("--posterior-threshold", type=positive_float, default=0.09, help="typical acceptance epsilon")
+        p.add_argument("--posterior-threshold", type=probability, default=0.09, help="typical acceptance epsilon, in (0, 1]")
         p.add_argument("--posterior-alpha", type=positive_float, default=0.3, help="typical acceptance delta")
 
 

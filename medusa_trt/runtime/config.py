@@ -53,11 +53,8 @@ class GenerationConfig:
                              "or None")
         if self.acceptance not in ACCEPTANCE:
             raise ValueError(f"acceptance must be one of {', '.join(ACCEPTANCE)}, got {self.acceptance!r}")
-        if not (self.temperature >= 0 and math.isfinite(self.temperature)):  # inf would divide logits to NaN
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        for name in ("posterior_threshold", "posterior_alpha"):  # 0: the threshold min(eps, alpha e^-H) is 0,
-            if not (getattr(self, name) > 0 and math.isfinite(getattr(self, name))):  # every draft accepted
-                raise ValueError(f"{name} must be a finite number > 0, got {getattr(self, name)}")
+        if bad := acceptance_setting_problem(self.temperature, self.posterior_threshold, self.posterior_alpha):
+            raise ValueError(f"{bad[0]} must be a finite number {bad[2]}, got {bad[1]}")
         if self.acceptance == "sample" and not self.temperature > 0:
             raise ValueError(f"temperature {self.temperature} with acceptance 'sample': expected > 0 "
                              "(for temperature 0 use acceptance 'greedy')")
@@ -78,6 +75,21 @@ class GenerationConfig:
 
 
 ACCEPTANCE = ("greedy", "typical", "sample")
+
+
+def acceptance_setting_problem(temperature: float, threshold: float, alpha: float) -> tuple[str, float, str] | None:
+    """The first of temperature, posterior_threshold and posterior_alpha out of its range, as (name,
+    value, expected range), or None. One check for GenerationConfig, the Triton repository's
+    defaults and each served request, so no default refuses every request. Why the ranges: an
+    infinite temperature divides the logits to NaN; typical acceptance takes a draft whose
+    probability exceeds min(epsilon, alpha e^-H), which is 0, so every draft accepted unchecked,
+    when either is 0; epsilon is a probability (above 1 it never binds: a typo, such as 9 for 0.09)."""
+    for name, value, ok, expected in (("temperature", temperature, temperature >= 0, ">= 0"),
+                                      ("posterior_threshold", threshold, 0 < threshold <= 1, "in (0, 1]"),
+                                      ("posterior_alpha", alpha, alpha > 0, "> 0")):
+        if not (math.isfinite(value) and ok):
+            return name, value, expected
+    return None
 
 
 def is_int(value: object) -> bool:

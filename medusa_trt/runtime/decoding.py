@@ -119,13 +119,15 @@ def check_prompts(prompts: object, vocab_size: int) -> None:
                              f"0..{vocab_size - 1}")
 
 
-def check_room(info: ModelInfo, prompts: list[list[int]], max_new_tokens: int, depth: int) -> None:
+def check_room(info: ModelInfo, prompts: list[list[int]], max_new_tokens: int, depth: int) -> int:
     """Refuses a decode whose longest prompt, new tokens and one tree of `depth` pass the engine's
-    max_seq_len (ValueError), before any work (medusa-run prints its tree line only after it)."""
+    max_seq_len (ValueError), before any work (medusa-run prints its tree line only after it).
+    Returns the longest prompt's length."""
     longest = max(len(p) for p in prompts)
     if longest + max_new_tokens + depth > info.max_seq_len:
         raise ValueError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) + tree depth ({depth}) "
                          f"exceeds the model's maximum sequence length {info.max_seq_len}")
+    return longest
 
 
 def _seeds(cfg: GenerationConfig, n: int, seeds: list[int] | None) -> list[int]:
@@ -166,8 +168,7 @@ def _generate(backend: Backend, prompts: list[list[int]], cfg: GenerationConfig,
     tree = step_tree(info, cfg.medusa_choices, cfg.context_candidates, cfg.slot_cost) if cfg.use_medusa else None
     plan = step_plan(backend, cfg, tree)
     depth = tree.max_depth if tree else 0
-    check_room(info, prompts, cfg.max_new_tokens, depth)
-    longest, n = max(len(p) for p in prompts), len(prompts)
+    longest, n = check_room(info, prompts, cfg.max_new_tokens, depth), len(prompts)
     sampler = Sampler(cfg, _seeds(cfg, n, seeds)) if cfg.acceptance == "sample" else None
     stats = stats if stats is not None else [SequenceStats() for _ in prompts]
     width = tree.num_slots if tree else 1

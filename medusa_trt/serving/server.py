@@ -267,6 +267,8 @@ def running_server(repos: Path | Sequence[Path], *, http_port: int = 0, grpc_por
     """A ready server for the `with` block, stopped afterwards. The log and backend copy live in
     `workdir` (default: a temp dir removed afterwards)."""
     own = workdir is None
+    repo_list = [Path(repos)] if isinstance(repos, (str, Path)) else [Path(r) for r in repos]
+    bytecode_before = set(_bytecode_dirs(repo_list))
     work = Path(tempfile.mkdtemp(prefix="medusa-triton-")) if own else Path(workdir)
     work.mkdir(parents=True, exist_ok=True)
     failed = True  # until the server stopped as asked: a failure keeps the log its error message cites
@@ -282,8 +284,17 @@ def running_server(repos: Path | Sequence[Path], *, http_port: int = 0, grpc_por
         finally:
             stop_server(server)
     finally:
+        for folder in set(_bytecode_dirs(repo_list)) - bytecode_before:
+            shutil.rmtree(folder, ignore_errors=True)
         if own and (not failed or not (work / "tritonserver.log").exists()):
             shutil.rmtree(work, ignore_errors=True)
         elif own:
             shutil.rmtree(work / "backends", ignore_errors=True)  # a copy of the wheel's; the log is what matters
 
+
+def _bytecode_dirs(repos: Sequence[Path]) -> list[Path]:
+    """The __pycache__ folders beside the repositories' model.py files. The Python backend's stub
+    imports model.py and writes its bytecode there, whatever PYTHONDONTWRITEBYTECODE says (its
+    embedded interpreter ignores PYTHON* variables); running_server removes the ones it caused, so
+    serving leaves a repository as it found it."""
+    return [folder for repo in repos for folder in repo.glob("*/*/__pycache__") if folder.is_dir()]

@@ -36,10 +36,10 @@ import numpy as np
 
 from medusa_trt.errors import MedusaTrtError
 from medusa_trt.runtime.chat import ChatError, encode_chat, parse_messages
-from medusa_trt.runtime.config import ACCEPTANCE
+from medusa_trt.runtime.config import ACCEPTANCE, acceptance_setting_problem
 from medusa_trt.runtime.decoding import GenerationConfig, SequenceStats, generate, step_tree
 from medusa_trt.runtime.loading import load_backend, load_tokenizer, stop_tokens
-from medusa_trt.serving.triton_repo import MODEL_INPUTS, acceptance_setting_problem
+from medusa_trt.serving.triton_repo import MODEL_INPUTS
 from medusa_trt.tree import (
     TreeError,
     dynamic_spec,

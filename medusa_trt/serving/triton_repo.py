@@ -15,7 +15,6 @@ This module only writes text: no torch, no tritonclient.
 
 from __future__ import annotations
 
-import math
 import re
 import shutil
 from collections.abc import Callable, Sequence
@@ -26,6 +25,7 @@ from medusa_trt.checkpoint import validate_config
 from medusa_trt.engine_dir import ENGINE_JSON, MAX_BATCH_SIZE, EngineError, read_engine
 from medusa_trt.errors import MedusaTrtError, read_json_object
 from medusa_trt.outputs import atomic_output_dir
+from medusa_trt.runtime.config import acceptance_setting_problem
 from medusa_trt.runtime.dynamic import dynamic_tree
 from medusa_trt.tree import (
     CANDIDATE_TOPK,
@@ -429,18 +429,6 @@ def _check_tokenizer(directory: Path) -> None:
     if not any((directory / f).is_file() for f in TOKENIZER_FILES):
         raise RepoError(f"{directory}: no tokenizer (expected one of {', '.join(TOKENIZER_FILES)}); the server "
                         "tokenizes text_input with it")
-
-
-def acceptance_setting_problem(temperature: float, threshold: float, alpha: float) -> tuple[str, float, str] | None:
-    """The first of temperature, posterior_threshold and posterior_alpha out of its range, as (name,
-    value, expected range), or None: the repository's defaults and each request's inputs
-    (triton_model.parse_request) are held to the same ranges, so no default refuses every request."""
-    for name, value, ok, expected in (("temperature", temperature, temperature >= 0, ">= 0"),
-                                      ("posterior_threshold", threshold, 0 < threshold <= 1, "in (0, 1]"),
-                                      ("posterior_alpha", alpha, alpha > 0, "> 0")):
-        if not (math.isfinite(value) and ok):
-            return name, value, expected
-    return None
 
 
 def _check_batch(max_batch_size: int | None, info: EngineInfo | None) -> int:

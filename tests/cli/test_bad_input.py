@@ -310,6 +310,12 @@ CASES = [
     ("run-prompt-file-not-utf8", RUN,
      lambda c: ["--engine", str(c.engine), "--batch-file", str(c.write("p.txt", b"ok\ncaf\xe9\n"))],
      ["p.txt", "UTF-8"]),
+    ("run-prompts-as-json-array", RUN,  # not read as lines ("[", "{", ...)
+     lambda c: ["--engine", str(c.engine), "--batch-file", str(c.write("p.json", b'[{"text": "hi"}]'))],
+     ["p.json", ".json file is not read as prompts", ".jsonl"]),
+    ("build-calibration-as-json-array", BUILD,
+     lambda c: build_args(c, None, None, "--weights", "int8", "--calibration", str(c.write("cal.json", b'["hi"]'))),
+     ["cal.json", ".json file is not read", ".jsonl"]),
     ("run-empty-medusa-choices", RUN, lambda c: run_args(c, None, "--medusa-choices", ""),
      ["medusa_choices ''", "empty"]),
     ("run-dynamic-zero", RUN, lambda c: run_args(c, None, "--medusa-choices", "dynamic:0"),
@@ -511,6 +517,8 @@ FLAGS = [
     ("--temperature", "inf", "expected a non-negative finite number", [RUN, BENCH]),
     ("--temperature", "nan", "expected a non-negative finite number", [RUN, BENCH]),
     ("--top-p", "1.5", "expected a number in (0, 1]", [RUN, BENCH]),
+    ("--posterior-threshold", "9", "expected a number in (0, 1]", [RUN]),  # epsilon is a probability
+    ("--posterior-alpha", "0", "expected a positive finite number", [RUN]),
     ("--seed", "-1", "expected an integer in [0, 2**63)", [RUN, BENCH, TRAIN]),
     ("--max-batch-size", "0", "expected an integer in 1..65536", [BUILD, TRITON]),
     ("--max-batch-size", "1e30", "expected an integer in 1..65536", [BUILD, TRITON]),  # config.pbtxt's int32

@@ -387,7 +387,8 @@ def test_same_seed_same_tokens_on_onnx_runtime(ort_engine, tiny_merged):
     (dict(top_k=0), "top_k 0: expected an integer >= 1"),
     (dict(seed=1.5), "seed 1.5: expected an integer"),
     (dict(seed="7"), "seed '7'"),
-    (dict(acceptance="typical", posterior_threshold=0.0), "posterior_threshold must be a finite number > 0"),
+    (dict(acceptance="typical", posterior_threshold=0.0), r"posterior_threshold must be a finite number in \(0, 1\]"),
+    (dict(acceptance="typical", posterior_threshold=9.0), "posterior_threshold .* got 9.0"),  # epsilon is a probability
     (dict(acceptance="typical", posterior_alpha=0.0), "posterior_alpha must be a finite number > 0"),  # accepts all
     (dict(use_medusa="no"), "use_medusa 'no': expected True or False"),  # a string would read as True
     (dict(context_candidates=0), "context_candidates 0: expected True or False"),

@@ -513,8 +513,10 @@ def test_medusa_serve_killed_leaves_no_tritonserver(served):
             proc.wait()
 
 
-def test_medusa_serve_cli_prints_endpoints_and_stops_on_ctrl_c(served):
-    proc = subprocess.Popen([sys.executable, "-m", "medusa_trt.cli.serve", "--repo", str(served["repo"]),
+def test_medusa_serve_cli_prints_endpoints_and_stops_on_ctrl_c(served, tmp_path):
+    repo = tmp_path / "repo"  # a copy without the bytecode the session's server left beside model.py
+    shutil.copytree(served["repo"], repo, ignore=shutil.ignore_patterns("__pycache__"))
+    proc = subprocess.Popen([sys.executable, "-m", "medusa_trt.cli.serve", "--repo", str(repo),
                              "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -529,6 +531,7 @@ def test_medusa_serve_cli_prints_endpoints_and_stops_on_ctrl_c(served):
         out, _ = proc.communicate(timeout=120)
         assert proc.returncode == 0, out
         assert "medusa-serve: stopped" in out
+        assert not list(repo.rglob("__pycache__")), "serving left the stub's bytecode in the repository"
     finally:
         if proc.poll() is None:
             proc.kill()
