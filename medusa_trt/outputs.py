@@ -39,7 +39,9 @@ def check_output_dir(out: Path, force: bool, error: type[MedusaTrtError] = Medus
     command reads, which --out must not be or hold (replaced_input)."""
     if (src := replaced_input(out, inputs, directory=True)) is not None:
         raise error(f"{out}: --out must not be or contain the input {src}")
-    if out.is_symlink() or (out.exists() and not out.is_dir()):
+    if out.is_symlink():  # the atomic rename would replace the link, not write where it points
+        raise error(f"{out}: --out is a symbolic link; expected a directory path (give the link's target)")
+    if out.exists() and not out.is_dir():
         raise error(f"{out}: --out exists and is not a directory (a file is never replaced, even with --force)")
     if out.is_dir() and any(out.iterdir()) and not force:
         raise error(f"{out}: --out exists and is not empty; pass --force to replace it")

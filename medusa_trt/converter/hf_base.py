@@ -57,13 +57,16 @@ def load_pickled_state_dict(path: Path) -> dict[str, torch.Tensor]:
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
-        lines = [ln.strip() for ln in str(e).splitlines() if "Unsupported" in ln or "WeightsUnpickler" in ln]
-        why = lines[0] if lines else str(e).splitlines()[0]
-        raise ConvertError(f"{path}: refused to unpickle: the file needs more than tensors to load "
-                           f"({why}); only plain state dicts of tensors are accepted") from None
-    except (RuntimeError, EOFError, OSError, ValueError) as e:
-        raise ConvertError(f"{path}: cannot read as a PyTorch checkpoint: "
-                           f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        globals_ = [ln.split("Unsupported global:")[1].split(" was not")[0].strip()
+                    for ln in str(e).splitlines() if "Unsupported global:" in ln]
+        if globals_:  # a real pickle that names classes or functions
+            raise ConvertError(f"{path}: refused to unpickle: the file needs more than tensors to load "
+                               f"({globals_[0]}); only plain state dicts of tensors are accepted") from None
+        raise ConvertError(f"{path}: cannot read as a PyTorch checkpoint (not a pickle of tensors: "
+                           f"{_first_line(e)}); expected a state dict saved by torch.save") from None
+    except Exception as e:  # noqa: BLE001  torch's unpickler raises KeyError, IndexError, ... on bytes that are no pickle
+        raise ConvertError(f"{path}: cannot read as a PyTorch checkpoint ({type(e).__name__}: {_first_line(e)}); "
+                           "expected a state dict saved by torch.save") from None
     if not isinstance(obj, dict):
         raise ConvertError(f"{path}: holds a {type(obj).__name__}, expected a state dict (name -> tensor)")
     for key, value in obj.items():
@@ -71,6 +74,14 @@ def load_pickled_state_dict(path: Path) -> dict[str, torch.Tensor]:
             raise ConvertError(f"{path}: entry {key!r} holds a {type(value).__name__}, expected a tensor "
                                f"(a flat state dict of tensors)")
     return obj
+
+
+def _first_line(err: BaseException) -> str:
+    """The part of an error message worth a line: torch's unpickling errors open with paragraphs of
+    advice and end with the operand or global that failed."""
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+    useful = [ln for ln in lines if ln.startswith("Unsupported") or "error:" in ln.lower()]
+    return (useful[-1] if useful else lines[0] if lines else "no message")[:200]
 
 
 @dataclass
@@ -148,6 +159,10 @@ def find_weight_files(directory: Path) -> list[Path] | None:
             if not isinstance(weight_map, dict) or not weight_map:
                 raise ConvertError(f"{index_path}: no 'weight_map' object naming the shard files")
             files = []
+            for name, shard in weight_map.items():
+                if not isinstance(shard, str) or not shard:
+                    raise ConvertError(f"{index_path}: weight_map[{name!r}] is {shard!r}; expected the name of a "
+                                       "shard file")
             for shard in dict.fromkeys(weight_map.values()):
                 path = directory / shard
                 if not path.is_file():
@@ -189,6 +204,8 @@ class BaseModel:
 
 def read_base(base_dir: Path) -> BaseModel:
     """An HF model directory (GGUF files: converter/gguf.py)."""
+    if base_dir.exists() and not base_dir.is_dir():
+        raise ConvertError(f"{base_dir}: --base is a file; expected a Hugging Face model directory or a .gguf file")
     if not base_dir.is_dir():
         raise ConvertError(f"{base_dir}: base model directory not found")
     config_path = base_dir / "config.json"
@@ -247,14 +264,26 @@ def normalize_rope(hf_config: dict, path: Path) -> tuple[float, dict | None]:
 
     theta = req(hf_config, "rope_theta", float, positive=True, default=10000.0)
     params = req(hf_config, "rope_parameters", dict, default={})
-    if params:
+    legacy = req(hf_config, "rope_scaling", dict, default={})
+    if params and legacy:
+        # transformers (5.x, convert_rope_params_to_dict) takes a non-empty rope_scaling over
+        # rope_parameters whole, so it applies the scaling and drops rope_parameters' theta for
+        # rope_scaling's own, else the top-level rope_theta, else 10000. Follow it while no theta is lost.
+        kept = req(legacy, "rope_theta", float, "rope_scaling.", positive=True, default=theta)
+        dropped = req(params, "rope_theta", float, "rope_parameters.", positive=True, default=kept)
+        if dropped != kept:
+            raise ConvertError(f"{path}: rope_scaling replaces rope_parameters in transformers, which then drops "
+                               f"rope_parameters.rope_theta {dropped} for {kept}; expected one of the two (the "
+                               "scaling inside rope_parameters)")
+        theta, scaling, where = kept, legacy, "rope_scaling."
+    elif params:
         if "rope_theta" not in params and "rope_type" not in params:
             raise ConvertError(f"{path}: rope_parameters per layer type ({sorted(params)}) are not "
                                f"supported; expected one {{rope_theta, rope_type}} object")
         theta = req(params, "rope_theta", float, "rope_parameters.", positive=True, default=theta)
         scaling, where = params, "rope_parameters."
     else:
-        scaling, where = req(hf_config, "rope_scaling", dict, default={}), "rope_scaling."
+        scaling, where = legacy, "rope_scaling."
     rope_type = (req(scaling, "rope_type", str, where, default=None) or req(scaling, "type", str, where, default=None)
                  or "default")
     if rope_type == "default":

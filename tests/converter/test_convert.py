@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import pathlib
+import random
 import shutil
 import subprocess
 import sys
@@ -234,6 +235,38 @@ def test_rope_scaling_both_config_forms(tmp_path, tiny_base, tiny_heads, scaling
     assert config["rotary_scaling"] == expected and config["rotary_base"] == 5e5
 
 
+def test_rope_scaling_beside_rope_parameters_as_transformers_reads_it(tmp_path, tiny_base, tiny_heads, capsys):
+    """A transformers 5 config (rope_parameters) with a rope_scaling block added, as model cards tell
+    users to: transformers applies rope_scaling whole (convert_rope_params_to_dict), so the
+    converter does too, and refuses the one case where that would silently drop a theta."""
+    from transformers import AutoConfig
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_base("llama"), base)
+    heads = tiny_heads("medusa_v1", tiny_base("llama"))
+    cfg = json.loads((base / "config.json").read_text())
+    assert cfg["rope_parameters"]["rope_type"] == "default"
+    cfg["rope_scaling"] = {"rope_type": "linear", "factor": 4.0}
+    (base / "config.json").write_text(json.dumps(cfg))
+    hf = AutoConfig.from_pretrained(base).rope_parameters
+    convert(base, heads, tmp_path / "out", progress=False)
+    config = json.loads((tmp_path / "out/config.json").read_text())
+    assert config["rotary_scaling"] == {"type": hf["rope_type"], "factor": hf["factor"]} == {"type": "linear", "factor": 4.0}
+    assert config["rotary_base"] == hf["rope_theta"]
+
+    cfg["rope_scaling"] = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64}
+    (base / "config.json").write_text(json.dumps(cfg))
+    msg = _cli_error(["--base", str(base), "--heads", str(heads), "--out", str(tmp_path / "yarn")], capsys)
+    assert "config.json" in msg and "'yarn'" in msg
+
+    cfg["rope_parameters"]["rope_theta"] = 5e5  # transformers would use 10000 with the scaling
+    cfg["rope_scaling"] = {"rope_type": "linear", "factor": 4.0}
+    (base / "config.json").write_text(json.dumps(cfg))
+    msg = _cli_error(["--base", str(base), "--heads", str(heads), "--out", str(tmp_path / "theta")], capsys)
+    assert "rope_parameters.rope_theta 500000.0" in msg and "10000.0" in msg
+    assert not (tmp_path / "yarn").exists() and not (tmp_path / "theta").exists()
+
+
 def test_sliding_window_as_transformers_reads_it(tmp_path, tiny_base):
     """Which layers slide, from each form of a base config, as transformers' config classes decide:
     Qwen2 from layer_types, else from max_window_layers, only with use_sliding_window; Mistral in
@@ -451,7 +484,9 @@ def _edit_config(directory: Path, **changes) -> None:
 BAD_INPUTS = ["missing_base", "base_without_config", "base_without_weights", "missing_shard", "missing_heads",
               "heads_dir_empty", "unknown_arch", "yarn_rope", "head_hidden_mismatch", "head_vocab_mismatch",
               "truncated_safetensors", "garbage_header", "unplaceable_head_key", "missing_bias",
-              "unplaceable_base_key", "base_head_shape", "nonempty_out", "out_contains_base"]
+              "unplaceable_base_key", "base_head_shape", "nonempty_out", "out_contains_base",
+              "heads_pt_not_a_pickle", "base_bin_random_bytes", "index_shard_not_a_name", "base_is_a_file",
+              "out_is_a_symlink"]
 
 
 @pytest.mark.parametrize("case", BAD_INPUTS)
@@ -487,6 +522,29 @@ def test_bad_input(tmp_path, tiny_base, tiny_heads, capsys, case):
         base = _copy_base(tiny_base, tmp_path)
         _edit_config(base, architectures=["GPT2LMHeadModel"], model_type="gpt2")
         expect = [str(base / "config.json"), "'GPT2LMHeadModel'", "LlamaForCausalLM"]
+    elif case == "base_is_a_file":
+        base = tiny_base("llama") / "config.json"
+        expect = [str(base), "--base is a file", "model directory or a .gguf file"]
+    elif case == "out_is_a_symlink":  # the rename would replace the link, not fill its target
+        (tmp_path / "target").mkdir()
+        out.symlink_to(tmp_path / "target")
+        expect = [str(out), "--out is a symbolic link"]
+    elif case == "heads_pt_not_a_pickle":  # torch's unpickler raised KeyError on it
+        heads = tmp_path / "medusa_lm_head.pt"
+        heads.write_bytes(b"hello world")
+        expect = [str(heads), "cannot read as a PyTorch checkpoint", "torch.save"]
+    elif case == "base_bin_random_bytes":
+        base = _copy_base(tiny_base, tmp_path)
+        (base / "model.safetensors").unlink()
+        (base / "pytorch_model.bin").write_bytes(random.Random(0).randbytes(4096))
+        expect = [str(base / "pytorch_model.bin"), "cannot read as a PyTorch checkpoint"]
+    elif case == "index_shard_not_a_name":
+        base = tmp_path / "base"
+        shutil.copytree(tiny_base("llama", weights_format="sharded"), base)
+        index = json.loads((base / "model.safetensors.index.json").read_text())
+        index["weight_map"]["lm_head.weight"] = 5
+        (base / "model.safetensors.index.json").write_text(json.dumps(index))
+        expect = ["model.safetensors.index.json", "weight_map['lm_head.weight'] is 5", "shard file"]
     elif case == "yarn_rope":
         base = _copy_base(tiny_base, tmp_path)
         _edit_config(base, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4})
@@ -536,12 +594,12 @@ def test_bad_input(tmp_path, tiny_base, tiny_heads, capsys, case):
         base = _copy_base(tiny_base, tmp_path)
         out = tmp_path
         expect = [str(out), "must not be or contain the input"]
-    existed = out.exists() and sorted(p.name for p in out.iterdir())
+    existed = sorted(p.name for p in out.iterdir()) if out.exists() else None
     args = ["--base", str(base), "--out", str(out)] + (["--heads", str(heads)] if heads else [])
     msg = _cli_error(args + (["--force"] if case == "out_contains_base" else []), capsys)
     for part in expect:
         assert part in msg, (part, msg)
-    if existed:
+    if existed is not None:
         assert sorted(p.name for p in out.iterdir()) == existed  # --out untouched
     else:
         assert not out.exists()
