@@ -76,6 +76,10 @@ def find_heads(heads_path: Path | None, base: BaseModel) -> MedusaHeads:
                            f"pass one source of heads")
     if not heads_path.exists():
         raise ConvertError(f"{heads_path}: --heads not found")
+    if heads_path.is_dir() and (heads_path / AMPHISTA_FILE).is_file():
+        if medusa := [n for n in HEAD_FILES if (heads_path / n).is_file()]:
+            raise ConvertError(f"{heads_path}: holds both {AMPHISTA_FILE} and {medusa[0]}, two drafters; "
+                               "expected one drafter per --heads directory")
     if (heads_path / AMPHISTA_FILE).is_file() if heads_path.is_dir() else heads_path.name == AMPHISTA_FILE:
         return _amphista(heads_path if heads_path.is_dir() else heads_path.parent, base)
     if heads_path.is_dir():

@@ -486,7 +486,7 @@ BAD_INPUTS = ["missing_base", "base_without_config", "base_without_weights", "mi
               "truncated_safetensors", "garbage_header", "unplaceable_head_key", "missing_bias",
               "unplaceable_base_key", "base_head_shape", "nonempty_out", "out_contains_base",
               "heads_pt_not_a_pickle", "base_bin_random_bytes", "index_shard_not_a_name", "base_is_a_file",
-              "out_is_a_symlink"]
+              "out_is_a_symlink", "heads_dir_with_two_drafters"]
 
 
 @pytest.mark.parametrize("case", BAD_INPUTS)
@@ -522,6 +522,11 @@ def test_bad_input(tmp_path, tiny_base, tiny_heads, capsys, case):
         base = _copy_base(tiny_base, tmp_path)
         _edit_config(base, architectures=["GPT2LMHeadModel"], model_type="gpt2")
         expect = [str(base / "config.json"), "'GPT2LMHeadModel'", "LlamaForCausalLM"]
+    elif case == "heads_dir_with_two_drafters":
+        heads = tmp_path / "heads"
+        shutil.copytree(tiny_heads("amphista", base), heads)
+        shutil.copy(tiny_heads("medusa_v1", base) / "medusa_lm_head.pt", heads)
+        expect = [str(heads), "amphista.safetensors and medusa_lm_head.pt", "one drafter"]
     elif case == "base_is_a_file":
         base = tiny_base("llama") / "config.json"
         expect = [str(base), "--base is a file", "model directory or a .gguf file"]
