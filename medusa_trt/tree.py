@@ -521,6 +521,8 @@ class StepTree:
         return cls(t.num_slots, t.max_depth, k, torch.tensor(candidate_index(t, k)), torch.tensor(t.position_offsets),
                    torch.tensor(t.attention_mask), torch.tensor(t.retrieve_indices))
 
+    row_slots = None  # every row verifies the same tree (BatchTree.row_slots: rows of their own widths)
+
     @functools.cached_property
     def paths(self) -> list[list[int]]:
         """retrieve's rows as lists, -1 padding as slot 0 (commit reads only the accepted part)."""

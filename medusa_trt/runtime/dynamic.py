@@ -39,7 +39,7 @@ from medusa_trt.tree import TreeError, read_dynamic
 MAX_NGRAM = 4  # longest n-gram looked up
 MAX_CONTEXT_DEPTH = 16  # deepest context chain offered (a loop continues periodically up to it)
 # Prior for a chain node at depth j of an n-gram match: q_n^j, worth PRIOR_WEIGHT observations, until
-# the request has measured it (ContextStats).
+# the sequence has measured it (ContextStats).
 PRIOR_WEIGHT = 2.0
 # What one more tree slot adds to a step's time, as a share of a plain step: measured on SmolLM2-135M
 # float32 engines on a 2-core CPU, 0.07-0.09 per slot from 4 to 12 slots (BENCHMARKS.md, per-step
@@ -150,8 +150,10 @@ class ContextIndex:
 
 @dataclass
 class ContextStats:
-    """Per request: how often a context chain of match length n was right at depth j (its first j
-    tokens all the base model's own), which scores the chains of the next steps."""
+    """Per sequence: how often a context chain of match length n was right at depth j (its first j
+    tokens all the base model's own), which scores the chains of the next steps. Not shared across
+    a batch: a served batch holds other users' requests, and a sequence's trees, so its sampled
+    tokens, would depend on them (docs/sampling.md)."""
 
     proposed: np.ndarray = field(default_factory=lambda: np.zeros((MAX_NGRAM + 1, MAX_CONTEXT_DEPTH + 1)))
     right: np.ndarray = field(default_factory=lambda: np.zeros((MAX_NGRAM + 1, MAX_CONTEXT_DEPTH + 1)))
@@ -190,20 +192,20 @@ class Offer:
 
 @dataclass
 class Context:
-    """The context candidates' state of one request: an index per sequence (its row in the batch),
-    the datastore when the engine has one, and the shared statistics."""
+    """The context candidates' state of a batch: an index and statistics per sequence (its row in
+    the batch), and the datastore when the engine has one."""
 
     indexes: list[ContextIndex]
-    stats: ContextStats = field(default_factory=ContextStats)
+    stats: list[ContextStats]
     datastore: Datastore | None = None
     offered: list[list[Offer]] = field(default_factory=list)  # last step's offers per row
 
     @classmethod
     def of(cls, prompts: list[list[int]], datastore: Datastore | None = None) -> Context:
-        return cls([ContextIndex(list(p)) for p in prompts], datastore=datastore)
+        return cls([ContextIndex(list(p)) for p in prompts], [ContextStats() for _ in prompts], datastore=datastore)
 
     def keep(self, rows: list[int]) -> Context:
-        return Context([self.indexes[i] for i in rows], self.stats, self.datastore,
+        return Context([self.indexes[i] for i in rows], [self.stats[i] for i in rows], self.datastore,
                        [self.offered[i] for i in rows] if self.offered else [])
 
     def chains(self, roots: list[int], depth: int) -> list[list[Offer]]:
@@ -222,10 +224,10 @@ class Context:
         self.offered = out
         return out
 
-    def scores(self, offer: Offer) -> list[float]:
-        """An offered chain's log-probability of being right through each depth."""
+    def scores(self, row: int, offer: Offer) -> list[float]:
+        """A chain offered to row `row`: its log-probability of being right through each depth."""
         if offer.n:
-            return self.stats.scores(offer.n, len(offer.tokens))
+            return self.stats[row].scores(offer.n, len(offer.tokens))
         return self.datastore.scores(offer.found)
 
     def advance(self, emitted: list[list[int]], roots: list[int]) -> None:
@@ -235,7 +237,7 @@ class Context:
             truth = toks[1:] + [root]
             for offer in self.offered[row] if self.offered else []:
                 if offer.n:  # datastore chains are scored by the datastore's calibration alone
-                    self.stats.record(offer.n, offer.tokens, truth)
+                    self.stats[row].record(offer.n, offer.tokens, truth)
             self.indexes[row].extend(toks)
 
 
@@ -333,12 +335,22 @@ class BatchTree:
     retrieve: torch.Tensor  # [B, N, D+1] root..leaf slots of each path, -1 padded
     paths: list[list[list[int]]]  # [B][N] retrieve's rows as lists, -1 padding as slot 0
     num_slots: int
+    row_slots: list[int] | None = None  # each tree's own slots when the rows differ; the rest are inert pads
+
+
+def _inert_pad(tokens, depth, mask, i: int, s: int) -> None:
+    """Slot s of row i as a pad: token 0 under the root, on no path, so never accepted, drawn for
+    or committed; it only makes the row as wide as the batch's widest tree."""
+    tokens[i, s] = 0
+    depth[i, s] = 1
+    mask[i, s, 0] = mask[i, s, s] = True
 
 
 def build_batch(trees: list[list[tuple[int, ...]]], roots: list[int], min_depth: int = 0) -> BatchTree:
     """The BatchTree of each sequence's nodes (choose_nodes) under its root. retrieve is at least
-    `min_depth` + 1 wide: the fused step drafts with as many heads as retrieve is deep."""
-    t = 1 + len(trees[0])
+    `min_depth` + 1 wide: the fused step drafts with as many heads as retrieve is deep. Trees of
+    fewer nodes than the widest are padded with inert slots (_inert_pad)."""
+    t = 1 + max(len(nodes) for nodes in trees)
     b = len(trees)
     tokens = np.zeros((b, t), dtype=np.int64)
     depth = np.zeros((b, t), dtype=np.int64)
@@ -356,9 +368,12 @@ def build_batch(trees: list[list[tuple[int, ...]]], roots: list[int], min_depth:
             depth[i, s] = len(path)
             mask[i, s] = mask[i, parent[s]]
             mask[i, s, s] = True
-        inner = set(parent[1:])
+        own = 1 + len(nodes)
+        for s in range(own, t):
+            _inert_pad(tokens, depth, mask, i, s)
+        inner = set(parent[1:own])
         seq = []
-        for leaf in (s for s in range(t) if s not in inner):  # slot 0 alone is a leaf of a root-only tree
+        for leaf in (s for s in range(own) if s not in inner):  # slot 0 alone is a leaf of a root-only tree
             chain = [leaf]
             while chain[-1]:
                 chain.append(parent[chain[-1]])
@@ -371,20 +386,26 @@ def build_batch(trees: list[list[tuple[int, ...]]], roots: list[int], min_depth:
         for j, chain in enumerate(seq):
             retrieve[i, j, : len(chain)] = chain
     paths = [[[max(x, 0) for x in row] for row in rows] for rows in retrieve.tolist()]
+    own = [1 + len(nodes) for nodes in trees]
     return BatchTree(torch.from_numpy(tokens), torch.from_numpy(depth), torch.from_numpy(mask),
-                     torch.from_numpy(retrieve), paths, t)
+                     torch.from_numpy(retrieve), paths, t, own if min(own) < t else None)
 
 
 def step_trees(tree: DynamicTree, roots: torch.Tensor, top_ids: torch.Tensor, top_logp: torch.Tensor,
-               context: Context | None, min_depth: int = 0) -> BatchTree:
+               context: Context | None, min_depth: int = 0, own_width: bool = False) -> BatchTree:
     """This step's BatchTree: per sequence, the budget's best nodes from the drafter's top-k (ids and
-    log-probs [B, H, k], sorted) and its context chain."""
+    log-probs [B, H, k], sorted) and its context chain. `own_width`: each sequence keeps the nodes
+    worth its own slots, padded inert to the widest, so its tree is the one it would have alone
+    (sampling: its tokens then depend on its seed, not on the batch; docs/sampling.md)."""
     roots_l = roots.tolist()
     ids, logp = top_ids[:, : tree.heads, : tree.topk].tolist(), top_logp[:, : tree.heads, : tree.topk].tolist()
     depth = min(tree.budget, MAX_CONTEXT_DEPTH)
     offers = context.chains(roots_l, depth) if context is not None and tree.context else [[] for _ in roots_l]
-    ranked = [choose_nodes(tree, ids[i], logp[i], [(o.tokens, context.scores(o)) for o in row])
+    ranked = [choose_nodes(tree, ids[i], logp[i], [(o.tokens, context.scores(i, o)) for o in row])
               for i, row in enumerate(offers)]
+    if own_width:
+        return build_batch([sorted((p for _, p in nodes[: worth([nodes], tree.slot_cost)]), key=len)
+                            for nodes in ranked], roots_l, min_depth)
     # The batch verifies one width, chosen for the batch's tokens per unit of time: a slot costs every
     # sequence, so one sequence's long chain is not worth it when the others have nothing to verify.
     width = worth(ranked, tree.slot_cost)

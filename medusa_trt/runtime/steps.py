@@ -35,9 +35,9 @@ def _greedy(cfg: GenerationConfig) -> bool:
 
 class Sampler:
     """Per-sequence random streams and the target distribution of `sample` acceptance. Each
-    sequence owns a torch.Generator and draws one uniform per tree slot a step, so its tokens depend
-    on its seed and its trees, not on the backend; with trees that do not depend on the batch (a
-    static tree; per-step trees at slot cost 0) not on the batch or its row either (docs/sampling.md)."""
+    sequence owns a torch.Generator and draws one uniform per slot of its own tree a step, so its
+    tokens depend on its seed and its trees, not on the backend, and, as a sampled sequence's trees
+    are its own (step_trees' own_width), not on the batch or its row either (docs/sampling.md)."""
 
     def __init__(self, cfg: GenerationConfig, seeds: list[int]):
         self.cfg = cfg
@@ -46,9 +46,12 @@ class Sampler:
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         return sampling_probs(logits, self.cfg.temperature, self.cfg.top_k, self.cfg.top_p)
 
-    def uniforms(self, count: int) -> torch.Tensor:
-        """[B, count] in (0, 1]: 1 - U[0, 1) so a draw never lands on a zero-probability token."""
-        return 1.0 - torch.stack([torch.rand(count, generator=g) for g in self.generators])
+    def uniforms(self, count: int, own: list[int] | None = None) -> torch.Tensor:
+        """[B, count] in (0, 1]: 1 - U[0, 1) so a draw never lands on a zero-probability token.
+        `own`: sequence b draws own[b] of them (its tree's slots; the rest are inert pads, 1)."""
+        own = own or [count] * len(self.generators)
+        return 1.0 - torch.stack([torch.cat([torch.rand(n, generator=g), torch.zeros(count - n)])
+                                  for g, n in zip(self.generators, own, strict=True)])
 
     def draw(self, logits: torch.Tensor) -> torch.Tensor:
         """One token per sequence from logits [B, V]."""
@@ -278,7 +281,8 @@ def verify(backend: Backend, tree: StepTree | BatchTree, tokens: torch.Tensor, c
     b = len(tokens)
     logits = _tree_compute(backend, tokens, backend.lengths[:, None] + tree.position_offsets, tree)  # [B, T, V]
     if sampler:
-        best, accepted, picks = sample_accept(tree.retrieve, tokens, sampler.probs(logits), sampler.uniforms(tree.num_slots))
+        best, accepted, picks = sample_accept(tree.retrieve, tokens, sampler.probs(logits),
+                                             sampler.uniforms(tree.num_slots, tree.row_slots))
     else:
         picks = argmax(logits)  # [B, T] argmax per slot first: no [B, N, D, V] gather
         if _greedy(cfg):
@@ -389,7 +393,8 @@ def _dynamic_two_call_step(backend: Backend, cfg: GenerationConfig, tree: Dynami
                            sampler: Sampler | None):
     """Chooses each sequence's tree from the drafter's logits and context, then verifies it as
     tree_step does (any acceptance)."""
-    bt = step_trees(tree, carry.root, *drafts_topk(carry.medusa, tree.topk), carry.context)
+    # A sampled (or typical) sequence's tree is its own, not the batch's: its tokens depend on the tree.
+    bt = step_trees(tree, carry.root, *drafts_topk(carry.medusa, tree.topk), carry.context, own_width=not _greedy(cfg))
     emitted, accepted, root, medusa = verify(backend, bt, bt.tokens, cfg, sampler)
     if carry.context is not None:
         carry.context.advance(emitted, root.tolist())

@@ -332,11 +332,16 @@ def test_seeded_runs_repeat_and_rows_equal_single_runs(small):
         assert decode(small.backend, [p], GenerationConfig(**{**cfg.__dict__, "seed": 42 + i})).tokens == [batch[i]]
     other = decode(small.backend, prompts, GenerationConfig(**{**cfg.__dict__, "seed": 43})).tokens
     assert other != batch
-    # Per-step trees with the whole budget every step: each row's tree is its own drafts', so again.
-    full = GenerationConfig(**{**cfg.__dict__, "medusa_choices": "dynamic:8", "slot_cost": 0.0})
-    batch = decode(small.backend, prompts, full).tokens
-    for i, p in enumerate(prompts):
-        assert decode(small.backend, [p], GenerationConfig(**{**full.__dict__, "seed": 42 + i})).tokens == [batch[i]]
+    # Per-step trees: each sampled row keeps the nodes worth its own slots, and its context chains are
+    # scored by its own history, so its tree, and so its tokens, are the ones it has alone. Slot
+    # costs that keep different widths per row (a loop prompt, [44] * 7, offers long context chains).
+    for spec in ("dynamic:8,cost=0", "dynamic:8", "dynamic:8,cost=0.3"):
+        per_step = GenerationConfig(**{**cfg.__dict__, "medusa_choices": spec})
+        result = decode(small.backend, prompts, per_step)
+        for i, p in enumerate(prompts):
+            alone = GenerationConfig(**{**per_step.__dict__, "seed": 42 + i})
+            assert decode(small.backend, [p], alone).tokens == [result.tokens[i]], (spec, i)
+        assert sum(s.accepted_draft_tokens for s in result.stats) > 0, spec
 
 
 def test_temperature_to_zero_is_greedy(small):
