@@ -4,7 +4,8 @@ Both run through the runtime's Backend interface on identical inputs: the decodi
 prefill of every prompt and greedy tree-verify steps with the default Medusa tree cut to the engine
 (runtime/steps.py `prefill` and `tree_step`, driving both backends at once; candidates and
 acceptance come from the reference, so both sides always see the same tokens and commit the same
-cache entries), and whole greedy decodes. Logits are compared with polygraphy's comparator on the max absolute difference;
+cache entries), the engine's fused step where it has one (its accepted path and its drafts'
+log-probabilities, against the reference's two-call step on the same tree), and whole greedy decodes. Logits are compared with polygraphy's comparator on the max absolute difference;
 decoded tokens must be equal. Works for any engine the runtime can open, not only ONNX Runtime.
 
 Tolerances (max |engine - reference| of base and Medusa logits; the reference always runs in
@@ -241,17 +242,23 @@ def run_check(engine_dir: str | Path, checkpoint: str | Path | None = None, prom
     max_batch = int((engine.get("limits") or {}).get("max_batch_size") or len(ids))
     chunks = range(0, len(ids), max_batch)
     # Per batch of prompts: the steps, the reference's decode and the engine's plain (and Medusa) decode.
-    bar.total += len(chunks) * (3 + bool(mine.num_medusa_heads))
+    fused = bool(mine.num_medusa_heads and tree_steps and getattr(subject, "fused_step_dynamic", False))
+    bar.total += len(chunks) * (3 + bool(mine.num_medusa_heads) + fused)
     draft = torch.tensor(model.cfg.draft_vocab) if model.cfg.draft_vocab else None
     try:
         for start in chunks:
             chunk = ids[start:start + max_batch]
             label = f" [{start}:{start + len(chunk)}]" if len(ids) > max_batch else ""
             bar.set_description(f"prefill + {tree_steps} tree steps{label}")
-            noise = _compare_steps(report, subject, reference, chunk, tree_steps, tol, label, fp8=fp8,
-                                   scale_tol=atol is None, int4_layers=int(engine["model"]["num_layers"]) if int4 else 0,
-                                   draft_vocab=draft)
+            bounds = _compare_steps(report, subject, reference, chunk, tree_steps, tol, label, fp8=fp8,
+                                    scale_tol=atol is None, int4_layers=int(engine["model"]["num_layers"]) if int4 else 0,
+                                    draft_vocab=draft)
+            noise = bounds[0]
             bar.update()
+            if fused:
+                bar.set_description(f"{tree_steps} fused steps{label}")
+                _compare_fused_steps(report, subject, reference, chunk, tree_steps, label, bounds)
+                bar.update()
             _compare_decodes(report, subject, reference, chunk, max_new_tokens, start, tie=noise if int4 else None,
                              tick=lambda what, label=label: (bar.update(), bar.set_description(what + label)))
     except ValueError as e:  # the backends' limits: batch, sequence length, tree size
@@ -362,11 +369,11 @@ class _Observed(Backend):
 
 def _compare_steps(report: CheckReport, subject, reference, prompts: list[list[int]], tree_steps: int,
                    tol: float, label: str, fp8: bool = False, scale_tol: bool = True, int4_layers: int = 0,
-                   draft_vocab: torch.Tensor | None = None) -> float:
+                   draft_vocab: torch.Tensor | None = None) -> tuple[float, float | None]:
     """The decoding loop's prefill and greedy tree steps (runtime/steps.py), run on both backends
     at once (see _Observed) with the default tree cut to the engine; one polygraphy comparison.
-    `int4_layers`: the decoder depth of an int4 engine (0 otherwise). Returns the p90 bound applied
-    (tol without a quantized criterion)."""
+    `int4_layers`: the decoder depth of an int4 engine (0 otherwise). Returns the bounds applied:
+    (tol, None), or for a quantized engine (p90 bound, max bound)."""
     from polygraphy.comparator import Comparator, IterationResult, RunResults
     from polygraphy.logger import G_LOGGER
 
@@ -422,7 +429,62 @@ def _compare_steps(report: CheckReport, subject, reference, prompts: list[list[i
                                             rule, p90))
             else:
                 report.rows.append(CheckRow(stage, name, bool(result), float(result.max_absdiff), tol, rule=rule))
-    return tol
+    return tol, (max_bound if quantized else None)
+
+
+def _compare_fused_steps(report: CheckReport, subject, reference, prompts: list[list[int]], tree_steps: int,
+                         label: str, bounds: tuple[float, float | None]) -> None:
+    """The fused greedy step, which a greedy decode reaches without showing what it drafts (any
+    drafts leave the tokens plain greedy's): one engine call verifies a tree, accepts and drafts the
+    next, against the reference's two-call step on the same tree tokens. Rows per step: the
+    accepted path, the drafter's top-k log-probabilities the step returns against the reference's
+    log-probabilities of those tokens, and those tokens' against the reference's own top k (a
+    wrong token ranked in is off by its gap; a near-tie may swap two tokens, within the bound)."""
+    from medusa_trt.acceptance import tree_candidates
+    from medusa_trt.runtime.decoding import GenerationConfig
+    from medusa_trt.runtime.steps import _commit_path, _emitted, prefill, verify
+    from medusa_trt.tree import StepTree, tree_for_engine
+
+    tol, max_bound = bounds
+    info = reference.info
+    tree = StepTree.of(tree_for_engine(info.num_medusa_heads, info.max_draft_len), info.vocab_size)
+    k, b = subject.fused_step_topk, len(prompts)
+    for side in (subject, reference):
+        side.start(b, max(len(p) for p in prompts) + tree_steps * tree.num_slots + 1)
+    prefill(subject, prompts)
+    _, root, medusa = prefill(reference, prompts)
+    mask = tree.mask.expand(b, -1, -1)
+    rule = f"max <= {tol:.3g}" if max_bound is None else f"p{round(FP8_QUANTILE * 100)} <= {tol:.3g} and max <= {max_bound:.3g}"
+
+    def row(stage: str, output: str, diff: torch.Tensor) -> None:
+        peak = float(diff.max())
+        if max_bound is None:
+            report.rows.append(CheckRow(stage, output, peak <= tol, peak, tol, rule=rule))
+            return
+        p90 = float(diff.flatten().quantile(FP8_QUANTILE))
+        report.rows.append(CheckRow(stage, output, p90 <= tol and peak <= max_bound, peak, tol,
+                                    f"p{round(FP8_QUANTILE * 100)} {p90:.3g}", rule, p90))
+
+    for step in range(tree_steps):
+        stage = f"fused step {step + 1}{label}"
+        tokens = tree_candidates(root, medusa, tree.candidate_index, tree.topk)[:, : tree.num_slots]
+        positions = reference.lengths[:, None] + tree.position_offsets[None]
+        best, accepted, _, ids, logp = subject.fused_step(tokens, positions, mask, tree.retrieve, tree.candidate_index)[:5]
+        ours = _emitted(tree, tokens, best, accepted)[0]
+        theirs, _, root, medusa = verify(reference, tree, tokens, GenerationConfig())
+        if ours != theirs:  # quantized: a near-tie at a verified slot may go either way; then stop here
+            report.rows.append(CheckRow(stage, "accepted path", False, rule="equal path", detail=f"engine accepted {ours}, "
+                                        f"the reference {theirs}", diverged=max_bound is not None))
+            report.rows[-1].passed = max_bound is not None
+            return
+        report.rows.append(CheckRow(stage, "accepted path", True, rule="equal path"))
+        _commit_path(subject, tree, tokens, best, accepted)
+        heads = ids.shape[1]
+        ref = medusa.float()[:heads]
+        ref = (ref - ref.logsumexp(-1, keepdim=True)).permute(1, 0, 2)  # [B, H, V] log-probabilities
+        at = ref.gather(-1, ids)
+        row(stage, "draft log-probs", (logp.float() - at).abs())
+        row(stage, "draft ranks", (at - ref.topk(k, dim=-1).values).abs())
 
 
 def _sig3(x: float) -> float:

@@ -274,7 +274,7 @@ def test_medusa_check_int4_catches_one_broken_decoder_matrix(ort_engine, tmp_pat
     result = json.loads(report.read_text())
     assert any(not r["passed"] and r["output"] == "logits" for r in result["rows"])
     for r in result["rows"]:
-        if r["output"] != "tokens":
+        if r["output"] not in ("tokens", "accepted path"):
             p90, bound = r["rule"].split(" and ")
             assert float(p90.split()[-1]) == r["tolerance"] and r["rule"] in out
             assert r["passed"] == (r["p90_abs_diff"] <= r["tolerance"] and r["max_abs_diff"] <= float(bound.split()[-1]))

@@ -23,9 +23,12 @@ def test_good_engine_passes(ort_engine, tmp_path, capsys):
     report = json.loads(report_path.read_text())
     assert report["passed"] and report["dtype"] == "float32" and report["tolerance"] == 1e-4
     stages = {r["stage"] for r in report["rows"]}
-    assert {"prefill", "tree step 1", "tree step 2", "decode 0 (plain)", "decode 2 (medusa)"} <= stages
+    assert {"prefill", "tree step 1", "tree step 2", "fused step 1", "fused step 2", "decode 0 (plain)",
+            "decode 2 (medusa)"} <= stages
+    assert {r["output"] for r in report["rows"] if r["stage"] == "fused step 2"} == {
+        "accepted path", "draft log-probs", "draft ranks"}
     for row in report["rows"]:
-        if row["output"] != "tokens":
+        if row["output"] not in ("tokens", "accepted path"):
             assert row["max_abs_diff"] < 1e-4
     assert report["warnings"] == []
 
@@ -68,6 +71,34 @@ def test_perturbed_weights_fail(ort_engine, tmp_path, capsys):
     report = json.loads(report_path.read_text())
     assert not report["passed"]
     assert any(not r["passed"] and r["output"] in ("logits", "medusa_logits") for r in report["rows"])
+
+
+def test_a_wrong_fused_step_drafter_fails(ort_engine, tmp_path, capsys):
+    """The fused step graph keeps its own copy of the heads' biases (inline, not in weights.bin): a
+    build that got them wrong decodes plain greedy's tokens still (any drafts do), so only the
+    fused step's own rows, its drafts' log-probabilities, can catch it (a read-only audit found
+    medusa-check passing such an engine)."""
+    from medusa_trt.engine_dir import artifact_checksums
+
+    engine = tmp_path / "engine"
+    shutil.copytree(ort_engine("llama"), engine)
+    step = onnx.load(engine / "model_step.onnx", load_external_data=False)
+    biases = [t for t in step.graph.initializer if ".head_b." in t.name and not t.external_data]
+    assert biases, [t.name for t in step.graph.initializer]
+    for t in biases:
+        values = onnx.numpy_helper.to_array(t) + np.float32(3.0) * np.sign(np.arange(np.prod(t.dims)) % 2 - 0.5)
+        t.CopyFrom(onnx.numpy_helper.from_array(values.astype(np.float32), t.name))
+    onnx.save(step, engine / "model_step.onnx")
+    info = json.loads((engine / "engine.json").read_text())
+    info["artifacts"] = artifact_checksums(engine)
+    (engine / "engine.json").write_text(json.dumps(info))
+    report_path = tmp_path / "report.json"
+    assert main(["--engine", str(engine), "--json", str(report_path), *FAST]) == 1
+    rows = json.loads(report_path.read_text())["rows"]
+    failed = {(r["stage"], r["output"]) for r in rows if not r["passed"]}
+    assert ("fused step 1", "draft log-probs") in failed, rows
+    assert all(stage.startswith("fused step") for stage, _ in failed), failed  # the other graphs are right
+    assert all(r["passed"] for r in rows if r["output"] == "tokens")  # decodes cannot show it
 
 
 def test_bad_inputs_exit_2(ort_engine, tmp_path, capsys):
@@ -212,7 +243,7 @@ def test_the_printed_rule_is_the_rule_applied(ort_engine, tmp_path, capsys):
     assert main(["--engine", str(ort_engine("llama")), "--json", str(report_path), *FAST]) == 0
     out = capsys.readouterr().out
     report = json.loads(report_path.read_text())
-    logits_rows = [r for r in report["rows"] if r["output"] != "tokens"]
+    logits_rows = [r for r in report["rows"] if r["output"] not in ("tokens", "accepted path")]
     assert {r["tolerance"] for r in logits_rows} == {report["tolerance"]}
     for r in logits_rows:
         assert r["rule"] == f"max <= {r['tolerance']:.3g}" and float(r["rule"].split()[-1]) == r["tolerance"]

@@ -325,7 +325,9 @@ def test_medusa_check_compares_the_drafts_and_catches_a_wrong_drafter(amphista, 
     save_file(tensors, bad / "rank0.safetensors")
     report = run_check(amphista.engines["float32"], bad, ["a b c", "hello world again"])
     failed = [r for r in report.rows if not r.passed]
-    assert not report.passed and failed and all(r.output in ("medusa_logits", "tokens") for r in failed)
+    assert not report.passed and failed and all(r.output in ("medusa_logits", "tokens", "draft log-probs", "draft ranks")
+                                                for r in failed)
+    assert any(r.output == "draft log-probs" for r in failed)  # the fused step's drafter reads the checkpoint's too
 
 
 def test_a_float_engine_runs_the_drafter_without_an_einsum(amphista):
