@@ -139,6 +139,9 @@ def read_sharegpt(path: str | Path) -> tuple[list[Conversation], bool]:
             break
         try:
             obj, i = decoder.raw_decode(text, i)
+        except RecursionError:  # arrays nested past Python's recursion limit
+            raise DataError(f"{path}: record {len(out)}: nested too deep to read; expected ShareGPT records like "
+                            "{\"id\": ..., \"conversations\": [...]}") from None
         except json.JSONDecodeError as e:
             # The file ends inside this record: a string left open to the end, or the end reached.
             if e.msg.startswith("Unterminated string") or e.pos >= len(text.rstrip()):
@@ -150,7 +153,7 @@ def read_sharegpt(path: str | Path) -> tuple[list[Conversation], bool]:
         out.append(_conversation(path, len(out), obj))
     if not out:
         raise DataError(f"{path}: no conversations (expected ShareGPT records like {{\"id\": ..., "
-                        "\"conversations\": [...]}})")
+                        "\"conversations\": [...]})")
     return out, truncated
 
 

@@ -19,7 +19,8 @@ frequent tokens; the output directory holds amphista.safetensors + config.json, 
 merges. Data may also be ShareGPT JSON or JSON Lines (records with "conversations"): the first human
 turn of each conversation becomes a prompt (chat template applied when the tokenizer has one), and
 the project's held-out rule leaves out every conversation whose sha1(id) is 0 mod 10. With
---cache DIR the self-distilled text and hidden states are kept in chunks, and a rerun resumes there.
+--cache DIR the self-distilled text (and, for Amphista, the hidden states) is kept in chunks keyed by
+the base's files and the prompts, and a rerun resumes there.
 With --self-distill --corpus DIR the base's continuations are also written as drafter corpus parts
 (medusa_trt/drafter_corpus.py), the source `medusa-build --datastore DIR` indexes: the model's own
 text as draft chains beside the drafter, for any base.
@@ -59,8 +60,9 @@ from medusa_trt.outputs import replaced_input, staged_files
 PROG = "medusa-train-heads"
 DTYPES = ("float32", "float16", "bfloat16")
 HEAD_FILES = ("medusa_lm_head.pt", "medusa_lm_head.safetensors")  # v1, v2 (training.save_heads)
+DRAFTER_FILES = (*HEAD_FILES, "amphista.safetensors")  # a run's drafter replaces any other in --out
 # Every file a run writes into --out: none is replaced without --force, and none may be an input's.
-OUT_FILES = ("config.json", *HEAD_FILES, "amphista.safetensors", "training_summary.json")
+OUT_FILES = ("config.json", *DRAFTER_FILES, "training_summary.json")
 
 
 class TrainError(MedusaTrtError):
@@ -75,12 +77,13 @@ def parser() -> argparse.ArgumentParser:
                    help=".txt (one sample per line) or .jsonl (one {\"text\": ...} per line; text may hold newlines)")
     p.add_argument("--out", required=True, type=Path, help="directory for the head file + config.json")
     p.add_argument("--arch", default="medusa", help="the drafter: medusa (default) or amphista")
-    p.add_argument("--cache", type=Path, help="--arch amphista: keep distilled chunks here and resume from them")
+    p.add_argument("--cache", type=Path, help="keep the self-distilled text (--self-distill) and, --arch amphista, the "
+                   "hidden states here in chunks, and resume from them")
     p.add_argument("--corpus", type=Path, help="--self-distill: also write the base's continuations here as drafter "
                    "corpus parts, a source for medusa-build --datastore")
-    p.add_argument("--sal-intermediate", type=nonnegative_int, default=0,
-                   help="--arch amphista: the adaptation layers' MLP width (default: the base's)")
-    p.add_argument("--draft-vocab", type=positive_int, default=4096,
+    p.add_argument("--sal-intermediate", type=nonnegative_int, default=None,
+                   help="--arch amphista: the adaptation layers' MLP width (default, or 0: the base's)")
+    p.add_argument("--draft-vocab", type=positive_int, default=None,
                    help="--arch amphista: draft vocabulary size (the targets' most frequent tokens; default 4096)")
     p.add_argument("--num-heads", type=positive_int, default=4, help="heads to train; head k predicts the token k+2 "
                    "positions ahead (default 4)")
@@ -120,6 +123,17 @@ def _check(args) -> None:
     if args.arch == "amphista" and (args.shared_lm_head or args.num_layers != 1):
         raise TrainError("--shared-lm-head and --num-layers are Medusa head options; an Amphista drafter "
                          "drafts through the base lm_head over its draft vocabulary")
+    given = [f"--{k.replace('_', '-')}" for k in ("draft_vocab", "sal_intermediate") if getattr(args, k) is not None]
+    if args.arch == "medusa" and given:  # silently ignored, they would promise what the run does not do
+        raise TrainError(f"{', '.join(given)}: --arch amphista options; Medusa heads draft over the full vocabulary")
+    if args.arch == "medusa" and args.cache is not None and not args.self_distill:
+        raise TrainError(f"--cache {args.cache}: Medusa heads keep only the self-distilled text there (--self-distill); "
+                         "their hidden states are computed in memory")
+    args.draft_vocab = 4096 if args.draft_vocab is None else args.draft_vocab
+    args.sal_intermediate = args.sal_intermediate or 0
+    if args.self_distill and args.max_new_tokens <= args.num_heads:  # head k's target is k + 2 tokens ahead
+        raise TrainError(f"--max-new-tokens {args.max_new_tokens}: expected more than --num-heads {args.num_heads} "
+                         "(each head's target must lie inside the base's continuation)")
     args.gguf = _gguf(args.base)  # resolved once: loading, the drafter's config and its saved dtype read it
     if args.gguf is None and not (args.base / "config.json").is_file():
         raise TrainError(f"{args.base}: no config.json; expected a Hugging Face model directory or a GGUF file")
@@ -209,33 +223,99 @@ def chat_prompts(questions: list[str], tok, prompt_tokens: int) -> list[str]:
     return texts
 
 
-def build_sequences(args, samples: list[str], tok, model, chat: bool = False) -> tuple[list[list[int]], list[int]]:
-    """Token sequences to train on and, per sequence, the first position whose targets count."""
+def build_sequences(args, samples: list[str], tok, model, chat: bool = False) -> tuple[list[list[int]], list[int], list[int]]:
+    """Token sequences to train on and, per sequence, the first position whose targets count and the
+    sample it comes from (held-out sequences are whole samples: split_heldout)."""
     rng = random.Random(args.seed)
-    encoded = [ids for ids in (tok.encode(s) for s in samples) if ids]
+    encoded = [(n, ids) for n, ids in enumerate(tok.encode(s) for s in samples) if ids]
     if not encoded:
         raise TrainError(f"{args.data}: every sample encodes to zero tokens")
     if not args.self_distill:
-        seqs = [ids[i : i + args.seq_len] for ids in encoded for i in range(0, len(ids), args.seq_len)]
-        seqs = [s for s in seqs if len(s) > args.num_heads + 1]
-        if not seqs:
+        windows = [(n, ids[i : i + args.seq_len]) for n, ids in encoded for i in range(0, len(ids), args.seq_len)]
+        windows = [(n, w) for n, w in windows if len(w) > args.num_heads + 1]
+        if not windows:
             raise TrainError(f"{args.data}: no sample is longer than {args.num_heads + 1} tokens; "
                              f"{args.num_heads} heads need at least {args.num_heads + 2}")
-        return seqs, [0] * len(seqs)
+        return [w for _, w in windows], [0] * len(windows), [n for n, _ in windows]
+    # Snippets: a random window of --prompt-tokens from a random sample (the whole sample when it is
+    # shorter); a chat prompt whole (its question was cut before the template). No snippet twice:
+    # greedy continues it the same way, so a repeat is wasted decoding and, held out, no test.
+    prompts: dict[tuple[int, ...], int] = {}
+    if chat:
+        for n, ids in rng.sample(encoded, min(args.num_prompts, len(encoded))):
+            prompts.setdefault(tuple(ids), n)
+    else:
+        for _ in range(4 * args.num_prompts):
+            if len(prompts) == args.num_prompts:
+                break
+            n, ids = encoded[rng.randrange(len(encoded))]
+            start = rng.randrange(max(1, len(ids) - args.prompt_tokens + 1))
+            prompts.setdefault(tuple(ids[start : start + args.prompt_tokens]), n)
+    seqs = continuations(args, model, [list(p) for p in prompts])
+    return seqs, [len(p) - 1 for p in prompts], list(prompts.values())
+
+
+def split_heldout(args, sources: list[int]) -> tuple[list[int], list[int]]:
+    """(held-out, training) sequence indices: a seeded --heldout share of the samples, every
+    sequence of a held-out sample held out, so no held-out text is also trained on."""
+    if len(sources) < 20:
+        return [], list(range(len(sources)))
+    samples = sorted(set(sources))
+    random.Random(args.seed).shuffle(samples)
+    held = set(samples[: int(len(samples) * args.heldout)])
+    return ([i for i, n in enumerate(sources) if n in held], [i for i, n in enumerate(sources) if n not in held])
+
+
+def base_identity(args) -> str:
+    """What the base's weights are, cheaply, for --cache keys: a rerun on the same path after the
+    weights changed must not reuse hidden states or continuations of the old ones. Each file's name,
+    size and modification time, and digests of its first and last MiB."""
+    import hashlib
+
+    files = [args.gguf] if args.gguf else sorted(f for f in args.base.iterdir() if f.is_file())
+    h = hashlib.sha256()
+    for f in files:
+        stat = f.stat()
+        h.update(f"{f.name} {stat.st_size} {stat.st_mtime_ns}".encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(1 << 20))
+            fh.seek(max(0, stat.st_size - (1 << 20)))
+            h.update(fh.read(1 << 20))
+    return h.hexdigest()
+
+
+def continuations(args, model, prompts: list[list[int]]) -> list[list[int]]:
+    """The base's greedy continuations of `prompts` (--max-new-tokens each), decoded in chunks; with
+    --cache each chunk is saved as it completes and read back by a rerun with the same base, prompts
+    and length, so an interrupted self-distillation resumes where it stopped."""
+    import hashlib
+
+    from tqdm import tqdm
+
     from medusa_trt.tools.train_heads import greedy_continuations
 
-    # Snippets: a random window of --prompt-tokens from a random sample (the whole sample when it is
-    # shorter). Equal lengths batch without padding.
-    prompts = []
-    for _ in range(args.num_prompts):
-        ids = encoded[rng.randrange(len(encoded))]
-        if chat:  # a chat prompt is used whole (its question was cut before the template)
-            prompts.append(ids)
-            continue
-        start = rng.randrange(max(1, len(ids) - args.prompt_tokens + 1))
-        prompts.append(ids[start : start + args.prompt_tokens])
-    seqs = greedy_continuations(model, prompts, args.max_new_tokens, progress=not args.quiet)
-    return seqs, [len(p) - 1 for p in prompts]
+    key = hashlib.sha256(json.dumps([base_identity(args), prompts, args.max_new_tokens]).encode()).hexdigest()[:16]
+    out: list[list[int]] = []
+    chunks = range(0, len(prompts), CHUNK)
+    for c in tqdm(chunks, desc="greedy continuations", unit="chunk", disable=args.quiet or len(chunks) < 2):
+        part = prompts[c : c + CHUNK]
+        path = args.cache / f"text_{key}_{c // CHUNK:05d}.json" if args.cache else None
+        if path is not None and path.is_file():
+            try:
+                kept = json.loads(path.read_text())
+                if len(kept) == len(part) and all(k[: len(p)] == p for k, p in zip(kept, part, strict=True)):
+                    out += kept
+                    continue
+            except (OSError, ValueError):
+                pass
+            print(f"{PROG}: warning: {path}: not a readable cache chunk; decoding it again", file=sys.stderr)
+        chunk = greedy_continuations(model, part, args.max_new_tokens, progress=not args.quiet)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.with_suffix(".tmp").write_text(json.dumps(chunk))
+            path.with_suffix(".tmp").replace(path)
+        out += chunk
+    return out
 
 
 def _main(argv: list[str] | None = None) -> int:
@@ -256,21 +336,21 @@ def _main(argv: list[str] | None = None) -> int:
         model, tok = load_base(args.base, args.quiet, args.gguf)
         if chat:
             samples = chat_prompts(samples, tok, args.prompt_tokens)
-        seqs, starts = build_sequences(args, samples, tok, model, chat)
+        seqs, starts, sources = build_sequences(args, samples, tok, model, chat)
         if args.corpus is not None:
             _write_corpus(args, seqs, starts)
         # Everything is written into a staging dir and moves into --out only once all of it is:
         # a failure or an interrupt leaves --out as it was.
-        with staged_files(args.out, supersedes=HEAD_FILES) as args.stage:
+        with staged_files(args.out, supersedes=DRAFTER_FILES) as args.stage:
             if args.arch == "amphista":
-                return _train_amphista(args, model, seqs, starts, t0)
-            return _train_medusa(args, model, seqs, starts, t0)
+                return _train_amphista(args, model, seqs, starts, sources, t0)
+            return _train_medusa(args, model, seqs, starts, sources, t0)
     except TrainError as e:
         print(f"{PROG}: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
 
 
-def _train_medusa(args, model, seqs: list[list[int]], starts: list[int], t0: float) -> int:
+def _train_medusa(args, model, seqs: list[list[int]], starts: list[int], sources: list[int], t0: float) -> int:
     """Medusa heads: trained on (hidden state, later token) pairs, held-out accuracy, the
     FasterDecoding files."""
     import torch
@@ -283,11 +363,7 @@ def _train_medusa(args, model, seqs: list[list[int]], starts: list[int], t0: flo
         train_heads,
     )
 
-    # Held-out sequences (a seeded choice) measure the heads; the rest train them.
-    order = list(range(len(seqs)))
-    random.Random(args.seed).shuffle(order)
-    n_held = int(len(seqs) * args.heldout) if len(seqs) >= 20 else 0
-    held, train = order[:n_held], order[n_held:]
+    held, train = split_heldout(args, sources)  # held-out samples measure the heads; the rest train them
     try:
         pairs = head_pairs(model, [seqs[i] for i in train], args.num_heads, [starts[i] for i in train])
     except ValueError as e:
@@ -306,7 +382,7 @@ def _train_medusa(args, model, seqs: list[list[int]], starts: list[int], t0: flo
                                      topk=5, lm_head=model.get_output_embeddings().weight.detach())
         except ValueError:
             accuracy = None  # held-out sequences too short to measure: say nothing rather than guess
-    tail = history[-min(50, len(history)):]
+    tail = _finite_tail(args, history)
     summary = {"out": str(args.out / path.name), "targets": "self-distillation" if args.self_distill else "data",
                "sequences": len(train), "positions": len(pairs[0]), "steps": args.steps,
                "final_loss": round(sum(tail) / len(tail), 4), "dtype": str(dtype).removeprefix("torch."),
@@ -329,7 +405,19 @@ def _summary(args, summary: dict, what: str) -> int:
     return 0
 
 
-def _train_amphista(args, model, seqs: list[list[int]], starts: list[int], t0: float) -> int:
+def _finite_tail(args, history: list[float]) -> list[float]:
+    """The last 50 losses, the summary's final loss; a run that diverged is an error, not a drafter
+    (its weights are NaN, and medusa-convert would refuse them)."""
+    import math
+
+    tail = history[-min(50, len(history)):]
+    if not all(math.isfinite(x) for x in tail):
+        raise TrainError(f"--lr {args.lr}: training diverged (final loss {tail[-1]}); expected a finite loss, "
+                         "lower --lr")
+    return tail
+
+
+def _train_amphista(args, model, seqs: list[list[int]], starts: list[int], sources: list[int], t0: float) -> int:
     """--arch amphista: hidden states of every sequence (kept in --cache chunks), training against the
     base's distributions, held-out accuracy, the drafter in this project's format."""
     import dataclasses
@@ -354,10 +442,7 @@ def _train_amphista(args, model, seqs: list[list[int]], starts: list[int], t0: f
     except ConvertError as e:
         raise TrainError(str(e)) from None
     samples = _cached_samples(args, model, seqs, starts)
-    order = list(range(len(samples)))
-    random.Random(args.seed).shuffle(order)
-    n_held = int(len(samples) * args.heldout) if len(samples) >= 20 else 0
-    held, train = [samples[i] for i in order[:n_held]], [samples[i] for i in order[n_held:]]
+    held, train = ([samples[i] for i in part] for part in split_heldout(args, sources))
     lm_head = model.get_output_embeddings().weight.detach().float()
     embed = model.get_input_embeddings()
     vocab, coverage = draft_vocabulary(train, args.draft_vocab, lm_head.shape[0])
@@ -373,7 +458,7 @@ def _train_amphista(args, model, seqs: list[list[int]], starts: list[int], t0: f
     dtype = getattr(torch, args.dtype) if args.dtype else (args.saved_dtype or torch.float32)
     path = save_amphista(drafter, args.stage, base=str(args.base), vocab=vocab, dtype=dtype)
     accuracy = evaluate(drafter, "amphista", held, lm_head, embed, vocab) if held else None
-    tail = history[-min(50, len(history)):]
+    tail = _finite_tail(args, history)
     summary = {"out": str(args.out / path.name), "arch": "amphista", "targets": "self-distillation" if args.self_distill else "data",
                "sequences": len(train), "rows": sum(len(s.hidden) for s in train), "steps": args.steps,
                "draft_vocab": len(vocab), "target_coverage": round(coverage, 4), "bf16": args.bf16,
@@ -418,7 +503,7 @@ def _cached_samples(args, model, seqs: list[list[int]], starts: list[int]) -> li
     from medusa_trt.tools.distill import Sample
     from medusa_trt.tools.train_heads import hidden_states
 
-    key = hashlib.sha256(json.dumps([str(args.base), seqs, starts]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(json.dumps([base_identity(args), seqs, starts]).encode()).hexdigest()[:16]
     out: list = []
     for c in tqdm(range(0, len(seqs), CHUNK), desc="hidden states", disable=args.quiet, unit="chunk"):
         path = args.cache / f"{key}_{c // CHUNK:05d}.pt" if args.cache else None

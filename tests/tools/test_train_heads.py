@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -153,7 +154,8 @@ def test_plain_targets_and_txt_data(tiny_base, tmp_path, capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("case", ["missing", "empty", "suffix", "bad_json", "no_text", "bad_base", "no_base",
-                                  "bad_gguf", "too_short", "bad_option"])
+                                  "bad_gguf", "too_short", "bad_option", "amphista_option", "cache_without_text",
+                                  "continuation_too_short", "diverged"])
 def test_bad_input_exits_2(case, tiny_base, tmp_path, capsys):
     base, data, out = tiny_base("llama"), tmp_path / "data.jsonl", tmp_path / "heads"
     write_data(data)
@@ -168,6 +170,10 @@ def test_bad_input_exits_2(case, tiny_base, tmp_path, capsys):
         "bad_gguf": "model.gguf: not a GGUF file (starts with b'PK\\x03\\x04', expected b'GGUF')",
         "too_short": "no sample is longer than 5 tokens",
         "bad_option": "--steps 0: expected a positive integer",
+        "amphista_option": "--draft-vocab: --arch amphista options",  # was ignored without a word
+        "cache_without_text": "Medusa heads keep only the self-distilled text there",
+        "continuation_too_short": "--max-new-tokens 4: expected more than --num-heads 4",  # before any decoding
+        "diverged": "training diverged (final loss nan)",  # NaN heads were written, with exit 0
     }[case]
     args = {"--base": str(base), "--data": str(data), "--out": str(out)}
     extra: list[str] = []
@@ -195,6 +201,14 @@ def test_bad_input_exits_2(case, tiny_base, tmp_path, capsys):
         data.write_text('{"text": "a"}\n')
     elif case == "bad_option":
         extra = ["--steps", "0"]
+    elif case == "amphista_option":
+        extra = ["--draft-vocab", "512"]
+    elif case == "cache_without_text":
+        extra = ["--cache", str(tmp_path / "cache")]
+    elif case == "continuation_too_short":
+        extra = ["--self-distill", "--max-new-tokens", "4"]
+    elif case == "diverged":
+        extra = ["--steps", "20", "--lr", "1e30"]
     try:
         rc = train_cli.main([x for kv in args.items() for x in kv] + extra + ["--quiet"])
     except SystemExit as e:  # a flag out of its range is refused while parsing
@@ -202,7 +216,7 @@ def test_bad_input_exits_2(case, tiny_base, tmp_path, capsys):
     assert rc == 2
     err = capsys.readouterr().err
     assert "medusa-train-heads: error:" in err and expected in err, err
-    assert not (out / "medusa_lm_head.pt").exists()
+    assert not out.exists()
 
 
 def test_batched_greedy_continuations_equal_one_at_a_time(tiny_base):
@@ -271,10 +285,11 @@ def test_amphista_from_sharegpt_self_distilled_and_resumed_from_its_cache(tiny_b
     summary = json.loads((tmp_path / "a" / "training_summary.json").read_text())
     assert summary["arch"] == "amphista" and len(summary["heldout_top1"]) == 4
     chunks = sorted((tmp_path / "cache").glob("*.pt"))
-    stamps = [c.stat().st_mtime_ns for c in chunks]
-    assert chunks
+    text = sorted((tmp_path / "cache").glob("text_*.json"))  # the continuations, kept before the hidden states
+    stamps = [c.stat().st_mtime_ns for c in [*chunks, *text]]
+    assert chunks and text
     assert train_cli.main([*args, "--out", str(tmp_path / "b")]) == 0  # resumes: the chunks are read, not redone
-    assert [c.stat().st_mtime_ns for c in chunks] == stamps
+    assert [c.stat().st_mtime_ns for c in [*chunks, *text]] == stamps
     assert "held-out top-1" in capsys.readouterr().out
     # A damaged chunk is computed again, with a warning, not a traceback (run c reads it back)
     chunks[0].write_bytes(b"not a chunk")
@@ -297,6 +312,8 @@ def test_amphista_from_sharegpt_self_distilled_and_resumed_from_its_cache(tiny_b
     ("empty", "no conversations"),
     ("shape", "record 1 (x1): conversations[0]: expected {\"from\": str, \"value\": str}"),
     ("id", "record 0: field 'id': expected a non-empty string"),
+    ("nested", "record 0: nested too deep to read"),  # a RecursionError traceback before
+    ("blank", "no conversations (expected ShareGPT records like {\"id\": ..., \"conversations\": [...]})"),
 ])
 def test_amphista_bad_input_exits_2_and_writes_nothing(case, expect, tiny_base, tmp_path, capsys):
     data = tmp_path / "data.json"
@@ -307,6 +324,10 @@ def test_amphista_bad_input_exits_2_and_writes_nothing(case, expect, tiny_base, 
         data.write_text(json.dumps([{"id": "x0", "conversations": []}, {"id": "x1", "conversations": [{"from": 1}]}]))
     elif case == "id":
         data.write_text(json.dumps([{"conversations": []}]))
+    elif case == "nested":
+        data.write_text("[" + "[" * 100000)
+    elif case == "blank":
+        data.write_text("  \n")
     else:
         _sharegpt(data)
     extra = ["--corpus", str(tmp_path / "corpus")] if case == "corpus" else []
@@ -378,3 +399,56 @@ def test_evaluate_groups_scores_each_group_and_all_in_one_pass():
         assert got[kind] == evaluate(heads, "medusa", [s for s in samples if s.kind == kind], lm_head, embed, None, 3)
     assert got[None] == evaluate(heads, "medusa", samples, lm_head, embed, None, 3)
     assert got["chat"] != got["code"]
+
+
+def test_held_out_sequences_are_whole_samples_never_trained_on(tiny_base, monkeypatch):
+    """Prompts were drawn with replacement and the split made over sequences, so a chat prompt drawn
+    twice was trained on and held out at once (greedy continues it the same way): 10 of 10 held-out
+    sequences were training ones in an audit. Now no snippet is drawn twice, and whole samples are
+    held out."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_base("llama"))
+    samples = [f"sample {i} " + "word " * (i % 7) for i in range(30)]
+    calls = []
+
+    def decode(args, model, prompts):
+        calls.append(prompts)
+        return [p + [5, 6, 7, 8, 9, 10] for p in prompts]
+
+    args = SimpleNamespace(seed=0, self_distill=True, num_prompts=200, prompt_tokens=4, max_new_tokens=6,
+                           num_heads=2, seq_len=8, heldout=0.2, data="d", quiet=True)
+    monkeypatch.setattr(train_cli, "continuations", decode)
+    for chat in (True, False):
+        seqs, starts, sources = train_cli.build_sequences(args, samples, tok, None, chat)
+        prompts = [tuple(s[: st + 1]) for s, st in zip(seqs, starts, strict=True)]
+        assert len(set(prompts)) == len(prompts), chat  # no snippet twice
+        held, train = train_cli.split_heldout(args, sources)
+        assert held and train and sorted(held + train) == list(range(len(seqs)))
+        assert not {sources[i] for i in held} & {sources[i] for i in train}, chat
+        assert not {prompts[i] for i in held} & {prompts[i] for i in train}, chat
+    assert len(calls[0]) == 30  # chat: each prompt once, all 30 (fewer than --num-prompts)
+
+
+def test_the_cache_is_keyed_by_the_base_weights_and_force_replaces_the_drafter(tiny_base, tmp_path):
+    """A rerun on the same --base path after its weights changed reused the old hidden states (the key
+    was the path); and --force from Amphista to Medusa heads left amphista.safetensors beside them."""
+    base = tmp_path / "base"
+    shutil.copytree(tiny_base("llama"), base)
+    data = _sharegpt(tmp_path / "sharegpt.json")
+    args = ["--base", str(base), "--data", str(data), "--arch", "amphista", "--self-distill", "--num-prompts", "24",
+            "--max-new-tokens", "12", "--steps", "4", "--cache", str(tmp_path / "cache"), "--quiet"]
+    assert train_cli.main([*args, "--out", str(tmp_path / "a")]) == 0
+    first = {p.name for p in (tmp_path / "cache").iterdir()}
+    other = tiny_base("llama", seed=7)  # other weights, the same config and tokenizer
+    shutil.copy(other / "model.safetensors", base / "model.safetensors")
+    assert train_cli.main([*args, "--out", str(tmp_path / "b")]) == 0
+    second = {p.name for p in (tmp_path / "cache").iterdir()} - first
+    assert any(n.startswith("text_") for n in second) and any(n.endswith(".pt") for n in second)
+    # The same --out, now Medusa heads with --force: the drafter before them goes.
+    out = tmp_path / "a"
+    assert train_cli.main(["--base", str(base), "--data", str(data), "--out", str(out), "--force", "--steps", "2",
+                           "--quiet"]) == 0
+    assert not (out / "amphista.safetensors").exists() and (out / "medusa_lm_head.pt").exists()
