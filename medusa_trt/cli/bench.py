@@ -101,7 +101,7 @@ def _main(argv: list[str] | None = None) -> int:
         backend = load_backend(args.engine, ort_options=ort_session_options(args))
         tree, described = resolve_tree(backend.info, args.medusa_choices)
         tok = load_tokenizer(args.engine)
-        _, prompts = load_prompts(args.prompts, tok, args.limit)
+        _, prompts = load_prompts(args.prompts, tok, args.limit, (args.max_new_tokens, backend.info.max_seq_len))
         stops = stop_tokens(args.engine, tok)
         sampling = sampling_options(args)
         GenerationConfig(**sampling)  # bad values: one line, exit 2, before any work

@@ -51,7 +51,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--reps", type=positive_int, default=5,
                    help=f"step-time repetitions per tree size, blocks of {BLOCK} steps (default 5)")
     add_prompts_arg(p, name="--eval-prompts", old=["--eval-data"],
-                    help="prompts for the measured comparison (default: --prompts)")
+                    help="prompts for the measured comparison, which also chooses between the static tree and "
+                         "per-step trees (default: --prompts); tuning data, so never held-out text")
     p.add_argument("--eval-limit", type=positive_int, default=8, help="prompts for the measured comparison (default 8)")
     p.add_argument("--no-measure", action="store_true", help="predict only; skip the measured comparison (and so "
                    "the choice between the static tree and per-step trees)")
@@ -78,7 +79,9 @@ def _main(argv: list[str] | None = None) -> int:
             raise BenchError(f"{args.engine}: --engine directory not found")
         backend = load_backend(args.engine, device=args.device, ort_options=ort_session_options(args))
         tok = load_tokenizer(args.engine)
-        _, calib = load_prompts(args.prompts, tok, args.limit)
+        room = (args.max_new_tokens, backend.info.max_seq_len)
+        tc.check_budgets(args.budgets, backend.info)  # before the minutes of tuning
+        _, calib = load_prompts(args.prompts, tok, args.limit, room)
         stops = stop_tokens(args.engine, tok)
         result = tt.tune(backend, calib, max_nodes=args.max_nodes, max_new_tokens=args.max_new_tokens,
                          stop_token_ids=stops, topk=args.topk, reps=args.reps, progress=not args.quiet)
@@ -86,7 +89,7 @@ def _main(argv: list[str] | None = None) -> int:
                       threads=args.threads or len(os.sched_getaffinity(0)))
         if not args.no_measure:
             data = args.eval_prompts or args.prompts
-            _, prompts = load_prompts(data, tok, args.eval_limit)
+            _, prompts = load_prompts(data, tok, args.eval_limit, room)
             ref_tree = DEFAULT_TREE
             extra = {ref_tree: ref_tree} if ref_tree in result["predicted"] else {}
             budgets = tc.budgets_for(len(result["medusa_choices"]), backend.info, args.budgets)

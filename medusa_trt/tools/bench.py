@@ -355,7 +355,11 @@ def hf_generate(model_dir: Path, prompts: list[list[int]], max_new_tokens: int, 
 # -- prompts and the report -------------------------------------------------------------------
 
 
-def load_prompts(path: Path, tokenizer, limit: int | None = None) -> tuple[list[str], list[list[int]]]:
+def load_prompts(path: Path, tokenizer, limit: int | None = None,
+                 room: tuple[int, int] | None = None) -> tuple[list[str], list[list[int]]]:
+    """The prompts of a --prompts file, encoded. `room`: (max_new_tokens, the engine's max_seq_len);
+    a prompt with no room for its tokens is refused here, by its place in the file, rather than as
+    an anonymous prompt mid-run."""
     from medusa_trt.data import DataError, read_prompts
 
     try:
@@ -366,6 +370,12 @@ def load_prompts(path: Path, tokenizer, limit: int | None = None) -> tuple[list[
     ids = [tokenizer.encode(t) for t in texts]
     if any(not p for p in ids):
         raise BenchError(f"{path}: a prompt encodes to no tokens")
+    if room is not None:
+        new, most = room
+        for i, p in enumerate(ids):
+            if len(p) + new + 1 > most:  # + 1: at least the root of a tree
+                raise BenchError(f"{path}: prompt {i + 1} has {len(p)} tokens; with --max-new-tokens {new} it needs "
+                                 f"more than the engine's max_seq_len {most} (shorter prompts, or fewer new tokens)")
     return texts, ids
 
 

@@ -236,6 +236,10 @@ def run_check(engine_dir: str | Path, checkpoint: str | Path | None = None, prom
     if (mine.vocab_size, mine.num_medusa_heads) != (theirs.vocab_size, theirs.num_medusa_heads):
         raise CheckInputError(f"checkpoint {checkpoint} does not match the engine: vocab/heads "
                               f"{theirs.vocab_size}/{theirs.num_medusa_heads} vs {mine.vocab_size}/{mine.num_medusa_heads}")
+    if mine.drafter_cache != theirs.drafter_cache:  # another kind of drafter: a wrong pairing, not a wrong engine
+        kinds = {True: "a drafter with a cache of its own (Amphista)", False: "Medusa heads"}
+        raise CheckInputError(f"checkpoint {checkpoint} does not match the engine: it holds {kinds[theirs.drafter_cache]}, "
+                              f"the engine {kinds[mine.drafter_cache]}")
 
     bar.update()
     ids = _prompt_ids(engine_dir, prompts, mine.vocab_size, report)

@@ -7,12 +7,25 @@ from medusa_trt.tools.tree_measure import fit_line
 from medusa_trt.tree import candidate_topk, dynamic_spec
 
 
+def budget_limit(info) -> int:
+    """The largest per-step budget the engine (max_draft_len) and its drafter (heads x top-k) allow."""
+    return min(info.max_draft_len, info.num_medusa_heads * candidate_topk(info.vocab_size))
+
+
+def check_budgets(asked: list[int] | None, info) -> None:
+    """--budgets the engine cannot run are refused (ValueError), not dropped without a word."""
+    limit = budget_limit(info)
+    if asked and (beyond := [n for n in asked if n > limit]):
+        raise ValueError(f"--budgets {','.join(map(str, asked))}: {beyond[0]} is beyond what this engine and drafter "
+                         f"verify; expected budgets in 1..{limit} (max_draft_len {info.max_draft_len}, "
+                         f"{info.num_medusa_heads} heads x top-{candidate_topk(info.vocab_size)})")
+
+
 def budgets_for(nodes: int, info, asked: list[int] | None = None) -> list[int]:
     """The per-step budgets medusa-tune-tree measures beside a tuned tree of `nodes` nodes: `asked`, or
-    half, once and twice its size; within what the engine and drafter allow (runtime/dynamic.py)."""
-    limit = min(info.max_draft_len, info.num_medusa_heads * candidate_topk(info.vocab_size))
+    half, once and twice its size; the defaults within what the engine and drafter allow."""
     wanted = asked if asked is not None else [max(nodes // 2, 1), nodes, 2 * nodes]
-    return sorted({n for n in wanted if 1 <= n <= limit})
+    return sorted({n for n in wanted if 1 <= n <= budget_limit(info)})
 
 
 def slot_cost(result: dict, max_slots: int) -> float:

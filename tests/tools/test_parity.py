@@ -101,6 +101,15 @@ def test_a_wrong_fused_step_drafter_fails(ort_engine, tmp_path, capsys):
     assert all(r["passed"] for r in rows if r["output"] == "tokens")  # decodes cannot show it
 
 
+def test_a_checkpoint_with_another_kind_of_drafter_is_bad_input(ort_engine, tiny_merged, capsys):
+    """Medusa heads' engine against an Amphista checkpoint (same head count): a wrong pairing, exit 2,
+    not a parity failure (exit 1) of a right engine."""
+    capsys.readouterr()
+    assert main(["--engine", str(ort_engine("llama")), "--checkpoint", str(tiny_merged(fmt="amphista")), *FAST]) == 2
+    err = capsys.readouterr().err
+    assert "holds a drafter with a cache of its own (Amphista), the engine Medusa heads" in err, err
+
+
 def test_bad_inputs_exit_2(ort_engine, tmp_path, capsys):
     engine = ort_engine("llama")
     assert main(["--engine", str(tmp_path / "missing")]) == 2
