@@ -390,6 +390,11 @@ def write_trtllm_triton_repo(
             "batch_scheduler_policy": "guaranteed_no_evict",
             "kv_cache_free_gpu_mem_fraction": repr(float(kv_cache_free_gpu_mem_fraction)),
             "exclude_input_in_output": "true",  # postprocessing detokenizes the new tokens only
+            # The backend reads these three without a default while it loads (model_instance_state.cc,
+            # getGuidedDecodingConfigFromParams): absent, the model fails to load. Empty: no guided decoding.
+            "tokenizer_dir": str(tokenizer),
+            "guided_decoding_backend": "",
+            "xgrammar_tokenizer_info_path": "",
         }),
     ]) + "\n"
     ensemble = "\n".join([

@@ -124,6 +124,10 @@ def test_trtllm_repo_configs_follow_triton_schema_and_wire_up(tiny_merged, tmp_p
     assert Path(p["gpt_model_path"]) == engine.resolve()
     assert p["medusa_choices"] == "{0}, {1}, {0, 0}, {0, 0, 0}"
     assert parse_medusa_choices(p["medusa_choices"]) == validate_and_expand(parse_medusa_choices(tree), HEADS)
+    # Read without a default while the tensorrtllm backend loads (model_instance_state.cc,
+    # getGuidedDecodingConfigFromParams): absent, the model fails to load. Empty turns guided decoding off.
+    assert Path(p["tokenizer_dir"]) == tiny_merged().resolve()
+    assert p["guided_decoding_backend"] == "" and p["xgrammar_tokenizer_info_path"] == ""
 
     # The ensemble: every step names a model of the repository and real tensors of it; every tensor
     # a step reads is an ensemble input or an earlier step's output, with the same data type.
