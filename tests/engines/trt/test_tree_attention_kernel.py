@@ -373,6 +373,14 @@ def test_plugin_kernel_compiles_to_ptx():
             assert f".target sm_{sm}" in kernel.ptx, dtype
             assert kernel.num_warps == config.num_warps
             print(dtype, kernel.name, params, kernel.shared_mem)
+        # A launch takes at most the portable 48 KB of dynamic shared memory (PORTABLE_SHARED_MEM):
+        # float16 with D=128 and 32 x 64 tiles stages 52 KB, so the fallback tiles run instead.
+        wide = plugin.compile_kernel("float16", 128, None, TUNING_CONFIGS[1], 90, 0)
+        assert wide.shared_mem > plugin.PORTABLE_SHARED_MEM, wide.shared_mem
+        config, kernel = plugin.launch_kernel("float16", 128, None, TUNING_CONFIGS[1], 90, 0)
+        assert config == plugin.FALLBACK_CONFIG and kernel.shared_mem <= plugin.PORTABLE_SHARED_MEM
+        assert plugin.launch_kernel("float16", 64, None, TUNING_CONFIGS[1], 90, 0)[0] == TUNING_CONFIGS[1]
+        assert plugin.launch_kernel("float16", 64, None, TUNING_CONFIGS[1], 90, 0, 16384)[0] == plugin.FALLBACK_CONFIG
         """
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

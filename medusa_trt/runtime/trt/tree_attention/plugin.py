@@ -37,9 +37,15 @@ WINDOW_ATTR = "window"
 # Tactic t (1-based: TensorRT reserves 0 for "no custom tactic") runs TUNING_CONFIGS[t - 1].
 TACTICS = tuple(range(1, len(TUNING_CONFIGS) + 1))
 DEFAULT_TACTIC = 2  # 32 x 64 tiles: a fair choice for T <= 64 when TensorRT does not time tactics
-# Used instead of a tactic whose kernel needs more shared memory than the GPU has (Triton stages K/V
-# tiles there: float32 with D=128 and 64 x 128 tiles wants ~229 KB).
+# Used instead of a tactic whose kernel needs more shared memory than a launch may take (Triton
+# stages K/V tiles there: float32 with D=128 and 64 x 128 tiles wants ~229 KB). At most 41 KB.
 FALLBACK_CONFIG = TileConfig(16, 32, 4, 1)
+# CUDA launches a kernel with at most 48 KB of dynamic shared memory unless the kernel was opted in
+# to more (cudaFuncAttributeMaxDynamicSharedMemorySize). TensorRT's AOT launcher takes the bytes as
+# a launch parameter and does not document whether it opts in, and no GPU run here has shown it; so
+# a kernel stays within the portable 48 KB (float16 with D=128: tactic 1 only; D=64: tactics 1, 2
+# and 4) until one does.
+PORTABLE_SHARED_MEM = 48 * 1024
 
 # Kernel parameters after the six input pointers and before the output pointer, in order (the
 # AOT launch passes them as int32 expressions of the input shapes). sm_scale and WINDOW are compiled in.
@@ -161,6 +167,18 @@ def compile_kernel(
     )
 
 
+def launch_kernel(dtype: str, head_dim: int, sm_scale: float | None, config: TileConfig, sm: int, window: int,
+                  device_limit: int | None = None) -> tuple[TileConfig, CompiledKernel]:
+    """The tactic's kernel, or FALLBACK_CONFIG's when it needs more dynamic shared memory than a launch
+    may take: PORTABLE_SHARED_MEM, or the device's opt-in limit where that is lower (e.g. float16
+    with D=128 and 32 x 64 tiles, 52 KB)."""
+    kernel = compile_kernel(dtype, head_dim, sm_scale, config, sm, window)
+    if kernel.shared_mem > min(PORTABLE_SHARED_MEM, device_limit or PORTABLE_SHARED_MEM):
+        config = FALLBACK_CONFIG
+        kernel = compile_kernel(dtype, head_dim, sm_scale, config, sm, window)
+    return config, kernel
+
+
 def _drop_unused_trailing_params(ptx: str, entry: str, n_args: int) -> str:
     """Removes parameters triton appends after the kernel's own (scratch-buffer pointers, Triton >=
     3.3) when the body never reads them.
@@ -253,11 +271,8 @@ def register_plugin(target_sm: int | None = None) -> str:
         head_dim = head_dim_expr.constant_value()
         config = TUNING_CONFIGS[(tactic if tactic in TACTICS else DEFAULT_TACTIC) - 1]
         sm = target_sm if target_sm is not None else _current_sm()
-        kernel = compile_kernel(trt_dtypes[q.dtype], head_dim, scale, config, sm, window)
-        limit = _shared_mem_limit() if target_sm is None else None
-        if limit is not None and kernel.shared_mem > limit:  # e.g. float32, D=128, wide tiles
-            config = FALLBACK_CONFIG
-            kernel = compile_kernel(trt_dtypes[q.dtype], head_dim, scale, config, sm, window)
+        config, kernel = launch_kernel(trt_dtypes[q.dtype], head_dim, scale, config, sm, window,
+                                       _shared_mem_limit() if target_sm is None else None)
 
         q_dims, k_dims, mask_dims = q.shape_expr, k.shape_expr, packed_mask.shape_expr
         params = trtp.KernelLaunchParams()
