@@ -290,7 +290,7 @@ def verify(backend: Backend, tree: StepTree | BatchTree, tokens: torch.Tensor, c
         else:
             best, accepted = typical_accept(tree.retrieve, tokens, logits, cfg.temperature,
                                             cfg.posterior_threshold, cfg.posterior_alpha)
-    emitted, rows, last = _commit_path(backend, tree, tokens, best, accepted)
+    emitted, rows, last = commit_path(backend, tree, tokens, best, accepted)
     root = picks[torch.arange(b), last]
     # The drafter reads the committed rows and the token chosen after each: the next accepted one,
     # then the new root (lists: right after an engine step each torch call costs more than a list op).
@@ -313,7 +313,7 @@ def _fused_tree_step(backend: Backend, tree: StepTree, carry: Carry, sampler: No
     tokens = carry.tokens[:, : tree.num_slots]
     best, accepted, next_tokens = _fused_compute(backend, tokens, backend.lengths[:, None] + tree.position_offsets[None],
                                                  tree)[:3]
-    emitted, _, _ = _commit_path(backend, tree, tokens, best, accepted)
+    emitted, _, _ = commit_path(backend, tree, tokens, best, accepted)
     return emitted, accepted, Carry(tokens=next_tokens)
 
 
@@ -330,7 +330,7 @@ def _emitted(tree: StepTree | BatchTree, tokens, best, accepted) -> tuple[list[l
     return [[toks[i][s] for s in row[: a + 1]] for i, (row, a) in enumerate(zip(rows, kept, strict=True))], rows, kept
 
 
-def _commit_path(backend, tree: StepTree | BatchTree, tokens, best, accepted):
+def commit_path(backend, tree: StepTree | BatchTree, tokens, best, accepted):
     """Commits each sequence's accepted path; returns the emitted tokens, the path's slots [B, D+1]
     (the rows committed, the first accepted + 1 of each) and the slot whose logits continue [B]."""
     emitted, rows, kept = _emitted(tree, tokens, best, accepted)
@@ -382,7 +382,7 @@ def _dynamic_fused_step(backend: Backend, tree: DynamicTree, carry: Carry, sampl
     bt = step_trees(tree, carry.root, *carry.top, carry.context, min_depth=tree.heads)
     best, accepted, next_tokens, top_ids, top_logp = _fused_compute(
         backend, bt.tokens, backend.lengths[:, None] + bt.position_offsets, bt, _filler(bt.num_slots))[:5]
-    emitted, _, _ = _commit_path(backend, bt, bt.tokens, best, accepted)
+    emitted, _, _ = commit_path(backend, bt, bt.tokens, best, accepted)
     root = next_tokens[:, 0]
     if carry.context is not None:
         carry.context.advance(emitted, root.tolist())

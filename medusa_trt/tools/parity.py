@@ -446,7 +446,7 @@ def _compare_fused_steps(report: CheckReport, subject, reference, prompts: list[
     wrong token ranked in is off by its gap; a near-tie may swap two tokens, within the bound)."""
     from medusa_trt.acceptance import tree_candidates
     from medusa_trt.runtime.decoding import GenerationConfig
-    from medusa_trt.runtime.steps import _commit_path, _emitted, prefill, verify
+    from medusa_trt.runtime.steps import commit_path, prefill, verify
     from medusa_trt.tree import StepTree, tree_for_engine
 
     tol, max_bound = bounds
@@ -474,7 +474,7 @@ def _compare_fused_steps(report: CheckReport, subject, reference, prompts: list[
         tokens = tree_candidates(root, medusa, tree.candidate_index, tree.topk)[:, : tree.num_slots]
         positions = reference.lengths[:, None] + tree.position_offsets[None]
         best, accepted, _, ids, logp = subject.fused_step(tokens, positions, mask, tree.retrieve, tree.candidate_index)[:5]
-        ours = _emitted(tree, tokens, best, accepted)[0]
+        ours = commit_path(subject, tree, tokens, best, accepted)[0]
         theirs, _, root, medusa = verify(reference, tree, tokens, GenerationConfig())
         if ours != theirs:  # quantized: a near-tie at a verified slot may go either way; then stop here
             report.rows.append(CheckRow(stage, "accepted path", False, rule="equal path", detail=f"engine accepted {ours}, "
@@ -482,7 +482,6 @@ def _compare_fused_steps(report: CheckReport, subject, reference, prompts: list[
             report.rows[-1].passed = max_bound is not None
             return
         report.rows.append(CheckRow(stage, "accepted path", True, rule="equal path"))
-        _commit_path(subject, tree, tokens, best, accepted)
         heads = ids.shape[1]
         ref = medusa.float()[:heads]
         ref = (ref - ref.logsumexp(-1, keepdim=True)).permute(1, 0, 2)  # [B, H, V] log-probabilities
