@@ -54,6 +54,7 @@ class TensorSpec:
     dims: tuple[int, ...]  # without the batch dimension (every model here has max_batch_size > 0)
     optional: bool = False
     scalar: bool = False  # `reshape: { shape: [ ] }`: the backend gets [B], not [B, 1] (tensorrtllm_backend)
+    ragged: bool = False  # `allow_ragged_batch`: requests of other lengths batch together (tensorrtllm_backend)
 
 
 # The Python-backend model's interface: tensorrtllm_backend's ensemble names where one exists (its
@@ -280,15 +281,15 @@ PRE_OUTPUTS = (
     TensorSpec("RETURN_PERF_METRICS", "TYPE_BOOL", (1,)),  # always true: the acceptance outputs need it
 )
 TRTLLM_INPUTS = (
-    TensorSpec("input_ids", "TYPE_INT32", (-1,)),
+    TensorSpec("input_ids", "TYPE_INT32", (-1,), ragged=True),  # ragged as in tensorrtllm_backend's template
     # Scalars reshaped as tensorrtllm_backend's tensorrt_llm/config.pbtxt template does; without it the
     # backend sees [B, 1] input_lengths and its batch split rejects requests of more than one row.
     TensorSpec("input_lengths", "TYPE_INT32", (1,), scalar=True),
     TensorSpec("request_output_len", "TYPE_INT32", (1,)),
     TensorSpec("end_id", "TYPE_INT32", (1,), optional=True, scalar=True),
     TensorSpec("pad_id", "TYPE_INT32", (1,), optional=True, scalar=True),
-    TensorSpec("stop_words_list", "TYPE_INT32", (2, -1), optional=True),
-    TensorSpec("bad_words_list", "TYPE_INT32", (2, -1), optional=True),
+    TensorSpec("stop_words_list", "TYPE_INT32", (2, -1), optional=True, ragged=True),
+    TensorSpec("bad_words_list", "TYPE_INT32", (2, -1), optional=True, ragged=True),
     TensorSpec("streaming", "TYPE_BOOL", (1,), optional=True),
     TensorSpec("temperature", "TYPE_FP32", (1,), optional=True, scalar=True),
     TensorSpec("runtime_top_k", "TYPE_INT32", (1,), optional=True, scalar=True),
@@ -506,7 +507,7 @@ def _tensors(key: str, specs: Sequence[TensorSpec], ragged: bool = False) -> str
             lines.append("    reshape: { shape: [ ] }")
         if s.optional:
             lines.append("    optional: true")
-        if ragged:
+        if ragged or s.ragged:
             lines.append("    allow_ragged_batch: true")
         items.append("  {\n" + "\n".join(lines) + "\n  }")
     return f"{key} [\n" + ",\n".join(items) + "\n]"

@@ -128,6 +128,8 @@ def test_trtllm_repo_configs_follow_triton_schema_and_wire_up(tiny_merged, tmp_p
     # getGuidedDecodingConfigFromParams): absent, the model fails to load. Empty turns guided decoding off.
     assert Path(p["tokenizer_dir"]) == tiny_merged().resolve()
     assert p["guided_decoding_backend"] == "" and p["xgrammar_tokenizer_info_path"] == ""
+    # As tensorrtllm_backend's template: variable-length inputs batch across requests of other lengths.
+    assert {t.name for t in trt.input if t.allow_ragged_batch} == {"input_ids", "stop_words_list", "bad_words_list"}
 
     # The ensemble: every step names a model of the repository and real tensors of it; every tensor
     # a step reads is an ensemble input or an earlier step's output, with the same data type.
