@@ -266,6 +266,18 @@ def split_heldout(args, sources: list[int]) -> tuple[list[int], list[int]]:
     return ([i for i, n in enumerate(sources) if n in held], [i for i, n in enumerate(sources) if n not in held])
 
 
+def cache_key(args, *inputs) -> str | None:
+    """The --cache key of a computation from the base and `inputs` (None without --cache): a digest
+    of them and of base_identity, read once per run."""
+    import hashlib
+
+    if args.cache is None:
+        return None
+    if getattr(args, "base_id", None) is None:
+        args.base_id = base_identity(args)
+    return hashlib.sha256(json.dumps([args.base_id, *inputs]).encode()).hexdigest()[:16]
+
+
 def base_identity(args) -> str:
     """What the base's weights are, cheaply, for --cache keys: a rerun on the same path after the
     weights changed must not reuse hidden states or continuations of the old ones. Each file's name,
@@ -288,13 +300,12 @@ def continuations(args, model, prompts: list[list[int]]) -> list[list[int]]:
     """The base's greedy continuations of `prompts` (--max-new-tokens each), decoded in chunks; with
     --cache each chunk is saved as it completes and read back by a rerun with the same base, prompts
     and length, so an interrupted self-distillation resumes where it stopped."""
-    import hashlib
 
     from tqdm import tqdm
 
     from medusa_trt.tools.train_heads import greedy_continuations
 
-    key = hashlib.sha256(json.dumps([base_identity(args), prompts, args.max_new_tokens]).encode()).hexdigest()[:16]
+    key = cache_key(args, prompts, args.max_new_tokens)
     out: list[list[int]] = []
     chunks = range(0, len(prompts), CHUNK)
     for c in tqdm(chunks, desc="greedy continuations", unit="chunk", disable=args.quiet or len(chunks) < 2):
@@ -495,7 +506,6 @@ def _write_corpus(args, seqs: list[list[int]], starts: list[int]) -> None:
 def _cached_samples(args, model, seqs: list[list[int]], starts: list[int]) -> list:
     """Every sequence with its hidden states (tools/distill.Sample), computed in chunks; with --cache
     each chunk is saved as it completes and read back on a rerun with the same inputs."""
-    import hashlib
 
     import torch
     from tqdm import tqdm
@@ -503,7 +513,7 @@ def _cached_samples(args, model, seqs: list[list[int]], starts: list[int]) -> li
     from medusa_trt.tools.distill import Sample
     from medusa_trt.tools.train_heads import hidden_states
 
-    key = hashlib.sha256(json.dumps([base_identity(args), seqs, starts]).encode()).hexdigest()[:16]
+    key = cache_key(args, seqs, starts)
     out: list = []
     for c in tqdm(range(0, len(seqs), CHUNK), desc="hidden states", disable=args.quiet, unit="chunk"):
         path = args.cache / f"{key}_{c // CHUNK:05d}.pt" if args.cache else None

@@ -350,7 +350,8 @@ def build_batch(trees: list[list[tuple[int, ...]]], roots: list[int], min_depth:
     """The BatchTree of each sequence's nodes (choose_nodes) under its root. retrieve is at least
     `min_depth` + 1 wide: the fused step drafts with as many heads as retrieve is deep. Trees of
     fewer nodes than the widest are padded with inert slots (_inert_pad)."""
-    t = 1 + max(len(nodes) for nodes in trees)
+    own = [1 + len(nodes) for nodes in trees]  # each tree's slots, root included
+    t = max(own)
     b = len(trees)
     tokens = np.zeros((b, t), dtype=np.int64)
     depth = np.zeros((b, t), dtype=np.int64)
@@ -368,12 +369,11 @@ def build_batch(trees: list[list[tuple[int, ...]]], roots: list[int], min_depth:
             depth[i, s] = len(path)
             mask[i, s] = mask[i, parent[s]]
             mask[i, s, s] = True
-        own = 1 + len(nodes)
-        for s in range(own, t):
+        for s in range(own[i], t):
             _inert_pad(tokens, depth, mask, i, s)
-        inner = set(parent[1:own])
+        inner = set(parent[1 : own[i]])
         seq = []
-        for leaf in (s for s in range(own) if s not in inner):  # slot 0 alone is a leaf of a root-only tree
+        for leaf in (s for s in range(own[i]) if s not in inner):  # slot 0 alone is a leaf of a root-only tree
             chain = [leaf]
             while chain[-1]:
                 chain.append(parent[chain[-1]])
@@ -386,7 +386,6 @@ def build_batch(trees: list[list[tuple[int, ...]]], roots: list[int], min_depth:
         for j, chain in enumerate(seq):
             retrieve[i, j, : len(chain)] = chain
     paths = [[[max(x, 0) for x in row] for row in rows] for rows in retrieve.tolist()]
-    own = [1 + len(nodes) for nodes in trees]
     return BatchTree(torch.from_numpy(tokens), torch.from_numpy(depth), torch.from_numpy(mask),
                      torch.from_numpy(retrieve), paths, t, own if min(own) < t else None)
 

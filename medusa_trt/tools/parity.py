@@ -412,7 +412,7 @@ def _compare_steps(report: CheckReport, subject, reference, prompts: list[list[i
         tol, max_bound = int4_bounds(int4_layers, scale, floor=tol)
     quantized = fp8 or int4_layers > 0
     q = round(FP8_QUANTILE * 100)
-    rule = f"p{q} <= {tol:.3g} and max <= {max_bound:.3g}" if quantized else f"max <= {tol:.3g}"
+    rule = _rule(tol, max_bound if quantized else None)
     report.tolerance = tol if report.rule == "" else max(report.tolerance, tol)
     report.rule = _rule_in_words(rule, fp8, int4_layers, scale)
     results = RunResults([("engine", ours), ("reference", refs)])
@@ -458,7 +458,7 @@ def _compare_fused_steps(report: CheckReport, subject, reference, prompts: list[
     prefill(subject, prompts)
     _, root, medusa = prefill(reference, prompts)
     mask = tree.mask.expand(b, -1, -1)
-    rule = f"max <= {tol:.3g}" if max_bound is None else f"p{round(FP8_QUANTILE * 100)} <= {tol:.3g} and max <= {max_bound:.3g}"
+    rule = _rule(tol, max_bound)
 
     def row(stage: str, output: str, diff: torch.Tensor) -> None:
         peak = float(diff.max())
@@ -488,6 +488,14 @@ def _compare_fused_steps(report: CheckReport, subject, reference, prompts: list[
         at = ref.gather(-1, ids)
         row(stage, "draft log-probs", (logp.float() - at).abs())
         row(stage, "draft ranks", (at - ref.topk(k, dim=-1).values).abs())
+
+
+def _rule(tol: float, max_bound: float | None) -> str:
+    """A row's rule as printed: the max within tol, or (quantized) the p90 within tol and the max
+    within max_bound."""
+    if max_bound is None:
+        return f"max <= {tol:.3g}"
+    return f"p{round(FP8_QUANTILE * 100)} <= {tol:.3g} and max <= {max_bound:.3g}"
 
 
 def _sig3(x: float) -> float:
