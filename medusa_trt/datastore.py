@@ -212,7 +212,7 @@ def _index(sequences: list[list[int]]) -> Datastore:
     k = 1
     while k < WINDOW:
         after = np.zeros(n, dtype=np.int64)
-        after[: n - k] = rank[k:]
+        after[: max(n - k, 0)] = rank[k:]  # a stream shorter than k has nothing after any token
         _, rank = np.unique(rank * (n + 2) + after, return_inverse=True)
         rank = rank.astype(np.int64) + 1
         k *= 2
@@ -264,6 +264,8 @@ def load(path: Path) -> Datastore:
         z = _mapped(Path(path))
         tokens, order, meta = z["tokens"], z["order"], json.loads(str(z["meta"]))
         calibration, starts = z.get("calibration"), z.get("starts")
+        if not isinstance(meta, dict):
+            raise ValueError(f"meta is a {type(meta).__name__}, not an object")
     except (OSError, KeyError, ValueError, zipfile.BadZipFile) as e:
         raise DatastoreError(f"{path}: not a datastore ({e}); expected {FILE} as medusa-build --datastore writes it") from None
     if meta.get("window") != WINDOW or len(order) != len(tokens) or tokens.ndim != 1:
@@ -282,12 +284,13 @@ SOURCE_EXPECTED = ("expected a directory of drafter corpus parts (*.npz.xz, medu
                    "text file (.jsonl objects with a 'text' field, or .txt lines): the base model's own outputs")
 
 
-def read_source(path: Path, tokenizer_dir: Path) -> list[list[int]]:
+def read_source(path: Path, tokenizer_dir: Path, vocab_size: int) -> list[list[int]]:
     """The token sequences of a datastore source: a drafter corpus directory (its training-side
     continuations; held-out ones are never read) or a text file (data.read_samples), tokenized with
-    `tokenizer_dir`'s tokenizer.json. Anything else, or no text, is one MedusaTrtError line."""
+    `tokenizer_dir`'s tokenizer.json. Anything else, no text, or a token id outside the model's
+    `vocab_size` (another model's corpus) is one MedusaTrtError line."""
     from medusa_trt import drafter_corpus
-    from medusa_trt.data import DATA_SUFFIXES, read_samples
+    from medusa_trt.data import DATA_SUFFIXES, DataError, read_samples
 
     path = Path(path)
     if path.is_dir():
@@ -295,20 +298,35 @@ def read_source(path: Path, tokenizer_dir: Path) -> list[list[int]]:
             conts, parts = drafter_corpus.read([path], splits=("first", "later"))
         except drafter_corpus.CorpusError as e:
             raise DatastoreError(f"--datastore {e}") from None
-        sequences = [c for c in conts.values() if c]
-        if sum(len(s) for s in sequences) < MIN_MATCH + 1:
-            raise DatastoreError(f"--datastore {path}: no text in its {len(parts)} parts; {SOURCE_EXPECTED}")
-        return sequences
-    if not path.exists() or path.suffix not in DATA_SUFFIXES:
-        why = "no such file or directory" if not path.exists() else f"suffix {path.suffix!r}"
-        raise DatastoreError(f"--datastore {path}: {why}; {SOURCE_EXPECTED}")
-    texts = read_samples(path, what="texts")
-    vocab = Path(tokenizer_dir) / "tokenizer.json"
-    try:
-        from tokenizers import Tokenizer
+        sequences, what = [c for c in conts.values() if c], f"its {len(parts)} parts"
+    else:
+        if not path.exists() or path.suffix not in DATA_SUFFIXES:
+            why = "no such file or directory" if not path.exists() else f"suffix {path.suffix!r}"
+            raise DatastoreError(f"--datastore {path}: {why}; {SOURCE_EXPECTED}")
+        try:
+            texts = read_samples(path, what="texts")
+        except DataError as e:
+            raise DatastoreError(f"--datastore {e}") from None
+        vocab = Path(tokenizer_dir) / "tokenizer.json"
+        try:
+            from tokenizers import Tokenizer
 
-        tokenizer = Tokenizer.from_file(str(vocab))
-    except Exception as e:  # tokenizers raises its own exception type for a missing or bad file
-        raise DatastoreError(f"--datastore {path}: cannot read the tokenizer {vocab} ({e}); expected the "
-                             "checkpoint's tokenizer.json") from None
-    return [enc.ids for enc in tokenizer.encode_batch(texts, add_special_tokens=False)]
+            tokenizer = Tokenizer.from_file(str(vocab))
+        except Exception as e:  # tokenizers raises its own exception type for a missing or bad file
+            raise DatastoreError(f"--datastore {path}: cannot read the tokenizer {vocab} ({e}); expected the "
+                                 "checkpoint's tokenizer.json") from None
+        sequences, what = [enc.ids for enc in tokenizer.encode_batch(texts, add_special_tokens=False)], "its texts"
+    tokens = sum(len(s) for s in sequences)
+    if tokens < MIN_MATCH + 1:
+        raise DatastoreError(f"--datastore {path}: {tokens} tokens in {what}; expected at least {MIN_MATCH + 1} "
+                             f"(a match of {MIN_MATCH} and a token after it); {SOURCE_EXPECTED}")
+    check_vocab(max(max(s) for s in sequences if s), vocab_size, f"--datastore {path}")
+    return sequences
+
+
+def check_vocab(largest: int, vocab_size: int, where: str) -> None:
+    """Token ids a datastore holds must be the model's: another model's corpus would draft ids the
+    engine's embedding cannot look up."""
+    if largest >= vocab_size:
+        raise DatastoreError(f"{where}: token id {largest}; expected ids below the model's vocab_size {vocab_size} "
+                             "(text of another model?)")

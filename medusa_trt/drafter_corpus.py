@@ -66,6 +66,8 @@ def read(directories: list[Path], splits: tuple[str, ...] = SPLITS) -> tuple[dic
             z = np.load(io.BytesIO(lzma.decompress(path.read_bytes())))
             keys, split, tokens, offsets = z["keys"], z["split"], z["tokens"], z["offsets"]
             meta = json.loads(str(z["meta"]))
+            if not isinstance(meta, dict):
+                raise ValueError(f"meta is a {type(meta).__name__}, not an object")
         except (lzma.LZMAError, OSError, KeyError, ValueError) as e:
             raise CorpusError(f"{path}: not a drafter corpus part ({e}); expected {SUFFIX} as medusa_trt/drafter_corpus.py "
                              "writes it") from None

@@ -21,7 +21,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from medusa_trt.errors import MedusaTrtError, read_json_object, require, require_section
-from medusa_trt.tree import MAX_DRAFT_LEN, TreeError, dynamic_from_text
+from medusa_trt.tree import MAX_DRAFT_LEN, TreeError, candidate_topk, dynamic_from_text, validate_and_expand
 
 # The format's history, and what each optional feature means: docs/formats.md, section 3.
 ENGINE_FORMAT_VERSION = 8
@@ -153,7 +153,7 @@ def validate_engine(engine: Any, path: Path, backend: str | None = None) -> dict
     req(medusa, "num_layers", int, "medusa.", nonnegative=True)
     # medusa-build --tree: the default tree, or "dynamic:N[,cost=C]" (trees chosen per step, with the slot
     # cost medusa-tune-tree measured on the engine), read by the runtime's own grammar (tree.py)
-    tree = medusa.get("tree")
+    tree, spec = medusa.get("tree"), None
     if isinstance(tree, str):
         try:
             spec = dynamic_from_text(tree)
@@ -170,10 +170,20 @@ def validate_engine(engine: Any, path: Path, backend: str | None = None) -> dict
     limits = require_section(engine, "limits", file=path, error=EngineError)
     for key, most in (("max_batch_size", MAX_BATCH_SIZE), ("max_seq_len", None), ("max_draft_len", MAX_DRAFT_LEN)):
         req(limits, key, int, "limits.", positive=True, maximum=most)
+    try:  # the recorded tree runs on this engine and drafter, for every reader (medusa-check too)
+        heads, vocab = medusa["num_heads"], model["vocab_size"]
+        if spec is not None:
+            spec.check_fits(heads, candidate_topk(vocab), limits["max_draft_len"])
+        elif tree is not None:
+            validate_and_expand(tree, heads, limits["max_draft_len"], vocab)
+    except TreeError as e:
+        raise EngineError(f"{path}: medusa.tree: {e}; rebuild the engine with a --tree that fits it") from None
     eos = engine.get("eos_token_id")
     if eos is not None and not (isinstance(eos, int) and not isinstance(eos, bool) and eos >= 0) and not (
             isinstance(eos, list) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in eos)):
         raise EngineError(f"{path}: eos_token_id {eos!r}; expected a token id, a list of token ids or null")
+    tokenizer = require_section(engine, "tokenizer", file=path, optional=True, error=EngineError)
+    req(tokenizer, "model_type", str, "tokenizer.", default=None)  # the HF config class it tokenizes with
     checkpoint = require_section(engine, "checkpoint", file=path, optional=True, error=EngineError)
     req(checkpoint, "path", str, "checkpoint.", default=None)
     req(checkpoint, "config_sha256", str, "checkpoint.", default=None)
@@ -186,12 +196,21 @@ def validate_engine(engine: Any, path: Path, backend: str | None = None) -> dict
         req(info, "bytes", int, f"artifacts.{name}.", nonnegative=True)
     section = require_section(engine, SECTIONS[kind], file=path, error=EngineError)
     p = SECTIONS[kind] + "."
+
+    def read_file_key(section: dict, key: str, prefix: str, optional: bool = False) -> None:
+        """A file the backend reads: a name inside the directory, and listed in artifacts (so its size
+        and digest are checked at load; an unlisted one would load unchecked)."""
+        name = _relative_file(section, key, path, prefix, optional)
+        if name is not None and name not in artifacts:
+            raise EngineError(f"{path}: {prefix}{key} {name!r} is not in artifacts; expected every file the engine "
+                              "reads listed with its sha256 (engine.json was edited: rebuild the engine)")
+
     if kind == "onnxruntime":
-        _relative_file(section, "file", path, p)
-        _relative_file(section, "heads_file", path, p, optional=True)
-        _relative_file(section, "step_file", path, p, optional=True)
-        _relative_file(section, "drafter_file", path, p, optional=True)  # a drafter with its own cache
-        _relative_file(section, "weights_file", path, p, optional=True)  # shared by the graphs (absent: inline)
+        read_file_key(section, "file", p)
+        read_file_key(section, "heads_file", p, optional=True)
+        read_file_key(section, "step_file", p, optional=True)
+        read_file_key(section, "drafter_file", p, optional=True)  # a drafter with its own cache
+        read_file_key(section, "weights_file", p, optional=True)  # shared by the graphs (absent: inline)
         req(section, "prepack_weights", bool, p, default=True)
         req(section, "key_block", int, p, positive=True, default=None)
         req(section, "cache_in_place", bool, p, default=False)
@@ -208,15 +227,15 @@ def validate_engine(engine: Any, path: Path, backend: str | None = None) -> dict
             req(weights, "offsets", bool, "weights.", default=False)
             req(weights, "lm_head_bits", int, "weights.", choices=(4, 8), default=4)
     elif kind == "tensorrt":
-        _relative_file(section, "engine", path, p)
-        _relative_file(section, "heads_engine", path, p, optional=True)
-        _relative_file(section, "drafter_engine", path, p, optional=True)  # a drafter with its own cache
+        read_file_key(section, "engine", p)
+        read_file_key(section, "heads_engine", p, optional=True)
+        read_file_key(section, "drafter_engine", p, optional=True)  # a drafter with its own cache
         req(section, "hidden_all_rows", bool, p, default=False)
         req(section, "attention", str, p, choices=("plugin", "native"))
     else:
         engines = req(section, "engines", list, p)
         for i, _ in enumerate(engines):
-            _relative_file({str(i): engines[i]}, str(i), path, f"{p}engines.")
+            read_file_key({str(i): engines[i]}, str(i), f"{p}engines.")
     return engine
 
 

@@ -34,17 +34,18 @@ def replaced_input(out: Path, inputs: Iterable[Path | str | None], *, directory:
 
 
 def check_output_dir(out: Path, force: bool, error: type[MedusaTrtError] = MedusaTrtError,
-                     inputs: Iterable[Path | str | None] = ()) -> None:
+                     inputs: Iterable[Path | str | None] = (), flag: str = "--out") -> None:
     """Refuses what atomic_output_dir would refuse, before any work is done; `inputs`: what the
-    command reads, which --out must not be or hold (replaced_input)."""
+    command reads, which --out must not be or hold (replaced_input); `flag`: the option that named
+    `out`, for the messages."""
     if (src := replaced_input(out, inputs, directory=True)) is not None:
-        raise error(f"{out}: --out must not be or contain the input {src}")
+        raise error(f"{out}: {flag} must not be or contain the input {src}")
     if out.is_symlink():  # the atomic rename would replace the link, not write where it points
-        raise error(f"{out}: --out is a symbolic link; expected a directory path (give the link's target)")
+        raise error(f"{out}: {flag} is a symbolic link; expected a directory path (give the link's target)")
     if out.exists() and not out.is_dir():
-        raise error(f"{out}: --out exists and is not a directory (a file is never replaced, even with --force)")
+        raise error(f"{out}: {flag} exists and is not a directory (a file is never replaced, even with --force)")
     if out.is_dir() and any(out.iterdir()) and not force:
-        raise error(f"{out}: --out exists and is not empty; pass --force to replace it")
+        raise error(f"{out}: {flag} exists and is not empty; pass --force to replace it")
     ancestor = out.parent
     while not ancestor.exists() and ancestor != ancestor.parent:
         ancestor = ancestor.parent

@@ -437,6 +437,16 @@ class DynamicSpec:
     def __str__(self) -> str:
         return dynamic_spec(self.budget, self.cost)
 
+    def check_fits(self, heads: int, topk: int, max_draft_len: int) -> None:
+        """TreeError unless an engine of `max_draft_len` and a drafter of `heads` x top-`topk`
+        candidates can fill the budget."""
+        if self.budget > max_draft_len:
+            raise TreeError(f"medusa_choices {self.text!r}: budget {self.budget} exceeds the engine's max_draft_len "
+                            f"{max_draft_len}; expected dynamic:N with N <= {max_draft_len}")
+        if self.budget > heads * topk:
+            raise TreeError(f"medusa_choices {self.text!r}: budget {self.budget} exceeds the drafter's {heads} heads x "
+                            f"top-{topk} = {heads * topk} candidates; expected dynamic:N with N <= {heads * topk}")
+
 
 def dynamic_spec(budget: int, cost: float | None = None) -> str:
     """The text of a per-step tree spec: "dynamic:N", or "dynamic:N,cost=C" when it records a cost."""

@@ -10,6 +10,7 @@ large a datastore must be to pay (docs/benchmarks/issue-35-amphista.md, t).
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import sys
 from pathlib import Path
@@ -27,7 +28,8 @@ def main() -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
-    sequences = datastore.read_source(args.corpus, args.engine)
+    vocab_size = json.loads((args.engine / "engine.json").read_text())["model"]["vocab_size"]
+    sequences = datastore.read_source(args.corpus, args.engine, vocab_size)
     random.Random(args.seed).shuffle(sequences)
     for share in (float(x) for x in args.shares.split(",")):
         part = sequences[: max(1, int(len(sequences) * share))]

@@ -139,7 +139,11 @@ def _main(argv: Sequence[str] | None = None) -> int:
     if args.triton_repo:
         from medusa_trt.serving.triton_repo import RepoError, write_triton_repo
 
-        check_output_dir(args.triton_repo, args.force, RepoError, (args.checkpoint, args.out))  # before the build
+        # before the build; a repository inside --out would go with the directory the engine's rename replaces
+        check_output_dir(args.triton_repo, args.force, RepoError, (args.checkpoint, args.out), flag="--triton-repo")
+        if Path(args.triton_repo).resolve().is_relative_to(Path(args.out).resolve()):
+            raise RepoError(f"{args.triton_repo}: --triton-repo inside --out {args.out}, which the engine replaces; "
+                            "expected a directory outside the engine's")
 
         def also(engine_tmp: Path) -> None:  # the repository, from the engine still in its temp dir
             try:

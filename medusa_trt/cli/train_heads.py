@@ -296,37 +296,50 @@ def base_identity(args) -> str:
     return h.hexdigest()
 
 
-def continuations(args, model, prompts: list[list[int]]) -> list[list[int]]:
-    """The base's greedy continuations of `prompts` (--max-new-tokens each), decoded in chunks; with
-    --cache each chunk is saved as it completes and read back by a rerun with the same base, prompts
-    and length, so an interrupted self-distillation resumes where it stopped."""
-
+def _chunked(args, items: list, name: str | None, desc: str, compute, save, load) -> list:
+    """compute(start, part) over `items` in chunks of CHUNK. With --cache (`name` the chunk files'
+    name, "{}" where the chunk's number goes) each chunk is written as it completes (via .tmp, then renamed: never a half chunk) and read
+    back by a rerun, so an interrupted run resumes where it stopped. `load(path, part)` returns the
+    kept chunk or raises (ValueError for one that does not fit `part`); such a chunk is computed again."""
     from tqdm import tqdm
 
-    from medusa_trt.tools.train_heads import greedy_continuations
-
-    key = cache_key(args, prompts, args.max_new_tokens)
-    out: list[list[int]] = []
-    chunks = range(0, len(prompts), CHUNK)
-    for c in tqdm(chunks, desc="greedy continuations", unit="chunk", disable=args.quiet or len(chunks) < 2):
-        part = prompts[c : c + CHUNK]
-        path = args.cache / f"text_{key}_{c // CHUNK:05d}.json" if args.cache else None
+    out: list = []
+    chunks = range(0, len(items), CHUNK)
+    for c in tqdm(chunks, desc=desc, unit="chunk", disable=args.quiet or len(chunks) < 2):
+        part = items[c : c + CHUNK]
+        path = args.cache / name.format(f"{c // CHUNK:05d}") if args.cache and name else None
         if path is not None and path.is_file():
             try:
-                kept = json.loads(path.read_text())
-                if len(kept) == len(part) and all(k[: len(p)] == p for k, p in zip(kept, part, strict=True)):
-                    out += kept
-                    continue
-            except (OSError, ValueError):
-                pass
-            print(f"{PROG}: warning: {path}: not a readable cache chunk; decoding it again", file=sys.stderr)
-        chunk = greedy_continuations(model, part, args.max_new_tokens, progress=not args.quiet)
+                out += load(path, part)
+                continue
+            except Exception as e:  # noqa: BLE001 - a truncated or foreign file: computed again below
+                print(f"{PROG}: warning: {path}: not a readable cache chunk ({type(e).__name__}); computing it again",
+                      file=sys.stderr)
+        chunk = compute(c, part)
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.with_suffix(".tmp").write_text(json.dumps(chunk))
-            path.with_suffix(".tmp").replace(path)
+            tmp = path.with_name(path.name + ".tmp")
+            save(chunk, tmp)
+            tmp.replace(path)
         out += chunk
     return out
+
+
+def continuations(args, model, prompts: list[list[int]]) -> list[list[int]]:
+    """The base's greedy continuations of `prompts` (--max-new-tokens each), decoded in chunks, cached
+    with --cache (_chunked), so an interrupted self-distillation resumes where it stopped."""
+    from medusa_trt.tools.train_heads import greedy_continuations
+
+    def load(path: Path, part: list[list[int]]) -> list[list[int]]:
+        kept = json.loads(path.read_text())
+        if len(kept) != len(part) or any(k[: len(p)] != p for k, p in zip(kept, part, strict=True)):
+            raise ValueError("the chunk continues other prompts")
+        return kept
+
+    key = cache_key(args, prompts, args.max_new_tokens)
+    return _chunked(args, prompts, key and f"text_{key}_{{}}.json", "greedy continuations",
+                    lambda c, part: greedy_continuations(model, part, args.max_new_tokens, progress=not args.quiet),
+                    lambda chunk, path: path.write_text(json.dumps(chunk)), load)
 
 
 def _main(argv: list[str] | None = None) -> int:
@@ -504,35 +517,24 @@ def _write_corpus(args, seqs: list[list[int]], starts: list[int]) -> None:
 
 
 def _cached_samples(args, model, seqs: list[list[int]], starts: list[int]) -> list:
-    """Every sequence with its hidden states (tools/distill.Sample), computed in chunks; with --cache
-    each chunk is saved as it completes and read back on a rerun with the same inputs."""
+    """Every sequence with its hidden states (tools/distill.Sample), computed in chunks and cached with
+    --cache (_chunked)."""
 
     import torch
-    from tqdm import tqdm
 
     from medusa_trt.tools.distill import Sample
     from medusa_trt.tools.train_heads import hidden_states
 
-    key = cache_key(args, seqs, starts)
-    out: list = []
-    for c in tqdm(range(0, len(seqs), CHUNK), desc="hidden states", disable=args.quiet, unit="chunk"):
-        path = args.cache / f"{key}_{c // CHUNK:05d}.pt" if args.cache else None
-        if path is not None and path.is_file():
-            try:  # tensors, ints and lists only (weights_only): a chunk is data, never code
-                out += [Sample(**d) for d in torch.load(path, weights_only=True)]
-                continue
-            except Exception as e:  # noqa: BLE001 - a truncated or foreign file: computed again below
-                print(f"{PROG}: warning: {path}: not a readable cache chunk ({type(e).__name__}); computing it again",
-                      file=sys.stderr)
-        part = seqs[c : c + CHUNK]
+    def compute(c: int, part: list[list[int]]) -> list:
         hs = hidden_states(model, part)
-        chunk = [Sample(s, st + 1, h[: len(s) - 1].half()) for s, st, h in zip(part, starts[c : c + CHUNK], hs, strict=True)]
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            torch.save([vars(s) for s in chunk], path.with_suffix(".tmp"))
-            path.with_suffix(".tmp").replace(path)
-        out += chunk
-    return out
+        return [Sample(s, st + 1, h[: len(s) - 1].half()) for s, st, h in zip(part, starts[c : c + CHUNK], hs, strict=True)]
+
+    def load(path: Path, part: list[list[int]]) -> list:  # weights_only: a chunk is data, never code
+        return [Sample(**d) for d in torch.load(path, weights_only=True)]
+
+    key = cache_key(args, seqs, starts)
+    return _chunked(args, seqs, key and f"{key}_{{}}.pt", "hidden states", compute,
+                    lambda chunk, path: torch.save([vars(s) for s in chunk], path), load)
 
 
 def _saved_dtype(args):

@@ -119,7 +119,8 @@ def build_engine(opts: BuildOptions, also: Callable[[Path], None] | None = None)
     tree = recorded_tree(opts, config)
     check_output_dir(opts.out, opts.force, BuildError, (opts.checkpoint, opts.datastore))
     # The datastore's text is read (and refused) before any engine work; indexed into the temp dir.
-    sequences = datastore.read_source(opts.datastore, opts.checkpoint) if opts.datastore is not None else None
+    sequences = (datastore.read_source(opts.datastore, opts.checkpoint, config["vocab_size"])
+                 if opts.datastore is not None else None)
     if sequences is not None:
         _datastore_advice(opts, sum(len(s) for s in sequences))
 

@@ -34,7 +34,7 @@ import torch
 
 from medusa_trt.datastore import Chain, Datastore
 from medusa_trt.drafters.base import topk_logp
-from medusa_trt.tree import TreeError, read_dynamic
+from medusa_trt.tree import read_dynamic
 
 MAX_NGRAM = 4  # longest n-gram looked up
 MAX_CONTEXT_DEPTH = 16  # deepest context chain offered (a loop continues periodically up to it)
@@ -95,17 +95,11 @@ def dynamic_tree(spec: object, heads: int, topk: int, max_draft_len: int, chains
     parsed = read_dynamic(spec)
     if parsed is None:
         return None
-    budget, spec = parsed.budget, parsed.text
+    parsed.check_fits(heads, topk, max_draft_len)
     if slot_cost is None:
         slot_cost = parsed.cost
     slot_cost = SLOT_COST if slot_cost is None else slot_cost
-    if budget > max_draft_len:
-        raise TreeError(f"medusa_choices {spec!r}: budget {budget} exceeds the engine's max_draft_len "
-                        f"{max_draft_len}; expected dynamic:N with N <= {max_draft_len}")
-    if budget > heads * topk:
-        raise TreeError(f"medusa_choices {spec!r}: budget {budget} exceeds the drafter's {heads} heads x top-{topk} "
-                        f"= {heads * topk} candidates; expected dynamic:N with N <= {heads * topk}")
-    return DynamicTree(budget, heads, topk, context, chains_only, slot_cost)
+    return DynamicTree(parsed.budget, heads, topk, context, chains_only, slot_cost)
 
 
 # -- context candidates -------------------------------------------------------------------------

@@ -29,16 +29,23 @@ def load_backend(directory: str | Path, dtype: str | None = None, device: str | 
     backend = _open_backend(Path(directory), dtype, device, ort_options)
     # What a decode defaults to (decoding.GenerationConfig): the engine's tree and stop tokens.
     directory = Path(directory)
-    tree, source = None, None
+    tree, source, listed = None, None, True
     if (directory / ENGINE_JSON).exists():
-        medusa = read_engine(directory)["medusa"]
-        tree = medusa.get("tree") or None
+        engine = read_engine(directory)
+        tree = engine["medusa"].get("tree") or None
         if isinstance(tree, list):
             tree = tuple(tuple(p) for p in tree)
-        source = medusa.get("tree_source")
+        source = engine["medusa"].get("tree_source")
+        listed = datastore.FILE in engine["artifacts"]  # and so size-checked with the engine's other files
     backend.info = replace(backend.info, tree=tree, tree_source=source, stop_token_ids=stop_tokens(directory))
-    if (directory / datastore.FILE).is_file():
-        backend.datastore = datastore.load(directory / datastore.FILE)
+    path = directory / datastore.FILE
+    if path.is_file():
+        if not listed:
+            raise EngineError(f"{path}: not in engine.json's artifacts (this engine was built without it); expected "
+                              "a datastore of the engine's own build: rebuild with medusa-build --datastore, or remove it")
+        store = datastore.load(path)
+        datastore.check_vocab(int(store.tokens.max(initial=0)), backend.info.vocab_size, str(path))
+        backend.datastore = store
     return backend
 
 

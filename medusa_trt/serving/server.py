@@ -184,7 +184,7 @@ def start_server(repos: Path | Sequence[Path], workdir: Path, *, http_port: int 
                  timeout: float = 180.0) -> RunningServer:
     """Starts tritonserver and waits until it is ready; workdir holds the backend copy and the log.
     Ports 0 pick free ones. `models` loads only those (explicit model control) instead of all."""
-    repos = [Path(repos)] if isinstance(repos, (str, Path)) else [Path(r) for r in repos]
+    repos = _repo_list(repos)
     for name, port in (("--http-port", http_port), ("--grpc-port", grpc_port), ("--metrics-port", metrics_port)):
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
             raise ServerError(f"{name} {port!r}: expected a TCP port 1..65535 (0: pick a free one)")
@@ -267,13 +267,13 @@ def running_server(repos: Path | Sequence[Path], *, http_port: int = 0, grpc_por
     """A ready server for the `with` block, stopped afterwards. The log and backend copy live in
     `workdir` (default: a temp dir removed afterwards)."""
     own = workdir is None
-    repo_list = [Path(repos)] if isinstance(repos, (str, Path)) else [Path(r) for r in repos]
+    repo_list = _repo_list(repos)
     bytecode_before = set(_bytecode_dirs(repo_list))
     work = Path(tempfile.mkdtemp(prefix="medusa-triton-")) if own else Path(workdir)
     work.mkdir(parents=True, exist_ok=True)
     failed = True  # until the server stopped as asked: a failure keeps the log its error message cites
     try:
-        server = start_server(repos, work, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
+        server = start_server(repo_list, work, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
                               models=models, log_verbose=log_verbose, timeout=timeout)
         try:
             yield server
@@ -290,6 +290,11 @@ def running_server(repos: Path | Sequence[Path], *, http_port: int = 0, grpc_por
             shutil.rmtree(work, ignore_errors=True)
         elif own:
             shutil.rmtree(work / "backends", ignore_errors=True)  # a copy of the wheel's; the log is what matters
+
+
+def _repo_list(repos: Path | Sequence[Path]) -> list[Path]:
+    """One repository or several, as the list tritonserver's --model-repository flags take."""
+    return [Path(repos)] if isinstance(repos, (str, Path)) else [Path(r) for r in repos]
 
 
 def _bytecode_dirs(repos: Sequence[Path]) -> list[Path]:

@@ -448,7 +448,16 @@ CASES = [
                                                     "--force"], ["--out must not be or contain the input"]),
     ("build-triton-repo-is-the-checkpoint", BUILD,
      lambda c: build_args(c, None, None, "--triton-repo", str(c.ckpt), "--force"),
-     ["--out must not be or contain the input"]),
+     ["--triton-repo must not be or contain the input"]),
+    ("build-int4-block-fits-no-linear", BUILD,  # was exit 0: a float graph recorded as int4, loaded by nothing
+     lambda c: build_args(c, None, None, "--weights", "int4", "--int4-block-size", "256"),
+     ["--int4-block-size 256", "no base Linear's input size (64, 128)", "expected one of [16, 32, 64, 128]"]),
+    ("build-int8-float-channels-every-input", BUILD,  # was cut to the width without a word: no int8 left
+     lambda c: build_args(c, None, None, "--weights", "int8", "--int8-float-channels", "100000"),
+     ["--int8-float-channels 100000", "narrowest int8 Linear has 64 input channels", "expected fewer"]),
+    ("build-triton-repo-inside-the-out", BUILD,  # was exit 0, the repository gone with the replaced --out
+     lambda c: build_args(c, None, None, "--triton-repo", str(c.out / "repo")),
+     ["repo: --triton-repo inside --out", "expected a directory outside the engine's"]),
     ("check-json-in-the-engine", CHECK,
      lambda c: ["--engine", str(c.copy(c.engine, "e")), "--json", str(c.tmp / "e" / "engine.json"), "--force"],
      ["engine.json", "--json is in the input directory"]),

@@ -18,6 +18,8 @@ from medusa_trt.runtime.decoding import GenerationConfig, decode
 from medusa_trt.runtime.loading import load_backend, load_tokenizer
 from tests.runtime.test_decoding import EOS, oracle, prompts
 
+VOCAB = 256  # tests/synthetic.py: make_base's vocabulary
+
 
 def _brute(sequences: list[list[int]], history: list[int], depth: int) -> tuple[int, list[int]]:
     """The longest suffix match (<= WINDOW) and, for at most MAX_OCCURRENCES occurrences, the chain
@@ -106,6 +108,19 @@ def test_a_file_that_is_not_a_datastore_is_one_line(tmp_path):
     np.savez(bad, tokens=np.zeros(3, np.int32), order=np.zeros(2, np.int32), meta=np.array(json.dumps({"window": 16, "sequences": 1})))
     with pytest.raises(datastore.DatastoreError, match="3 tokens and 2 order entries"):
         datastore.load(bad)
+    np.savez(bad, tokens=np.zeros(3, np.int32), order=np.zeros(3, np.int32), meta=np.array(json.dumps([16])))
+    with pytest.raises(datastore.DatastoreError, match=r"not a datastore \(meta is a list, not an object\)"):
+        datastore.load(bad)
+
+
+@pytest.mark.parametrize("length", range(1, 10))
+def test_a_stream_shorter_than_the_window_is_indexed(length):
+    # The prefix doubling once failed on streams of 3, 5, 6 or 7 tokens (a separator included).
+    sequences = [list(range(1, length))]  # and its separator: `length` tokens in the stream
+    store = datastore.build(sequences)
+    assert len(store) == length - 1
+    for n in range(1, length):
+        assert store.chain(sequences[0][:n], 4).match == min(n, datastore.WINDOW)
 
 
 def test_sources_leave_held_out_text_out_and_refuse_bad_input(tmp_path, tiny_base):
@@ -115,33 +130,45 @@ def test_sources_leave_held_out_text_out_and_refuse_bad_input(tmp_path, tiny_bas
     writer.add([3, 4], "first", [60, 61, 62])
     writer.add([5, 6], "later", [70, 71])
     writer.close()
-    assert sorted(datastore.read_source(corpus, tiny_base("llama"))) == [[60, 61, 62], [70, 71]]
+    assert sorted(datastore.read_source(corpus, tiny_base("llama"), VOCAB)) == [[60, 61, 62], [70, 71]]
 
     lines = tmp_path / "text.jsonl"
     lines.write_text(json.dumps({"text": "hello world"}) + "\n\n" + json.dumps({"text": "again"}) + "\n")
     tok = load_tokenizer(tiny_base("llama"))  # tokenizer.json alone tokenizes as the runtime's tokenizer does
-    assert datastore.read_source(lines, tiny_base("llama")) == [tok.encode(t, add_special_tokens=False)
+    assert datastore.read_source(lines, tiny_base("llama"), VOCAB) == [tok.encode(t, add_special_tokens=False)
                                                                 for t in ("hello world", "again")]
     for body, message in [('{"text": "ok"}\n[1, 2]\n', "text.jsonl:2: expected an object with a string 'text' field"),
                           ('{"text": 7}\n', "text.jsonl:1: expected an object with a string 'text' field"),
                           ("\n", r"text.jsonl: no texts \(expected at least one non-empty line\)")]:
         lines.write_text(body)
         with pytest.raises(MedusaTrtError, match=message):
-            datastore.read_source(lines, tiny_base("llama"))
+            datastore.read_source(lines, tiny_base("llama"), VOCAB)
     lines.write_text('{"text": "ok"}\n')
     with pytest.raises(datastore.DatastoreError, match="cannot read the tokenizer .*expected the checkpoint's tokenizer.json"):
-        datastore.read_source(lines, tmp_path)
+        datastore.read_source(lines, tmp_path, VOCAB)
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(datastore.DatastoreError, match="empty: no text in its 0 parts"):
-        datastore.read_source(empty, tiny_base("llama"))
+    with pytest.raises(datastore.DatastoreError, match="empty: 0 tokens in its 0 parts; expected at least 3"):
+        datastore.read_source(empty, tiny_base("llama"), VOCAB)
     with pytest.raises(datastore.DatastoreError, match="nothing: no such file or directory; expected a directory"):
-        datastore.read_source(tmp_path / "nothing", tiny_base("llama"))
+        datastore.read_source(tmp_path / "nothing", tiny_base("llama"), VOCAB)
     (tmp_path / "text.txt").write_text("one text\nanother\n")
-    assert len(datastore.read_source(tmp_path / "text.txt", tiny_base("llama"))) == 2
+    assert len(datastore.read_source(tmp_path / "text.txt", tiny_base("llama"), VOCAB)) == 2
     (tmp_path / "text.csv").write_text("x")
     with pytest.raises(datastore.DatastoreError, match="text.csv: suffix '.csv'; expected a directory"):
-        datastore.read_source(tmp_path / "text.csv", tiny_base("llama"))
+        datastore.read_source(tmp_path / "text.csv", tiny_base("llama"), VOCAB)
+    # Text too short to match, and another model's corpus (ids past this model's vocabulary: each
+    # would be drafted into an embedding lookup the engine cannot do).
+    (tmp_path / "short.txt").write_text("a\n")
+    with pytest.raises(datastore.DatastoreError, match=r"short.txt: 1 tokens in its texts; expected at least 3"):
+        datastore.read_source(tmp_path / "short.txt", tiny_base("llama"), VOCAB)
+    foreign = tmp_path / "foreign"
+    writer = drafter_corpus.Writer(foreign, {"decoder": "test"})
+    writer.add([3, 4], "first", [60, 61, VOCAB + 44])
+    writer.close()
+    with pytest.raises(datastore.DatastoreError, match=f"foreign: token id {VOCAB + 44}; expected ids below the "
+                                                       f"model's vocab_size {VOCAB}"):
+        datastore.read_source(foreign, tiny_base("llama"), VOCAB)
 
 
 def test_decoding_with_a_datastore_keeps_greedy_and_accepts_more(distilled):

@@ -120,8 +120,10 @@ def test_bad_directories(tmp_path, tiny_base, ort_engine):
     engine = json.loads((ort_engine("llama") / ENGINE_JSON).read_text())
     trtllm = tmp_path / "trtllm"
     trtllm.mkdir()
+    rank0 = {"sha256": "0" * 64, "bytes": 0}
     (trtllm / ENGINE_JSON).write_text(json.dumps(engine | {"backend": "tensorrt-llm",
-                                                           "tensorrt_llm": {"engines": ["rank0.engine"]}}))
+                                                           "tensorrt_llm": {"engines": ["rank0.engine"]},
+                                                           "artifacts": engine["artifacts"] | {"rank0.engine": rank0}}))
     with pytest.raises(EngineError, match=r"engine.json: backend 'tensorrt-llm' has no Python runtime here .*tritonserver"):
         load_backend(trtllm)
     # engine.json is validated before anything opens.
@@ -199,3 +201,57 @@ def test_stop_tokens(tmp_path, tiny_base, tiny_merged, ort_engine):
     # A config whose eos is invalid is refused, not guessed around.
     with pytest.raises(CheckpointError, match=r"eos_token_id"):
         stop_tokens(config_only(tmp_path / "bad", ckpt, eos_token_id="two"), tok)
+
+
+def _edit_engine(engine, out, change):
+    """A copy of `engine` whose engine.json `change(meta, dir)` edits (the digests are not re-recorded:
+    the edits are to engine.json itself, or name what they add)."""
+    shutil.copytree(engine, out)
+    meta = json.loads((out / ENGINE_JSON).read_text())
+    change(meta, out)
+    (out / ENGINE_JSON).write_text(json.dumps(meta))
+    return out
+
+
+def _foreign_datastore(meta, d, ids=(60, 61, 62, 63)):
+    from medusa_trt import datastore
+
+    datastore.save(datastore.build([list(ids)]), d / datastore.FILE, source="elsewhere")
+
+
+def _listed_datastore(ids):
+    def change(meta, d):
+        from medusa_trt.engine_dir import artifact_checksums
+
+        _foreign_datastore(meta, d, ids)
+        meta["artifacts"] = artifact_checksums(d)
+    return change
+
+
+# Hand edits of engine.json (or files dropped beside it) that once crashed every command later, or
+# loaded unchecked: each is one EngineError line at load, for every reader.
+ENGINE_EDITS = {
+    "dtype-of-other-graphs": (lambda m, d: m.update(dtype="float16"),
+                              r"model.onnx: input 'past_key_0' is FLOAT, engine.json records dtype 'float16'"),
+    "tokenizer-not-an-object": (lambda m, d: m.update(tokenizer="llama"), r"engine.json: tokenizer: .*expected a JSON object"),
+    "graph-not-in-artifacts": (lambda m, d: m["artifacts"].pop(m["onnx"]["file"]),
+                               r"onnx.file 'model.onnx' is not in artifacts; expected every file the engine reads listed"),
+    "tree-deeper-than-the-heads": (lambda m, d: m["medusa"].update(tree=[[0] * (m["medusa"]["num_heads"] + 1)]),
+                                   r"medusa.tree: .*depth 5 exceeds num_heads=4.*rebuild the engine with a --tree"),
+    "tree-over-max-draft-len": (lambda m, d: m["medusa"].update(tree=[[r] for r in range(m["limits"]["max_draft_len"] + 1)]),
+                                r"medusa.tree: medusa_choices: tree has \d+ nodes after adding prefixes; expected at most"),
+    "dynamic-over-the-candidates": (lambda m, d: m.update(limits=m["limits"] | {"max_draft_len": 64}) or
+                                    m["medusa"].update(tree="dynamic:63"),
+                                    r"medusa.tree: .*budget 63 exceeds the drafter's 4 heads x top-10 = 40"),
+    "datastore-of-no-build": (_foreign_datastore, r"datastore.npz: not in engine.json's artifacts"),
+    "datastore-of-another-vocab": (_listed_datastore((300, 301, 302, 303)),
+                                   r"datastore.npz: token id 303; expected ids below the model's vocab_size 256"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ENGINE_EDITS))
+def test_engine_json_edits_are_one_line_at_load(name, ort_engine, tmp_path):
+    change, message = ENGINE_EDITS[name]
+    engine = _edit_engine(ort_engine("llama"), tmp_path / "engine", change)
+    with pytest.raises(EngineError, match=message):
+        load_backend(engine)

@@ -278,7 +278,7 @@ def test_amphista_from_sharegpt_self_distilled_and_resumed_from_its_cache(tiny_b
     # --corpus: the base's continuations, a datastore source (medusa-build --datastore)
     from medusa_trt import datastore
 
-    own = datastore.read_source(tmp_path / "corpus", tiny_base("llama"))
+    own = datastore.read_source(tmp_path / "corpus", tiny_base("llama"), 256)
     assert 0 < len(own) <= 48 and all(0 < len(c) <= 24 for c in own)
     config = json.loads((tmp_path / "a" / "config.json").read_text())
     assert config["drafter"] == "amphista" and config["amphista"]["sal_intermediate_size"] == 32

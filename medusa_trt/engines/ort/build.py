@@ -166,12 +166,18 @@ INT4_IMPORTANCE_FILE = "int4_importance.safetensors"  # engine.json weights.roun
 
 def _quantize_int4(opts: BuildOptions, ort: OrtOptions, config: dict, model, workdir: Path) -> dict:
     """Quantizes `model` in place for --weights int4; returns engine.json's "weights" section."""
-    from medusa_trt.quant import Int4Linear, quantize_model_int4
+    from medusa_trt.quant import INT4_BLOCK_SIZES, Int4Linear, base_linear_names, quantize_model_int4
 
     if (config.get("quantization") or {}).get("quant_algo"):
         raise BuildError(f"{opts.checkpoint / 'config.json'}: an FP8 checkpoint cannot be built with --weights "
                          "int4; convert the base without --quantize fp8")
     block, level = ort.int4_block_size, ort.int4_accuracy_level
+    # A block that fits no base Linear leaves a float graph recorded as int4, which no runtime loads.
+    sizes = sorted({model.get_submodule(n).in_features for n in base_linear_names(model)})
+    if all(size % block for size in sizes):
+        raise BuildError(f"--int4-block-size {block}: no base Linear's input size ({', '.join(map(str, sizes))}) is "
+                         f"a multiple of it, so nothing would be int4; expected one of "
+                         f"{[b for b in INT4_BLOCK_SIZES if any(size % b == 0 for size in sizes)]}")
     offsets, lm_head_bits = ort.int4_offsets, ort.int4_lm_head_bits
     hint = gguf_blocks_hint(config, offsets, lm_head_bits)
     if hint:
@@ -228,9 +234,12 @@ def _calibration(opts: BuildOptions, ort: OrtOptions, config: dict, model, witho
     if ort.calibration is not None:
         from transformers import AutoTokenizer
 
-        from medusa_trt.data import read_prompts
+        from medusa_trt.data import DataError, read_prompts
 
-        texts = read_prompts(ort.calibration)[:CALIBRATION_SAMPLES]
+        try:
+            texts = read_prompts(ort.calibration)[:CALIBRATION_SAMPLES]
+        except DataError as e:
+            raise BuildError(f"--calibration {e}") from None
         try:
             tokenizer = AutoTokenizer.from_pretrained(opts.checkpoint)
         except (OSError, ValueError) as e:
@@ -251,8 +260,8 @@ def _calibration(opts: BuildOptions, ort: OrtOptions, config: dict, model, witho
 
 def _quantize_int8(opts: BuildOptions, ort: OrtOptions, config: dict, model, dtype: str) -> dict:
     """Quantizes `model` in place for --weights int8; returns engine.json's "weights" section."""
-    from medusa_trt.calibration.activations import calibrate_float_channels
-    from medusa_trt.quant import Int8Linear, quantize_model_int8
+    from medusa_trt.calibration.activations import FLOAT_CHANNEL_LINEARS, calibrate_float_channels
+    from medusa_trt.quant import Int8Linear, base_linear_names, quantize_model_int8
 
     if (config.get("quantization") or {}).get("quant_algo"):
         raise BuildError(f"{opts.checkpoint / 'config.json'}: an FP8 checkpoint cannot be built with --weights "
@@ -265,6 +274,12 @@ def _quantize_int8(opts: BuildOptions, ort: OrtOptions, config: dict, model, dty
                          "MatMulInteger takes no uint8 rows; the form is for CPUs with int8 dot products)")
     channels, float_part = {}, None
     if ort.int8_float_channels:
+        # As many float channels as a Linear has inputs would leave it float: an int8 engine in name only.
+        narrowest = min(model.get_submodule(n).in_features for n in base_linear_names(model)
+                        if n.rpartition(".")[2] in FLOAT_CHANNEL_LINEARS)
+        if ort.int8_float_channels >= narrowest:
+            raise BuildError(f"--int8-float-channels {ort.int8_float_channels}: the narrowest int8 Linear has "
+                             f"{narrowest} input channels; expected fewer (the default is {INT8_DEFAULT_FLOAT_CHANNELS})")
         samples, source = _calibration(opts, ort, config, model, "--int8-float-channels 0")
         channels = calibrate_float_channels(model, samples, ort.int8_float_channels)
         float_part = {"count": len(next(iter(channels.values()))), "calibration": source, "channels": channels}

@@ -221,6 +221,15 @@ class OrtBackend(Backend):
             check_positions(engine, path, graph)
             if name == "session":
                 check_weight_format(engine, path, {n.op_type for n in graph.node})
+                # The runtime allocates the cache in engine.json's dtype; a graph of another one would
+                # refuse every call.
+                cache = {v.name: v.type.tensor_type.elem_type for v in graph.input}.get(past[0])
+                want = {"float32": onnx.TensorProto.FLOAT, "float16": onnx.TensorProto.FLOAT16,
+                        "bfloat16": onnx.TensorProto.BFLOAT16}.get(engine["dtype"])
+                if cache is not None and want is not None and cache != want:
+                    raise EngineError(f"{path}: input {past[0]!r} is {onnx.TensorProto.DataType.Name(cache)}, engine.json "
+                                      f"records dtype {engine['dtype']!r} (engine.json and the graph disagree: rebuild "
+                                      "the engine)")
 
     # -- Backend interface ---------------------------------------------------------------------
 
