@@ -111,6 +111,35 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+# Flags of one backend or weight format, refused anywhere else (as medusa-run refuses its sampling
+# flags with greedy acceptance): dropped without a word, they would build another engine than asked.
+FLAG_SCOPES = (
+    (("int4_block_size", "int4_accuracy_level", "int4_offsets", "int4_lm_head_bits", "int4_rounding"),
+     "--weights int4", lambda a: a.backend == "onnxruntime" and a.weights == "int4"),
+    (("int8_float_channels",), "--weights int8", lambda a: a.backend == "onnxruntime" and a.weights == "int8"),
+    (("prepack_weights", "fused_step", "cache_in_place"), "--backend onnxruntime", lambda a: a.backend == "onnxruntime"),
+    (("trt_attention", "keep_onnx"), "--backend tensorrt", lambda a: a.backend == "tensorrt"),
+    (("max_input_len",), "--backend tensorrt-llm", lambda a: a.backend == "tensorrt-llm"),
+)
+
+
+def refuse_flags_that_cannot_apply(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """BuildError for a flag given (away from its default) where FLAG_SCOPES says it does nothing."""
+    actions = {a.dest: a for a in p._actions}
+    for dests, scope, applies in FLAG_SCOPES:
+        if applies(args):
+            continue
+        for dest in dests:
+            value, action = getattr(args, dest), actions[dest]
+            if value == action.default:
+                continue
+            if isinstance(value, bool):  # the spelling given: --no-prepack, --keep-onnx, --no-int4-offsets
+                flag = next(o for o in action.option_strings if o.startswith("--no-") != value)
+            else:
+                flag = f"{action.option_strings[0]} {value}"
+            raise BuildError(f"{flag}: applies to {scope} only")
+
+
 def backend_options(args: argparse.Namespace) -> BackendOptions:
     """The options dataclass of args.backend, from the flags that belong to it."""
     if args.backend == "onnxruntime":
@@ -127,7 +156,9 @@ def backend_options(args: argparse.Namespace) -> BackendOptions:
 
 
 def _main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    refuse_flags_that_cannot_apply(p, args)
     opts = BuildOptions(
         checkpoint=args.checkpoint, out=args.out, backend=args.backend, dtype=args.dtype,
         max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, max_draft_len=args.max_draft_len,

@@ -207,9 +207,14 @@ def _deep_header(c: Ctx) -> Path:
 
 
 def _garbage_graph(c: Ctx) -> Path:
-    """A copy of the engine whose model.onnx is garbage and whose engine.json no longer hashes it."""
-    d = _engine_dir_with(c, lambda data: data["artifacts"].pop("model.onnx") and None)
+    """A copy of the engine whose model.onnx is garbage, its digest re-recorded (so the graph's own
+    reading, not the digest check, must say so)."""
+    from medusa_trt.engine_dir import artifact_checksums
+
+    d = _engine_dir_with(c, lambda data: None)
     (d / "model.onnx").write_bytes(b"\x08\xff" * 64)
+    data = json.loads((d / "engine.json").read_text())
+    (d / "engine.json").write_text(json.dumps(data | {"artifacts": artifact_checksums(d)}))
     return d
 
 # (id, cli, argv(ctx), substrings the error line must hold)
@@ -422,8 +427,11 @@ CASES = [
      ["batch 9 exceeds the engine's max_batch_size 8"]),
     ("run-engine-head-dim-edited", RUN, lambda c: run_args(c, _engine_dir_with(c, _set("model.head_dim", 32))),
      ["model.onnx", "past_key_0", "head_dim"]),
-    ("run-engine-graph-garbage-unhashed", RUN, lambda c: run_args(c, _garbage_graph(c)),
+    ("run-engine-graph-garbage-rehashed", RUN, lambda c: run_args(c, _garbage_graph(c)),
      ["model.onnx", "not a readable ONNX graph"]),
+    ("run-engine-graph-unlisted", RUN,  # was loaded unchecked: its digest no longer in engine.json
+     lambda c: run_args(c, _engine_dir_with(c, lambda data: data["artifacts"].pop("model.onnx") and None)),
+     ["engine.json", "onnx.file 'model.onnx' is not in artifacts"]),
     ("run-checkpoint-amphista-block-not-object", RUN,
      lambda c: run_ckpt_args(c, _ckpt_with("medusa_trt", {"drafter": "amphista", "amphista": 5})(c)),
      ["config.json", "medusa_trt.amphista 5", "expected an object"]),
@@ -455,6 +463,17 @@ CASES = [
     ("build-int8-float-channels-every-input", BUILD,  # was cut to the width without a word: no int8 left
      lambda c: build_args(c, None, None, "--weights", "int8", "--int8-float-channels", "100000"),
      ["--int8-float-channels 100000", "narrowest int8 Linear has 64 input channels", "expected fewer"]),
+    # flags of another backend or weight format: dropped without a word, they built another engine
+    ("build-int4-flag-on-a-float-build", BUILD, lambda c: build_args(c, None, None, "--int4-block-size", "64"),
+     ["--int4-block-size 64: applies to --weights int4 only"]),
+    ("build-int4-offsets-on-an-int8-build", BUILD,
+     lambda c: build_args(c, None, None, "--weights", "int8", "--no-int4-offsets"),
+     ["--no-int4-offsets: applies to --weights int4 only"]),
+    ("build-keep-onnx-on-onnxruntime", BUILD, lambda c: build_args(c, None, None, "--keep-onnx"),
+     ["--keep-onnx: applies to --backend tensorrt only"]),
+    ("build-no-prepack-on-tensorrt-llm", BUILD,
+     lambda c: build_args(c, None, None, "--backend", "tensorrt-llm", "--no-prepack"),
+     ["--no-prepack: applies to --backend onnxruntime only"]),
     ("build-triton-repo-inside-the-out", BUILD,  # was exit 0, the repository gone with the replaced --out
      lambda c: build_args(c, None, None, "--triton-repo", str(c.out / "repo")),
      ["repo: --triton-repo inside --out", "expected a directory outside the engine's"]),

@@ -160,7 +160,7 @@ def test_sources_leave_held_out_text_out_and_refuse_bad_input(tmp_path, tiny_bas
     # Text too short to match, and another model's corpus (ids past this model's vocabulary: each
     # would be drafted into an embedding lookup the engine cannot do).
     (tmp_path / "short.txt").write_text("a\n")
-    with pytest.raises(datastore.DatastoreError, match=r"short.txt: 1 tokens in its texts; expected at least 3"):
+    with pytest.raises(datastore.DatastoreError, match=r"short.txt: 2 tokens in its texts; expected at least 3"):
         datastore.read_source(tmp_path / "short.txt", tiny_base("llama"), VOCAB)
     foreign = tmp_path / "foreign"
     writer = drafter_corpus.Writer(foreign, {"decoder": "test"})
