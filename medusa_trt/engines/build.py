@@ -84,6 +84,11 @@ def check_options(opts: BuildOptions, config: dict) -> None:
         if quant.get(key) not in (None, "FP8"):
             raise BuildError(f"{path}: quantization.{key} {quant[key]!r} is not supported; expected FP8 or null "
                              "(medusa-convert --quantize fp8 / --kv-cache-dtype fp8)")
+    from medusa_trt.engines.onnx.attention import MIN_OPSET
+    from medusa_trt.engines.onnx.export import DEFAULT_OPSET
+
+    if opts.opset is not None and not MIN_OPSET <= opts.opset <= DEFAULT_OPSET:  # before the checkpoint loads
+        raise BuildError(f"--opset {opts.opset}: expected {MIN_OPSET}..{DEFAULT_OPSET}")
     if (quant.get("quant_algo") or quant.get("kv_cache_quant_algo")) and opts.opset is not None and opts.opset < 19:
         raise BuildError(f"--opset {opts.opset}: an FP8 checkpoint ({path}) needs opset >= 19 "
                          "(float8 QuantizeLinear/DequantizeLinear)")

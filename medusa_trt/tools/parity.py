@@ -185,7 +185,7 @@ def run_check(engine_dir: str | Path, checkpoint: str | Path | None = None, prom
     engine = _read_engine(engine_dir)
     problems = verify_artifacts(engine_dir, engine)  # every digest: this is the integrity check
     if problems:
-        raise CheckInputError("; ".join(problems) + " (rebuild the engine with medusa-build)")
+        raise CheckInputError("; ".join(problems) + "; rebuild the engine with medusa-build")
     recorded = (engine.get("checkpoint") or {}).get("path")
     if checkpoint is None and not recorded:
         raise CheckInputError(f"{engine_dir / 'engine.json'} records no checkpoint path; pass --checkpoint")

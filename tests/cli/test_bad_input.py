@@ -463,6 +463,8 @@ CASES = [
     ("build-int8-float-channels-every-input", BUILD,  # was cut to the width without a word: no int8 left
      lambda c: build_args(c, None, None, "--weights", "int8", "--int8-float-channels", "100000"),
      ["--int8-float-channels 100000", "narrowest int8 Linear has 64 input channels", "expected fewer"]),
+    ("build-opset-out-of-range", BUILD, lambda c: build_args(c, None, None, "--opset", "99"),
+     ["--opset 99: expected 18..23"]),
     # flags of another backend or weight format: dropped without a word, they built another engine
     ("build-int4-flag-on-a-float-build", BUILD, lambda c: build_args(c, None, None, "--int4-block-size", "64"),
      ["--int4-block-size 64: applies to --weights int4 only"]),
