@@ -297,10 +297,11 @@ def base_identity(args) -> str:
 
 
 def _chunked(args, items: list, name: str | None, desc: str, compute, save, load) -> list:
-    """compute(start, part) over `items` in chunks of CHUNK. With --cache (`name` the chunk files'
-    name, "{}" where the chunk's number goes) each chunk is written as it completes (via .tmp, then renamed: never a half chunk) and read
-    back by a rerun, so an interrupted run resumes where it stopped. `load(path, part)` returns the
-    kept chunk or raises (ValueError for one that does not fit `part`); such a chunk is computed again."""
+    """compute(start, part) over `items` in chunks of CHUNK. With --cache (`name`: the chunk files'
+    name, "{}" where the chunk's number goes) each chunk is written as it completes (to .tmp, then
+    renamed: never half a chunk) and read back by a rerun, so an interrupted run resumes where it
+    stopped. `load(path, part)` returns the kept chunk or raises (ValueError for one that does not fit
+    `part`); such a chunk is computed again."""
     from tqdm import tqdm
 
     out: list = []

@@ -431,19 +431,22 @@ def test_unsupported_tensorrt_is_one_line_and_exit_2(tiny_merged, ort_engine, tm
     from medusa_trt.engine_dir import EngineError
     from medusa_trt.runtime.trt.backend import TensorRTBackend
 
+    out, ckpt, built = tmp_path / "engine", tiny_merged("llama"), ort_engine("llama")  # before the stand-in
     monkeypatch.setitem(sys.modules, "tensorrt", types.SimpleNamespace(__version__=version))
-    out, ckpt = tmp_path / "engine", tiny_merged("llama")
     capsys.readouterr()
     assert _main(ckpt, out) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
     assert f"TensorRT {version} is not supported" in err and "10.15 to 11.x" in err
     assert not out.exists() and not list(tmp_path.glob(".engine.tmp-*"))
+    from medusa_trt.engine_dir import artifact_checksums
+
     engine = tmp_path / "trt-engine"
     engine.mkdir()
-    built = json.loads((ort_engine("llama") / "engine.json").read_text())
+    (engine / "rank0.engine").write_bytes(b"")  # listed in artifacts, as every file the engine reads
+    built = json.loads((built / "engine.json").read_text())
     section = {"engine": "rank0.engine", "heads_engine": None, "attention": "plugin"}
-    (engine / "engine.json").write_text(json.dumps(built | {"backend": "tensorrt", "device": "cuda", "artifacts": {},
-                                                            "tensorrt": section}))
+    (engine / "engine.json").write_text(json.dumps(built | {"backend": "tensorrt", "device": "cuda",
+                                                            "artifacts": artifact_checksums(engine), "tensorrt": section}))
     with pytest.raises(EngineError, match=f"TensorRT {version} is not supported"):
         TensorRTBackend(engine)
