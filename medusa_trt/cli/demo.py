@@ -14,6 +14,7 @@ from medusa_trt.cli.common import (
     add_tree_arg,
     new_parser,
     positive_int,
+    run_cli,
 )
 from medusa_trt.tools import demo
 
@@ -29,7 +30,7 @@ def parser() -> argparse.ArgumentParser:
                    help="the Medusa heads to compare; default the shipped ones")
     add_prompts_arg(p, default=demo.ASSETS / "prompts_heldout.jsonl",
                     help=".jsonl with 'text' and 'kind' (chat or code) (default: the held-out SmolLM2 prompts)")
-    p.add_argument("--num-prompts", type=positive_int, default=4, help="held-out prompts to answer, half chat half code")
+    p.add_argument("--num-prompts", type=positive_int, default=4, help="prompts to answer, chat and code in turn (default 4)")
     add_max_new_tokens_arg(p, default=128)
     add_tree_arg(p, help="tree (default: the one the engine records, the tuned tree beside the heads)")
     add_threads_arg(p, help="ONNX Runtime intra-op threads")
@@ -39,11 +40,9 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    try:
-        return demo.run_demo(args)
-    except ValueError as e:  # ConvertError, BuildError, DataError...: already one line naming the input
-        print(f"demo: error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
+    # run_cli: ConvertError, BuildError, DataError and OS errors as one line (exit 2), and Ctrl-C or
+    # SIGTERM as one line, a build's temp dir removed
+    return run_cli("demo", lambda: demo.run_demo(args))
 
 
 if __name__ == "__main__":

@@ -35,6 +35,11 @@ def _reusable(engine_dir: Path) -> bool:
     return True
 
 
+# Each drafter's engine and checkpoint are named by its kind, not its folder: two drafters in folders
+# of one name would otherwise share (and rebuild) one engine.
+ENGINE_KEYS = {"Amphista": "amphista", "Medusa heads": "heads"}
+
+
 def drafters(args) -> dict[str, Path]:
     """The drafters to compare, by display name (the first is streamed and served): directories that
     medusa-convert takes as --heads."""
@@ -42,6 +47,51 @@ def drafters(args) -> dict[str, Path]:
     amphista = args.amphista or (shipped if shipped.is_dir() and not args.gguf else None)
     given = {"Amphista": amphista, "Medusa heads": args.heads}
     return {name: d for name, d in given.items() if d is not None}
+
+
+def check_inputs(args) -> list[dict]:
+    """Everything the demo reads, checked before the minutes of building (MedusaTrtError, one line):
+    the GGUF, the drafters' folders, the tree's syntax and the prompts, which it returns."""
+    from medusa_trt.errors import MedusaTrtError
+
+    if args.gguf is not None and not args.gguf.is_file():
+        raise MedusaTrtError(f"--gguf {args.gguf}: not a file; expected a GGUF model file")
+    for flag, folder in (("--amphista", args.amphista), ("--heads", args.heads)):
+        if folder is not None and not folder.is_dir():
+            raise MedusaTrtError(f"{flag} {folder}: not a directory; expected a drafter's folder (medusa-convert --heads)")
+    if args.medusa_choices is not None:
+        from medusa_trt.tree import parse_medusa_choices, read_dynamic
+
+        if read_dynamic(args.medusa_choices) is None:
+            parse_medusa_choices(args.medusa_choices)  # TreeError: the spec's syntax; its fit is the engine's
+    return read_prompt_rows(args.prompts)
+
+
+def read_prompt_rows(path: Path) -> list[dict]:
+    """The --prompts rows: JSON objects with a string 'text' and an optional 'kind' (chat, or code)."""
+    from medusa_trt.data import DataError
+    from medusa_trt.errors import read_text_lines
+
+    rows = []
+    for i, line in enumerate(read_text_lines(path, DataError, "prompts file"), 1):
+        try:
+            row = json.loads(line)
+        except ValueError:
+            row = None
+        if not isinstance(row, dict) or not isinstance(row.get("text"), str) or not row["text"].strip():
+            raise DataError(f"{path}:{i}: expected a JSON object with a non-empty string 'text' (and 'kind': chat "
+                            "or code), one per line")
+        rows.append(row)
+    return rows
+
+
+def pick_prompts(rows: list[dict], n: int) -> list[dict]:
+    """`n` rows, chat and code in turn while both last, then the rest in their order."""
+    chat = [r for r in rows if r.get("kind") == "chat"]
+    code = [r for r in rows if r.get("kind") != "chat"]
+    paired = [r for pair in zip(chat, code, strict=False) for r in pair]
+    both = len(paired) // 2
+    return (paired + chat[both:] + code[both:])[:n]
 
 
 def tuned_tree(drafter_dir: Path) -> Path | None:
@@ -59,12 +109,12 @@ def _engine(gguf: Path, drafter: Path, work: Path, key: str) -> Path:
     from medusa_trt.engines.options import BuildOptions
 
     ckpt, engine_dir = work / f"ckpt_{key}", work / f"engine_{key}"
-    stamp, digest = work / f"engine_{key}.drafter", drafter_digest(drafter)
+    stamp, digest = work / f"engine_{key}.drafter", drafter_digest(drafter) + " " + base_digest(gguf)
     if _reusable(engine_dir):
         if stamp.is_file() and stamp.read_text().strip() == digest:
             print(f"    reusing {engine_dir} (delete {work} to rebuild)")
             return engine_dir
-        print(f"    rebuilding {engine_dir}: {drafter} changed since it was built")
+        print(f"    rebuilding {engine_dir}: {drafter} or the base {gguf.name} changed since it was built")
     print(f"    medusa-convert: GGUF base + {drafter.name} -> merged checkpoint (dequantized to float32)")
     print("    " + str(convert(gguf, drafter, ckpt, dtype="float32", force=True)).replace("\n", "\n    "))
     # The engine records the tree tuned for its drafter (medusa-build --tree): every consumer's default.
@@ -74,6 +124,12 @@ def _engine(gguf: Path, drafter: Path, work: Path, key: str) -> Path:
     print(f"    medusa-build --backend onnxruntime: {engine_dir} ({built.seconds:.0f} s)")
     stamp.write_text(digest + "\n")
     return engine_dir
+
+
+def base_digest(gguf: Path) -> str:
+    """The GGUF base an engine was built from: its resolved path, size and modification time."""
+    stat = gguf.stat()
+    return hashlib.blake2b(f"{gguf.resolve()} {stat.st_size} {stat.st_mtime_ns}".encode(), digest_size=8).hexdigest()
 
 
 def drafter_digest(drafter: Path) -> str:
@@ -99,11 +155,12 @@ def run_demo(args) -> int:
 
     work = args.workdir
     t0 = time.perf_counter()
+    picked = pick_prompts(check_inputs(args), args.num_prompts)
     gguf = args.gguf or fetch_smollm2(work / "smollm2")  # the download is cached under --workdir too
     print(f"base: {gguf} ({gguf.stat().st_size / 1e6:.0f} MB GGUF)")
     chosen = drafters(args)
     print(f"1/3 a merged checkpoint and an engine per drafter: {', '.join(chosen)}")
-    engines = {name: _engine(gguf, d, work, d.name) for name, d in chosen.items()}
+    engines = {name: _engine(gguf, d, work, ENGINE_KEYS[name]) for name, d in chosen.items()}
     first = next(iter(engines))
     repo = write_triton_repo(engines[first], serving_repo(work), force=True)  # what `make serve` serves
     print(f"2/3 setup took {time.perf_counter() - t0:.0f} s; Triton model repository {repo} ({first}; serve it: "
@@ -117,10 +174,6 @@ def run_demo(args) -> int:
         runs[name] = {"timer": ForwardTimer(backend), "backend": backend, "tree": tree, "described": described}
     tok = load_tokenizer(engines[first])
     stops = stop_tokens(engines[first], tok)
-    rows = [json.loads(line) for line in args.prompts.read_text().splitlines() if line.strip()]
-    chat = [r for r in rows if r.get("kind") == "chat"]
-    code = [r for r in rows if r.get("kind") != "chat"]
-    picked = [r for pair in zip(chat, code, strict=False) for r in pair][: args.num_prompts]
     plain_cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, use_medusa=False, stop_token_ids=stops)
     warm = _encode(tok, picked[0])
     for run in runs.values():  # first calls pay for ONNX Runtime's lazy setup
@@ -130,7 +183,9 @@ def run_demo(args) -> int:
         for cfg in (plain_cfg, run["cfg"]):
             timed_decode(run["timer"], warm, GenerationConfig(**{**cfg.__dict__, "max_new_tokens": 8}))
 
-    print(f"3/3 {len(picked)} held-out prompts, up to {args.max_new_tokens} new tokens, greedy, batch 1; trees: "
+    held_out = args.prompts.resolve() == (ASSETS / "prompts_heldout.jsonl").resolve()  # else the user's own
+    print(f"3/3 {len(picked)} {'held-out ' * held_out}prompts, up to {args.max_new_tokens} new tokens, greedy, "
+          "batch 1; trees: "
           + "; ".join(f"{name} {run['described']}" for name, run in runs.items()))
     totals = {name: {"plain_tokens": 0, "plain_s": 0.0, "tokens": 0, "steps": 0, "s": 0.0} for name in runs}
     same = True
@@ -138,7 +193,7 @@ def run_demo(args) -> int:
         prompt = _encode(tok, row)
         shown = _user_message(row["text"]) if row.get("kind") == "chat" else row["text"]
         typed = " (typed as plain text, sent as a user turn through the chat template)" if row.get("kind") == "chat" else ""
-        print(f"\n--- {row.get('kind', 'code')} prompt {i + 1} (held out){typed} ---\n{shown}")
+        print(f"\n--- {row.get('kind', 'code')} prompt {i + 1}{' (held out)' * held_out}{typed} ---\n{shown}")
         print(f"--- SmolLM2 + {first} ---")
         line = []
         for name, run in runs.items():
@@ -163,7 +218,7 @@ def run_demo(args) -> int:
             line.append(f"{name} {len(tokens) / steps:.2f} tokens/step, {plain.wall_s / seconds:.2f}x plain, "
                         f"same tokens as plain: {tokens == plain.tokens}")
         print("\n--- " + " | ".join(line))
-    print("\nsummary (streamed decoding, printing included; plain decoding on each drafter's own engine):")
+    print(f"\nsummary ({first}'s decoding streamed, printing included; plain decoding on each drafter's own engine):")
     for name, total in totals.items():
         plain_tps, tps = total["plain_tokens"] / total["plain_s"], total["tokens"] / total["s"]
         print(f"  {name:13s} {total['tokens'] / total['steps']:.2f} tokens/step, {tps:.1f} vs plain {plain_tps:.1f} "
