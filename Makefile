@@ -29,6 +29,9 @@ test: setup
 
 # Everything that needs an NVIDIA GPU (kernel vs reference and SDPA, TensorRT plugin/native and ONNX
 # Runtime CUDA engines with medusa-check, Medusa vs plain timing); one line and exit 0 without a GPU.
+# On a machine without a package index (the lent device: no .venv travels, and TensorRT is not
+# installed there) run the kernel part with its own python instead:
+#   python3 scripts/gpu_check.py --no-install --skip-engines --out $OUT/gpu_check.json
 gpu-check: setup
 	$(PY) scripts/gpu_check.py --out build/gpu_check/report.json
 

@@ -56,10 +56,17 @@ run)
   cp $X/payload/w/medusa_lm_head.safetensors medusa_trt/assets/smollm2/heads/
   cp $X/payload/w/amphista.safetensors medusa_trt/assets/smollm2/amphista/
   export PYTHONPATH=$X/payload/py PYTHONUNBUFFERED=1
+  rm -rf $X/run  # a retried run on the same machine must not send back the last run's report and drafters
   rc=0
-  # stopped short of the call's limit (RUN_LIMIT s, for timeout_s 600) so that what it saved is sent back
+  # Stopped short of the call's limit so that what it saved is sent back: RUN_LIMIT s for timeout_s
+  # 600. With less device time left, the call's limit is less: RUN_LIMIT = that limit - 25, and
+  # --budget = RUN_LIMIT - 35 (the unpack takes ~10 s, the imports ~8 s).
   timeout "${RUN_LIMIT:-575}" python3 scripts/train_smollm2_drafters.py --stage cuda --gguf $X/payload/m.gguf \
     --pack $X/payload/pack.npz --out $X/run --corpus-out "$OUT" "$@" >"$OUT/log.txt" 2>&1 || rc=$?
+  if [ "$rc" = 124 ]; then  # timeout's code, which the device tool would read as its own time limit
+    echo "stopped at RUN_LIMIT ${RUN_LIMIT:-575} s; what it saved is in $OUT" >&2
+    rc=3
+  fi
   # what the run saved comes back even if it failed: its drafters are saved at each validation
   [ -f $X/run/cuda_report.json ] && cp $X/run/cuda_report.json "$OUT/"
   saved=$(cd $X/run 2>/dev/null && ls -d amphista heads 2>/dev/null || true)
@@ -75,9 +82,11 @@ restore)
 collect)
   from=${2:?collect DIR: the folder where the device call files came back}
   cp "$from"/part-*.npz.xz data/drafter_corpus/ 2>/dev/null && chmod 644 data/drafter_corpus/part-*.npz.xz || echo "$from: no corpus parts"
+  mkdir -p build/gpu_run
+  cp "$from"/cuda_report.json "$from"/log.txt build/gpu_run/ 2>/dev/null || true  # a run that saved no drafters too
+  chmod u+w build/gpu_run/cuda_report.json build/gpu_run/log.txt 2>/dev/null || true
   if ls "$from"/drafters.tar.* >/dev/null 2>&1; then
-    mkdir -p build/gpu_run && cat "$from"/drafters.tar.* | tar -x -C build/gpu_run
-    cp "$from"/cuda_report.json "$from"/log.txt build/gpu_run/ 2>/dev/null || true
+    cat "$from"/drafters.tar.* | tar -x -C build/gpu_run
     echo "drafters in build/gpu_run; score them here: python scripts/train_smollm2_drafters.py --stage eval --device cpu --gguf $GGUF --pack $PACK --drafters build/gpu_run --out build/gpu_run/eval"
   fi
   ;;

@@ -56,23 +56,35 @@ def gpu_summary() -> dict | None:
 
 
 def install(wheels: Path | None) -> dict:
-    """pip installs what the GPU steps need and is missing."""
+    """pip installs what the GPU steps need and is missing. The wheels are fetched first and the CPU
+    onnxruntime is removed only once they are here: a machine without an index (or without the
+    carried wheels) keeps what it had instead of losing onnxruntime altogether."""
+    import tempfile
+
     missing = [spec for module, spec in NEEDS.items() if importlib.util.find_spec(module) is None]
+    cpu_onnxruntime = False
     try:
         import onnxruntime as ort
 
-        if "CUDAExecutionProvider" not in ort.get_available_providers():
-            # onnxruntime and onnxruntime-gpu share the module: the CPU wheel must go first.
-            subprocess.run([sys.executable, "-m", "pip", "uninstall", "-y", "-q", "onnxruntime"], check=False)
-            missing.append("onnxruntime-gpu")
+        # onnxruntime and onnxruntime-gpu share the module: the CPU wheel must go before the GPU one.
+        cpu_onnxruntime = "CUDAExecutionProvider" not in ort.get_available_providers()
     except ImportError:
+        pass
+    if cpu_onnxruntime or importlib.util.find_spec("onnxruntime") is None:
         missing.append("onnxruntime-gpu")
     if not missing:
         return {"installed": []}
-    cmd = [sys.executable, "-m", "pip", "install", "-q", *missing]
-    if wheels:
-        cmd += ["--no-index", "--find-links", str(wheels)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    source = ["--no-index", "--find-links", str(wheels)] if wheels else []
+    with tempfile.TemporaryDirectory() as fetched:
+        done = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "-d", fetched, *missing, *source],
+                              capture_output=True, text=True, timeout=1800)
+        if done.returncode != 0:
+            raise RuntimeError(f"pip download {' '.join(missing)} failed (nothing was changed): "
+                               f"{done.stderr.strip()[-400:]}")
+        if cpu_onnxruntime:
+            subprocess.run([sys.executable, "-m", "pip", "uninstall", "-y", "-q", "onnxruntime"], check=False)
+        done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--find-links", fetched,
+                               *missing], capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"pip install {' '.join(missing)} failed: {done.stderr.strip()[-400:]}")
     return {"installed": missing}
