@@ -65,7 +65,6 @@ def test_the_demo_checks_its_inputs_before_building(tmp_path, capsys):
     rows = demo.check_inputs(_args(tmp_path))
     assert [r["text"] for r in demo.pick_prompts(rows, 4)] == ["c1", "k1", "c2"]  # in turn, then the rest
     assert [r["text"] for r in demo.pick_prompts(rows[:2], 4)] == ["c1", "c2"]  # chat alone still answers
-    assert set(demo.ENGINE_KEYS) == {"Amphista", "Medusa heads"}  # engines by kind: same-named folders apart
     (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"kind": "chat"}\n')
     (tmp_path / "empty.jsonl").write_text("\n")
     (tmp_path / "a_file").write_text("x")
