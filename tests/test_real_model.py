@@ -12,17 +12,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import gguf as _gguf  # noqa: F401  (the dev extra: a broken install fails here, not skips)
 import pytest
 import torch
 
-pytest.importorskip("gguf")
-
-from medusa_trt.converter.gguf import fetch_smollm2  # noqa: E402
-from medusa_trt.converter.merge import convert  # noqa: E402
-from medusa_trt.runtime.decoding import GenerationConfig, decode  # noqa: E402
-from medusa_trt.runtime.loading import load_backend, load_tokenizer  # noqa: E402
-from medusa_trt.runtime.ort.session import OrtSessionOptions  # noqa: E402
-from medusa_trt.tools.demo import ASSETS  # noqa: E402
+from medusa_trt.converter.gguf import fetch_smollm2
+from medusa_trt.converter.merge import convert
+from medusa_trt.runtime.decoding import GenerationConfig, decode
+from medusa_trt.runtime.loading import load_backend, load_tokenizer
+from medusa_trt.runtime.ort.session import OrtSessionOptions
+from medusa_trt.tools.demo import ASSETS
 
 REPO = Path(__file__).resolve().parent.parent
 NEW_TOKENS = 40

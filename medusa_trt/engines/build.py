@@ -79,11 +79,7 @@ def check_options(opts: BuildOptions, config: dict) -> None:
     if drafter != "medusa" and opts.backend == "tensorrt-llm":
         raise BuildError(f"{path}: drafter {drafter!r}: --backend tensorrt-llm cannot build it (TensorRT-LLM has "
                          f"no {drafter.capitalize()} drafter); use --backend onnxruntime or tensorrt")
-    quant = (config.get("quantization") or {})
-    for key in ("quant_algo", "kv_cache_quant_algo"):
-        if quant.get(key) not in (None, "FP8"):
-            raise BuildError(f"{path}: quantization.{key} {quant[key]!r} is not supported; expected FP8 or null "
-                             "(medusa-convert --quantize fp8 / --kv-cache-dtype fp8)")
+    quant = config.get("quantization") or {}  # its algorithms checked by validate_checkpoint
     from medusa_trt.engines.onnx.attention import MIN_OPSET
     from medusa_trt.engines.onnx.export import DEFAULT_OPSET
 

@@ -488,3 +488,12 @@ def test_qwen2_bias_and_tp4_with_duplicated_kv_heads(tmp_path, tiny_base, tiny_h
         logits, _, _, _ = model(ids, torch.arange(9)[None], torch.ones(9, 9, dtype=torch.bool).tril()[None],
                                 *model.empty_cache(1))
     assert torch.isfinite(logits).all()
+
+
+def test_an_fp8_checkpoint_is_refused_below_opset_19(fp8, tmp_path):
+    """float8 QuantizeLinear/DequantizeLinear are opset 19: refused before the export, not inside it."""
+    from medusa_trt.engines.build import BuildError, BuildOptions, build_engine
+
+    with pytest.raises(BuildError, match=r"--opset 18: an FP8 checkpoint \(.*ckpt/config\.json\) needs opset >= 19"):
+        build_engine(BuildOptions(checkpoint=fp8(), out=tmp_path / "e", progress=False, opset=18))
+    assert not (tmp_path / "e").exists()

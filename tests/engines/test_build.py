@@ -88,14 +88,16 @@ def test_build_is_atomic(tmp_path, tiny_merged, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["engine"]
 
 
-def test_build_rejects_quantized(tmp_path, tiny_merged):
+@pytest.mark.parametrize(("key", "value"), [("kv_cache_quant_algo", "INT8"), ("quant_algo", "W4A16_AWQ")])
+def test_build_refuses_quantization_it_cannot_build(tmp_path, tiny_merged, key, value):
     ckpt = tmp_path / "ckpt"
     shutil.copytree(tiny_merged("llama"), ckpt)
     config = json.loads((ckpt / "config.json").read_text())
-    config["quantization"]["kv_cache_quant_algo"] = "FP8"
+    config["quantization"][key] = value
     (ckpt / "config.json").write_text(json.dumps(config))
-    with pytest.raises(BuildError):
+    with pytest.raises(BuildError, match=rf"config\.json: quantization\.{key}: '{value}'; expected one of 'FP8'"):
         build_engine(BuildOptions(checkpoint=ckpt, out=tmp_path / "e", progress=False))
+    assert not (tmp_path / "e").exists()
 
 
 def test_backend_options_of_another_backend_are_refused(tmp_path, tiny_merged, capsys):

@@ -17,25 +17,48 @@ from medusa_trt.runtime.ort import backend as ort_backend
 from medusa_trt.runtime.ort.backend import OrtBackend
 from medusa_trt.runtime.ort.cache import InPlaceCache
 from medusa_trt.runtime.steps import prefill
-from tests.engines.ort.test_ort_build import exact_engine, int4_engine
+from tests.engines.ort.test_ort_build import INT4, exact_engine, int4_engine
 
 
-@pytest.mark.parametrize("attention", [None, "row_exact_f32", "exact weights"])
-def test_int4_medusa_greedy_equals_plain(ort_engine, attention):
+@pytest.fixture(scope="module")
+def distilled_int4(distilled, tmp_path_factory):
+    """A row_exact_f32 int4 engine with heads that predict (tests/conftest.py: distilled): random heads
+    get almost no draft accepted, so Medusa == plain on them barely runs the commit of accepted rows
+    (the in-place cache moves, cut trees' accepted paths)."""
+    from medusa_trt.engines.build import build_engine
+    from medusa_trt.engines.options import BuildOptions
+    from medusa_trt.engines.ort.build import OrtOptions
+
+    out = tmp_path_factory.mktemp("distilled-int4") / "engine"
+    build_engine(BuildOptions(checkpoint=distilled("llama").ckpt, out=out, progress=False, attention="row_exact_f32",
+                              backend_options=OrtOptions(**INT4, int4_accuracy_level=4)))
+    return out
+
+
+@pytest.mark.parametrize("attention", [None, "row_exact_f32", "exact weights", "distilled heads"])
+def test_int4_medusa_greedy_equals_plain(ort_engine, attention, request):
     """Medusa greedy on an int4 engine == plain greedy on the same engine (fused step and two-call
-    path), with the default tree: a chain_f32 engine runs its main chain, row_exact_f32 all of it."""
+    path), with the default tree: a chain_f32 engine runs its main chain, row_exact_f32 all of it.
+    With heads that predict, drafts are accepted and committed on both paths."""
     if attention == "exact weights":
         backend = OrtBackend(exact_engine(ort_engine))
         attention = None
+    elif attention == "distilled heads":
+        backend = OrtBackend(request.getfixturevalue("distilled_int4"))
+        attention = "row_exact_f32"
     else:
         backend = OrtBackend(int4_engine(ort_engine, 4, attention))
     assert backend.info.chains_only == (attention is None)
     prompts = [[5, 9, 17, 33], [3, 4], list(range(20, 40))]
     plain = decode(backend, prompts, GenerationConfig(max_new_tokens=32, use_medusa=False)).tokens
-    assert decode(backend, prompts, GenerationConfig(max_new_tokens=32, use_medusa=True)).tokens == plain
+    fused = decode(backend, prompts, GenerationConfig(max_new_tokens=32, use_medusa=True))
+    assert fused.tokens == plain
     backend.step_session = None
     backend.fused_step_topk = None
-    assert decode(backend, prompts, GenerationConfig(max_new_tokens=32, use_medusa=True)).tokens == plain
+    two_call = decode(backend, prompts, GenerationConfig(max_new_tokens=32, use_medusa=True))
+    assert two_call.tokens == plain
+    if request.node.callspec.params["attention"] == "distilled heads":
+        assert all(sum(s.accepted_draft_tokens for s in r.stats) > 10 for r in (fused, two_call))
 
 
 def test_one_token_steps_run_as_two_rows_where_the_cpu_has_a_one_row_kernel(ort_engine, monkeypatch):
@@ -120,13 +143,13 @@ def test_chain_engine_runs_a_branching_tree_as_its_main_chain(ort_engine, caplog
     assert two_call.tokens == plain.tokens
 
 
-def test_tree_cut_at_the_key_block_keeps_medusa_equal_to_plain(ort_engine):
+def test_tree_cut_at_the_key_block_keeps_medusa_equal_to_plain(distilled_int4):
     """A branching tree on a row_exact_f32 engine is cut where its slots would cross a key block
     (runtime/decoding.py: StepTree.within_block). With a block of 8 the cut runs every few steps: the
-    cut trees verify and draft right on both greedy paths (fused step, two-call) at batch 1."""
+    cut trees verify, accept and draft right on both greedy paths (fused step, two-call) at batch 1."""
     from dataclasses import replace
 
-    backend = OrtBackend(int4_engine(ort_engine, 4, "row_exact_f32"))
+    backend = OrtBackend(distilled_int4)
     backend.info = replace(backend.info, key_block=8)
     tree = [[0], [1], [0, 0], [1, 0], [0, 1], [0, 0, 0]]
     for prompt in ([5, 9, 17, 33], list(range(20, 39))):
@@ -135,6 +158,7 @@ def test_tree_cut_at_the_key_block_keeps_medusa_equal_to_plain(ort_engine):
         assert medusa.tokens == plain.tokens
         steps = medusa.stats[0].steps
         assert medusa.stats[0].draft_tokens < steps * len(tree)  # some steps verified a cut tree
+        assert medusa.stats[0].accepted_draft_tokens > 0
         saved = backend.step_session, backend.fused_step_topk
         backend.step_session, backend.fused_step_topk = None, None
         try:

@@ -253,5 +253,6 @@ ENGINE_EDITS = {
 def test_engine_json_edits_are_one_line_at_load(name, ort_engine, tmp_path):
     change, message = ENGINE_EDITS[name]
     engine = _edit_engine(ort_engine("llama"), tmp_path / "engine", change)
-    with pytest.raises(MedusaTrtError, match=message):  # EngineError, or DatastoreError for the datastore's ids
+    with pytest.raises(MedusaTrtError, match=message) as e:  # EngineError, or DatastoreError for the datastore's ids
         load_backend(engine)
+    assert "\n" not in str(e.value)

@@ -379,3 +379,19 @@ def test_more_heldout_prompts_are_held_out_new_and_the_same_on_every_run(tmp_pat
     held_files = {r for r, _ in recipe.code_files(args)["heldout"]}
     assert all(p["source"] in held_files for p in code)
     assert [p["text"] for p in recipe.more_heldout(args, tok, convs, set(before), set())] == [p["text"] for p in got]
+
+
+def test_a_fixed_warm_up_trains_while_the_schedule_is_still_a_placeholder():
+    """The cuda stage sizes its steps only after its timed steps, and starts with steps=10**6: a
+    warm-up of a twentieth of that ran the timed steps at a near-zero rate."""
+    drafter = torch.nn.Linear(4, 4)
+    rates = {}
+    for warmup in (0, 175):
+        opt, sched = train_drafter.optimizer(drafter, train_drafter.TrainOptions(steps=10**6, lr=1e-3, warmup=warmup))
+        for _ in range(59):
+            sched.step()
+        rates[warmup] = opt.param_groups[0]["lr"]
+    assert rates[0] < 2e-6  # the old warm-up: 60 / 50,000 of the rate
+    assert rates[175] == pytest.approx(1e-3 * 60 / 175, rel=1e-3)
+    opt, sched = train_drafter.optimizer(drafter, train_drafter.TrainOptions(steps=100, lr=1e-3))
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-3 / 5)  # warmup 0: a twentieth of the steps

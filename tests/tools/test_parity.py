@@ -125,6 +125,7 @@ def test_bad_inputs_exit_2(ort_engine, tmp_path, capsys):
     assert "config.json" in capsys.readouterr().err
 
     assert main(["--engine", str(engine), "--prompts", str(tmp_path / "none.txt")]) == 2
+    assert "none.txt" in capsys.readouterr().err
     empty = tmp_path / "empty.txt"
     empty.write_text("\n \n")
     assert main(["--engine", str(engine), "--prompts", str(empty)]) == 2
@@ -139,8 +140,12 @@ def test_bad_inputs_exit_2(ort_engine, tmp_path, capsys):
     assert "gone" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv", [["--max-new-tokens", "0"], ["--max-new-tokens", "5000"], ["--device", "cuda"]])
-def test_bad_options_exit_2(ort_engine, argv):
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--max-new-tokens", "0"], "--max-new-tokens 0: expected a positive integer"),
+    (["--max-new-tokens", "5000"], "max_new_tokens (5000) + tree depth (0) exceeds the model's maximum sequence length 512"),
+    (["--device", "cuda"], "device 'cuda' keeps the KV cache in torch CUDA tensors, but this torch"),
+])
+def test_bad_options_exit_2(ort_engine, argv, message, capsys):
     import onnxruntime
 
     if "--device" in argv and "CUDAExecutionProvider" in onnxruntime.get_available_providers():
@@ -149,7 +154,8 @@ def test_bad_options_exit_2(ort_engine, argv):
         rc = main(["--engine", str(ort_engine("llama")), *argv])
     except SystemExit as e:  # a flag out of its range is refused while parsing
         rc = e.code
-    assert rc == 2
+    errors = [line for line in capsys.readouterr().err.split("\n") if "medusa-check: error:" in line]
+    assert rc == 2 and len(errors) == 1 and message in errors[0], errors  # one line, naming what was wrong
 
 
 def test_float16_engine(ort_engine, tmp_path):

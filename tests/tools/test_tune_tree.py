@@ -210,8 +210,9 @@ def test_cli_writes_a_loadable_tree_and_warns_for_random_heads(tiny_merged, tmp_
         assert key in result["predicted"]
     assert {"tuned", "mc_sim_7b_63", "plain_tokens_per_s"} <= set(result["measured"])
     assert result["measured"]["tuned"]["equal_to_plain"]
-    if result["recommendation"] == "plain":
-        assert "use plain decoding" in printed
+    # Random heads predict nothing: no tree can beat plain decoding, whatever this machine's step times.
+    assert result["recommendation"] == "plain"
+    assert "warning: no tree is predicted to beat plain decoding" in printed and "use plain decoding" in printed
     assert "tuned tree:" in printed
 
 

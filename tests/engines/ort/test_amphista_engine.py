@@ -135,7 +135,8 @@ def test_amphista_on_a_qwen2_base_with_a_sliding_window(tiny_base, tmp_path):
 
     base = tiny_base("qwen2", extra_config=SLIDING_WINDOW_CONFIGS["qwen2"])
     make_amphista(tmp_path / "drafter", base)
-    convert(base, tmp_path / "drafter", tmp_path / "ckpt", progress=False)
+    summary = convert(base, tmp_path / "drafter", tmp_path / "ckpt", progress=False)
+    assert "amphista: 4 heads over 2 adaptation layers, base lm_head" in str(summary)
     build_engine(BuildOptions(checkpoint=tmp_path / "ckpt", out=tmp_path / "engine", progress=False,
                               max_batch_size=4, backend_options=OrtOptions()))
     report = run_check(tmp_path / "engine", tmp_path / "ckpt", ["a b c", "hello world again"])
@@ -237,10 +238,17 @@ def test_the_fused_step_adapts_the_accepted_rows_only(amphista):
 
 
 def test_sampling_with_amphista_runs_and_repeats_with_its_seed(amphista):
+    """Its seed repeats it; another seed, or greedy, gives other text (a sampler that ignored the seed
+    or fell back to greedy would pass the first check alone). That it follows the base distribution
+    is tests/runtime/test_sampling.py's."""
+    from dataclasses import replace
+
     backend = load_backend(amphista.engines["float32"])
     cfg = GenerationConfig(max_new_tokens=24, medusa_choices=TREE, acceptance="sample", temperature=0.7, seed=5)
     a, b = decode(backend, prompts(13), cfg), decode(backend, prompts(13), cfg)
     assert a.tokens == b.tokens
+    assert decode(backend, prompts(13), replace(cfg, seed=6)).tokens != a.tokens
+    assert decode(backend, prompts(13), replace(cfg, acceptance="greedy", temperature=0.0)).tokens != a.tokens
 
 
 def test_tensorrt_llm_refuses_an_amphista_checkpoint(amphista, tmp_path, capsys):

@@ -26,7 +26,7 @@ from medusa_trt.modeling import MedusaModel
 from medusa_trt.quant import quantize_model_int4
 from medusa_trt.runtime.ort.backend import OrtBackend
 from medusa_trt.runtime.ort.session import make_session
-from medusa_trt.tools.parity import reference_model
+from medusa_trt.tools.parity import int4_bounds, reference_model
 from tests.engines.onnx.test_export import ATOL, make_inputs, run_decoder
 
 INT4 = {"weights": "int4", "int4_block_size": 32}
@@ -74,7 +74,13 @@ def test_int4_engine_parity(ort_engine, tiny_merged, level, exact, batch, past, 
         if level == 0:
             assert diff.max() <= ATOL, f"{name}: {diff.max():.2e}"
         else:
-            assert np.quantile(diff, 0.9) <= ATOL and diff.max() <= 0.25, f"{name}: {diff.max():.2e}"
+            # Level 4 rounds each MatMulNBits input to int8 per block, as the reference does; they differ
+            # only where float32 noise puts an activation across a rounding boundary (a flip of one int8
+            # step). So 90% of the elements agree to float32 and the flips are held to medusa-check's int4
+            # max bound for this many layers (0.15 at 2 layers: 4x the largest flip seen, 0.040 on logits
+            # of magnitude 4.5, batch 3 tree rows, 2026-12-07).
+            _, most = int4_bounds(model.cfg.num_layers, 1.0)
+            assert np.quantile(diff, 0.9) <= ATOL and diff.max() <= most, f"{name}: {diff.max():.2e} > {most}"
     # the int4 graph really is int4: no float copy of the decoder weights
     import onnx
 

@@ -24,9 +24,11 @@ if HAVE_TRITON and not torch.cuda.is_available() and "triton" not in sys.modules
     os.environ["TRITON_INTERPRET"] = "1"
     import triton  # noqa: F401
 
-onnx = pytest.importorskip("onnx")
-pytest.importorskip("onnx_graphsurgeon")
-pytest.importorskip("onnxruntime_extensions")
+# Imported, not importorskip'd: `make test` installs them (the dev extra), so a broken install fails
+# here rather than skipping the graph rewrite's tests without a word.
+import onnx  # noqa: E402
+import onnx_graphsurgeon  # noqa: E402, F401
+import onnxruntime_extensions  # noqa: E402, F401
 
 from medusa_trt.engines.onnx.export import export_onnx  # noqa: E402
 from medusa_trt.engines.trt.rewrite import (  # noqa: E402
