@@ -1159,8 +1159,11 @@ def cuda_stage(args) -> dict:
     drafters, vocab, covered = _start_drafters(args, config, lm_head, train)
     for d in drafters.values():
         d.to(dev).train()
-    opts = {a: TrainOptions(steps=10**6, lr=args.lr, batch_samples=args.batch_samples, max_len=1024, seed=args.seed)
-            for a in drafters}
+    # The steps are a placeholder until the timed steps size the schedule, so the warm-up is fixed:
+    # a twentieth of the ~3,500 steps a lent session makes (a twentieth of 10**6 left the first 60
+    # steps at a near-zero rate).
+    opts = {a: TrainOptions(steps=10**6, lr=args.lr, batch_samples=args.batch_samples, max_len=1024, seed=args.seed,
+                            warmup=175) for a in drafters}
     optim = {a: optimizer(d, opts[a]) for a, d in drafters.items()}
     obj = Objective.make(lm_head, vocab)
     kept_gib = (rows + sum(len(s.tokens) - 1 for s in forced)) * lm_head.shape[1] * 4 / 2**30  # float32 rows

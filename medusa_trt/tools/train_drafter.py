@@ -47,6 +47,7 @@ class TrainOptions:
     lm_weight: float = 0.2  # hard cross-entropy against the data's token
     head_decay: float = 0.8  # head k's loss weight is head_decay ** k
     seed: int = 0
+    warmup: int = 0  # linear warm-up steps; 0: a twentieth of steps
     bf16: bool = False  # the drafter's forward and backward under bfloat16 autocast (weights stay float32)
 
 
@@ -171,13 +172,14 @@ def step_loss(drafter: nn.Module, arch: str, bt: dict[str, torch.Tensor], obj: O
 
 
 def optimizer(drafter: nn.Module, opts: TrainOptions):
-    """AdamW with a linear warm-up and a cosine decay over opts.steps, read at each step (a run that
-    sizes its steps to a time budget may set them after a few timed steps)."""
+    """AdamW with a linear warm-up (opts.warmup steps, or a twentieth of opts.steps) and a cosine decay
+    over opts.steps, read at each step (a run that sizes its steps to a time budget may set them after
+    a few timed steps; it gives a fixed warm-up, or the placeholder steps would stretch it)."""
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=opts.lr, weight_decay=opts.weight_decay)
 
     def factor(i: int) -> float:
-        warmup = max(1, opts.steps // 20)
+        warmup = opts.warmup or max(1, opts.steps // 20)
         return min(1.0, (i + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(i, opts.steps) / opts.steps))
 
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
