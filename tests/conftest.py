@@ -172,6 +172,33 @@ def ort_engine(tmp_path_factory, tiny_merged):
 
 
 @pytest.fixture(scope="session")
+def small_amphista(tmp_path_factory, tiny_base):
+    """A small base (vocab 72, hidden 32) with a 3-head Amphista drafter trained on its own greedy
+    continuations: drafts get accepted, so the drafter's cache is appended with several committed
+    rows in a step (tests/runtime/test_sampling.py, tests/test_amphista.py)."""
+    from transformers import AutoModelForCausalLM
+
+    from medusa_trt.modeling import MedusaModel
+    from medusa_trt.runtime.torch_backend import TorchBackend
+    from medusa_trt.tools.distill import Sample
+    from medusa_trt.tools.train_drafter import TrainOptions, new_amphista, save_amphista, train_drafter
+    from medusa_trt.tools.train_heads import greedy_continuations, hidden_states
+
+    base = tiny_base("llama", vocab=72, hidden_size=32, intermediate=64, seed=3)
+    hf = AutoModelForCausalLM.from_pretrained(base).eval()
+    rng = random.Random(0)
+    seqs = greedy_continuations(hf, [[rng.randrange(3, 72) for _ in range(6)] for _ in range(64)], 48)
+    samples = [Sample(s, 6, h[: len(s) - 1]) for s, h in zip(seqs, hidden_states(hf, seqs), strict=True)]
+    drafter = new_amphista(base, num_heads=3, sal_intermediate_size=64, seed=0)
+    train_drafter(drafter, "amphista", samples, hf.lm_head.weight.detach(), hf.get_input_embeddings(),
+                  torch.arange(72), TrainOptions(steps=150, lr=3e-3, batch_samples=16, seed=0), progress=False)
+    root = tmp_path_factory.mktemp("sampling_amphista")
+    save_amphista(drafter, root / "drafter", base=str(base), vocab=None)
+    convert(base, root / "drafter", root / "ckpt", progress=False)
+    return SimpleNamespace(hf=hf, ckpt=root / "ckpt", backend=TorchBackend(MedusaModel.from_checkpoint(root / "ckpt")))
+
+
+@pytest.fixture(scope="session")
 def distilled(tmp_path_factory, tiny_base):
     """distilled(arch): a base with Medusa heads fitted (self-distillation, a few seconds) to the base's
     own greedy continuations, converted by medusa-convert. Heads that predict make the acceptance

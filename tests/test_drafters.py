@@ -63,14 +63,15 @@ class _Recorder(TorchBackend):
 
 
 @pytest.mark.parametrize("acceptance", ["greedy", "sample"])
-def test_each_step_hands_the_drafter_the_committed_rows_and_the_tokens_after_them(tiny_merged, acceptance):
+def test_each_step_hands_the_drafter_the_committed_rows_and_the_tokens_after_them(distilled, acceptance):
     """rows[b, :counts[b]] are the rows the step committed (the accepted path), next_tokens the token
     after each: the next accepted token, and after the last the next root, which the next step
-    verifies first. An Amphista or EAGLE drafter appends exactly these to its own cache."""
-    backend = _Recorder(MedusaModel.from_checkpoint(tiny_merged("llama")))
+    verifies first. An Amphista or EAGLE drafter appends exactly these to its own cache. Heads that
+    predict (distilled), so that steps commit accepted rows beyond the root: random heads get none."""
+    backend = _Recorder(MedusaModel.from_checkpoint(distilled("llama").ckpt))
     cfg = GenerationConfig(max_new_tokens=24, acceptance=acceptance, temperature=0.9, seed=1,
                            medusa_choices="[[0], [0, 0], [1], [0, 1]]")
-    prompt = [5, 9, 17, 33, 2, 40]
+    prompt = [17, 201, 44, 9, 120, 63]  # of the kind the heads were fitted on (tests/conftest.py)
     tokens = decode(backend, [prompt], cfg).tokens[0]
     emitted = []  # the tokens as the drafter saw them, rebuilt from the calls alone
     for i, (forward_tokens, rows, counts, after) in enumerate(backend.calls):
@@ -84,4 +85,4 @@ def test_each_step_hands_the_drafter_the_committed_rows_and_the_tokens_after_the
             emitted.extend(committed[1:])
         emitted.append(int(after[0, n - 1]))  # the next root
     assert emitted[: len(tokens)] == tokens
-    assert len(backend.calls) >= 2
+    assert max(int(counts[0]) for *_, counts, _ in backend.calls) > 1  # some step committed accepted rows

@@ -153,7 +153,7 @@ def test_large_rank_widens_the_top_k():
 def test_buffers_are_cached_and_read_only():
     a = build_tree(SMALL, num_heads=2)
     assert build_tree([list(p) for p in SMALL], num_heads=3) is a
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="read-only"):
         a.attention_mask[0, 1] = True
 
 

@@ -65,6 +65,20 @@ def test_a_lookup_finds_the_longest_match_and_the_majority_chain(seed):
             assert found.tokens == []
 
 
+def test_a_match_with_more_occurrences_than_it_reads_follows_a_spread_of_them():
+    """Past MAX_OCCURRENCES occurrences a lookup reads that many, spread evenly over the match's
+    range (the branch the brute-force test above leaves out): the chain is still the majority's, its
+    agreement that of the whole (75% of 200 occurrences continue one way, in random contexts)."""
+    rng = random.Random(5)
+    phrase, usual, rare = [7, 8, 9], [40, 41, 42], [50, 51, 52]
+    sequences = [[rng.randrange(100, 200) for _ in range(6)] + phrase + (usual if i % 4 else rare) for i in range(200)]
+    store = datastore.build(sequences)
+    assert 200 > datastore.MAX_OCCURRENCES
+    found = store.chain([3, *phrase], 3)
+    assert found.match == len(phrase) and found.tokens == usual
+    assert found.agreement[0] == pytest.approx(0.75, abs=0.1) and found.agreement[1:] == [1.0, 1.0]
+
+
 def test_calibration_scores_long_agreeing_matches_higher(tmp_path):
     rng = random.Random(1)
     phrases = [[rng.randrange(100, 200) for _ in range(24)] for _ in range(5)]

@@ -3,13 +3,13 @@ decoding that stays equal to plain greedy with them."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
 import random
 
 import pytest
-import torch
 
 from medusa_trt.runtime.decoding import GenerationConfig, decode
 from medusa_trt.runtime.dynamic import (
@@ -189,7 +189,7 @@ def test_dynamic_trees_beat_a_static_tree_of_the_same_size(distilled):
 
     def per_step(r):
         return sum(s.new_tokens for s in r.stats) / sum(s.steps for s in r.stats)
-    assert per_step(dynamic) >= per_step(static) * 0.98  # tiny heads: at least as good; SmolLM2 in BENCHMARKS.md
+    assert per_step(dynamic) > per_step(static)  # SmolLM2's figures: BENCHMARKS.md
 
 
 def test_context_candidates_follow_a_repeating_prompt(distilled):
@@ -200,14 +200,27 @@ def test_context_candidates_follow_a_repeating_prompt(distilled):
     ps = [phrase * 5, [3] + phrase * 4]
     with_ctx = decode(m.backend, ps, _cfg("dynamic:8"))
     assert with_ctx.tokens == [oracle(m.hf, p) for p in ps]
+    heads_only = decode(m.backend, ps, _cfg("dynamic:8", context_candidates=False))
+    assert heads_only.tokens == with_ctx.tokens
+    accepted = [sum(s.accepted_draft_tokens for s in r.stats) for r in (with_ctx, heads_only)]
+    assert accepted[0] > accepted[1], accepted  # the context's chains were verified and taken
 
 
-def test_typical_and_sample_acceptance_run_on_per_step_trees(distilled):
+@pytest.mark.parametrize("acceptance", ["typical", "sample"])
+def test_typical_and_sample_acceptance_run_on_per_step_trees(distilled, acceptance):
+    """Per-step trees verified by each row of a ragged batch (a per-sequence retrieve), with drafts
+    accepted. Typical: at T = 0 it is greedy (steps.py routes it there) and equals transformers'; at
+    T > 0 it draws nothing, so every row decodes as it does alone. Sample: a seed repeats the text
+    (seeds per sequence), another seed changes it."""
     m = distilled("llama")
     ps = prompts(9)
-    typical = decode(m.backend, ps, _cfg("dynamic:8", acceptance="typical", temperature=0.0))
-    assert typical.tokens == [oracle(m.hf, p) for p in ps]
-    a = decode(m.backend, ps, _cfg("dynamic:8", acceptance="sample", seed=3))
-    b = decode(m.backend, ps, _cfg("dynamic:8", acceptance="sample", seed=3))
-    assert a.tokens == b.tokens  # per-sequence seeds: reproducible
-    assert torch.tensor([s.steps for s in a.stats]).sum() > 0
+    cfg = _cfg("dynamic:8", acceptance=acceptance, temperature=0.7, seed=3)
+    batch = decode(m.backend, ps, cfg)
+    assert sum(s.accepted_draft_tokens for s in batch.stats) > 0
+    if acceptance == "typical":
+        greedy = decode(m.backend, ps, dataclasses.replace(cfg, temperature=0.0))
+        assert greedy.tokens == [oracle(m.hf, p) for p in ps]
+        assert batch.tokens == [decode(m.backend, [p], cfg).tokens[0] for p in ps]
+    else:
+        assert decode(m.backend, ps, cfg).tokens == batch.tokens
+        assert decode(m.backend, ps, dataclasses.replace(cfg, seed=4)).tokens != batch.tokens

@@ -61,28 +61,6 @@ def small(tmp_path_factory, tiny_base):
     return SimpleNamespace(hf=hf, ckpt=root / "ckpt", backend=TorchBackend(MedusaModel.from_checkpoint(root / "ckpt")))
 
 
-@pytest.fixture(scope="module")
-def small_amphista(tmp_path_factory, tiny_base):
-    """`small`'s base with a 3-head Amphista drafter trained on its own greedy continuations (its cache
-    is advanced with the token drawn after each accepted row under sampling, not the argmax)."""
-    from medusa_trt.tools.distill import Sample
-    from medusa_trt.tools.train_drafter import TrainOptions, new_amphista, save_amphista, train_drafter
-    from medusa_trt.tools.train_heads import hidden_states
-
-    base = tiny_base("llama", vocab=72, hidden_size=32, intermediate=64, seed=3)
-    hf = AutoModelForCausalLM.from_pretrained(base).eval()
-    rng = random.Random(0)
-    seqs = greedy_continuations(hf, [[rng.randrange(3, 72) for _ in range(6)] for _ in range(64)], 48)
-    samples = [Sample(s, 6, h[: len(s) - 1]) for s, h in zip(seqs, hidden_states(hf, seqs), strict=True)]
-    drafter = new_amphista(base, num_heads=3, sal_intermediate_size=64, seed=0)
-    train_drafter(drafter, "amphista", samples, hf.lm_head.weight.detach(), hf.get_input_embeddings(),
-                  torch.arange(72), TrainOptions(steps=150, lr=3e-3, batch_samples=16, seed=0), progress=False)
-    root = tmp_path_factory.mktemp("sampling_amphista")
-    save_amphista(drafter, root / "drafter", base=str(base), vocab=None)
-    convert(base, root / "drafter", root / "ckpt", progress=False)
-    return SimpleNamespace(hf=hf, ckpt=root / "ckpt", backend=TorchBackend(MedusaModel.from_checkpoint(root / "ckpt")))
-
-
 @torch.no_grad()
 def exact_law(hf, prompt: list[int], k_tokens: int, **processing) -> dict[tuple[int, ...], float]:
     """P(first k_tokens tokens) of plain sampling, enumerated level by level from transformers' logits
