@@ -76,7 +76,8 @@ class ConvertSummary:
             ("output", str(self.out)),
             ("heads", f"{self.head_format}: {self.num_heads} heads "
                       # an Amphista drafter has no per-head layers: its two adaptation layers are shared
-                      + (f"x {self.num_layers} layer(s), " if self.num_layers else "over 2 adaptation layers, ")
+                      + ("over 2 adaptation layers, " if self.head_format == "amphista" else
+                         f"x {self.num_layers} layer(s), ")
                       + f"{'own' if self.heads_have_lm_head else 'base'} lm_head"),
             ("base", self.base_model_type),
             ("dtype / tp", f"{self.dtype} / {self.tp_size} rank(s)"),
