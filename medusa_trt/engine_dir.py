@@ -313,6 +313,16 @@ def check_graph(engine: dict, graph: str | Path, inputs: dict[str, list], output
     if isinstance(first, int) and first != heads:
         raise EngineError(f"{graph}: output {HEADS_OUTPUT!r} has {first} heads, engine.json records "
                           f"medusa.num_heads {heads} (engine.json and the graph disagree: rebuild the engine)")
+    # The runtime sizes its output buffers and the drafter's inputs from these keys: a graph of another
+    # size would fail inside ONNX Runtime mid-decode rather than at load.
+    sized = (("hidden", "model.hidden_size", engine["model"]["hidden_size"]),
+             ("next_topk", "onnx.step_topk", (engine.get("onnx") or {}).get("step_topk")))
+    for name, key, want in sized:
+        for kind, values in (("input", inputs), ("output", outputs)):
+            last = (values.get(name) or [None])[-1]
+            if want is not None and isinstance(last, int) and last != want:
+                raise EngineError(f"{graph}: {kind} {name!r} has last dim {last}, engine.json records {key} {want} "
+                                  "(engine.json and the graph disagree: rebuild the engine)")
     vocab = engine["model"]["vocab_size"]
     for name in vocab_outputs:
         last = (outputs.get(name) or [None])[-1]

@@ -192,7 +192,7 @@ def small_amphista(tmp_path_factory, tiny_base):
     drafter = new_amphista(base, num_heads=3, sal_intermediate_size=64, seed=0)
     train_drafter(drafter, "amphista", samples, hf.lm_head.weight.detach(), hf.get_input_embeddings(),
                   torch.arange(72), TrainOptions(steps=150, lr=3e-3, batch_samples=16, seed=0), progress=False)
-    root = tmp_path_factory.mktemp("sampling_amphista")
+    root = tmp_path_factory.mktemp("small_amphista")
     save_amphista(drafter, root / "drafter", base=str(base), vocab=None)
     convert(base, root / "drafter", root / "ckpt", progress=False)
     return SimpleNamespace(hf=hf, ckpt=root / "ckpt", backend=TorchBackend(MedusaModel.from_checkpoint(root / "ckpt")))

@@ -49,6 +49,8 @@ def test_unknown_weight_format_is_refused(ort_engine, tmp_path):
     (True, {"model": {"vocab_size": 99}}, "model.vocab_size 99"),
     (True, {"model": {"num_layers": 3}}, "3 layers"),
     (True, {"onnx": {"cache_in_place": False}}, "onnx.cache_in_place False"),
+    (False, {"model": {"hidden_size": 48}}, "model.hidden_size 48"),
+    (False, {"onnx": {"step_topk": 7}}, "onnx.step_topk 7"),
 ])
 def test_engine_json_disagreeing_with_graphs_exits_2(ort_engine, tmp_path, capsys, int4, edit, field):
     """engine.json and the graphs disagree (issue 13's bad input): one line naming the field, exit 2."""

@@ -207,7 +207,9 @@ def test_decoding_with_a_datastore_keeps_greedy_and_accepts_more(distilled):
     assert per_step(with_store) > 1.3 * per_step(without)
 
 
-def test_medusa_build_indexes_a_datastore_or_refuses_its_source(tmp_path, tiny_merged, capsys):
+def test_medusa_build_indexes_a_datastore_or_refuses_its_source(tmp_path, tiny_base, tiny_merged, capsys):
+    from transformers import AutoModelForCausalLM
+
     ckpt = tiny_merged("llama")
     bad = tmp_path / "bad.jsonl"
     bad.write_text("not json\n")
@@ -232,3 +234,14 @@ def test_medusa_build_indexes_a_datastore_or_refuses_its_source(tmp_path, tiny_m
                              "--medusa-choices", "dynamic:8", *flags]) == 0
         outputs.append(capsys.readouterr().out.split("\n-- ")[0])  # the text, not the timing line after it
     assert outputs[0] == outputs[1] and outputs[0].strip()  # greedy: the same text either way
+
+    # On the engine, chains that do get accepted: this checkpoint's heads are random, so a datastore of
+    # the base's own greedy continuations is where every accepted draft comes from.
+    ps = prompts(8)
+    truth = [oracle(AutoModelForCausalLM.from_pretrained(tiny_base("llama")).eval(), p) for p in ps]
+    cfg = GenerationConfig(max_new_tokens=48, medusa_choices="dynamic:8", stop_token_ids=(EOS,))
+    plain = decode(backend, ps, GenerationConfig(**{**cfg.__dict__, "datastore": False}))
+    backend.datastore = datastore.build([p + t for p, t in zip(ps, truth, strict=True)])
+    with_store = decode(backend, ps, cfg)
+    assert with_store.tokens == plain.tokens == truth
+    assert sum(s.accepted_draft_tokens for s in with_store.stats) > 2 * sum(s.accepted_draft_tokens for s in plain.stats) + 20

@@ -35,19 +35,18 @@ def distilled_int4(distilled, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("attention", [None, "row_exact_f32", "exact weights", "distilled heads"])
-def test_int4_medusa_greedy_equals_plain(ort_engine, attention, request):
+@pytest.mark.parametrize("case", [None, "row_exact_f32", "exact weights", "distilled heads"])
+def test_int4_medusa_greedy_equals_plain(ort_engine, case, request):
     """Medusa greedy on an int4 engine == plain greedy on the same engine (fused step and two-call
     path), with the default tree: a chain_f32 engine runs its main chain, row_exact_f32 all of it.
     With heads that predict, drafts are accepted and committed on both paths."""
-    if attention == "exact weights":
-        backend = OrtBackend(exact_engine(ort_engine))
-        attention = None
-    elif attention == "distilled heads":
-        backend = OrtBackend(request.getfixturevalue("distilled_int4"))
-        attention = "row_exact_f32"
+    predicting_heads = case == "distilled heads"
+    if case == "exact weights":
+        backend, attention = OrtBackend(exact_engine(ort_engine)), None
+    elif predicting_heads:
+        backend, attention = OrtBackend(request.getfixturevalue("distilled_int4")), "row_exact_f32"
     else:
-        backend = OrtBackend(int4_engine(ort_engine, 4, attention))
+        backend, attention = OrtBackend(int4_engine(ort_engine, 4, case)), case
     assert backend.info.chains_only == (attention is None)
     prompts = [[5, 9, 17, 33], [3, 4], list(range(20, 40))]
     plain = decode(backend, prompts, GenerationConfig(max_new_tokens=32, use_medusa=False)).tokens
@@ -57,7 +56,7 @@ def test_int4_medusa_greedy_equals_plain(ort_engine, attention, request):
     backend.fused_step_topk = None
     two_call = decode(backend, prompts, GenerationConfig(max_new_tokens=32, use_medusa=True))
     assert two_call.tokens == plain
-    if request.node.callspec.params["attention"] == "distilled heads":
+    if predicting_heads:
         assert all(sum(s.accepted_draft_tokens for s in r.stats) > 10 for r in (fused, two_call))
 
 

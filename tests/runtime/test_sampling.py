@@ -155,11 +155,15 @@ def _argmax_rule(retrieve, tokens, probs, uniforms):
     return best, accepted, drawn
 
 
-def test_a_broken_rule_fails_the_same_test(small, monkeypatch):
-    tree, k_tokens, processing = CASES[1]
-    law = exact_law(small.hf, PROMPT, k_tokens, **processing)
+@pytest.mark.parametrize("tree,k_tokens,processing", [CASES[1], CASES[4]])
+def test_a_broken_rule_fails_the_same_test(small, monkeypatch, tree, k_tokens, processing):
+    # The negative control, on a static tree and on per-step trees with context candidates: the
+    # test above would catch an acceptance rule that biases the output on either path.
+    processing = dict(processing)
+    prompt = processing.pop("prompt", PROMPT)
+    law = exact_law(small.hf, prompt, k_tokens, **processing)
     monkeypatch.setattr(steps, "sample_accept", _argmax_rule)
-    samples, _ = sampled_prefixes(small.backend, tree, k_tokens, 8000, **processing)
+    samples, _ = sampled_prefixes(small.backend, tree, k_tokens, 8000, prompt=prompt, **processing)
     assert chi_square_p(samples, law) < ALPHA
 
 
