@@ -1,7 +1,7 @@
 """Tree acceptance (greedy, typical, sample) and next-step candidates, in tensor ops only.
 
 One implementation serves the decoding loop (eager torch) and the ONNX Runtime engine's fused step
-graph (engines/onnx/export.py traces the greedy functions), so both accept exactly the same path.
+graph (engines/onnx/step.py traces the greedy functions), so both accept exactly the same path.
 Everything is gathers, compares and reductions with shapes fixed by the inputs: no data-dependent
 shapes, no Python branching on values. The sampling rule and its proof: docs/sampling.md.
 """
@@ -62,7 +62,8 @@ def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """logits / temperature in float32, shifted so that the largest is 0: the same softmax, without
     the overflow to inf (and NaN probabilities) that a small temperature > 0 gives logits / T. As T
     shrinks the softmax tends to the argmax's point mass, and reaches it: the largest logits stay 0
-    even where T rounds to 0 in float32 (not 0 / 0), the others go to -inf. A NaN logit stays NaN."""
+    even where T rounds to 0 in float32 (not 0 / 0), the others go to -inf. A NaN logit makes its
+    whole row NaN (the row's max is NaN); the sampler refuses such logits (runtime/steps.py)."""
     x = logits.float()
     x = x - x.amax(-1, keepdim=True)
     return torch.where(x == 0, x, x / temperature)
@@ -82,8 +83,8 @@ def typical_accept(retrieve: torch.Tensor, tokens: torch.Tensor, logits: torch.T
     tempered distribution of the slot before it exceeds the entropy-dependent threshold. Not exact:
     the output does not follow the base model's sampling distribution (use `sample_accept`).
 
-    retrieve [N, D+1], tokens [B, T], logits [B, T, V]. Returns (best path [B], accepted [B]): the
-    longest accepted run, ties to the larger sum of log-probabilities."""
+    retrieve [N, D+1] or [B, N, D+1] (per sequence), tokens [B, T], logits [B, T, V]. Returns (best
+    path [B], accepted [B]): the longest accepted run, ties to the larger sum of log-probabilities."""
     valid = retrieve[..., 1:] >= 0
     cand = path_tokens(retrieve, tokens)  # [B, N, D] candidate at each depth
     prev = retrieve[..., :-1].clamp(min=0).expand(cand.shape)  # [B, N, D] slot whose logits judge it
@@ -101,19 +102,19 @@ def typical_accept(retrieve: torch.Tensor, tokens: torch.Tensor, logits: torch.T
 def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int | None = None,
                    top_p: float = 1.0) -> torch.Tensor:
     """The distribution sampling draws from [..., V]: softmax(logits / temperature) restricted to the
-    top_k most likely tokens (ties at the k-th value kept), then to the nucleus (the most likely
-    tokens until their mass reaches top_p; a token is dropped when the tokens above it already hold
-    top_p), renormalized. Same order and rules as transformers' TopK/TopP warpers."""
+    top_k most likely tokens (ties at the k-th value kept), then to the nucleus, renormalized. Same
+    order and rules as transformers' TopK/TopP warpers, ties included: the nucleus drops, from the
+    least likely token up (equal logits in token order), every token whose running mass is at most
+    1 - top_p, and never the most likely one."""
     x = tempered(logits, temperature)
     if top_k is not None and top_k < x.shape[-1]:
         x = x.masked_fill(x < x.topk(top_k, dim=-1).values[..., -1:], -torch.inf)
-    probs = torch.softmax(x, dim=-1)
     if top_p < 1.0:
-        ranked, order = probs.sort(dim=-1, descending=True)
-        drop = (ranked.cumsum(-1) - ranked) >= top_p  # the most likely token is never dropped
-        probs = probs.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), 0.0)
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
+        ranked, order = x.sort(dim=-1, stable=True)
+        drop = torch.softmax(ranked, dim=-1).cumsum(-1) <= 1 - top_p
+        drop[..., -1] = False
+        x = x.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), -torch.inf)
+    return torch.softmax(x, dim=-1)
 
 
 def sample_tokens(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

@@ -395,9 +395,12 @@ def check_draft_vocab(ids: object, vocab_size: int | None, where: str, error: ty
     if bad:
         expected = f"0..{limit - 1}" if limit is not None else "non-negative ids"
         raise error(f"{where} holds token id {bad[0]}, outside the vocabulary; expected ids in {expected}")
-    if len(set(ids)) != len(ids) or len(ids) < min_size:
-        raise error(f"{where} has {len(ids)} ids ({len(set(ids))} distinct); expected at least {min_size} distinct "
-                    "token ids")
+    if len(set(ids)) != len(ids):
+        seen: set[int] = set()
+        twice = next(i for i in ids if i in seen or seen.add(i))
+        raise error(f"{where} holds token id {twice} more than once; expected each id once")
+    if len(ids) < min_size:
+        raise error(f"{where} has {len(ids)} ids; expected at least {min_size} distinct token ids")
     return sorted(ids)
 
 

@@ -29,7 +29,7 @@ def read_samples(path: str | Path, *, any_suffix_is_text: bool = False, what: st
         raise DataError(f"{path}: unsupported suffix {path.suffix!r}; expected .txt (one sample per line) "
                         "or .jsonl (objects with a 'text' field)")
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = path.read_text(encoding="utf-8-sig").splitlines()
     except FileNotFoundError:
         raise DataError(f"{path}: file not found") from None
     except (OSError, UnicodeDecodeError) as e:
@@ -78,13 +78,18 @@ def is_heldout(conv_id: str) -> bool:
     return int(hashlib.sha1(conv_id.encode()).hexdigest(), 16) % HELDOUT_MODULUS == 0
 
 
+# The roles of a person's turns: ShareGPT's own "human", and "user" of the variants exported with
+# chat-template role names.
+HUMAN_ROLES = ("human", "user")
+
+
 @dataclass(frozen=True)
 class Conversation:
     id: str
     turns: tuple[tuple[str, str], ...]  # (role "human" | "gpt" | ..., text), in order
 
     def first_human(self) -> str | None:
-        return next((text for role, text in self.turns if role == "human" and text.strip()), None)
+        return next((text for role, text in self.turns if role in HUMAN_ROLES and text.strip()), None)
 
 
 def sharegpt_shaped(path: str | Path) -> bool:
@@ -96,7 +101,7 @@ def sharegpt_shaped(path: str | Path) -> bool:
     if path.suffix != ".jsonl":
         return False
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:
             first = next((line for line in f if line.strip()), "")
         return isinstance(obj := json.loads(first), dict) and "conversations" in obj
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):  # arrays nested too deep
@@ -111,7 +116,7 @@ def read_sharegpt(path: str | Path) -> tuple[list[Conversation], bool]:
     ShareGPT-shaped is an error naming its index and field."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")
     except FileNotFoundError:
         raise DataError(f"{path}: file not found") from None
     except (OSError, UnicodeDecodeError) as e:
@@ -130,6 +135,7 @@ def read_sharegpt(path: str | Path) -> tuple[list[Conversation], bool]:
         i += 1
     out: list[Conversation] = []
     truncated = False
+    line, counted = 1, 0  # the line a record starts on, counted as the reading goes (one pass)
     while True:
         i = skip(i, " \t\r\n," if array else " \t\r\n")
         if i >= n:
@@ -137,28 +143,29 @@ def read_sharegpt(path: str | Path) -> tuple[list[Conversation], bool]:
             break
         if array and text[i] == "]":
             break
+        line, counted = line + text.count("\n", counted, i), i
+        where = f"{path}:{line}: record {len(out) + 1}"  # records counted from 1, as lines are
         try:
             obj, i = decoder.raw_decode(text, i)
         except RecursionError:  # arrays nested past Python's recursion limit
-            raise DataError(f"{path}: record {len(out)}: nested too deep to read; expected ShareGPT records like "
+            raise DataError(f"{where}: nested too deep to read; expected ShareGPT records like "
                             "{\"id\": ..., \"conversations\": [...]}") from None
         except json.JSONDecodeError as e:
             # The file ends inside this record: a string left open to the end, or the end reached.
             if e.msg.startswith("Unterminated string") or e.pos >= len(text.rstrip()):
                 truncated = True
                 break
-            raise DataError(f"{path}: record {len(out)}: not valid JSON ({e.msg} at character {e.pos}); "
-                            "expected ShareGPT records like {\"id\": ..., \"conversations\": [{\"from\": "
-                            "\"human\", \"value\": ...}]}") from None
-        out.append(_conversation(path, len(out), obj))
+            raise DataError(f"{where}: not valid JSON ({e.msg.removesuffix(' at')} at line {e.lineno} column "
+                            f"{e.colno}); expected ShareGPT records like {{\"id\": ..., \"conversations\": "
+                            "[{\"from\": \"human\", \"value\": ...}]}") from None
+        out.append(_conversation(where, obj))
     if not out:
         raise DataError(f"{path}: no conversations (expected ShareGPT records like {{\"id\": ..., "
                         "\"conversations\": [...]})")
     return out, truncated
 
 
-def _conversation(path: Path, index: int, obj) -> Conversation:
-    where = f"{path}: record {index}"
+def _conversation(where: str, obj) -> Conversation:
     if not isinstance(obj, dict):
         raise DataError(f"{where}: expected an object with 'id' and 'conversations', got {type(obj).__name__}")
     conv_id, turns = obj.get("id"), obj.get("conversations")

@@ -46,11 +46,32 @@ def check_output_dir(out: Path, force: bool, error: type[MedusaTrtError] = Medus
         raise error(f"{out}: {flag} exists and is not a directory (a file is never replaced, even with --force)")
     if out.is_dir() and any(out.iterdir()) and not force:
         raise error(f"{out}: {flag} exists and is not empty; pass --force to replace it")
-    ancestor = out.parent
+    check_creatable(out, error)
+
+
+def check_creatable(path: Path, error: type[MedusaTrtError] = MedusaTrtError) -> None:
+    """Refuses, before any work, a path whose nearest existing ancestor is a file (it cannot be made)."""
+    ancestor = path.parent
     while not ancestor.exists() and ancestor != ancestor.parent:
         ancestor = ancestor.parent
     if not ancestor.is_dir():
-        raise error(f"{out}: cannot create it: {ancestor} is not a directory")
+        raise error(f"{path}: cannot create it: {ancestor} is not a directory")
+
+
+def missing_parents(path: Path) -> list[Path]:
+    """The parents of `path` that do not exist yet, innermost first: what a write makes, and removes
+    again when it fails."""
+    missing, parent = [], path.parent
+    while not parent.exists():
+        missing.append(parent)
+        parent = parent.parent
+    return missing
+
+
+def _remove_empty(directories: list[Path]) -> None:
+    for d in directories:  # innermost first; rmdir removes only what is still empty
+        with suppress(OSError):
+            d.rmdir()
 
 
 @contextmanager
@@ -61,11 +82,7 @@ def atomic_output_dir(out: str | Path, force: bool = False, error: type[MedusaTr
     on any exception nothing is left behind."""
     out = Path(out)
     check_output_dir(out, force, error, inputs)
-    created = []  # parents made here, removed again on failure
-    parent = out.parent
-    while not parent.exists():
-        created.append(parent)
-        parent = parent.parent
+    created = missing_parents(out)  # made here, removed again on failure
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:12]}"
     try:
         for d in reversed(created):
@@ -85,9 +102,7 @@ def atomic_output_dir(out: str | Path, force: bool = False, error: type[MedusaTr
             tmp.rename(out)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        for d in created:  # innermost first; rmdir removes only what is still empty
-            with suppress(OSError):
-                d.rmdir()
+        _remove_empty(created)
         if isinstance(e, OSError):
             _name_out(e, tmp, out)
         raise
@@ -101,7 +116,7 @@ def staged_files(out: str | Path, supersedes: tuple[str, ...] = ()) -> Iterator[
     hold other files (medusa-train-heads), where atomic_output_dir would replace the whole dir."""
     out = Path(out)
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:12]}"
-    made_out = not out.exists()
+    made = [out] * (not out.exists()) + missing_parents(out)  # removed again on failure, if left empty
     try:
         tmp.mkdir(parents=True)
         yield tmp
@@ -114,9 +129,7 @@ def staged_files(out: str | Path, supersedes: tuple[str, ...] = ()) -> Iterator[
         tmp.rmdir()
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        if made_out:
-            with suppress(OSError):
-                out.rmdir()  # only if the failure left it empty
+        _remove_empty(made)
         if isinstance(e, OSError):
             _name_out(e, tmp, out)
         raise

@@ -253,6 +253,14 @@ class SafetensorsWriter:
                                   f"tensors; next missing: {self.plan[self._next][0]!r}")
 
 
+def save_tensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike) -> None:
+    """A dict of tensors as one .safetensors file, in its order: safetensors.torch.save_file's job,
+    with the permissions of the files beside it (save_file makes its file 0600 whatever the umask)."""
+    with SafetensorsWriter(path, [(name, t.dtype, t.shape) for name, t in tensors.items()]) as writer:
+        for name, t in tensors.items():
+            writer.write(name, t)
+
+
 def check_finite(t: torch.Tensor, what: str, error: type[CheckpointError] = CheckpointError) -> None:
     """NaN or Inf in a weight is refused, naming the tensor: it would convert, build and decode
     without a word and give garbage (medusa-convert on what it writes, medusa-build and the reference

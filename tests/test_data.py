@@ -89,3 +89,40 @@ def test_missing_file_and_not_utf8(tmp_path):
 def test_data_error_is_the_project_error():
     """The CLIs turn MedusaTrtError into one line and exit 2: DataError must be one."""
     assert issubclass(DataError, MedusaTrtError)
+
+
+def test_a_byte_order_mark_is_not_text(tmp_path):
+    # Editors on Windows write one at the start of UTF-8 files: it must not join the first sample or
+    # hide a ShareGPT JSONL file's shape (it was read as text samples and refused as such).
+    from medusa_trt.data import read_sharegpt, sharegpt_shaped
+
+    bom = "\ufeff".encode()
+    assert read_samples(write(tmp_path / "a.txt", bom + b"first\nsecond\n")) == ["first", "second"]
+    assert read_samples(write(tmp_path / "a.jsonl", bom + b'{"text": "x"}\n')) == ["x"]
+    record = {"id": "c1", "conversations": [{"from": "human", "value": "hi"}]}
+    shareg = write(tmp_path / "s.jsonl", bom + json.dumps(record).encode() + b"\n")
+    assert sharegpt_shaped(shareg) and read_sharegpt(shareg)[0][0].first_human() == "hi"
+    assert read_sharegpt(write(tmp_path / "s.json", bom + json.dumps([record]).encode()))[0][0].id == "c1"
+
+
+def test_user_turns_are_human_turns():
+    # ShareGPT variants exported with chat-template role names say "user" for ShareGPT's "human".
+    from medusa_trt.data import Conversation
+
+    assert Conversation("c", (("system", "be brief"), ("user", "hi"), ("assistant", "hello"))).first_human() == "hi"
+    assert Conversation("c", (("gpt", "hello"),)).first_human() is None
+
+
+def test_a_draft_vocabulary_holds_at_least_what_a_checkpoint_needs():
+    # Targets of 9 distinct tokens: the drafter's vocabulary still holds MIN_DRAFT_VOCAB ids (the
+    # next ones by id), or medusa-convert refuses what the training wrote.
+    from medusa_trt.checkpoint import MIN_DRAFT_VOCAB
+    from medusa_trt.tools.distill import Sample
+    from medusa_trt.tools.train_drafter import draft_vocabulary
+
+    samples = [Sample([1, 2] + [10 + i % 9 for i in range(30)], 2, None)]
+    ids, share = draft_vocabulary(samples, 4096, 100)
+    assert len(ids) == MIN_DRAFT_VOCAB and set(range(10, 19)) <= set(ids.tolist()) and share == 1.0
+    assert ids.tolist() == sorted(ids.tolist())
+    assert draft_vocabulary(samples, 20, 100)[0].tolist() == ids.tolist()
+    assert len(draft_vocabulary([Sample(list(range(60)), 2, None)], 20, 100)[0]) == 20

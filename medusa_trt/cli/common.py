@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from medusa_trt.errors import MedusaTrtError
-from medusa_trt.outputs import replaced_input
+from medusa_trt.outputs import check_creatable, replaced_input
 
 if TYPE_CHECKING:
     from medusa_trt.runtime.ort.session import OrtSessionOptions
@@ -380,11 +380,7 @@ def check_output_file(path: Path | None, force: bool, flag: str = "--out", input
         raise MedusaTrtError(f"{path}: {flag} is a directory; expected a file path")
     if (path.exists() or path.is_symlink()) and not force:
         raise MedusaTrtError(f"{path}: {flag} exists; pass --force to replace it")
-    ancestor = path.parent
-    while not ancestor.exists() and ancestor != ancestor.parent:
-        ancestor = ancestor.parent
-    if not ancestor.is_dir():
-        raise MedusaTrtError(f"{path}: cannot create it: {ancestor} is not a directory")
+    check_creatable(path)
 
 
 def write_output_file(path: Path, text: str, force: bool, flag: str = "--out", inputs: Iterable[Path | None] = ()) -> None:

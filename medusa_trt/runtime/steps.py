@@ -37,13 +37,19 @@ class Sampler:
     """Per-sequence random streams and the target distribution of `sample` acceptance. Each
     sequence owns a torch.Generator and draws one uniform per slot of its own tree a step, so its
     tokens depend on its seed and its trees, not on the backend, and, as a sampled sequence's trees
-    are its own (step_trees' own_width), not on the batch or its row either (docs/sampling.md)."""
+    are its own (step_trees' own_width), not on the batch or its row either (docs/sampling.md), save
+    where an engine's key block cuts every row's tree to the batch's tightest room (within_block)."""
 
     def __init__(self, cfg: GenerationConfig, seeds: list[int]):
         self.cfg = cfg
         self.generators = [torch.Generator().manual_seed(s) for s in seeds]
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        # One NaN logit makes its row's distribution NaN, from which every draw would be token 0: a
+        # model that computes NaN is said, not sampled from.
+        if torch.isnan(logits).any():
+            raise ValueError("the model's logits hold NaN, which sampling cannot draw from; the engine or "
+                             "checkpoint computes NaN (medusa-check compares it with its reference)")
         return sampling_probs(logits, self.cfg.temperature, self.cfg.top_k, self.cfg.top_p)
 
     def uniforms(self, count: int, own: list[int] | None = None) -> torch.Tensor:
@@ -74,6 +80,13 @@ class Carry:
     top: tuple[torch.Tensor, torch.Tensor] | None = None
     context: Context | None = None
     slots: int | None = None  # the slots the step just verified, where the tree was chosen per step
+    # each sequence's own slots, where its tree is its own and padded inert to the widest (the pads
+    # are never verified, so the statistics do not count them)
+    row_slots: list[int] | None = None
+
+    def slots_of(self, row: int) -> int | None:
+        """The slots this step verified for the sequence in `row` (None: the step's static tree)."""
+        return self.row_slots[row] if self.row_slots is not None else self.slots
 
     def keep(self, rows: torch.Tensor) -> Carry:
         return Carry(None if self.root is None else self.root[rows],
@@ -386,7 +399,8 @@ def _dynamic_fused_step(backend: Backend, tree: DynamicTree, carry: Carry, sampl
     root = next_tokens[:, 0]
     if carry.context is not None:
         carry.context.advance(emitted, root.tolist())
-    return emitted, accepted, Carry(root=root, top=(top_ids, top_logp), context=carry.context, slots=bt.num_slots)
+    return emitted, accepted, Carry(root=root, top=(top_ids, top_logp), context=carry.context, slots=bt.num_slots,
+                                    row_slots=bt.row_slots)
 
 
 def _dynamic_two_call_step(backend: Backend, cfg: GenerationConfig, tree: DynamicTree, carry: Carry,
@@ -398,4 +412,5 @@ def _dynamic_two_call_step(backend: Backend, cfg: GenerationConfig, tree: Dynami
     emitted, accepted, root, medusa = verify(backend, bt, bt.tokens, cfg, sampler)
     if carry.context is not None:
         carry.context.advance(emitted, root.tolist())
-    return emitted, accepted, Carry(root=root, medusa=medusa, context=carry.context, slots=bt.num_slots)
+    return emitted, accepted, Carry(root=root, medusa=medusa, context=carry.context, slots=bt.num_slots,
+                                    row_slots=bt.row_slots)

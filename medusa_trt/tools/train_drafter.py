@@ -65,11 +65,15 @@ def coverage(counts: torch.Tensor, vocab: torch.Tensor) -> float:
 
 
 def draft_vocabulary(samples: list[Sample], size: int, vocab_size: int) -> tuple[torch.Tensor, float]:
-    """The `size` most frequent generated tokens (sorted ids) and the share of targets they cover."""
+    """The `size` most frequent generated tokens (sorted ids) and the share of targets they cover:
+    those that occur, and at least MIN_DRAFT_VOCAB ids (the next ones in id order where the targets
+    hold fewer distinct tokens), the least a checkpoint's draft vocabulary holds."""
+    from medusa_trt.checkpoint import MIN_DRAFT_VOCAB
+
     counts = target_counts(samples, vocab_size)
-    ids = counts.argsort(descending=True)[:size]
-    ids = ids[counts[ids] > 0].sort().values
-    return ids, coverage(counts, ids)
+    seen = int((counts > 0).sum())
+    ids = counts.argsort(descending=True, stable=True)[: min(size, max(seen, MIN_DRAFT_VOCAB))]
+    return ids.sort().values, coverage(counts, ids)
 
 
 def _batch(samples: list[Sample], max_len: int) -> dict[str, torch.Tensor]:
@@ -311,13 +315,14 @@ def save_amphista(drafter: nn.Module, out_dir: str | Path, *, base: str, vocab: 
                   dtype: torch.dtype = torch.float32) -> Path:
     """The drafter in this project's Amphista format (docs/formats.md): amphista.safetensors (its
     parameters by module name) + config.json (shape, draft vocabulary, the base it belongs to)."""
-    from safetensors.torch import save_file
+    from medusa_trt.safetensors_io import save_tensors
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().to(dtype).contiguous() for k, v in drafter.named_parameters()}, out / "amphista.safetensors")
+    save_tensors({k: v.detach().to(dtype) for k, v in drafter.named_parameters()}, out / "amphista.safetensors")
     config = {"drafter": "amphista", "amphista": drafter.options.to_dict(), "hidden_size": drafter.hidden_size,
-              "vocab_size": drafter.vocab_size, "base_model_name_or_path": base}
+              "vocab_size": drafter.vocab_size, "num_attention_heads": drafter.num_attention_heads,
+              "num_key_value_heads": drafter.num_kv_heads, "head_dim": drafter.head_dim, "base_model_name_or_path": base}
     if vocab is not None:
         config["draft_vocab"] = [int(i) for i in vocab]
     (out / "config.json").write_text(json.dumps(config) + "\n")

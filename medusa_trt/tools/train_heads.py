@@ -69,10 +69,10 @@ def greedy_continuations(model, prompts: list[list[int]], new_tokens: int, batch
 
 
 @torch.inference_mode()
-def hidden_states(model, sequences: list[list[int]], batch_size: int = 32) -> list[torch.Tensor]:
+def hidden_states(model, sequences: list[list[int]], batch_size: int = 32, progress: bool = False) -> list[torch.Tensor]:
     """Final normed hidden state [S, d] (float32) of each sequence (an HF causal LM's inner model)."""
     out: list[torch.Tensor] = [torch.empty(0)] * len(sequences)
-    for idx in _by_length(sequences, batch_size):
+    for idx in tqdm(_by_length(sequences, batch_size), desc="hidden states", unit="batch", disable=not progress):
         h = model.model(torch.tensor([sequences[i] for i in idx])).last_hidden_state.float()  # [B, S, d]
         for row, i in enumerate(idx):
             out[i] = h[row]
@@ -80,11 +80,11 @@ def hidden_states(model, sequences: list[list[int]], batch_size: int = 32) -> li
 
 
 def head_pairs(model, sequences: list[list[int]], num_heads: int,
-               starts: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               starts: list[int] | None = None, progress: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Training pairs: hidden state at t [N, d] and targets tokens t+2+k [N, H], for every t >= the
     sequence's start with all H targets inside it. `starts` (default 0) skips prompt positions in
     self-distillation, whose next tokens are the data's, not the base's."""
-    hs = hidden_states(model, sequences)
+    hs = hidden_states(model, sequences, progress=progress)
     xs, ys = [], []
     for i, (h, s) in enumerate(zip(hs, sequences, strict=True)):
         start = starts[i] if starts is not None else 0
@@ -243,10 +243,10 @@ def save_heads(state: dict[str, torch.Tensor], out_dir: str | Path, base_dir: st
         path = out / "medusa_lm_head.pt"
         torch.save(tensors, path)
     else:
-        from safetensors.torch import save_file
+        from medusa_trt.safetensors_io import save_tensors
 
         path = out / "medusa_lm_head.safetensors"
-        save_file(tensors, path)
+        save_tensors(tensors, path)
         config["version"] = "2"
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return path

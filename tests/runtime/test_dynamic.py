@@ -15,6 +15,7 @@ from medusa_trt.runtime.decoding import GenerationConfig, decode
 from medusa_trt.runtime.dynamic import (
     MAX_NGRAM,
     SLOT_COST,
+    Context,
     ContextIndex,
     ContextStats,
     DynamicTree,
@@ -23,6 +24,7 @@ from medusa_trt.runtime.dynamic import (
     build_batch,
     choose_nodes,
     dynamic_tree,
+    step_trees,
     worth,
 )
 from medusa_trt.tree import TreeError, parse_dynamic, spec_cost
@@ -104,6 +106,25 @@ def test_batch_tree_buffers():
     assert bt.retrieve[0].tolist() == [[0, 2, -1, -1, -1], [0, 1, 3, -1, -1]]
     assert bt.retrieve[1, 0].tolist() == [0, 1, 2, 3, -1]
     assert build_batch([[]], [3]).retrieve.tolist() == [[[0, -1]]]  # the root alone
+
+
+def test_a_nan_or_infinite_draft_costs_its_slot_never_the_tree():
+    """A drafter that computes NaN or -inf log-probabilities (an overflow) makes greedy output no
+    different, so it may cost speed but not the step: every tree stays closed under prefixes (a NaN
+    score used to order a child before its parent, and build_batch failed on the missing parent)."""
+    import torch
+
+    for seed in range(300):
+        rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
+        heads, k = 3, 4
+        ids = torch.stack([torch.randperm(50, generator=g)[:k] for _ in range(heads)])[None]
+        logp = torch.log_softmax(torch.randn(heads, 50, generator=g), -1).sort(descending=True).values[:, :k][None]
+        logp[0, rng.randrange(heads), rng.randrange(k)] = math.nan
+        logp[0, rng.randrange(heads), rng.randrange(1, k)] = -math.inf
+        prompt = [rng.randrange(50) for _ in range(12)]
+        tree = DynamicTree(rng.choice([4, 8, 12]), heads, k, context=True, slot_cost=0.0)
+        bt = step_trees(tree, torch.tensor([prompt[6]]), ids, logp, Context.of([prompt + prompt[:6]]))
+        assert bt.mask[0, :, 0].all() and 1 <= bt.num_slots <= 1 + tree.budget, seed  # every slot under the root
 
 
 def test_context_index_finds_the_latest_longest_match_and_loops():
@@ -220,7 +241,12 @@ def test_typical_and_sample_acceptance_run_on_per_step_trees(distilled, acceptan
     if acceptance == "typical":
         greedy = decode(m.backend, ps, dataclasses.replace(cfg, temperature=0.0))
         assert greedy.tokens == [oracle(m.hf, p) for p in ps]
-        assert batch.tokens == [decode(m.backend, [p], cfg).tokens[0] for p in ps]
+        alone = [decode(m.backend, [p], cfg) for p in ps]
+        assert batch.tokens == [a.tokens[0] for a in alone]
+        # and counts as it does alone: the inert pads that make a row's tree as wide as the batch's
+        # widest are not drafts it verified
+        assert [(s.draft_tokens, s.accepted_draft_tokens) for s in batch.stats] == [
+            (a.stats[0].draft_tokens, a.stats[0].accepted_draft_tokens) for a in alone]
     else:
         assert decode(m.backend, ps, cfg).tokens == batch.tokens
         assert decode(m.backend, ps, dataclasses.replace(cfg, seed=4)).tokens != batch.tokens

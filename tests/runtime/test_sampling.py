@@ -14,6 +14,7 @@ tests with p-values far below ALPHA.
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter
 from types import SimpleNamespace
@@ -266,14 +267,26 @@ def test_sampling_probs_equals_transformers_warpers():
         TopPLogitsWarper,
     )
 
-    logits = 2 * torch.randn(64, 50, generator=torch.Generator().manual_seed(0))
-    for t, k, p in [(0.7, None, 0.9), (1.0, 5, 1.0), (0.5, 8, 0.8), (1.3, None, 0.3), (1.0, 1, 1.0)]:
-        ref = TemperatureLogitsWarper(t)(None, logits.clone())
-        ref = TopKLogitsWarper(k)(None, ref) if k else ref
-        ref = TopPLogitsWarper(p)(None, ref) if p < 1 else ref
-        ours = sampling_probs(logits, t, k, p)
-        assert torch.equal(ours > 0, torch.softmax(ref, -1) > 0), (t, k, p)
-        assert torch.allclose(ours, torch.softmax(ref, -1), atol=1e-6), (t, k, p)
+    g = torch.Generator().manual_seed(0)
+    # Real-valued logits, and integer ones: ties at the nucleus' edge (frequent in float16 logits),
+    # where which of the tied tokens stays is the warpers' tie order.
+    for logits in (2 * torch.randn(64, 50, generator=g), torch.randint(0, 6, (256, 12), generator=g).float()):
+        for t, k, p in [(0.7, None, 0.9), (1.0, 5, 1.0), (0.5, 8, 0.8), (1.3, None, 0.3), (1.0, 1, 1.0),
+                        (1.0, None, 0.6), (1.0, 6, 0.5)]:
+            ref = TemperatureLogitsWarper(t)(None, logits.clone())
+            ref = TopKLogitsWarper(k)(None, ref) if k else ref
+            ref = TopPLogitsWarper(p)(None, ref) if p < 1 else ref
+            ours = sampling_probs(logits, t, k, p)
+            assert torch.equal(ours > 0, torch.softmax(ref, -1) > 0), (t, k, p)
+            assert torch.allclose(ours, torch.softmax(ref, -1), atol=1e-6), (t, k, p)
+
+
+def test_nan_logits_are_one_error_not_token_0():
+    # One NaN logit makes its row's distribution NaN, where every inverse-CDF draw is token 0.
+    sampler = steps.Sampler(GenerationConfig(acceptance="sample", temperature=0.8), [0])
+    with pytest.raises(ValueError, match="logits hold NaN"):
+        sampler.draw(torch.tensor([[1.0, math.nan, 3.0, 2.0]]))
+    assert sampler.draw(torch.tensor([[1.0, -math.inf, 3.0, 2.0]])).item() in (0, 2, 3)
 
 
 def test_sample_tokens_never_draws_a_zero_probability_token():

@@ -4,6 +4,7 @@ clear errors; and the committed demo model (loads, converts, Medusa greedy == pl
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 from pathlib import Path
@@ -151,13 +152,18 @@ def test_plain_targets_and_txt_data(tiny_base, tmp_path, capsys, monkeypatch):
                            "--shared-lm-head", "--steps", "2", "--quiet"]) == 0
     assert sorted(f.name for f in out.iterdir()) == ["config.json", "medusa_lm_head.safetensors", "notes.txt",
                                                      "training_summary.json"]
+    # every file with the umask's permissions (safetensors' own save_file made the heads 0600)
+    assert {oct(f.stat().st_mode & 0o777) for f in out.iterdir() if f.name != "notes.txt"} == {
+        oct(0o666 & ~_umask())}
 
 
 @pytest.mark.parametrize("case", ["missing", "empty", "suffix", "bad_json", "no_text", "bad_base", "no_base",
                                   "bad_gguf", "too_short", "bad_option", "amphista_option", "cache_without_text",
                                   "continuation_too_short", "diverged"])
 def test_bad_input_exits_2(case, tiny_base, tmp_path, capsys):
-    base, data, out = tiny_base("llama"), tmp_path / "data.jsonl", tmp_path / "heads"
+    # --out in folders that do not exist yet: a failed run (the diverged case fails after training)
+    # leaves none of them behind
+    base, data, out = tiny_base("llama"), tmp_path / "data.jsonl", tmp_path / "new" / "new" / "heads"
     write_data(data)
     expected = {
         "missing": "missing.jsonl: file not found",
@@ -216,7 +222,7 @@ def test_bad_input_exits_2(case, tiny_base, tmp_path, capsys):
     assert rc == 2
     err = capsys.readouterr().err
     assert "medusa-train-heads: error:" in err and expected in err, err
-    assert not out.exists()
+    assert not (tmp_path / "new").exists()
 
 
 def test_batched_greedy_continuations_equal_one_at_a_time(tiny_base):
@@ -303,6 +309,7 @@ def test_amphista_from_sharegpt_self_distilled_and_resumed_from_its_cache(tiny_b
     b, c, d = (load_file(tmp_path / run / "amphista.safetensors") for run in "bcd")
     assert all(torch.equal(b[k], c[k]) for k in b) and not all(torch.equal(b[k], d[k]) for k in b)
     assert json.loads((tmp_path / "d" / "training_summary.json").read_text())["bf16"] is True
+    assert oct((tmp_path / "d" / "amphista.safetensors").stat().st_mode & 0o777) == oct(0o666 & ~_umask())
     convert(tiny_base("llama"), tmp_path / "a", tmp_path / "ckpt", progress=False)  # medusa-convert takes it
 
 
@@ -310,10 +317,18 @@ def test_amphista_from_sharegpt_self_distilled_and_resumed_from_its_cache(tiny_b
     ("arch", "--arch 'eagle': expected one of amphista, medusa"),
     ("corpus", "needs --self-distill (the corpus holds the base model's own continuations"),
     ("empty", "no conversations"),
-    ("shape", "record 1 (x1): conversations[0]: expected {\"from\": str, \"value\": str}"),
-    ("id", "record 0: field 'id': expected a non-empty string"),
-    ("nested", "record 0: nested too deep to read"),  # a RecursionError traceback before
+    ("shape", "data.json:1: record 2 (x1): conversations[0]: expected {\"from\": str, \"value\": str}"),
+    ("id", "record 1: field 'id': expected a non-empty string"),
+    ("nested", "record 1: nested too deep to read"),  # a RecursionError traceback before
     ("blank", "no conversations (expected ShareGPT records like {\"id\": ..., \"conversations\": [...]})"),
+    # the line of the record and of the fault in it, and the decoder's message without its dangling "at"
+    ("control", "data.json:3: record 2: not valid JSON (Invalid control character at line 4 column 50)"),
+    ("roles", "expected turns from 'human' or 'user', the file's turns are from 'assistant', 'person'"),
+    ("draft-vocab", "--draft-vocab 15: expected at least 16"),
+    # where the run writes, refused before it reads the data or loads the base (it was refused after)
+    ("out-under-a-file", "out/sub: cannot create it: "),
+    ("cache-is-a-file", "cache: --cache exists and is not a directory"),
+    ("cache-is-out", "out: is --out; keep the cache in a directory of its own"),
 ])
 def test_amphista_bad_input_exits_2_and_writes_nothing(case, expect, tiny_base, tmp_path, capsys):
     data = tmp_path / "data.json"
@@ -328,14 +343,29 @@ def test_amphista_bad_input_exits_2_and_writes_nothing(case, expect, tiny_base, 
         data.write_text("[" + "[" * 100000)
     elif case == "blank":
         data.write_text("  \n")
+    elif case == "control":
+        data.write_text('[{"id": "x0", "conversations": []},\n\n {"id": "x1",\n  "conversations": [{"from": "human", '
+                        '"value": "a\tb"}]}]')
+    elif case == "roles":
+        data.write_text(json.dumps([{"id": f"x{i}", "conversations": [{"from": "person", "value": "hi"},
+                                                                      {"from": "assistant", "value": "hello"}]}
+                                    for i in range(3)]))
     else:
         _sharegpt(data)
-    extra = ["--corpus", str(tmp_path / "corpus")] if case == "corpus" else []
-    rc = train_cli.main(["--base", str(tiny_base("llama")), "--data", str(data), "--out", str(tmp_path / "out"),
+    out = tmp_path / "out"
+    extra = {"corpus": ["--corpus", str(tmp_path / "corpus")], "draft-vocab": ["--draft-vocab", "15"],
+             "cache-is-a-file": ["--cache", str(tmp_path / "cache")], "cache-is-out": ["--cache", str(out)]}.get(case, [])
+    if case == "out-under-a-file":
+        out.write_text("a file")
+        out = out / "sub"
+    if case == "cache-is-a-file":
+        (tmp_path / "cache").write_text("a file")
+    before = sorted(tmp_path.iterdir())
+    rc = train_cli.main(["--base", str(tiny_base("llama")), "--data", str(data), "--out", str(out),
                          "--arch", arch, "--quiet", *extra])
     err = capsys.readouterr().err
     assert rc == 2 and expect in err and err.count("\n") == 1, err
-    assert not (tmp_path / "out").exists() and not (tmp_path / "corpus").exists()
+    assert sorted(tmp_path.iterdir()) == before  # nothing written: no --out, --cache or --corpus
 
 
 def test_a_bad_data_file_is_refused_before_the_base_loads(tiny_base, tmp_path, capsys, monkeypatch):
@@ -349,7 +379,7 @@ def test_a_bad_data_file_is_refused_before_the_base_loads(tiny_base, tmp_path, c
     rc = train_cli.main(["--base", str(tiny_base("llama")), "--data", str(data), "--out", str(tmp_path / "out"),
                          "--arch", "amphista", "--quiet"])
     err = capsys.readouterr().err
-    assert rc == 2 and "record 0 (x0): conversations[0]" in err and err.count("\n") == 1, err
+    assert rc == 2 and "record 1 (x0): conversations[0]" in err and err.count("\n") == 1, err
     assert not (tmp_path / "out").exists()
 
 
@@ -452,3 +482,9 @@ def test_the_cache_is_keyed_by_the_base_weights_and_force_replaces_the_drafter(t
     assert train_cli.main(["--base", str(base), "--data", str(data), "--out", str(out), "--force", "--steps", "2",
                            "--quiet"]) == 0
     assert not (out / "amphista.safetensors").exists() and (out / "medusa_lm_head.pt").exists()
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

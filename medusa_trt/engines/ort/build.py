@@ -184,13 +184,12 @@ def _quantize_int4(opts: BuildOptions, ort: OrtOptions, config: dict, model, wor
         log.warning("%s: %s", opts.checkpoint / "config.json", hint)
     grids, rounding = None, "offsets" if offsets else "nearest"
     if ort.calibrates:
-        from safetensors.torch import save_file
-
         from medusa_trt.calibration.activations import (
             calibrate_input_power,
             choose_searched_rows,
             int4_calibration_tensors,
         )
+        from medusa_trt.safetensors_io import save_tensors
 
         samples, source = _calibration(opts, ort, config, model, "--int4-rounding nearest")
         importance = calibrate_input_power(model, samples)
@@ -198,8 +197,7 @@ def _quantize_int4(opts: BuildOptions, ort: OrtOptions, config: dict, model, wor
             importance.pop("lm_head", None)
         rows, grids = choose_searched_rows(model, samples, importance, block)
         # The reference (medusa-check) searches the same grids: it reads the weights and rows from here.
-        save_file(int4_calibration_tensors(importance, rows), str(workdir / INT4_IMPORTANCE_FILE))
-        (workdir / INT4_IMPORTANCE_FILE).chmod(0o644)  # as the engine's other files (save_file writes 0600)
+        save_tensors(int4_calibration_tensors(importance, rows), workdir / INT4_IMPORTANCE_FILE)
         searched = sum(int(r.sum()) for r in rows.values())
         rounding = {"method": "calibrated", "calibration": source, "file": INT4_IMPORTANCE_FILE,
                     "searched_rows": f"{searched} of {sum(r.numel() for r in rows.values())}"}

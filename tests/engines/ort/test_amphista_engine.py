@@ -287,6 +287,10 @@ def _broken(amphista, tmp_path, edit) -> str:
     ("int32", "'fc2.weight' has dtype int32, expected floating-point weights"),
     ("vocab", "vocab_size 300 does not match the base vocab_size"),
     ("block", "amphista [4]: expected an object"),
+    # the attention split the adaptation layers were trained with, whose matrices have the same shapes
+    # under another split (a base of other head counts and the same width)
+    ("attention", "num_attention_heads 8 does not match the base num_attention_heads 4"),
+    ("kv", "num_key_value_heads 4 does not match the base num_key_value_heads 2"),
 ])
 def test_a_bad_drafter_is_one_clear_error_and_nothing_is_written(amphista, tmp_path, case, expect):
     def edit(t, c):
@@ -308,6 +312,10 @@ def test_a_bad_drafter_is_one_clear_error_and_nothing_is_written(amphista, tmp_p
             c["vocab_size"] = 300
         elif case == "block":
             c["amphista"] = [4]
+        elif case == "attention":
+            c["num_attention_heads"] = 8
+        elif case == "kv":
+            c["num_key_value_heads"] = 4
 
     msg = _broken(amphista, tmp_path, edit)
     assert expect in msg, msg
