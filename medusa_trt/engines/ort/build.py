@@ -164,13 +164,16 @@ def gguf_blocks_hint(config: dict, offsets: bool, lm_head_bits: int) -> str | No
 INT4_IMPORTANCE_FILE = "int4_importance.safetensors"  # engine.json weights.rounding.file
 
 
-def _quantize_int4(opts: BuildOptions, ort: OrtOptions, config: dict, model, workdir: Path) -> dict:
+def _quantize_int4(opts: BuildOptions, ort: OrtOptions, config: dict, model, workdir: Path, dtype: str) -> dict:
     """Quantizes `model` in place for --weights int4; returns engine.json's "weights" section."""
     from medusa_trt.quant import INT4_BLOCK_SIZES, Int4Linear, base_linear_names, quantize_model_int4
 
     if (config.get("quantization") or {}).get("quant_algo"):
         raise BuildError(f"{opts.checkpoint / 'config.json'}: an FP8 checkpoint cannot be built with --weights "
                          "int4; convert the base without --quantize fp8")
+    if dtype != "float32":  # the scales, the int8 embedding and medusa-check's reference are float32
+        raise BuildError(f"--dtype {dtype} with --weights int4: expected float32 (a {dtype} int4 graph mixes its "
+                         f"activations with float32 scales, which ONNX Runtime refuses to load)")
     block, level = ort.int4_block_size, ort.int4_accuracy_level
     # A block that fits no base Linear leaves a float graph recorded as int4, which no runtime loads.
     sizes = sorted({model.get_submodule(n).in_features for n in base_linear_names(model)})
@@ -352,7 +355,7 @@ def build_onnxruntime(opts: BuildOptions, config: dict, workdir: Path) -> dict:
         weights = {"format": "float"}
         if ort.weights == "int4":
             stage("quantize int4")
-            weights = _quantize_int4(opts, ort, config, model, workdir)
+            weights = _quantize_int4(opts, ort, config, model, workdir, dtype)
         elif ort.weights == "int8":
             stage("quantize int8")
             weights = _quantize_int8(opts, ort, config, model, dtype)

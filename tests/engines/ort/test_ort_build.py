@@ -214,6 +214,14 @@ def test_int8_weights_need_a_float32_engine_and_nothing_is_written(tiny_merged, 
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "--device cuda with --weights int8: expected cpu" in err[0], err
     assert not out.exists()
+    # int4 likewise: a float16 int4 build crashed (zero-point blocks) or wrote an engine ONNX Runtime
+    # refuses to load (--int4-offsets)
+    for extra in ([], ["--int4-offsets"]):
+        code = build_main(["--checkpoint", str(ckpt), "--out", str(out), "--weights", "int4", "--dtype", "float16",
+                           "--int4-block-size", "32", "--quiet", *extra])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and "--dtype float16 with --weights int4: expected float32" in err[0], err
+        assert not out.exists()
 
 
 def test_int8_float_channel_options_refuse_bad_input_and_write_nothing(tiny_merged, tmp_path, capsys):
