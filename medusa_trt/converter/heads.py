@@ -20,6 +20,7 @@ from medusa_trt.converter.hf_base import (
     ConvertError,
     Piece,
     TensorSource,
+    base_config,
     base_lm_head_key,
     find_weight_files,
     read_json,
@@ -182,11 +183,10 @@ def _amphista(path: Path, base: BaseModel) -> MedusaHeads:
         shape = AmphistaConfig.from_dict(config.get("amphista"), str(config_path))
     except (TypeError, ValueError) as e:
         raise ConvertError(str(e).replace("medusa_trt.amphista", "amphista")) from None
-    hf = base.hf_config
-    heads = hf.get("num_attention_heads")
-    base_shape = {"hidden_size": hf.get("hidden_size"), "vocab_size": hf.get("vocab_size"), "num_attention_heads": heads,
-                  "num_key_value_heads": hf.get("num_key_value_heads") or heads,
-                  "head_dim": hf.get("head_dim") or hf.get("head_size") or (hf.get("hidden_size") or 0) // (heads or 1)}
+    arch = base_config(base)  # the base's shape as the merged checkpoint records it
+    base_shape = {"hidden_size": arch["hidden_size"], "vocab_size": arch["vocab_size"],
+                  "num_attention_heads": arch["num_attention_heads"],
+                  "num_key_value_heads": arch["num_key_value_heads"], "head_dim": arch["head_size"]}
     for key, want in base_shape.items():  # all but hidden_size optional: drafters written before them lack them
         value = config.get(key)
         if (key == "hidden_size" or value is not None) and value != want:
