@@ -248,7 +248,7 @@ def _nearest_int4_grid(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     """Codes, scales and zero points of each block's [min(w, 0), max(w, 0)] mapped onto 0..15."""
     lo = blocks.amin(-1).clamp(max=0.0)
     hi = blocks.amax(-1).clamp(min=0.0)
-    scale = (hi - lo) / 15.0
+    scale = hi / 15.0 - lo / 15.0  # divided first: hi - lo of a block near float32's maximum would be inf
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero block: any scale is exact
     zp = torch.round(-lo / scale).clamp(0, 15)
     return torch.round(blocks / scale[..., None] + zp[..., None]).clamp(0, 15), scale, zp
@@ -292,14 +292,20 @@ def _search_int4_grid(blocks: torch.Tensor, weight: torch.Tensor) -> tuple[torch
 def quantize_int4_offsets(w: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """W [N, K] -> packed (as quantize_int4), scales [N, K/bs] and offsets [N, K/bs] float32: each
     block's [min, max] onto 0..15, dequantizing as scale * (q - 8) + offset. A block whose values are
-    d * q + m with both end codes used (every Q4_1 block of a GGUF) comes back to float32 rounding."""
+    d * q + m with both end codes used (every Q4_1 block of a GGUF) comes back to float32 rounding.
+    A constant block is code 8 (its int4 part is zero) and its value the offset: with code 0 and offset
+    lo + 8, the int4 part's -8 * blocksum(x) would have to cancel in the offset's term, and at accuracy
+    level 4 the int4 part sees x rounded to int8 while the offset's term does not."""
     n, k = w.shape
     blocks = w.detach().to(torch.float32).reshape(n, k // block_size, block_size)
     lo, hi = blocks.amin(-1), blocks.amax(-1)
-    scale = (hi - lo) / 15.0
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # a constant block: q = 0, offset exact
-    q = torch.round((blocks - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
-    return (q[..., 0::2] | (q[..., 1::2] << 4)).contiguous(), scale.contiguous(), (lo + 8.0 * scale).contiguous()
+    scale = hi / 15.0 - lo / 15.0  # divided first, as in _nearest_int4_grid
+    constant = scale == 0
+    scale = torch.where(constant, torch.ones_like(scale), scale)
+    q = torch.round((blocks - lo[..., None]) / scale[..., None]).clamp(0, 15)
+    q = torch.where(constant[..., None], 8.0, q).to(torch.uint8)
+    offsets = torch.where(constant, lo, lo + 8.0 * scale)
+    return (q[..., 0::2] | (q[..., 1::2] << 4)).contiguous(), scale.contiguous(), offsets.contiguous()
 
 
 def quantize_int8(w: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from medusa_trt.modeling import MedusaModel
 from medusa_trt.quant import (
+    block_sums,
     dequantize_int4,
     dequantize_int8,
+    fake_quant_int8_blocks,
+    nbits_matmul,
     quantize_int4,
     quantize_int4_offsets,
     quantize_int8,
@@ -128,6 +132,25 @@ def test_offsets_and_int8_hold_gguf_blocks_exactly():
     q8[..., 0] = 127
     w8 = (d * q8).reshape(n, k)
     assert torch.equal(dequantize_int8(*quantize_int8(w8, 32)), w8)
+
+
+def test_constant_and_huge_blocks():
+    """A constant block in the offsets scheme holds code 8 and its value as the offset, so at accuracy
+    level 4 its product is the float one (code 0 with offset lo + 8 left -8 * blocksum(x) to cancel
+    between x rounded to int8 and x: an error of 2 on these rows); a block whose range passes float32's
+    maximum keeps finite scales in both schemes."""
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(4, 2, 1, generator=g) * 0.1).expand(4, 2, 32).reshape(4, 64)  # constant blocks
+    x = torch.randn(3, 64, generator=g) * 3
+    packed, scales, offsets = quantize_int4_offsets(w, 32)
+    assert (fake_quant_int8_blocks(x, 32) - x).abs().max() > 0.01  # level 4's rounding is not nothing
+    y = nbits_matmul(x, packed, scales, None, 4, 4) + F.linear(block_sums(x, 32), offsets)
+    assert (y - F.linear(x, w)).abs().max() < 1e-5
+    huge = torch.tensor([[3e38, -3e38] + [0.0] * 30])
+    for scale in (quantize_int4(huge, 32)[1], quantize_int4_offsets(huge, 32)[1]):
+        assert torch.isfinite(scale).all()
+    back = dequantize_int4(*quantize_int4(huge, 32))
+    assert back[0, 0] / 3e38 == pytest.approx(1, rel=0.1) and back[0, 1] / -3e38 == pytest.approx(1, rel=0.1)
 
 
 def test_unfit_block_size_stays_float(tiny_merged):

@@ -89,6 +89,8 @@ class Carry:
         return self.row_slots[row] if self.row_slots is not None else self.slots
 
     def keep(self, rows: torch.Tensor) -> Carry:
+        """The carry of the sequences in `rows`. `slots`/`row_slots` are dropped: they describe the
+        step just verified, and the statistics read them before the finished rows are let go."""
         return Carry(None if self.root is None else self.root[rows],
                      None if self.medusa is None else self.medusa[:, rows],
                      None if self.tokens is None else self.tokens[rows],

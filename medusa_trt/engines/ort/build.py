@@ -16,7 +16,14 @@ from pathlib import Path
 from typing import ClassVar
 
 from medusa_trt.engine_dir import DTYPES, OUTPUT_NAMES, graph_outputs
-from medusa_trt.engines.options import BackendOptions, BuildError, BuildOptions, backend_options, progress_bar
+from medusa_trt.engines.options import (
+    BackendOptions,
+    BuildError,
+    BuildOptions,
+    backend_options,
+    limits_for,
+    progress_bar,
+)
 
 log = logging.getLogger(__name__)
 
@@ -232,6 +239,8 @@ def _calibration(opts: BuildOptions, ort: OrtOptions, config: dict, model, witho
     builds without calibration, for the error of a checkpoint with nothing to sample from."""
     from medusa_trt.calibration.activations import sample_own_text
 
+    # Positions the engine never runs would calibrate on rotations it never sees.
+    positions = limits_for(opts, config).max_seq_len
     if ort.calibration is not None:
         from transformers import AutoTokenizer
 
@@ -245,7 +254,7 @@ def _calibration(opts: BuildOptions, ort: OrtOptions, config: dict, model, witho
             tokenizer = AutoTokenizer.from_pretrained(opts.checkpoint)
         except (OSError, ValueError) as e:
             raise BuildError(f"{opts.checkpoint}: no tokenizer to read --calibration with ({e})") from None
-        samples = [ids[:CALIBRATION_TOKENS] for ids in tokenizer(texts, add_special_tokens=False).input_ids if ids]
+        samples = [ids[:min(CALIBRATION_TOKENS, positions)] for ids in tokenizer(texts, add_special_tokens=False).input_ids if ids]
         if not samples:
             raise BuildError(f"--calibration {ort.calibration}: its texts read as no tokens; expected text")
         return samples, f"{ort.calibration}: {len(samples)} texts"
@@ -254,7 +263,7 @@ def _calibration(opts: BuildOptions, ort: OrtOptions, config: dict, model, witho
     if not isinstance(start, int):
         raise BuildError(f"{opts.checkpoint / 'config.json'}: bos_token_id {start!r}: expected a token id to sample "
                          f"calibration text from; pass --calibration FILE or {without}")
-    count, length = OWN_TEXT
+    count, length = OWN_TEXT[0], min(OWN_TEXT[1], positions - 1)  # the start token takes a position
     return (sample_own_text(model, start, count, length),
             f"{count} x {length} tokens sampled from the model after token {start} (seed 0)")
 
@@ -301,7 +310,7 @@ def _ort_fusions(opts: BuildOptions, ort: OrtOptions, config: dict, model, graph
 
     if not ort.fusions:
         return {}
-    positions = opts.max_seq_len or int(config["max_position_embeddings"])  # the runtime keeps positions below
+    positions = limits_for(opts, config).max_seq_len  # the runtime keeps positions below
     cos, sin = rotary_caches(model.inv_freq, positions, model.dtype)
     counts: dict[str, int] = {}
     for path in graphs:

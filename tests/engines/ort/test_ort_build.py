@@ -295,3 +295,21 @@ def test_int4_rounding_nearest_keeps_the_plain_grid_and_calibrated_keeps_its_wei
     assert check_main(["--engine", str(engine), "--checkpoint", str(tiny_merged("llama")), "--max-new-tokens", "4"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "int4_importance.safetensors: missing" in err[0], err
+
+
+def test_calibration_text_stays_within_the_engines_positions(tiny_merged, tmp_path):
+    """Calibration runs no position the engine cannot: --max-seq-len caps both the model's own
+    sampled text and the tokens of a --calibration file."""
+    from medusa_trt.engines.ort.build import _calibration
+    from medusa_trt.engines.options import BuildOptions
+
+    ckpt = tiny_merged("llama")
+    config = json.loads((ckpt / "config.json").read_text())
+    model = MedusaModel.from_checkpoint(ckpt)
+    opts = BuildOptions(checkpoint=ckpt, out=tmp_path / "engine", max_seq_len=24)
+    own, source = _calibration(opts, OrtOptions(), config, model, "--int4-rounding nearest")
+    assert own and max(len(ids) for ids in own) == 24 and "x 23 tokens" in source
+    text = tmp_path / "calib.txt"
+    text.write_text(" ".join(["hello world"] * 200) + "\n")
+    from_file, _ = _calibration(opts, OrtOptions(calibration=text), config, model, "--int4-rounding nearest")
+    assert max(len(ids) for ids in from_file) == 24
