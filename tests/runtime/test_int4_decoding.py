@@ -229,13 +229,18 @@ def test_compact_in_place_moves_accepted_slots():
     assert torch.equal(values, -keys)
 
 
-@pytest.mark.parametrize("exact", [False, True])
-def test_medusa_check_int4(ort_engine, tmp_path, exact):
+@pytest.mark.parametrize("kind", ["level 4", "exact", "level 0"])
+def test_medusa_check_int4(ort_engine, tmp_path, kind):
+    """Level 4 rounds activations to int8 and is held to the int4 noise bound; level 0 multiplies
+    float activations by the reference's own dequantized weights and is held to the float32 rule."""
     report = tmp_path / "r.json"
-    engine = exact_engine(ort_engine) if exact else int4_engine(ort_engine, 4)
+    engine = {"level 4": lambda: int4_engine(ort_engine, 4), "exact": lambda: exact_engine(ort_engine),
+              "level 0": lambda: int4_engine(ort_engine, 0)}[kind]()
     assert check_main(["--engine", str(engine), "--json", str(report),
                        "--max-new-tokens", "12", "--tree-steps", "2"]) == 0
-    assert json.loads(report.read_text())["passed"]
+    result = json.loads(report.read_text())
+    assert result["passed"]
+    assert ("int8" in result["rule"]) == (kind != "level 0"), result["rule"]
 
 
 def test_medusa_check_int4_catches_wrong_weights(ort_engine, tmp_path):

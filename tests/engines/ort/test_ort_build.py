@@ -300,8 +300,8 @@ def test_int4_rounding_nearest_keeps_the_plain_grid_and_calibrated_keeps_its_wei
 def test_calibration_text_stays_within_the_engines_positions(tiny_merged, tmp_path):
     """Calibration runs no position the engine cannot: --max-seq-len caps both the model's own
     sampled text and the tokens of a --calibration file."""
-    from medusa_trt.engines.ort.build import _calibration
     from medusa_trt.engines.options import BuildOptions
+    from medusa_trt.engines.ort.build import _calibration
 
     ckpt = tiny_merged("llama")
     config = json.loads((ckpt / "config.json").read_text())
