@@ -61,6 +61,10 @@ class RequestError(MedusaTrtError):
     """A request this model refuses; the message names the input, the value and what was expected."""
 
 
+class RequestCancelled(MedusaTrtError):
+    """A request its client cancelled (gRPC cancellation, a timeout): answered with Triton's CANCELLED."""
+
+
 @dataclass(frozen=True)
 class ModelSettings:
     """The `parameters` of config.pbtxt (written by triton_repo.write_triton_repo)."""
@@ -345,11 +349,16 @@ def _own_stats(live: SequenceStats, tokens: int, emitted: int, kept: int) -> Seq
 
 
 def serve_batch(service: Service, batch: list[Mapping[str, np.ndarray]],
-                send: Callable[[int, dict | Exception, bool], bool]) -> None:
+                send: Callable[[int, dict | Exception, bool], bool],
+                cancelled: Callable[[int], bool] = lambda i: False) -> None:
     """Answers every request in `batch`. send(request index, outputs or error, final) delivers one
-    response and returns False when the client is gone (its rows then stop costing work).
+    response and returns False when the client is gone; cancelled(request index) says whether its
+    client cancelled it, asked before its group starts and after every step. Either way its rows stop
+    costing work: Triton answers a send to a cancelled request without an error, so only asking
+    finds it.
 
-    Every request gets exactly one final response: an error if it was refused or its group failed."""
+    Every request gets exactly one final response: an error if it was refused, cancelled or its group
+    failed."""
     parsed: list[Parsed | None] = []
     closed: set[int] = set()  # requests whose final response is out (or whose client is gone)
 
@@ -371,7 +380,14 @@ def serve_batch(service: Service, batch: list[Mapping[str, np.ndarray]],
             parsed.append(None)
             deliver(i, RequestError(f"request refused: {type(err).__name__}: {err}"), True)
 
+    def cancel(requests: set[int]) -> None:
+        for i in sorted(requests - closed):
+            if cancelled(i):
+                log.warning("request %d: cancelled by its client; its rows stop", i)
+                deliver(i, RequestCancelled(f"request {i}: cancelled by its client"), True)
+
     def on_step(changed: list[Job]) -> None:
+        cancel({j.request for j in changed})
         for i in sorted({j.request for j in changed}):
             if i in closed:
                 continue
@@ -384,6 +400,7 @@ def serve_batch(service: Service, batch: list[Mapping[str, np.ndarray]],
 
     jobs = [j for p in parsed if p for j in p.jobs]
     for group in group_jobs(jobs, service.backend.info.max_batch_size, service.backend.info.max_seq_len):
+        cancel({j.request for j in group})  # cancelled while the groups before it decoded
         if all(j.done for j in group):
             continue  # every request in it was closed already
         try:
@@ -515,7 +532,9 @@ class TritonPythonModel:
         responses: list = [None] * len(requests)
 
         def send(i: int, payload: dict | Exception, final: bool) -> bool:
-            if isinstance(payload, Exception):
+            if isinstance(payload, RequestCancelled):
+                response = pb.InferenceResponse(error=pb.TritonError(str(payload), pb.TritonError.CANCELLED))
+            elif isinstance(payload, Exception):
                 response = pb.InferenceResponse(error=pb.TritonError(str(payload)))
             else:
                 response = pb.InferenceResponse(output_tensors=[pb.Tensor(k, v) for k, v in payload.items()])
@@ -529,7 +548,10 @@ class TritonPythonModel:
                 return False
             return True
 
-        serve_batch(self.service, batch, send)
+        def cancelled(i: int) -> bool:  # Triton >= 23.10; a decoupled request's sender knows it too
+            return bool(getattr(requests[i], "is_cancelled", lambda: False)())
+
+        serve_batch(self.service, batch, send, cancelled)
         if not decoupled and all(r.has_error() for r in responses):
             # Triton counts a returned error response as a successful request (nv_inference_request_success);
             # only an exception from execute() is counted as a failure. A batch of rejected requests

@@ -11,6 +11,7 @@ import pytest
 from medusa_trt.runtime.decoding import GenerationConfig, decode
 from medusa_trt.serving.triton_model import (
     ModelSettings,
+    RequestCancelled,
     RequestError,
     load_service,
     parse_request,
@@ -88,6 +89,27 @@ def test_a_client_that_goes_away_costs_no_more_responses(service):
     assert [final for i, _, final in sent if i == 0] == [False]  # its first response failed: nothing more
     others = [(p, final) for i, p, final in sent if i == 1]
     assert others[-1][1] and sum(int((p["output_ids"][0] >= 0).sum()) for p, _ in others) == 16  # -1 pads
+
+
+def test_a_cancelled_request_stops_and_gets_one_final_cancelled_response(service):
+    """Triton accepts a send to a cancelled request without an error, so the model asks: a stream
+    cancelled after its first response gets one final CANCELLED answer and no more tokens; a request
+    cancelled before its group starts is answered without decoding; its neighbours decode as alone."""
+    batch = [request(["Hello world"], [32], stream=[True]), request(["a"], [16], stream=[True]),
+             request(["zzz"], [9], medusa_choices=["[[0], [1], [0, 0]]"])]  # its own group, decoded last
+    sent = []
+
+    def send(i, payload, final):
+        sent.append((i, payload, final))
+        return True
+
+    serve_batch(service, batch, send, cancelled=lambda i: i == 2 or (i == 0 and any(j == 0 for j, _, _ in sent)))
+    first = [(p, final) for i, p, final in sent if i == 0]
+    assert len(first) == 2 and not first[0][1] and first[1][1] and isinstance(first[1][0], RequestCancelled)
+    assert [(type(p), final) for i, p, final in sent if i == 2] == [(RequestCancelled, True)]
+    others = [p for i, p, _ in sent if i == 1]
+    ids = np.concatenate([p["output_ids"][0] for p in others])
+    assert ids[ids >= 0].tolist() == offline(service, "a", 16).tokens[0]
 
 
 def test_stop_words_cut_after_the_completing_token(service):

@@ -219,6 +219,28 @@ def test_streaming_gives_one_response_per_step_and_the_same_final_output(served,
     same(whole[0][0], want)
 
 
+def test_a_cancelled_stream_stops_decoding(served):
+    """A gRPC client that cancels its stream after the first response: the model asks Triton after
+    every step (a send to a cancelled request raises nothing) and stops the request's rows, as its
+    log says; a request after it is answered as usual."""
+    case = dict(text="Hello", max_tokens=450)
+    assert len(expected(served, case)["ids"]) == 450  # the premise: far more steps than one
+    log = served["server"].log_path
+    before = log.read_text(errors="replace").count("cancelled by its client")
+    responses: queue.Queue = queue.Queue()
+    with grpcclient.InferenceServerClient(served["server"].grpc_url) as client:
+        client.start_stream(callback=lambda result, error: responses.put((result, error)))
+        client.async_stream_infer(STREAM_MODEL, inputs(grpcclient, case, stream=True), enable_empty_final_response=True)
+        result, error = responses.get(timeout=60)
+        assert error is None and not result.get_response().parameters["triton_final_response"].bool_param
+        client.stop_stream(cancel_requests=True)
+    deadline = time.monotonic() + 60
+    while log.read_text(errors="replace").count("cancelled by its client") == before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert log.read_text(errors="replace").count("cancelled by its client") == before + 1
+    same(grpc_stream(served, CASES[0], stream=False)[0][0], expected(served, CASES[0]))
+
+
 def test_generate_stream_output_ids_have_one_shape(served):
     """Triton's generate endpoint writes a one-element tensor as a JSON scalar: output_ids is a list
     in every streamed response (-1 padded), and the ids of all responses are the offline decode's."""
