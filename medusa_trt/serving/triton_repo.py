@@ -58,25 +58,26 @@ class TensorSpec:
 
 
 # The Python-backend model's interface: tensorrtllm_backend's ensemble names where one exists (its
-# max_tokens is INT32; ours is INT64, below). triton_model reads these same specs to check requests.
+# max_tokens, top_k and end_id are INT32; ours are INT64, below). triton_model reads these same specs
+# to check requests.
 MODEL_INPUTS = (
     # The prompt: raw text (text_input), or chat turns rendered with the model's chat template
     # (messages: JSON [{"role": ..., "content": ...}, ...]); a request sends exactly one of them.
     TensorSpec("text_input", "TYPE_STRING", (1,), optional=True),
     TensorSpec("messages", "TYPE_STRING", (1,), optional=True),
-    # INT64: Triton's HTTP/JSON front end wraps an INT32 value beyond 2**31 (5000000000 arrives as
-    # 705032704) before the model sees it; as INT64 every count a client can send arrives as sent and
-    # the model checks it against max_output_len.
+    # INT64 (also top_k and end_id): Triton's HTTP/JSON front end wraps an INT32 value beyond 2**31
+    # (5000000000 arrives as 705032704) before the model sees it; as INT64 every value a client can
+    # send arrives as sent and the model checks it (max_output_len, the vocabulary).
     TensorSpec("max_tokens", "TYPE_INT64", (1,)),
     TensorSpec("medusa_choices", "TYPE_STRING", (1,), optional=True),
     TensorSpec("temperature", "TYPE_FP32", (1,), optional=True),
     TensorSpec("acceptance", "TYPE_STRING", (1,), optional=True),
     TensorSpec("posterior_threshold", "TYPE_FP32", (1,), optional=True),
     TensorSpec("posterior_alpha", "TYPE_FP32", (1,), optional=True),
-    TensorSpec("top_k", "TYPE_INT32", (1,), optional=True),  # sample acceptance
+    TensorSpec("top_k", "TYPE_INT64", (1,), optional=True),  # sample acceptance
     TensorSpec("top_p", "TYPE_FP32", (1,), optional=True),  # sample acceptance
     TensorSpec("seed", "TYPE_UINT64", (1,), optional=True),  # sample acceptance: row r draws from seed + r
-    TensorSpec("end_id", "TYPE_INT32", (1,), optional=True),
+    TensorSpec("end_id", "TYPE_INT64", (1,), optional=True),
     TensorSpec("stop_words", "TYPE_STRING", (-1,), optional=True),
     TensorSpec("stream", "TYPE_BOOL", (1,), optional=True),
 )

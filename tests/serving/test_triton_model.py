@@ -32,7 +32,7 @@ def request(texts, max_tokens, **extra) -> dict:
     for name, values in extra.items():
         sample = values[0]
         dtype = np.object_ if isinstance(sample, (str, list)) else np.float32 if isinstance(sample, float) else \
-            np.bool_ if isinstance(sample, bool) else np.int32
+            np.bool_ if isinstance(sample, bool) else np.int64  # the model's integer inputs are INT64
         rows = [[v.encode()] if isinstance(v, str) else [w.encode() for w in v] if isinstance(v, list) else [v]
                 for v in values]
         out[name] = np.array(rows, dtype=dtype)

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -109,7 +110,7 @@ def inputs(client, case: dict, *, stream: bool | None = None, overrides: dict | 
         if name in case:
             values[name] = np.array([[case[name]]], dtype=np.float32)
     if "end_id" in case:
-        values["end_id"] = np.array([[case["end_id"]]], dtype=np.int32)
+        values["end_id"] = np.array([[case["end_id"]]], dtype=np.int64)
     if "stop_words" in case:
         values["stop_words"] = np.array([[w.encode() for w in case["stop_words"]]], dtype=np.object_)
     if stream is not None:
@@ -421,6 +422,19 @@ def test_max_tokens_beyond_int32_is_refused_and_rejections_count_as_failures(ser
     status, text = _post_json(served, body)
     assert status == 200, text
     assert _request_counts_once_changed(served, (success, failure + 1)) == (success + 1, failure + 1)
+
+
+def test_generate_endpoint_integers_beyond_int32_arrive_whole(served):
+    """Triton's generate endpoint types JSON values by the model's config: end_id 2**32 + 79 would
+    arrive as 79 through an INT32 input and decode (top_k likewise); as INT64 it is refused by value."""
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    for extra, message in (({"end_id": 2**32 + 79}, "end_id: 4294967375"),):
+        body = json.dumps({"text_input": "zzz", "max_tokens": 4, **extra}).encode()
+        req = urllib.request.Request(f"http://{served['server'].http_url}/v2/models/{MODEL}/generate", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as err:
+            direct.open(req, timeout=60)
+        assert message in err.value.read().decode()
 
 
 def test_wrong_dtype_is_refused_by_name(served):
