@@ -7,7 +7,8 @@ On a machine with a CUDA GPU it
 2. builds the demo model with `medusa-build --backend tensorrt` (plugin and native attention) and
    runs `medusa-check` on each; then the demo base with an Amphista drafter (drafter.engine, its own
    cache; the drafter's weights are its identity start plus noise, so every part of it drafts);
-3. builds an ONNX Runtime engine for the CUDA provider and runs `medusa-check --device cuda`;
+3. builds ONNX Runtime engines for the CUDA provider (Medusa heads, and the Amphista drafter whose
+   own cache stays on the host) and runs `medusa-check --device cuda` on each;
 4. times Medusa against plain decoding on each engine (`medusa-bench`, one run, alternating);
 5. with `--gguf`, runs SmolLM2-135M-Instruct on CUDA through the PyTorch reference (float32 and
    bfloat16): plain greedy against transformers, Medusa greedy against plain (the CPU's tuned tree,
@@ -332,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
                 "--base", str(demo / "base"), "--heads", str(amphista_drafter(demo / "base", work / "amphista")),
                 "--out", str(work / "ckpt_amphista"), "--force", "--quiet", "--dtype", "float16"])})
             report["steps"] += engine_steps(work, "tensorrt-amphista", ["--backend", "tensorrt"], "cuda", "ckpt_amphista")
+            report["steps"] += engine_steps(work, "onnxruntime-cuda-amphista", ["--device", "cuda", "--dtype", "float16"],
+                                            "cuda", "ckpt_amphista")
         if args.gguf:
             def save(partial: dict) -> None:  # a run cut off by a time limit keeps what it measured
                 args.out.write_text(json.dumps({**report, "real_model": partial}, indent=2) + "\n")

@@ -242,8 +242,10 @@ class OrtBackend(Backend):
         self.lengths = torch.zeros(batch, dtype=torch.long)
         self.cache = self.cache_mode(self.keys, self.values, self._past_names)
         if self.info.drafter_cache:  # the drafter's own cache: its 2 layers, committed rows only
+            # On the host whatever the device: the drafter and step graphs take it as numpy feeds, and
+            # scatter_pending writes their host outputs into it (a CUDA tensor has no .numpy()).
             self.drafter_keys, self.drafter_values = zero_cache(2, batch, self.num_kv_heads, capacity, self.head_dim,
-                                                                self.dtype, self.device)
+                                                                self.dtype, "cpu")
             self.drafter_lengths = torch.zeros(batch, dtype=torch.long)
         self._drafter_pending = None
 

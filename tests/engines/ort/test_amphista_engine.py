@@ -216,6 +216,18 @@ def test_the_fused_step_drafts_as_the_two_call_path_does(amphista, engine):
     assert [s.accepted_per_depth for s in a.stats] == [s.accepted_per_depth for s in b.stats]
 
 
+def test_the_drafters_cache_stays_on_the_host_whatever_the_device(amphista):
+    """The drafter graph takes its cache as numpy feeds: on a CUDA engine, whose decoder cache lives
+    on the device, a drafter cache there would fail its first .numpy() (no GPU here: the decoder
+    cache goes to the meta device in its place)."""
+    backend = load_backend(amphista.engines["float32"])
+    backend.device = "meta"
+    backend.cache_mode = lambda keys, values, names: None  # the decoder's binding would read the meta cache
+    backend.start(2, 16)
+    assert backend.keys.device.type == "meta"
+    assert backend.drafter_keys.device.type == backend.drafter_values.device.type == "cpu"
+
+
 def test_the_fused_step_adapts_the_accepted_rows_only(amphista):
     """The drafter's adaptation layers run over the path's first max(accepted) + 1 rows, the only ones
     a commit can keep: the K/V rows past them come back as zeros, and the decode is unchanged (above)."""
