@@ -29,7 +29,7 @@ DEFAULT_TREE = "mc_sim_7b_63"  # the tree used when none is given, and the tuner
 # Tokens the runtime takes from each head's top-k (the FasterDecoding reference keeps 10): trees with
 # ranks below it share one top-k, which the fused step graph bakes in (engine.json step_topk).
 CANDIDATE_TOPK = 10
-_TREE_FILE_SUFFIXES = (".json", ".yaml", ".yml")
+TREE_FILE_SUFFIXES = (".json", ".yaml", ".yml")
 # Bounds checked before any parser runs (a 63-node tree is under 1 KB and 3 levels deep), so a tree
 # file or request built to exhaust memory or the stack (a YAML alias bomb, JSON nested 50,000 deep)
 # is refused in linear time.
@@ -48,6 +48,15 @@ MAX_RANK = 2**31
 
 class TreeError(MedusaTrtError):
     """A medusa_choices input that cannot be used; the message names the input and the bad value."""
+
+
+class FileTree(list):
+    """The paths of a tree file (parse_medusa_choices), with `where` naming the file: the values
+    validate_and_expand checks later are reported with it, whoever calls it."""
+
+    def __init__(self, paths=(), where: str = ""):
+        super().__init__(paths)
+        self.where = where
 
 
 @functools.cache
@@ -138,8 +147,8 @@ def _parse_brace(text: str, where: str) -> list[list[Any]]:
 def _parse_file(path: Path) -> list[list[Any]]:
     where = f"tree file {str(path)!r}"
     suffix = path.suffix.lower()
-    if suffix not in _TREE_FILE_SUFFIXES:
-        raise TreeError(f"{where}: unsupported suffix {suffix!r}; expected one of {_TREE_FILE_SUFFIXES}")
+    if suffix not in TREE_FILE_SUFFIXES:
+        raise TreeError(f"{where}: unsupported suffix {suffix!r}; expected one of {TREE_FILE_SUFFIXES}")
     try:
         if path.stat().st_size > MAX_TREE_TEXT:
             raise TreeError(f"{where}: {path.stat().st_size} bytes; expected a tree file of at most {MAX_TREE_TEXT}")
@@ -162,7 +171,7 @@ def _parse_file(path: Path) -> list[list[Any]]:
         if "medusa_choices" not in data:
             raise TreeError(f"{where}: mapping has keys {sorted(data)}; expected a 'medusa_choices' key")
         data = data["medusa_choices"]
-    return _as_path_list(data, where)
+    return FileTree(_as_path_list(data, where), where)
 
 
 def parse_medusa_choices(spec: str | os.PathLike | list | tuple) -> list[list[int]]:
@@ -202,7 +211,7 @@ def parse_medusa_choices(spec: str | os.PathLike | list | tuple) -> list[list[in
     if text.startswith("{"):
         return _parse_brace(text, where)
     path = Path(text)
-    if path.suffix.lower() in _TREE_FILE_SUFFIXES or path.exists():
+    if path.suffix.lower() in TREE_FILE_SUFFIXES or path.exists():
         return _parse_file(path)
     raise TreeError(f"{where}: unknown preset name; expected one of {sorted(_presets())}, "
                     "a list such as '[[0], [0, 1]]', a brace form '{0}, {0, 1}' or a .json/.yaml file")
@@ -219,7 +228,18 @@ def check_trtllm_ranks(nodes: list[list[int]], where: str = "medusa_choices") ->
 def validate_and_expand(choices: list, num_heads: int, max_draft_len: int | None = None,
                         vocab_size: int | None = None) -> list[list[int]]:
     """Check paths (ranks below `vocab_size` when given, and below MAX_RANK always), add missing
-    prefixes, and return the nodes sorted by (depth, path)."""
+    prefixes, and return the nodes sorted by (depth, path). Paths read from a file (FileTree) are
+    refused with the file named first."""
+    try:
+        return _validate_and_expand(choices, num_heads, max_draft_len, vocab_size)
+    except TreeError as e:
+        if isinstance(choices, FileTree) and choices.where:  # a copy (deepcopy, asdict) may have lost it
+            raise TreeError(f"{choices.where}: {e}") from None
+        raise
+
+
+def _validate_and_expand(choices: list, num_heads: int, max_draft_len: int | None,
+                         vocab_size: int | None) -> list[list[int]]:
     bound = min(vocab_size, MAX_RANK) if vocab_size is not None else MAX_RANK
     if not isinstance(choices, (list, tuple)) or not choices:
         raise TreeError(f"medusa_choices: got {_short(choices)}; expected a non-empty list of paths")
@@ -411,15 +431,24 @@ _DYNAMIC = re.compile(r"dynamic:(.*)", re.IGNORECASE)
 def _from_file(spec: object) -> object:
     """A tree file's medusa_choices when it is a string ("dynamic:N", what medusa-tune-tree writes when
     per-step trees won), else `spec` itself (a list file is parse_medusa_choices' to read)."""
-    if not isinstance(spec, (str, os.PathLike)) or not str(spec).lower().endswith(".json"):
+    if not isinstance(spec, (str, os.PathLike)) or not str(spec).lower().endswith(TREE_FILE_SUFFIXES):
         return spec
+    yaml_text = not str(spec).lower().endswith(".json")
     try:
         path = Path(spec)
         if not path.is_file() or path.stat().st_size > MAX_TREE_TEXT:
             return spec
         text = path.read_text(encoding="utf-8")
-        check_bounds(text, str(path))  # no parser on a file nested to exhaust the stack
-        data = json.loads(text)
+        check_bounds(text, str(path), yaml_text)  # no parser on a file nested to exhaust the stack (or aliased)
+        if yaml_text:
+            import yaml  # only needed for YAML trees
+
+            try:
+                data = yaml.safe_load(text)
+            except yaml.YAMLError:
+                return spec
+        else:
+            data = json.loads(text)
     except (OSError, ValueError, TreeError):
         return spec  # parse_medusa_choices names the problem
     choices = data.get("medusa_choices") if isinstance(data, dict) else None
@@ -455,8 +484,15 @@ def dynamic_spec(budget: int, cost: float | None = None) -> str:
 
 def read_dynamic(spec: object) -> DynamicSpec | None:
     """The DynamicSpec of "dynamic:N" or "dynamic:N,cost=C", or of a tree file holding one (read once);
-    None when `spec` is not a dynamic spec. A malformed budget or cost raises TreeError naming it."""
-    return dynamic_from_text(_from_file(spec))
+    None when `spec` is not a dynamic spec. A malformed budget or cost raises TreeError naming it (and
+    the file it is in)."""
+    text = _from_file(spec)
+    try:
+        return dynamic_from_text(text)
+    except TreeError as e:
+        if text is not spec:
+            raise TreeError(f"tree file {str(spec)!r}: {e}") from None
+        raise
 
 
 def dynamic_from_text(spec: object) -> DynamicSpec | None:

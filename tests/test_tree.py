@@ -284,6 +284,38 @@ def test_file_errors(tmp_path):
         parse_medusa_choices(a_dir)
 
 
+def test_values_found_bad_in_a_file_name_the_file(tmp_path):
+    """A tree file's duplicate path, bad rank or too many nodes is reported with the file first,
+    whoever validates its paths (build_tree, or a caller of validate_and_expand)."""
+    for name, text, said in (("dup.json", "[[0], [0]]", r"medusa_choices\[1\] = \[0\]: duplicate path"),
+                             ("neg.yaml", "- [0]\n- [-1]\n", "rank -1 is negative"),
+                             ("big.yml", "medusa_choices: [[0, 0, 0]]\n", "3 nodes after adding prefixes"),
+                             ("dyn.json", '{"medusa_choices": "dynamic:x"}', "budget 'x' is not an integer")):
+        path = tmp_path / name
+        path.write_text(text)
+        for spec in (path, str(path)):
+            with pytest.raises(TreeError, match=f"^tree file {str(path)!r}: .*{said}"):
+                if name.startswith("dyn"):
+                    tree.read_dynamic(spec)
+                else:
+                    build_tree(spec, num_heads=4, max_draft_len=2)
+        if not name.startswith("dyn"):
+            with pytest.raises(TreeError, match=f"^tree file {str(path)!r}: "):
+                validate_and_expand(parse_medusa_choices(path), 4, 2)
+    with pytest.raises(TreeError, match=r"^medusa_choices\[1\]"):  # no file: no file named
+        build_tree([[0], [0]], num_heads=4)
+
+
+@pytest.mark.parametrize("suffix", [".json", ".yaml", ".yml", ".YAML"])
+def test_a_tree_file_of_any_suffix_holds_a_dynamic_spec(tmp_path, suffix):
+    """docs/formats.md section 4: a .json, .yaml or .yml file may hold {"medusa_choices": "dynamic:N"}."""
+    path = tmp_path / f"t{suffix}"
+    path.write_text(json.dumps({"medusa_choices": "dynamic:8,cost=0.05"}) if suffix == ".json" else
+                    yaml.safe_dump({"medusa_choices": "dynamic:8,cost=0.05"}))
+    for spec in (path, str(path)):
+        assert tree.parse_dynamic(spec) == 8 and tree.spec_cost(spec) == 0.05
+
+
 # ---- prefix expansion ---------------------------------------------------------------------------
 
 

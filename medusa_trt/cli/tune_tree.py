@@ -29,7 +29,7 @@ from medusa_trt.cli.common import (
 from medusa_trt.tools import tree_choice as tc
 from medusa_trt.tools import tune_tree as tt
 from medusa_trt.tools.tree_measure import BLOCK
-from medusa_trt.tree import CANDIDATE_TOPK, DEFAULT_TREE
+from medusa_trt.tree import CANDIDATE_TOPK, DEFAULT_TREE, TREE_FILE_SUFFIXES, dynamic_spec
 
 PROG = "medusa-tune-tree"
 
@@ -41,7 +41,8 @@ def parser() -> argparse.ArgumentParser:
     # its old name, is kept as an alias (medusa-convert's --calib-data is FP8 calibration text instead).
     add_prompts_arg(p, required=True, help="calibration prompts: .txt (one prompt a line) or .jsonl with 'text'",
                     old=["--calib-data"])
-    p.add_argument("--out", required=True, type=Path, help="tree.json to write (loadable by --medusa-choices)")
+    p.add_argument("--out", required=True, type=Path, help="tree file to write: .json (or .yaml/.yml; loadable by "
+                   "--medusa-choices)")
     p.add_argument("--max-nodes", type=positive_int, default=64, help="largest tree considered (default 64, at most the "
                    "engine's max_draft_len)")
     add_max_new_tokens_arg(p, default=128, help="greedy tokens per calibration prompt (default 128)")
@@ -58,7 +59,8 @@ def parser() -> argparse.ArgumentParser:
                    "the choice between the static tree and per-step trees)")
     p.add_argument("--budgets", type=_budgets, default=None, metavar="N[,N...]",
                    help="per-step tree budgets (dynamic:N) measured against the tuned static tree; the faster is "
-                        "written to --out (default: half, once and twice the tuned tree's nodes; 0: none)")
+                        "written to --out (default: half, once and twice the tuned tree's nodes, at most --max-nodes; "
+                        "0: none)")
     add_threads_arg(p, help="engine intra-op threads (default: one per core); tune with the setting you will "
                     "decode with")
     add_spin_arg(p)
@@ -74,6 +76,9 @@ def _main(argv: list[str] | None = None) -> int:
     from medusa_trt.tools.bench import BenchError, compare, load_prompts
 
     check_output_file(args.out, args.force, inputs=input_paths(args))  # before the minutes of tuning, not after
+    if args.out.suffix.lower() not in TREE_FILE_SUFFIXES:  # what --medusa-choices could not read back
+        raise BenchError(f"{args.out}: --out has suffix {args.out.suffix!r}; expected one of "
+                         f"{', '.join(TREE_FILE_SUFFIXES)} (a tree file --medusa-choices reads)")
     try:
         if not args.engine.is_dir():
             raise BenchError(f"{args.engine}: --engine directory not found")
@@ -81,18 +86,24 @@ def _main(argv: list[str] | None = None) -> int:
         tok = load_tokenizer(args.engine)
         room = (args.max_new_tokens, backend.info.max_seq_len)
         tc.check_budgets(args.budgets, backend.info)  # before the minutes of tuning
-        _, calib = load_prompts(args.prompts, tok, args.limit, room)
+        # Room for the trees each set of prompts decodes with, as the decoder counts it (check_room):
+        # calibration, the tuner's trees (as deep as the heads and --max-nodes allow); the measured
+        # comparison, every tree it runs. The comparison's prompts are read now too, not after the tuning.
+        depth = min(backend.info.num_medusa_heads, args.max_nodes)
+        _, calib = load_prompts(args.prompts, tok, args.limit, room, depth)
+        if not args.no_measure:
+            data = args.eval_prompts or args.prompts
+            _, prompts = load_prompts(data, tok, args.eval_limit, room,
+                                      _deepest_tree(backend.info, args.max_nodes, args.budgets))
         stops = stop_tokens(args.engine, tok)
         result = tt.tune(backend, calib, max_nodes=args.max_nodes, max_new_tokens=args.max_new_tokens,
                          stop_token_ids=stops, topk=args.topk, reps=args.reps, progress=not args.quiet)
         result.update(engine=str(args.engine), calib_data=str(args.prompts), num_calib_prompts=len(calib),
                       threads=args.threads or len(os.sched_getaffinity(0)))
         if not args.no_measure:
-            data = args.eval_prompts or args.prompts
-            _, prompts = load_prompts(data, tok, args.eval_limit, room)
             ref_tree = DEFAULT_TREE
             extra = {ref_tree: ref_tree} if ref_tree in result["predicted"] else {}
-            budgets = tc.budgets_for(len(result["medusa_choices"]), backend.info, args.budgets)
+            budgets = tc.budgets_for(len(result["medusa_choices"]), backend.info, args.budgets, args.max_nodes)
             result["slot_cost"] = tc.slot_cost(result, max(budgets, default=0) + 1)
             specs = tc.dynamic_specs(budgets, result["slot_cost"])
             extra.update({spec: spec for spec in specs})
@@ -119,6 +130,18 @@ def _main(argv: list[str] | None = None) -> int:
     print(f"{PROG}: wrote {args.out} ({what}; use --medusa-choices {args.out}, or record it: medusa-build --tree "
           f"{args.out})")
     return 0
+
+
+def _deepest_tree(info, max_nodes: int, budgets: list[int] | None) -> int:
+    """The deepest tree the measured comparison decodes with: the tuned and reference trees are at
+    most as deep as the heads; the per-step trees as deep as their largest budget lets context
+    chains go."""
+    from medusa_trt.runtime.decoding import step_tree
+
+    largest = max(budgets, default=0) if budgets is not None else tc.budget_limit(info, max_nodes)
+    if largest < 1:
+        return info.num_medusa_heads
+    return max(info.num_medusa_heads, step_tree(info, dynamic_spec(largest)).max_depth)
 
 
 def _budgets(text: str) -> list[int]:

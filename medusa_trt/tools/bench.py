@@ -25,6 +25,7 @@ import torch
 from medusa_trt.errors import MedusaTrtError
 from medusa_trt.runtime.backend import Backend
 from medusa_trt.runtime.decoding import GenerationConfig, SequenceStats, decode
+from medusa_trt.tree import TREE_FILE_SUFFIXES
 
 PROG = "medusa-bench"
 
@@ -144,6 +145,12 @@ class Run:
         return max(0.0, self.stats.decode_s - self.step_forward_s) / max(self.stats.steps, 1)
 
 
+def tokens_per_s(run: Run) -> float:
+    """New tokens per second of wall time: what speedups compare (a wall-time ratio would not be one
+    when the modes emit different numbers of tokens, as sampling and stop tokens make them)."""
+    return len(run.tokens) / max(run.wall_s, 1e-12)
+
+
 def timed_decode(timer: ForwardTimer, prompt: list[int], cfg: GenerationConfig) -> Run:
     timer.reset()
     t0 = time.perf_counter()
@@ -205,12 +212,15 @@ def also_mode(spec: str) -> dict:
     """medusa-bench --also: GenerationConfig fields of TREE, with suffixes /no-context (no context
     candidates), /no-datastore (no chains from the engine's datastore), /fill (a per-step tree fills its budget every step: slot_cost 0) and /cost=X (a
     per-step tree's slot cost X, in plain steps per slot)."""
-    tree, *flags = spec.split("/")
+    # Only known suffixes are split off the end: TREE may be a file path, slashes and all.
+    tree, flags = spec, []
+    while (cut := tree.rpartition("/"))[1] and (cut[2] in ("no-context", "no-datastore", "fill")
+                                                or cut[2].startswith("cost=")):
+        tree, flags = cut[0], [cut[2], *flags]
     cost = [f for f in flags if f.startswith("cost=")]
-    unknown = [f for f in flags if f not in ("no-context", "no-datastore", "fill") and f not in cost]
     expected = "expected TREE[/no-context][/no-datastore][/fill][/cost=X]"
-    if unknown:
-        raise BenchError(f"--also {spec!r}: unknown suffix /{unknown[0]}; {expected}")
+    if "/" in tree and not tree.lower().endswith(TREE_FILE_SUFFIXES) and not Path(tree).exists():
+        raise BenchError(f"--also {spec!r}: unknown suffix /{tree.rpartition('/')[2]}; {expected}")
     fields = {"medusa_choices": tree, "context_candidates": "no-context" not in flags,
               "datastore": "no-datastore" not in flags}
     if "fill" in flags:
@@ -272,9 +282,9 @@ def compare(backend: Backend, prompts: list[list[int]], medusa_choices=None, max
                 for d, v in enumerate(apd):
                     hits[d] += v
                 row[name] = {"tokens_per_step": round(run.stats.tokens_per_step, 4),
-                             "speedup": round(runs["plain"].wall_s / run.wall_s, 4),
+                             "speedup": round(tokens_per_s(run) / tokens_per_s(runs["plain"]), 4),
                              "equal_to_plain": run.tokens == runs["plain"].tokens}
-        row["plain_tokens_per_s"] = round(len(runs["plain"].tokens) / runs["plain"].wall_s, 2)
+        row["plain_tokens_per_s"] = round(tokens_per_s(runs["plain"]), 2)
         per_prompt.append(row)
     out = {"modes": {name: s.figures() for name, s in summaries.items()}, "per_prompt": per_prompt}
     plain = summaries["plain"]
@@ -355,11 +365,12 @@ def hf_generate(model_dir: Path, prompts: list[list[int]], max_new_tokens: int, 
 # -- prompts and the report -------------------------------------------------------------------
 
 
-def load_prompts(path: Path, tokenizer, limit: int | None = None,
-                 room: tuple[int, int] | None = None) -> tuple[list[str], list[list[int]]]:
+def load_prompts(path: Path, tokenizer, limit: int | None = None, room: tuple[int, int] | None = None,
+                 depth: int = 1) -> tuple[list[str], list[list[int]]]:
     """The prompts of a --prompts file, encoded. `room`: (max_new_tokens, the engine's max_seq_len);
-    a prompt with no room for its tokens is refused here, by its place in the file, rather than as
-    an anonymous prompt mid-run."""
+    a prompt with no room for its tokens and one tree of `depth` (the deepest that will run; the
+    decoder's own rule, decoding.check_room) is refused here, by its place in the file, rather than
+    as an anonymous prompt mid-run."""
     from medusa_trt.data import DataError, read_prompts
 
     try:
@@ -373,9 +384,10 @@ def load_prompts(path: Path, tokenizer, limit: int | None = None,
     if room is not None:
         new, most = room
         for i, p in enumerate(ids):
-            if len(p) + new + 1 > most:  # + 1: at least the root of a tree
-                raise BenchError(f"{path}: prompt {i + 1} has {len(p)} tokens; with --max-new-tokens {new} it needs "
-                                 f"more than the engine's max_seq_len {most} (shorter prompts, or fewer new tokens)")
+            if len(p) + new + depth > most:
+                raise BenchError(f"{path}: prompt {i + 1} has {len(p)} tokens; with --max-new-tokens {new} and trees "
+                                 f"{depth} deep it needs {len(p) + new + depth} positions, more than the engine's "
+                                 f"max_seq_len {most} (shorter prompts, or fewer new tokens)")
     return texts, ids
 
 

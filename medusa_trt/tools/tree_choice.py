@@ -7,9 +7,11 @@ from medusa_trt.tools.tree_measure import fit_line
 from medusa_trt.tree import candidate_topk, dynamic_spec
 
 
-def budget_limit(info) -> int:
-    """The largest per-step budget the engine (max_draft_len) and its drafter (heads x top-k) allow."""
-    return min(info.max_draft_len, info.num_medusa_heads * candidate_topk(info.vocab_size))
+def budget_limit(info, max_nodes: int | None = None) -> int:
+    """The largest per-step budget the engine (max_draft_len) and its drafter (heads x top-k) allow,
+    and at most `max_nodes` when given."""
+    limit = min(info.max_draft_len, info.num_medusa_heads * candidate_topk(info.vocab_size))
+    return limit if max_nodes is None else min(limit, max_nodes)
 
 
 def check_budgets(asked: list[int] | None, info) -> None:
@@ -21,11 +23,14 @@ def check_budgets(asked: list[int] | None, info) -> None:
                          f"{info.num_medusa_heads} heads x top-{candidate_topk(info.vocab_size)})")
 
 
-def budgets_for(nodes: int, info, asked: list[int] | None = None) -> list[int]:
+def budgets_for(nodes: int, info, asked: list[int] | None = None, max_nodes: int | None = None) -> list[int]:
     """The per-step budgets medusa-tune-tree measures beside a tuned tree of `nodes` nodes: `asked`, or
-    half, once and twice its size; the defaults within what the engine and drafter allow."""
-    wanted = asked if asked is not None else [max(nodes // 2, 1), nodes, 2 * nodes]
-    return sorted({n for n in wanted if 1 <= n <= budget_limit(info)})
+    half, once and twice its size, these at most `max_nodes` (--max-nodes); all within what the engine
+    and drafter allow. Budgets asked for are kept beyond --max-nodes: a per-step tree is not the
+    static tree --max-nodes bounds, and one may well want it larger."""
+    if asked is not None:
+        return sorted({n for n in asked if 1 <= n <= budget_limit(info)})
+    return sorted({n for n in (max(nodes // 2, 1), nodes, 2 * nodes) if n <= budget_limit(info, max_nodes)})
 
 
 def slot_cost(result: dict, max_slots: int) -> float:
@@ -46,20 +51,24 @@ def dynamic_specs(budgets: list[int], cost: float) -> list[str]:
 def choose_static_or_dynamic(result: dict, specs: list[str]) -> None:
     """Between the tuned static tree and the per-step trees `specs` (dynamic_specs), keeps the fastest
     measured one as result["medusa_choices"] (the static tree stays in result["static_tree"]) and
-    says why."""
+    says why. The recommendation then follows the measurement, not the prediction: plain decoding
+    unless the chosen tree measured faster than plain."""
     m = result["measured"]
     static = m["tuned"]["tokens_per_s"]
     best = max(specs, key=lambda spec: m[spec]["tokens_per_s"], default=None)
     result["static_tree"] = result["medusa_choices"]
     if best is None:
         result["choice"] = {"chosen": "static", "why": "no per-step budget measured"}
-        return
-    fast = m[best]
-    figures = (f"{best} {fast['tokens_per_s']:.1f} tokens/s ({fast['tokens_per_step']:.2f} tokens/step), "
-               f"the {len(result['static_tree'])}-node static tree {static:.1f} tokens/s "
-               f"({m['tuned']['tokens_per_step']:.2f} tokens/step), measured on {m['num_prompts']} prompts")
-    if fast["tokens_per_s"] > static and fast["equal_to_plain"]:
-        result["medusa_choices"] = best
-        result["choice"] = {"chosen": best, "why": f"faster: {figures}"}
     else:
-        result["choice"] = {"chosen": "static", "why": f"the static tree is as fast or faster: {figures}"}
+        fast = m[best]
+        figures = (f"{best} {fast['tokens_per_s']:.1f} tokens/s ({fast['tokens_per_step']:.2f} tokens/step), "
+                   f"the {len(result['static_tree'])}-node static tree {static:.1f} tokens/s "
+                   f"({m['tuned']['tokens_per_step']:.2f} tokens/step), measured on {m['num_prompts']} prompts")
+        if fast["tokens_per_s"] > static and fast["equal_to_plain"]:
+            result["medusa_choices"] = best
+            result["choice"] = {"chosen": best, "why": f"faster: {figures}"}
+        else:
+            result["choice"] = {"chosen": "static", "why": f"the static tree is as fast or faster: {figures}"}
+    chosen = m["tuned" if result["choice"]["chosen"] == "static" else best]["tokens_per_s"]
+    result["choice"]["speedup_vs_plain"] = round(chosen / max(m["plain_tokens_per_s"], 1e-12), 4)
+    result["recommendation"] = "medusa" if chosen > m["plain_tokens_per_s"] else "plain"

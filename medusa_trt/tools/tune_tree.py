@@ -21,8 +21,9 @@ where the last one missed), so with calibration rows at hand the candidates also
 measured joint acceptance (over all rows, then over the rows where steps start), and every
 candidate's tokens per step comes from the replay. The size chosen is the one with the most
 expected tokens per millisecond, not the most tokens per step: a tree too large for the hardware is
-why users see "Medusa slower than baseline". If no tree is predicted to beat plain decoding, that is
-said and plain decoding is recommended.
+why users see "Medusa slower than baseline". If no tree is predicted to beat plain decoding (or, when
+the tree is then measured, if it measured no faster than plain), that is said and plain decoding is
+recommended.
 """
 
 from __future__ import annotations
@@ -181,8 +182,8 @@ def choose_tree(accuracy: Sequence[Sequence[float]], steps: StepTimes, max_nodes
                 rank_paths: list[list[tuple[int, ...]]] | None = None, rounds: int = 3,
                 chains_only: bool = False) -> TreeChoice:
     """The tree with the most expected tokens per millisecond among the prefixes of greedy orders.
-    `chains_only` (an engine exact for chains alone, engine.json onnx.chains_only): the orders keep
-    their main-chain nodes, so every candidate is a chain.
+    `chains_only` (an engine exact for chains alone, engine.json onnx.chains_only): the candidates
+    are the chains [0], [0, 0], ... up to the heads' depth (and max_nodes).
 
     Without `rank_paths`: the paper's construction and its estimate (products of per-rank
     accuracies). With them, tokens per step of every candidate come from replaying decoding on the
@@ -193,11 +194,19 @@ def choose_tree(accuracy: Sequence[Sequence[float]], steps: StepTimes, max_nodes
         raise ValueError(f"step times cover {steps.max_tokens} token(s); a tree needs at least 2")
 
     def allowed(order: list[tuple[tuple[int, ...], float]]) -> list[tuple[tuple[int, ...], float]]:
-        # An order is prefix-closed, so its all-zero paths come parent first: a chain at every size.
         # A node never accepted (value 0, as are all below it) adds step time and no token: left out.
-        return [(p, v) for p, v in order if v > 0 and not (chains_only and any(p))]
+        return [(p, v) for p, v in order if v > 0]
 
-    if rank_paths is None:
+    if chains_only:
+        # The greedy order over rank 0 alone is the chain, one node per head. Not a full order cut to
+        # its chain: max_nodes nodes of a full order are mostly branches, and the deeper chain nodes
+        # would be lost with them. Every joint order's chain is this chain too: one order is enough.
+        estimator = "product" if rank_paths is None else "replay"
+        orders = {"chain": allowed(greedy_tree([row[:1] for row in accuracy], max_nodes))}
+        per_step = (lambda tree: expected_tokens_per_step(accuracy, tree)) if rank_paths is None else \
+            (lambda tree: simulate(rank_paths, tree)[0])
+        candidates = _usable({"chain": _sizes(orders["chain"], steps, per_step)})
+    elif rank_paths is None:
         estimator = "product"
         orders = {"product": allowed(greedy_tree(accuracy, max_nodes))}
         candidates = _usable({"product": _sizes(orders["product"], steps,
@@ -358,7 +367,10 @@ def format_report(result: dict) -> str:
             lines.append(f"per-step trees {name}: {r['tokens_per_step']:.2f} tokens/step, {r['speedup']:.2f}x vs plain")
     if "choice" in result:
         lines.append(f"chosen: {result['choice']['chosen']} ({result['choice']['why']})")
-    if result["recommendation"] == "plain":
+    if result["recommendation"] == "plain" and "speedup_vs_plain" in result.get("choice", {}):
+        lines.append(f"warning: the chosen tree measured no faster than plain decoding on this engine and machine "
+                     f"({result['choice']['speedup_vs_plain']:.2f}x); use plain decoding (medusa-run --no-medusa)")
+    elif result["recommendation"] == "plain":
         lines.append(f"warning: no tree is predicted to beat plain decoding on this engine and machine (best "
                      f"{t['speedup_vs_plain']:.2f}x); use plain decoding (medusa-run --no-medusa)")
     return "\n".join(lines)

@@ -106,6 +106,53 @@ def test_also_mode_suffixes():
             bench.also_mode(bad)
 
 
+def test_also_takes_tree_file_paths():
+    """Only the known suffixes are split off: a tree file's path keeps its slashes."""
+    assert bench.also_mode("trees/tuned.json") == {"medusa_choices": "trees/tuned.json", "context_candidates": True,
+                                                   "datastore": True}
+    assert bench.also_mode("/abs/t.yml/no-context/cost=0.1") == {"medusa_choices": "/abs/t.yml",
+                                                                 "context_candidates": False, "datastore": True,
+                                                                 "slot_cost": 0.1}
+    with pytest.raises(bench.BenchError, match="unknown suffix /wide"):
+        bench.also_mode("mc_sim_7b_63/wide/fill")
+
+
+def test_per_prompt_speedup_is_a_tokens_per_s_ratio(monkeypatch):
+    """Plain emits 128 tokens in 1 s, Medusa 12 (it sampled a stop token) in 0.5 s: Medusa is 0.1875x
+    as fast per token, not 2x (the ratio of the wall times)."""
+    from medusa_trt.runtime.decoding import SequenceStats
+
+    def fake(timer, prompt, cfg):
+        n, wall = (12, 0.5) if cfg.use_medusa else (128, 1.0)
+        return bench.Run([7] * n, SequenceStats(steps=n, new_tokens=n, decode_s=wall), wall, wall / 2, wall / 3)
+
+    monkeypatch.setattr(bench, "timed_decode", fake)
+    out = bench.compare(None, [[1, 2, 3]], [[0]], 128, warmup=False, progress=False)
+    row = out["per_prompt"][0]
+    assert row["medusa"]["speedup"] == pytest.approx((12 / 0.5) / (128 / 1.0)) == out["medusa"]["speedup"]
+    assert row["plain_tokens_per_s"] == 128.0
+
+
+def test_prompts_need_room_for_the_deepest_tree(tiny_merged, tmp_path, capsys):
+    """The decoder's rule (prompt + new tokens + tree depth), checked before any decoding and
+    naming the file and the prompt, for the tree and every --also tree."""
+    from medusa_trt.runtime.dynamic import MAX_CONTEXT_DEPTH
+    from medusa_trt.runtime.loading import load_tokenizer
+
+    ckpt = tiny_merged("llama")
+    most = load_backend(ckpt).info.max_seq_len
+    text = "hello " * 50
+    n = len(load_tokenizer(ckpt).encode(text))
+    prompts = tmp_path / "p.txt"
+    prompts.write_text(f"a b c\n{text}\n")
+    new = most - n - 2  # room for the root and one node, not for a tree 3 deep
+    args = ["--engine", str(ckpt), "--prompts", str(prompts), "--no-hf", "--quiet", "--max-new-tokens", str(new)]
+    assert bench_cli.main([*args, "--medusa-choices", "[[0], [0, 0], [0, 0, 0]]"]) == 2
+    assert f"{prompts}: prompt 2 has {n} tokens; with --max-new-tokens {new} and trees 3 deep" in capsys.readouterr().err
+    assert bench_cli.main([*args, "--medusa-choices", "[[0]]", "--also", "dynamic:32"]) == 2
+    assert f"and trees {MAX_CONTEXT_DEPTH} deep" in capsys.readouterr().err
+
+
 def test_hf_model_dir_follows_engine_and_checkpoint(tiny_merged, ort_engine, tiny_base):
     base = tiny_base("llama").resolve()
     assert bench.hf_model_dir(tiny_merged("llama")) == base

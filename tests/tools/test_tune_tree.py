@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
@@ -153,6 +154,29 @@ def test_chains_only_chooses_a_chain():
         assert [row["nodes"] for row in choice.by_size] == list(range(1, len(ACC) + 1))  # a chain per depth
 
 
+def test_chains_only_weighs_every_depth_of_the_chain():
+    """max_nodes is the heads on a chains-only engine: the candidates are the chains up to that depth,
+    not a full greedy order of that many nodes cut to its chain (here (0,), (0, 0), (1,): two deep)."""
+    choice = choose_tree(ACC, steps([1.0] * 30), max_nodes=3, chains_only=True)
+    assert choice.medusa_choices == [[0], [0, 0], [0, 0, 0]] and choice.construction == "chain"
+    assert choice.tokens_per_step == pytest.approx(1 + 0.6 + 0.3 + 0.12, abs=1e-4)
+    # Replayed: ranks 1 and 2 are the most frequent, so every full order of 3 nodes is all branches.
+    rows = [[(0, 0, 0), (1, 1, 1), (1, 1, 1), (2, 2, 2), (2, 2, 2)] * 20]
+    acc = [[sum(r[d] == k for r in rows[0]) / len(rows[0]) for k in range(3)] for d in range(3)]
+    choice = choose_tree(acc, steps([1.0] * 30), max_nodes=3, rank_paths=rows, chains_only=True)
+    assert choice.medusa_choices == [[0], [0, 0], [0, 0, 0]]
+    assert choice.tokens_per_step == pytest.approx(simulate(rows, choice.medusa_choices)[0], abs=1e-4)
+    assert choice.tokens_per_step > simulate(rows, [[0]])[0]
+
+
+def test_default_budgets_never_exceed_max_nodes():
+    info = SimpleNamespace(max_draft_len=63, num_medusa_heads=4, vocab_size=1000)
+    assert tc.budgets_for(8, info) == [4, 8, 16]
+    assert tc.budgets_for(8, info, max_nodes=8) == [4, 8]  # not twice the tuned tree: dynamic:16
+    assert tc.budgets_for(3, info, max_nodes=5) == [1, 3]
+    assert tc.budgets_for(8, info, [8, 16], max_nodes=12) == [8, 16]  # asked for: the user's own budgets
+
+
 def test_guard_recommends_plain_when_step_time_grows_fast():
     forward = [1.0] + [2.5 + t for t in range(30)]  # any tree step costs 2.5x a plain one or more
     choice = choose_tree(ACC, steps(forward), max_nodes=20)
@@ -210,9 +234,13 @@ def test_cli_writes_a_loadable_tree_and_warns_for_random_heads(tiny_merged, tmp_
         assert key in result["predicted"]
     assert {"tuned", "mc_sim_7b_63", "plain_tokens_per_s"} <= set(result["measured"])
     assert result["measured"]["tuned"]["equal_to_plain"]
-    # Random heads predict nothing: no tree can beat plain decoding, whatever this machine's step times.
-    assert result["recommendation"] == "plain"
-    assert "warning: no tree is predicted to beat plain decoding" in printed and "use plain decoding" in printed
+    # Random heads predict nothing: no tree is predicted to beat plain decoding. The recommendation
+    # follows the measurement (a per-step tree's context chains may still pay on a repetitive output).
+    assert result["predicted"]["tuned"]["speedup_vs_plain"] < 1
+    m = result["measured"]
+    faster = m["tuned" if result["choice"]["chosen"] == "static" else spec]["tokens_per_s"] > m["plain_tokens_per_s"]
+    assert result["recommendation"] == ("medusa" if faster else "plain")
+    assert ("warning: the chosen tree measured no faster than plain decoding" in printed) is not faster
     assert "tuned tree:" in printed
 
 
@@ -230,12 +258,15 @@ def test_cli_measures_budgets_when_the_reference_tree_does_not_fit(tiny_merged, 
     assert f"dynamic:2,cost={result['slot_cost']:g}" in result["measured"]
 
 
+def measured_result(static, dynamic, equal=True, plain=5.0):
+    return {"medusa_choices": [[0], [1]], "recommendation": "medusa", "measured": {
+        "num_prompts": 4, "plain_tokens_per_s": plain, "tuned": {"tokens_per_s": static, "tokens_per_step": 1.5},
+        "dynamic:2,cost=0.3": {"tokens_per_s": dynamic, "tokens_per_step": 2.0, "equal_to_plain": equal},
+        "dynamic:4,cost=0.3": {"tokens_per_s": dynamic - 1, "tokens_per_step": 2.2, "equal_to_plain": equal}}}
+
+
 def test_the_faster_measured_of_static_and_per_step_trees_is_chosen():
-    def result(static, dynamic, equal=True):
-        return {"medusa_choices": [[0], [1]], "measured": {
-            "num_prompts": 4, "tuned": {"tokens_per_s": static, "tokens_per_step": 1.5},
-            "dynamic:2,cost=0.3": {"tokens_per_s": dynamic, "tokens_per_step": 2.0, "equal_to_plain": equal},
-            "dynamic:4,cost=0.3": {"tokens_per_s": dynamic - 1, "tokens_per_step": 2.2, "equal_to_plain": equal}}}
+    result = measured_result
     specs = tc.dynamic_specs([2, 4], 0.3)
     won = result(10.0, 12.0)
     tc.choose_static_or_dynamic(won, specs)
@@ -244,6 +275,29 @@ def test_the_faster_measured_of_static_and_per_step_trees_is_chosen():
     for lost in (result(12.0, 10.0), result(10.0, 12.0, equal=False)):
         tc.choose_static_or_dynamic(lost, specs)
         assert lost["medusa_choices"] == [[0], [1]] and lost["choice"]["chosen"] == "static"
+
+
+def test_the_recommendation_follows_the_measurement():
+    """Predicted or not, a tree measured slower than plain is not recommended, and one measured
+    faster is (the prediction is only a prediction)."""
+    specs = tc.dynamic_specs([2, 4], 0.3)
+    slower = measured_result(10.0, 9.6, plain=10.0)  # the static tree at plain's speed, dynamic:4 at 0.96x
+    tc.choose_static_or_dynamic(slower, specs)
+    assert slower["choice"]["chosen"] == "static" and slower["recommendation"] == "plain"
+    assert slower["choice"]["speedup_vs_plain"] == 1.0
+    dynamic_slower = measured_result(9.0, 9.6, plain=10.0)  # the chosen dynamic:2 at 0.96x
+    tc.choose_static_or_dynamic(dynamic_slower, specs)
+    assert dynamic_slower["medusa_choices"] == "dynamic:2,cost=0.3" and dynamic_slower["recommendation"] == "plain"
+    faster = measured_result(10.94, 9.0, plain=10.0)
+    faster["recommendation"] = "plain"  # predicted slower
+    tc.choose_static_or_dynamic(faster, specs)
+    assert faster["recommendation"] == "medusa" and faster["choice"]["speedup_vs_plain"] == 1.094
+    report = {"recommendation": "plain", "choice": {"chosen": "static", "why": "x", "speedup_vs_plain": 0.96},
+              "predicted": {"tuned": {"nodes": 2, "tokens_per_step": 1.5, "step_ms": 1.0, "speedup_vs_plain": 1.2},
+                            "plain": {"step_ms": 1.0}},
+              "head_accuracy": {"top1": [0.5], "positions": [10]}, "step_time_ms": {"forward": [1.0, 1.1]}}
+    assert "warning: the chosen tree measured no faster than plain decoding on this engine and machine (0.96x)" \
+        in ts.format_report(report)
 
 
 def test_slot_cost_is_the_measured_slope_over_a_plain_step():
@@ -265,6 +319,46 @@ def test_cli_bad_input_exits_2(tiny_merged, tmp_path, capsys):
     empty.write_text("\n\n")
     assert tune_cli.main(["--engine", str(ckpt), "--calib-data", str(empty), "--out", str(out)]) == 2
     assert "no prompts" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_cli_refuses_an_out_it_cannot_read_back(tmp_path, capsys):
+    out = tmp_path / "tree.txt"
+    assert tune_cli.main(["--engine", str(tmp_path / "nope"), "--prompts", "p.txt", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"medusa-tune-tree: error: {out}: --out has suffix '.txt'; expected one of .json, .yaml, .yml "
+                   "(a tree file --medusa-choices reads)"]
+    assert not out.exists()
+
+
+def test_cli_checks_every_prompt_file_before_tuning(tiny_merged, tmp_path, capsys, monkeypatch):
+    """--eval-prompts, and room for the trees each prompt file decodes with (the decoder's rule:
+    prompt + new tokens + tree depth), are checked before the minutes of tuning, by file and prompt."""
+    from medusa_trt.runtime.dynamic import MAX_CONTEXT_DEPTH
+    from medusa_trt.runtime.loading import load_backend, load_tokenizer
+
+    monkeypatch.setattr(ts, "tune", lambda *a, **k: pytest.fail("tuned before the prompts were checked"))
+    ckpt = tiny_merged("llama")
+    most, heads = (lambda info: (info.max_seq_len, info.num_medusa_heads))(load_backend(ckpt).info)
+    text = "hello " * 50
+    n = len(load_tokenizer(ckpt).encode(text))
+    short, long = tmp_path / "short.txt", tmp_path / "long.txt"
+    short.write_text("a b c\n")
+    long.write_text(f"a b c\n{text}\n")
+    out = tmp_path / "t.json"
+    base = ["--engine", str(ckpt), "--out", str(out), "--quiet"]
+    assert tune_cli.main([*base, "--prompts", str(short), "--eval-prompts", str(tmp_path / "missing.jsonl")]) == 2
+    assert "missing.jsonl: file not found" in capsys.readouterr().err
+    # Calibration: trees as deep as the heads; one position more than the root alone needs.
+    new = most - n - heads + 1
+    assert tune_cli.main([*base, "--prompts", str(long), "--max-new-tokens", str(new), "--no-measure"]) == 2
+    assert f"{long}: prompt 2 has {n} tokens; with --max-new-tokens {new} and trees {heads} deep" \
+        in capsys.readouterr().err
+    # The measured comparison: per-step trees' context chains go deeper than the heads.
+    new = most - n - heads
+    assert tune_cli.main([*base, "--prompts", str(short), "--eval-prompts", str(long), "--max-new-tokens",
+                          str(new), "--budgets", "32"]) == 2
+    assert f"{long}: prompt 2 has {n} tokens; with --max-new-tokens {new} and trees {MAX_CONTEXT_DEPTH} deep" in capsys.readouterr().err
     assert not out.exists()
 
 
