@@ -78,6 +78,22 @@ def is_heldout(conv_id: str) -> bool:
     return int(hashlib.sha1(conv_id.encode()).hexdigest(), 16) % HELDOUT_MODULUS == 0
 
 
+def heldout_rows(path: str | Path) -> list[tuple[int, str]]:
+    """(line, source) of a .jsonl prompt file's rows that come from held-out ShareGPT conversations:
+    rows of kind "chat" whose `source` (the conversation id, as the project's prompt files and the
+    recipe write it) is_heldout. Other files and rows: none. Read after read_prompts accepted the file."""
+    path = Path(path)
+    if path.suffix != ".jsonl":
+        return []
+    rows = []
+    for n, line in enumerate(path.read_text(encoding="utf-8-sig").splitlines(), 1):
+        obj = json.loads(line) if line.strip() else None
+        if isinstance(obj, dict) and obj.get("kind") == "chat" and isinstance(obj.get("source"), str) \
+                and is_heldout(obj["source"]):
+            rows.append((n, obj["source"]))
+    return rows
+
+
 # The roles of a person's turns: ShareGPT's own "human", and "user" of the variants exported with
 # chat-template role names.
 HUMAN_ROLES = ("human", "user")

@@ -53,7 +53,8 @@ def parser() -> argparse.ArgumentParser:
                    help=f"step-time repetitions per tree size, blocks of {BLOCK} steps (default 5)")
     add_prompts_arg(p, name="--eval-prompts", old=["--eval-data"],
                     help="prompts for the measured comparison, which also chooses between the static tree and "
-                         "per-step trees (default: --prompts); tuning data, so never held-out text")
+                         "per-step trees (default: --prompts); tuning data, so never held-out text (.jsonl rows of held-out "
+                         "ShareGPT conversations are refused, in --prompts too)")
     p.add_argument("--eval-limit", type=positive_int, default=8, help="prompts for the measured comparison (default 8)")
     p.add_argument("--no-measure", action="store_true", help="predict only; skip the measured comparison (and so "
                    "the choice between the static tree and per-step trees)")
@@ -91,10 +92,12 @@ def _main(argv: list[str] | None = None) -> int:
         # comparison, every tree it runs. The comparison's prompts are read now too, not after the tuning.
         depth = min(backend.info.num_medusa_heads, args.max_nodes)
         _, calib = load_prompts(args.prompts, tok, args.limit, room, depth)
+        _refuse_heldout(args.prompts, "--prompts")
         if not args.no_measure:
             data = args.eval_prompts or args.prompts
             _, prompts = load_prompts(data, tok, args.eval_limit, room,
                                       _deepest_tree(backend.info, args.max_nodes, args.budgets))
+            _refuse_heldout(data, "--eval-prompts")
         stops = stop_tokens(args.engine, tok)
         result = tt.tune(backend, calib, max_nodes=args.max_nodes, max_new_tokens=args.max_new_tokens,
                          stop_token_ids=stops, topk=args.topk, reps=args.reps, progress=not args.quiet)
@@ -130,6 +133,21 @@ def _main(argv: list[str] | None = None) -> int:
     print(f"{PROG}: wrote {args.out} ({what}; use --medusa-choices {args.out}, or record it: medusa-build --tree "
           f"{args.out})")
     return 0
+
+
+def _refuse_heldout(path: Path, flag: str) -> None:
+    """Both prompt sets pick the tree (the calibration tunes it, the measurement chooses static or
+    per-step), so neither may hold the held-out ShareGPT conversations that only measure
+    (data.is_heldout; rows of the project's prompt files name their conversation in `source`)."""
+    from medusa_trt.data import heldout_rows
+    from medusa_trt.tools.bench import BenchError
+
+    rows = heldout_rows(path)
+    if rows:
+        line, source = rows[0]
+        raise BenchError(f"{path}:{line}: {flag} row of source {source!r} is a held-out ShareGPT conversation "
+                         f"({len(rows)} such rows; sha1 of the id % 10 == 0): held-out prompts only measure, "
+                         "they never tune or pick a tree; expected tuning prompts such as prompts_calib.jsonl")
 
 
 def _deepest_tree(info, max_nodes: int, budgets: list[int] | None) -> int:

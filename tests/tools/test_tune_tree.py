@@ -359,6 +359,15 @@ def test_cli_checks_every_prompt_file_before_tuning(tiny_merged, tmp_path, capsy
     assert tune_cli.main([*base, "--prompts", str(short), "--eval-prompts", str(long), "--max-new-tokens",
                           str(new), "--budgets", "32"]) == 2
     assert f"{long}: prompt 2 has {n} tokens; with --max-new-tokens {new} and trees {MAX_CONTEXT_DEPTH} deep" in capsys.readouterr().err
+    # Held-out ShareGPT conversations (the rule) never tune or pick a tree, in either file.
+    rows = [{"text": "a b c", "kind": "chat", "source": "I7GJBvO_0"}, {"text": "d e", "kind": "code", "source": "x.py"},
+            {"text": "f g", "kind": "chat", "source": "gt6zkh9_0"}]  # the last hashes to 0 mod 10
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for flags in (["--prompts", str(mixed), "--no-measure"], ["--prompts", str(short), "--eval-prompts", str(mixed)]):
+        assert tune_cli.main([*base, *flags]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"{mixed}:3:" in err[0] and "'gt6zkh9_0' is a held-out ShareGPT conversation" in err[0]
     assert not out.exists()
 
 
