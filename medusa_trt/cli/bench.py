@@ -119,7 +119,8 @@ def _main(argv: list[str] | None = None) -> int:
             if args.repeat == 1:  # plain outputs per prompt, to check transformers agrees
                 plain_tokens = [decode(backend, [p], GenerationConfig(max_new_tokens=args.max_new_tokens,
                                 use_medusa=False, stop_token_ids=stops)).tokens[0] for p in prompts]
-            hf = hf_generate(hf_dir, prompts, args.max_new_tokens, stops, plain_tokens, progress=not args.quiet)
+            hf = hf_generate(hf_dir, prompts, args.max_new_tokens, stops, plain_tokens, progress=not args.quiet,
+                             threads=args.threads)
     except ValueError as e:  # BenchError, TreeError, EngineError, load errors: bad input, explained
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2

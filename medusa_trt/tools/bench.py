@@ -332,9 +332,10 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int, stop_token_ids: tup
 
 
 def hf_generate(model_dir: Path, prompts: list[list[int]], max_new_tokens: int, stop_token_ids: tuple[int, ...],
-                plain_tokens: list[list[int]] | None = None, progress: bool = True) -> dict:
-    """transformers generate(do_sample=False), batch 1, float32, with as many torch threads as cores
-    (what a user's transformers run gets). Tokens are cut after the first stop token, as ours are."""
+                plain_tokens: list[list[int]] | None = None, progress: bool = True, threads: int | None = None) -> dict:
+    """transformers generate(do_sample=False), batch 1, float32, with `threads` torch threads: the
+    engine's (--threads), so the ratios compare equal threads; None, as many as cores (what a user's
+    transformers run gets). Tokens are cut after the first stop token, as ours are."""
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
 
@@ -343,8 +344,8 @@ def hf_generate(model_dir: Path, prompts: list[list[int]], max_new_tokens: int, 
     except Exception as e:  # transformers raises many unrelated types for a bad model dir
         raise BenchError(f"{model_dir}: transformers cannot load it ({type(e).__name__}: {e})") from None
     tokens, seconds, same = 0, 0.0, 0
-    threads = torch.get_num_threads()
-    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    before, threads = torch.get_num_threads(), threads or len(os.sched_getaffinity(0))
+    torch.set_num_threads(threads)
     try:
         with torch.inference_mode():
             hf_greedy(model, prompts[0], 4, stop_token_ids)  # warm-up
@@ -356,9 +357,9 @@ def hf_generate(model_dir: Path, prompts: list[list[int]], max_new_tokens: int, 
                 tokens += len(new)
                 same += plain_tokens is not None and new == plain_tokens[i]
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(before)
     return {"model": str(model_dir), "tokens": tokens, "tokens_per_s": round(tokens / max(seconds, 1e-12), 2),
-            "wall_s": round(seconds, 4), "threads": len(os.sched_getaffinity(0)),
+            "wall_s": round(seconds, 4), "threads": threads,
             "equal_to_plain": None if plain_tokens is None else f"{same}/{len(prompts)}"}
 
 

@@ -61,10 +61,11 @@ def test_bench_on_a_checkpoint(tiny_merged, prompts_file, tmp_path, capsys):
 def test_bench_on_an_onnxruntime_engine(ort_engine, prompts_file, tmp_path):
     out = tmp_path / "bench.json"
     rc = bench_cli.main(["--engine", str(ort_engine("llama")), "--prompts", str(prompts_file), "--max-new-tokens", "24",
-                     "--limit", "2", "--json", str(out), "--quiet"])
+                     "--limit", "2", "--json", str(out), "--quiet", "--threads", "1"])
     assert rc == 0
     report = json.loads(out.read_text())
     check_report(report, 2, depth=4)
+    assert report["threads"] == report["hf_generate"]["threads"] == 1  # the baseline gets the engine's threads
     # The engine records no tree: the report says which one ran (issue 38).
     assert report["backend"] == "OrtBackend" and report["medusa_choices"].startswith("mc_sim_7b_63 cut to the engine")
 
