@@ -59,9 +59,10 @@ def parser() -> argparse.ArgumentParser:
     add_max_new_tokens_arg(p, default=128)
     p.add_argument("--limit", type=positive_int, help="use the first N prompts")
     p.add_argument("--repeat", type=positive_int, default=1, help="measure each prompt N times (default 1)")
-    p.add_argument("--hf-model", type=Path, help="HF model dir for the transformers baseline "
-                   "(default: the base recorded in the engine's checkpoint)")
-    p.add_argument("--no-hf", action="store_true", help="skip the transformers generate baseline")
+    hf = p.add_mutually_exclusive_group()  # both at once: the baseline ran, --no-hf notwithstanding
+    hf.add_argument("--hf-model", type=Path, help="HF model dir for the transformers baseline "
+                    "(default: the base recorded in the engine's checkpoint)")
+    hf.add_argument("--no-hf", action="store_true", help="skip the transformers generate baseline")
     add_threads_arg(p, help="engine intra-op threads (default: one per core); small models often decode fastest on one")
     add_spin_arg(p)
     add_sampling_args(p, typical=False, seed=0, seed_help="sample: generator seed of every run",

@@ -175,6 +175,9 @@ def test_bad_input_exits_2(tiny_merged, prompts_file, tmp_path, capsys):
     assert "depth 5 exceeds" in capsys.readouterr().err
     assert bench_cli.main(["--engine", ckpt, "--prompts", str(prompts_file), "--hf-model", str(tmp_path)]) == 2
     assert "--hf-model has no config.json" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        bench_cli.main(["--engine", ckpt, "--prompts", str(prompts_file), "--hf-model", ckpt, "--no-hf"])
+    assert e.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
 
 
 def test_threads_are_restored_after_the_transformers_baseline(tiny_base):
