@@ -18,9 +18,12 @@ checkpoint config and the medusa-build options (a pure function, tested without 
   by TensorRT-LLM's tuning guide). FP8 checkpoints (quant_algo FP8) leave the GEMM plugin off,
   as that guide recommends, except for small batches (max_batch_size <= 4), where it recommends
   the FP8 GEMM plugin (`--gemm_plugin fp8`) for latency.
-- FP8 KV cache (kv_cache_quant_algo FP8) together with FP8 linears: `--use_fp8_context_fmha
-  enable` (FP8 context attention; Hopper or newer). The KV cache dtype itself comes from the
-  checkpoint's quantization block, not from a flag.
+- FP8 linears (quant_algo FP8): `--use_fp8_context_fmha enable` with an FP8 KV cache (FP8 context
+  attention; Hopper or newer; TrtllmOptions.fp8_context_fmha), `disable` otherwise, always said:
+  later releases turn it on by default for FP8 checkpoints. An FP8 KV cache with float linears:
+  `--use_paged_context_fmha disable`, which those releases also default on and then refuse to build
+  ("FP8 Paged Context FMHA only works with fp8 quantization workflow"). The KV cache dtype itself
+  comes from the checkpoint's quantization block, not from a flag.
 - tensor parallelism: trtllm-build writes one `rank{N}.engine` per rank of the checkpoint's
   mapping (world_size = tp_size * pp_size); `--workers` builds that many in parallel when the
   machine has the GPUs (TrtllmOptions.workers, default 1). Running it takes `mpirun -n world_size`.
@@ -78,7 +81,7 @@ class TrtllmOptions(BackendOptions):
     backend: ClassVar[str] = "tensorrt-llm"
 
     max_input_len: int | None = None  # --max-input-len; None: max_seq_len minus one tree
-    fp8_context_fmha: bool = True  # --use_fp8_context_fmha for FP8 linears with an FP8 KV cache
+    fp8_context_fmha: bool = True  # --use_fp8_context_fmha enable for FP8 linears with an FP8 KV cache
     workers: int = 1  # trtllm-build --workers (at most the checkpoint's world size)
     trtllm_args: tuple[str, ...] = ()  # passed to trtllm-build after the flags chosen here
     trtllm_build: str | None = None  # the trtllm-build executable; None: trtllm-build on PATH
@@ -137,8 +140,10 @@ def trtllm_build_command(checkpoint_dir: str | Path, out_dir: str | Path, config
         cmd += ["--gemm_plugin", dtype]
     elif opts.max_batch_size <= FP8_GEMM_PLUGIN_MAX_BATCH:
         cmd += ["--gemm_plugin", "fp8"]
-    if fp8 and fp8_kv and llm.fp8_context_fmha:
-        cmd += ["--use_fp8_context_fmha", "enable"]
+    if fp8:
+        cmd += ["--use_fp8_context_fmha", "enable" if fp8_kv and llm.fp8_context_fmha else "disable"]
+    elif fp8_kv:
+        cmd += ["--use_paged_context_fmha", "disable"]
     workers = int(llm.workers or 1)
     if workers > 1:
         cmd += ["--workers", str(min(workers, world_size(config)))]

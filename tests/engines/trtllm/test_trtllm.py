@@ -51,6 +51,7 @@ def checkpoint(tmp_path_factory, tiny_base, tiny_heads):
         "fp8-kv8": dict(arch="llama", dtype="float16", quant=dict(quantize="fp8", kv_cache_dtype="fp8")),
         "fp8-tp2": dict(arch="llama", dtype="bfloat16", tp_size=2, quant=dict(quantize="fp8")),
         "fp8-heads": dict(arch="llama", dtype="float16", quant=dict(quantize="fp8", quantize_heads=True)),
+        "kv8": dict(arch="llama", dtype="float16", quant=dict(kv_cache_dtype="fp8")),  # float linears
         "draft10": dict(arch="llama", dtype="float16", max_draft_len=10),
     }
     cache = {}
@@ -126,12 +127,22 @@ def test_command_fp8(checkpoint, tmp_path):
     assert large["--gpt_attention_plugin"] == "float16"
     small = _flags(_cmd(ckpt, tmp_path, max_batch_size=4))
     assert small["--gemm_plugin"] == "fp8"
+    # Off is said, not left out: later releases turn FP8 context attention on for FP8 checkpoints.
     off = _flags(_cmd(ckpt, tmp_path, backend_options=TrtllmOptions(fp8_context_fmha=False)))
-    assert "--use_fp8_context_fmha" not in off
+    assert off["--use_fp8_context_fmha"] == "disable"
     # FP8 linears with a float KV cache: no FP8 context attention.
     tp2 = _flags(_cmd(checkpoint("fp8-tp2"), tmp_path, max_batch_size=2))
-    assert tp2["--gemm_plugin"] == "fp8" and "--use_fp8_context_fmha" not in tp2
+    assert tp2["--gemm_plugin"] == "fp8" and tp2["--use_fp8_context_fmha"] == "disable"
     assert tp2["--gpt_attention_plugin"] == "bfloat16"
+    # An FP8 KV cache with float linears: paged context attention off, which TensorRT-LLM refuses
+    # to build with this pair ("FP8 Paged Context FMHA only works with fp8 quantization workflow").
+    kv8 = checkpoint("kv8")
+    quant = read_config(kv8)["quantization"]
+    assert (quant["quant_algo"], quant["kv_cache_quant_algo"]) == (None, "FP8")
+    kv = _flags(_cmd(kv8, tmp_path))
+    assert kv["--use_paged_context_fmha"] == "disable" and "--use_fp8_context_fmha" not in kv
+    assert kv["--gemm_plugin"] == "float16"
+    assert "--use_paged_context_fmha" not in large and "--use_paged_context_fmha" not in tp2
 
 
 def test_command_long_context_and_errors(checkpoint, tmp_path):
