@@ -244,11 +244,19 @@ def quantize_int4(w: torch.Tensor, block_size: int, importance: torch.Tensor | N
     return packed.contiguous(), scale.contiguous(), (z[:, 0::2] | (z[:, 1::2] << 4)).contiguous()
 
 
+def _range_over_15(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """(hi - lo) / 15, the scale of a block's range on 16 codes. Rounded as written: a Q4_1 block of
+    a GGUF (d * q + m, both end codes used) gives back d to float32 rounding. A range past float32's
+    maximum (inf as written) is divided before it is subtracted instead."""
+    scale = (hi - lo) / 15.0
+    return torch.where(torch.isfinite(scale), scale, hi / 15.0 - lo / 15.0)
+
+
 def _nearest_int4_grid(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Codes, scales and zero points of each block's [min(w, 0), max(w, 0)] mapped onto 0..15."""
     lo = blocks.amin(-1).clamp(max=0.0)
     hi = blocks.amax(-1).clamp(min=0.0)
-    scale = hi / 15.0 - lo / 15.0  # divided first: hi - lo of a block near float32's maximum would be inf
+    scale = _range_over_15(lo, hi)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero block: any scale is exact
     zp = torch.round(-lo / scale).clamp(0, 15)
     return torch.round(blocks / scale[..., None] + zp[..., None]).clamp(0, 15), scale, zp
@@ -299,7 +307,7 @@ def quantize_int4_offsets(w: torch.Tensor, block_size: int) -> tuple[torch.Tenso
     n, k = w.shape
     blocks = w.detach().to(torch.float32).reshape(n, k // block_size, block_size)
     lo, hi = blocks.amin(-1), blocks.amax(-1)
-    scale = hi / 15.0 - lo / 15.0  # divided first, as in _nearest_int4_grid
+    scale = _range_over_15(lo, hi)
     constant = scale == 0
     scale = torch.where(constant, torch.ones_like(scale), scale)
     q = torch.round((blocks - lo[..., None]) / scale[..., None]).clamp(0, 15)
