@@ -35,8 +35,8 @@ prepare)
   cp medusa_trt/assets/smollm2/heads/medusa_lm_head.safetensors medusa_trt/assets/smollm2/amphista/amphista.safetensors .xfer/payload/w/
   site=$(.venv/bin/python -c "import gguf, pathlib; print(pathlib.Path(gguf.__file__).parents[1])")
   cp -r "$site"/gguf "$site"/gguf-*.dist-info .xfer/payload/py/  # the dist-info too: transformers reads its version
-  git rm -q --cached $WEIGHTS
-  printf '/%s\n' $WEIGHTS >>"$EXCLUDE"
+  git rm -q --cached --ignore-unmatch $WEIGHTS  # a second prepare before restore finds them out already
+  for w in $WEIGHTS; do grep -qxF "/$w" "$EXCLUDE" || echo "/$w" >>"$EXCLUDE"; done
   tree=$(git ls-files -z --cached --others --exclude-standard | xargs -0 du -cb | tail -1 | cut -f1)
   piece=$(( 64 * 1048576 - tree - 1048576 ))  # a MiB to spare
   tar -C .xfer/payload -ch . | xz -9 -T2 | split -b "$piece" - .xfer/piece.
@@ -82,7 +82,7 @@ restore)
 collect)
   from=${2:?collect DIR: the folder where the device call files came back}
   cp "$from"/part-*.npz.xz data/drafter_corpus/ 2>/dev/null && chmod 644 data/drafter_corpus/part-*.npz.xz || echo "$from: no corpus parts"
-  mkdir -p build/gpu_run
+  rm -rf build/gpu_run && mkdir -p build/gpu_run  # a report or eval of an earlier run would pass as this one's
   cp "$from"/cuda_report.json "$from"/log.txt build/gpu_run/ 2>/dev/null || true  # a run that saved no drafters too
   chmod u+w build/gpu_run/cuda_report.json build/gpu_run/log.txt 2>/dev/null || true
   if ls "$from"/drafters.tar.* >/dev/null 2>&1; then

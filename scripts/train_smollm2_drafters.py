@@ -60,6 +60,7 @@ import dataclasses
 import hashlib
 import json
 import random
+import signal
 import sys
 import sysconfig
 import time
@@ -1243,6 +1244,10 @@ def _timed(fn, *args):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # SIGTERM (scripts/device_drafters.sh's `timeout`, a scheduler) ends the run through SystemExit, so
+    # the `finally` blocks run: the corpus writer writes the continuations it holds in memory (a part
+    # is otherwise written every 4M tokens or 600 s), where Python's default would drop them.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     torch.set_num_threads(args.threads)
     if args.stage == "pack":
         pack_stage(args)
