@@ -620,8 +620,9 @@ def parse_args(argv: list[str] | None):
 
 
 def main(argv: list[str] | None = None) -> int:
+    from medusa_trt.dynamic_spec import parse_dynamic
     from medusa_trt.errors import CheckpointError
-    from medusa_trt.tree import DEFAULT_TREE, parse_dynamic, parse_medusa_choices
+    from medusa_trt.tree import DEFAULT_TREE, parse_medusa_choices
 
     try:
         args = parse_args(argv)

@@ -139,9 +139,9 @@ def tree_inputs(slots: int, num_heads: int):
     """Position offsets and mask of the default tree cut to `slots` slots."""
     import torch
 
-    from medusa_trt.tree import DEFAULT_TREE, build_tree, parse_medusa_choices, validate_and_expand
+    from medusa_trt.tree import DEFAULT_TREE, build_tree, read_tree
 
-    nodes = validate_and_expand(parse_medusa_choices(DEFAULT_TREE), num_heads)[: slots - 1]
+    nodes = read_tree(DEFAULT_TREE, num_heads)[: slots - 1]
     if not nodes:
         return torch.zeros(1, dtype=torch.long), torch.ones(1, 1, dtype=torch.bool)
     tree = build_tree(nodes, num_heads, 63)

@@ -20,8 +20,9 @@ import re
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from medusa_trt.dynamic_spec import dynamic_from_text
 from medusa_trt.errors import MedusaTrtError, read_json_object, require, require_section
-from medusa_trt.tree import MAX_DRAFT_LEN, TreeError, candidate_topk, dynamic_from_text, validate_and_expand
+from medusa_trt.tree import MAX_DRAFT_LEN, TreeError, candidate_topk, validate_and_expand
 
 # The format's history, and what each optional feature means: docs/formats.md, section 3.
 ENGINE_FORMAT_VERSION = 8

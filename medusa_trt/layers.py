@@ -100,7 +100,7 @@ class DecoderLayer(nn.Module):
         self.gate = nn.Linear(d, inter, bias=False)  # HF up_proj
         self.proj = nn.Linear(inter, d, bias=False)  # HF down_proj
         # What the cache does to new keys/values, when it stores another form than the model dtype
-        # (quant.FP8KVCache): a token then attends to its own K/V as later steps read them back.
+        # (fp8.FP8KVCache): a token then attends to its own K/V as later steps read them back.
         self.kv_cache: nn.Module | None = None
         self.attend = attention_with_past  # plain attribute, not a module: the ONNX exporter swaps it
 

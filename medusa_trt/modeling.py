@@ -9,7 +9,7 @@ which keeps it exportable to ONNX as one graph. A sliding window (Mistral, Qwen2
 is a second mask, the first cut to the window by position (`sliding_window_mask`).
 
 The model is float only. Quantized forms (an FP8 checkpoint's, medusa-build's int4) are modules that
-medusa_trt.quant swaps in, computing what the engines' quantized ops compute; the model offers the
+medusa_trt.fp8 and medusa_trt.quant swap in, computing what the engines' quantized ops compute; the model offers the
 seams they plug into (Linear submodules, `DecoderLayer.kv_cache`, the slots named in MedusaModel).
 """
 
@@ -144,10 +144,10 @@ class MedusaModel(nn.Module):
             model = cls(cfg)
         state = _to_module_names(cfg, weights)
         if cfg.quantization:
-            # An FP8 checkpoint's modules (docs/formats.md section 2) are quant.py's: it swaps them in,
-            # on the meta device like the rest, and names their tensors. quant imports no modeling
-            # code at run time, so this call makes no import cycle.
-            from medusa_trt.quant import load_fp8
+            # An FP8 checkpoint's modules (docs/formats.md section 2) are fp8.py's: it swaps them in,
+            # on the meta device like the rest, and names their tensors. fp8 imports no modeling
+            # code, so this call makes no import cycle.
+            from medusa_trt.fp8 import load_fp8
 
             with torch.device("meta"):
                 load_fp8(model, weights, state)

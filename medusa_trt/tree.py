@@ -50,15 +50,6 @@ class TreeError(MedusaTrtError):
     """A medusa_choices input that cannot be used; the message names the input and the bad value."""
 
 
-class FileTree(list):
-    """The paths of a tree file (parse_medusa_choices), with `where` naming the file: the values
-    validate_and_expand checks later are reported with it, whoever calls it."""
-
-    def __init__(self, paths=(), where: str = ""):
-        super().__init__(paths)
-        self.where = where
-
-
 @functools.cache
 def _presets() -> dict[str, list[list[int]]]:
     data = resources.files("medusa_trt").joinpath("presets/medusa_choices.json").read_text()
@@ -171,7 +162,21 @@ def _parse_file(path: Path) -> list[list[Any]]:
         if "medusa_choices" not in data:
             raise TreeError(f"{where}: mapping has keys {sorted(data)}; expected a 'medusa_choices' key")
         data = data["medusa_choices"]
-    return FileTree(_as_path_list(data, where), where)
+    return _as_path_list(data, where)
+
+
+def tree_file(spec: object) -> Path | None:
+    """The file a tree spec names: a path, or a string that is no preset, list or brace form and has a
+    tree file's suffix or names an existing file. None for any other spec."""
+    if isinstance(spec, os.PathLike):
+        return Path(spec)
+    if not isinstance(spec, str):
+        return None
+    text = spec.strip()
+    if not text or text.startswith(("[", "{")) or text in _presets():
+        return None
+    path = Path(text)
+    return path if path.suffix.lower() in TREE_FILE_SUFFIXES or path.exists() else None
 
 
 def parse_medusa_choices(spec: str | os.PathLike | list | tuple) -> list[list[int]]:
@@ -184,8 +189,8 @@ def parse_medusa_choices(spec: str | os.PathLike | list | tuple) -> list[list[in
         spec = spec.tolist()
     if isinstance(spec, (list, tuple)):
         return _as_path_list(spec, "medusa_choices")
-    if isinstance(spec, os.PathLike):
-        return _parse_file(Path(spec))
+    if (path := tree_file(spec)) is not None:
+        return _parse_file(path)
     if not isinstance(spec, str):
         raise TreeError(f"medusa_choices: got {type(spec).__name__} {_short(spec)}; expected a preset "
                         "name, a list of paths, a string or a file path")
@@ -210,9 +215,6 @@ def parse_medusa_choices(spec: str | os.PathLike | list | tuple) -> list[list[in
         return _as_path_list(data, where)
     if text.startswith("{"):
         return _parse_brace(text, where)
-    path = Path(text)
-    if path.suffix.lower() in TREE_FILE_SUFFIXES or path.exists():
-        return _parse_file(path)
     raise TreeError(f"{where}: unknown preset name; expected one of {sorted(_presets())}, "
                     "a list such as '[[0], [0, 1]]', a brace form '{0}, {0, 1}' or a .json/.yaml file")
 
@@ -228,18 +230,7 @@ def check_trtllm_ranks(nodes: list[list[int]], where: str = "medusa_choices") ->
 def validate_and_expand(choices: list, num_heads: int, max_draft_len: int | None = None,
                         vocab_size: int | None = None) -> list[list[int]]:
     """Check paths (ranks below `vocab_size` when given, and below MAX_RANK always), add missing
-    prefixes, and return the nodes sorted by (depth, path). Paths read from a file (FileTree) are
-    refused with the file named first."""
-    try:
-        return _validate_and_expand(choices, num_heads, max_draft_len, vocab_size)
-    except TreeError as e:
-        if isinstance(choices, FileTree) and choices.where:  # a copy (deepcopy, asdict) may have lost it
-            raise TreeError(f"{choices.where}: {e}") from None
-        raise
-
-
-def _validate_and_expand(choices: list, num_heads: int, max_draft_len: int | None,
-                         vocab_size: int | None) -> list[list[int]]:
+    prefixes, and return the nodes sorted by (depth, path)."""
     bound = min(vocab_size, MAX_RANK) if vocab_size is not None else MAX_RANK
     if not isinstance(choices, (list, tuple)) or not choices:
         raise TreeError(f"medusa_choices: got {_short(choices)}; expected a non-empty list of paths")
@@ -271,6 +262,22 @@ def _validate_and_expand(choices: list, num_heads: int, max_draft_len: int | Non
         raise TreeError(f"medusa_choices: tree has {len(nodes)} nodes after adding prefixes; "
                         f"expected at most max_draft_len={max_draft_len}")
     return [list(p) for p in sorted(nodes, key=lambda p: (len(p), p))]
+
+
+def read_tree(spec: Any, num_heads: int | None, max_draft_len: int | None = None,
+              vocab_size: int | None = None) -> list[list[int]]:
+    """parse_medusa_choices, then validate_and_expand: the nodes of any tree spelling. A value found
+    bad in a tree file (a duplicate path, a rank, too many nodes) names the file first. `num_heads`
+    None: no depth bound (no engine known yet)."""
+    paths = parse_medusa_choices(spec)
+    if num_heads is None:
+        num_heads = max((len(p) for p in paths), default=1)
+    try:
+        return validate_and_expand(paths, num_heads, max_draft_len, vocab_size)
+    except TreeError as e:
+        if (path := tree_file(spec)) is not None:
+            raise TreeError(f"tree file {str(path)!r}: {e}") from None
+        raise
 
 
 @dataclass(frozen=True, eq=False)  # eq=False: numpy fields make == ambiguous
@@ -382,7 +389,7 @@ def build_tree(spec: Any, num_heads: int, max_draft_len: int | None = None,
                chains_only: bool = False) -> TreeBuffers:
     """Parse, validate and expand a tree, then build (or fetch from cache) its buffers.
     `chains_only`: the tree's main chain, with a warning when that drops nodes."""
-    nodes = validate_and_expand(parse_medusa_choices(spec), num_heads, max_draft_len)
+    nodes = read_tree(spec, num_heads, max_draft_len)
     if chains_only and len(chain := main_chain(nodes)) < len(nodes):
         _warn_chain(len(nodes), tuple(tuple(p) for p in chain))
         nodes = chain
@@ -420,130 +427,6 @@ def candidate_index(tree: TreeBuffers, k: int) -> np.ndarray:
 def tree_to_brace(choices: list) -> str:
     """Triton's brace spelling, e.g. "{0}, {0, 0}"; parse_medusa_choices reads it back."""
     return ", ".join("{" + ", ".join(str(int(r)) for r in path) + "}" for path in choices)
-
-
-# -- per-step tree specs ("dynamic:N[,cost=C]"), read here so engine.json and the runtime share one grammar
-
-
-_DYNAMIC = re.compile(r"dynamic:(.*)", re.IGNORECASE)
-
-
-def _from_file(spec: object) -> object:
-    """A tree file's medusa_choices when it is a string ("dynamic:N", what medusa-tune-tree writes when
-    per-step trees won), else `spec` itself (a list file is parse_medusa_choices' to read)."""
-    if not isinstance(spec, (str, os.PathLike)) or not str(spec).lower().endswith(TREE_FILE_SUFFIXES):
-        return spec
-    yaml_text = not str(spec).lower().endswith(".json")
-    try:
-        path = Path(spec)
-        if not path.is_file() or path.stat().st_size > MAX_TREE_TEXT:
-            return spec
-        text = path.read_text(encoding="utf-8")
-        check_bounds(text, str(path), yaml_text)  # no parser on a file nested to exhaust the stack (or aliased)
-        if yaml_text:
-            import yaml  # only needed for YAML trees
-
-            try:
-                data = yaml.safe_load(text)
-            except yaml.YAMLError:
-                return spec
-        else:
-            data = json.loads(text)
-    except (OSError, ValueError, TreeError):
-        return spec  # parse_medusa_choices names the problem
-    choices = data.get("medusa_choices") if isinstance(data, dict) else None
-    return choices if isinstance(choices, str) else spec
-
-
-@dataclass(frozen=True)
-class DynamicSpec:
-    """A parsed "dynamic:N[,cost=C]": the node budget and the slot cost it records (None: none)."""
-
-    text: str
-    budget: int
-    cost: float | None
-
-    def __str__(self) -> str:
-        return dynamic_spec(self.budget, self.cost)
-
-    def check_fits(self, heads: int, topk: int, max_draft_len: int) -> None:
-        """TreeError unless an engine of `max_draft_len` and a drafter of `heads` x top-`topk`
-        candidates can fill the budget."""
-        if self.budget > max_draft_len:
-            raise TreeError(f"medusa_choices {self.text!r}: budget {self.budget} exceeds the engine's max_draft_len "
-                            f"{max_draft_len}; expected dynamic:N with N <= {max_draft_len}")
-        if self.budget > heads * topk:
-            raise TreeError(f"medusa_choices {self.text!r}: budget {self.budget} exceeds the drafter's {heads} heads x "
-                            f"top-{topk} = {heads * topk} candidates; expected dynamic:N with N <= {heads * topk}")
-
-
-def dynamic_spec(budget: int, cost: float | None = None) -> str:
-    """The text of a per-step tree spec: "dynamic:N", or "dynamic:N,cost=C" when it records a cost."""
-    return f"dynamic:{budget}" + ("" if cost is None else f",cost={cost:g}")
-
-
-def read_dynamic(spec: object) -> DynamicSpec | None:
-    """The DynamicSpec of "dynamic:N" or "dynamic:N,cost=C", or of a tree file holding one (read once);
-    None when `spec` is not a dynamic spec. A malformed budget or cost raises TreeError naming it (and
-    the file it is in)."""
-    text = _from_file(spec)
-    try:
-        return dynamic_from_text(text)
-    except TreeError as e:
-        if text is not spec:
-            raise TreeError(f"tree file {str(spec)!r}: {e}") from None
-        raise
-
-
-def dynamic_from_text(spec: object) -> DynamicSpec | None:
-    """read_dynamic of the spec's text itself, never of a file it names: what engine.json records."""
-    if not isinstance(spec, str):
-        return None
-    m = _DYNAMIC.fullmatch(spec.strip())
-    if m is None:
-        return None
-    text, _, option = m.group(1).strip().partition(",")
-    cost = _cost(spec, option) if option else None
-    if "/" in text:  # medusa-bench's --also suffixes (/fill, /no-context, ...) are modes of the bench, not of a tree
-        raise TreeError(f"medusa_choices {spec!r}: unknown option /{text.partition('/')[2]}; expected dynamic:N or "
-                        "dynamic:N,cost=C (the /fill, /no-context and /no-datastore suffixes are medusa-bench --also's)")
-    try:
-        budget = int(text)
-    except ValueError:
-        raise TreeError(f"medusa_choices {spec!r}: budget {text!r} is not an integer; expected dynamic:N with "
-                        "N >= 1 nodes per step, e.g. dynamic:16") from None
-    if budget < 1:
-        raise TreeError(f"medusa_choices {spec!r}: budget {budget}; expected dynamic:N with N >= 1 nodes per step")
-    return DynamicSpec(spec, budget, cost)
-
-
-def parse_dynamic(spec: object) -> int | None:
-    """The budget N of a dynamic spec (read_dynamic), None when `spec` is not one."""
-    parsed = read_dynamic(spec)
-    return None if parsed is None else parsed.budget
-
-
-def spec_cost(spec: object) -> float | None:
-    """The slot cost a dynamic spec (or a tree file holding one) records, None when it records none:
-    medusa-tune-tree writes the engine's own, measured."""
-    parsed = read_dynamic(spec)
-    return None if parsed is None else parsed.cost
-
-
-def _cost(spec: str, option: str) -> float:
-    """C of a spec's ",cost=C" option: the step time one slot adds on its engine, in plain steps."""
-    name, _, text = option.partition("=")
-    expected = "expected dynamic:N or dynamic:N,cost=C with C >= 0 plain steps per slot, e.g. dynamic:16,cost=0.08"
-    if name.strip().lower() != "cost":
-        raise TreeError(f"medusa_choices {spec!r}: unknown option {option.strip()!r}; {expected}")
-    try:
-        cost = float(text)
-    except ValueError:
-        raise TreeError(f"medusa_choices {spec!r}: cost {text.strip()!r} is not a number; {expected}") from None
-    if not (cost >= 0 and math.isfinite(cost)):
-        raise TreeError(f"medusa_choices {spec!r}: cost {cost}; {expected}")
-    return cost
-
 
 
 @dataclass(frozen=True)

@@ -118,12 +118,12 @@ def kernel_case(past: int, nodes: int, heads: int = 32, kv_heads: int = 8, dim: 
         reference_tree_attention,
         triton_tree_attention,
     )
-    from medusa_trt.tree import build_tree, parse_medusa_choices, validate_and_expand
+    from medusa_trt.tree import build_tree, read_tree
 
     g = torch.Generator(device="cuda").manual_seed(past + nodes)
     dev, dt = "cuda", torch.float16
     # The first nodes-1 of the 63-node tree in (depth, path) order: prefix-closed, so a valid tree.
-    paths = validate_and_expand(parse_medusa_choices("mc_sim_7b_63"), num_heads=8)[: nodes - 1]
+    paths = read_tree("mc_sim_7b_63", num_heads=8)[: nodes - 1]
     tree = build_tree(paths, 8, nodes - 1)  # root + nodes-1 slots
     t = tree.num_slots
     packed = torch.tensor(tree.packed_mask, device=dev)

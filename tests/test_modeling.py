@@ -13,8 +13,8 @@ from synthetic import SLIDING_WINDOW_CONFIGS, WINDOW
 from transformers import AutoModelForCausalLM
 
 from medusa_trt.drafters.medusa import resblocks, stacked_linear
+from medusa_trt.fp8 import FP8HeadLinears, dequantize_fp8, fp8_scale, quantize_fp8
 from medusa_trt.modeling import MedusaModel
-from medusa_trt.quant import FP8HeadLinears, dequantize_fp8, fp8_scale, quantize_fp8
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 32}
@@ -209,8 +209,9 @@ def test_float16_checkpoint_runs_close_to_float32(tiny_merged):
 
 
 def test_the_model_imports_no_quantization_code():
-    """modeling.py is the float model: importing it loads no quant.py, and it holds no copy of the
-    numerics (quant.py swaps its modules into a model; the loader calls it for a checkpoint's block)."""
+    """modeling.py is the float model: importing it loads no quant.py or fp8.py, and it holds no copy of
+    the numerics (they swap their modules into a model; the loader calls fp8.py for a checkpoint's block)."""
     code = ("import sys, medusa_trt.modeling as m; assert 'medusa_trt.quant' not in sys.modules; "
+            "assert 'medusa_trt.fp8' not in sys.modules; "
             "assert not [n for n in dir(m) if 'int4' in n.lower() or 'fp8' in n.lower()]")
     subprocess.run([sys.executable, "-c", code], check=True)

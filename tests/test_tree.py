@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from medusa_trt import tree
 from medusa_trt.acceptance import tree_candidates
+from medusa_trt.dynamic_spec import parse_dynamic, read_dynamic, spec_cost
 from medusa_trt.tree import (
     CANDIDATE_TOPK,
     DEFAULT_TREE,
@@ -25,6 +26,7 @@ from medusa_trt.tree import (
     build_tree,
     candidate_topk,
     parse_medusa_choices,
+    read_tree,
     tree_for_engine,
     tree_to_brace,
     unpack_mask,
@@ -286,7 +288,7 @@ def test_file_errors(tmp_path):
 
 def test_values_found_bad_in_a_file_name_the_file(tmp_path):
     """A tree file's duplicate path, bad rank or too many nodes is reported with the file first,
-    whoever validates its paths (build_tree, or a caller of validate_and_expand)."""
+    whoever reads it (build_tree, read_tree)."""
     for name, text, said in (("dup.json", "[[0], [0]]", r"medusa_choices\[1\] = \[0\]: duplicate path"),
                              ("neg.yaml", "- [0]\n- [-1]\n", "rank -1 is negative"),
                              ("big.yml", "medusa_choices: [[0, 0, 0]]\n", "3 nodes after adding prefixes"),
@@ -296,12 +298,12 @@ def test_values_found_bad_in_a_file_name_the_file(tmp_path):
         for spec in (path, str(path)):
             with pytest.raises(TreeError, match=f"^tree file {str(path)!r}: .*{said}"):
                 if name.startswith("dyn"):
-                    tree.read_dynamic(spec)
+                    read_dynamic(spec)
                 else:
                     build_tree(spec, num_heads=4, max_draft_len=2)
         if not name.startswith("dyn"):
             with pytest.raises(TreeError, match=f"^tree file {str(path)!r}: "):
-                validate_and_expand(parse_medusa_choices(path), 4, 2)
+                read_tree(path, 4, 2)
     with pytest.raises(TreeError, match=r"^medusa_choices\[1\]"):  # no file: no file named
         build_tree([[0], [0]], num_heads=4)
 
@@ -313,7 +315,7 @@ def test_a_tree_file_of_any_suffix_holds_a_dynamic_spec(tmp_path, suffix):
     path.write_text(json.dumps({"medusa_choices": "dynamic:8,cost=0.05"}) if suffix == ".json" else
                     yaml.safe_dump({"medusa_choices": "dynamic:8,cost=0.05"}))
     for spec in (path, str(path)):
-        assert tree.parse_dynamic(spec) == 8 and tree.spec_cost(spec) == 0.05
+        assert parse_dynamic(spec) == 8 and spec_cost(spec) == 0.05
 
 
 # ---- prefix expansion ---------------------------------------------------------------------------

@@ -115,7 +115,7 @@ def calibrate(model, data: CalibrationData, *, heads: bool = False, kv_cache: bo
     with `kv_cache`) of an unquantized `MedusaModel` over `data`, by TensorRT-LLM module name."""
     from tqdm import tqdm
 
-    from medusa_trt.quant import FP8Linear
+    from medusa_trt.fp8 import FP8Linear
 
     if any(isinstance(m, FP8Linear) for m in model.modules()) or model.drafter.fp8 is not None:
         raise ValueError("calibrate() needs the unquantized model: ranges of an already quantized one "

@@ -26,10 +26,11 @@ from medusa_trt.cli.common import (
     run_cli,
     write_output_file,
 )
+from medusa_trt.dynamic_spec import dynamic_spec
 from medusa_trt.tools import tree_choice as tc
 from medusa_trt.tools import tune_tree as tt
 from medusa_trt.tools.tree_measure import BLOCK
-from medusa_trt.tree import CANDIDATE_TOPK, DEFAULT_TREE, TREE_FILE_SUFFIXES, dynamic_spec
+from medusa_trt.tree import CANDIDATE_TOPK, DEFAULT_TREE, TREE_FILE_SUFFIXES
 
 PROG = "medusa-tune-tree"
 

@@ -29,7 +29,7 @@ import torch
 
 from medusa_trt.checkpoint import is_fp8_module, layer_prefix, medusa_linear_prefix
 from medusa_trt.converter.hf_base import ConvertError
-from medusa_trt.quant import fp8_scale, quantize_fp8
+from medusa_trt.fp8 import fp8_scale, quantize_fp8
 
 log = logging.getLogger("medusa_trt.converter")
 

@@ -5,8 +5,8 @@ The ResBlock math is here once: the reference (`MedusaHeads.forward`), the expor
 (engines/onnx/drafters.py), head training and FP8 calibration all run `resblocks`, each with the
 linear form it needs (all heads stacked in one batched matmul in the reference and in training, 2-D
 matrices per head in the export, whose constant 2-D weights ONNX Runtime prepacks). Quantized forms
-are medusa_trt.quant's: it fills `MedusaHeads.fp8` (FP8 ResBlock weights) and `draft_int4` (int4
-draft-vocabulary matrices); the heads only call them.
+are medusa_trt.fp8's and medusa_trt.quant's: they fill `MedusaHeads.fp8` (FP8 ResBlock weights) and
+`draft_int4` (int4 draft-vocabulary matrices); the heads only call them.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def resblocks(x: torch.Tensor, linear: HeadLinear, layers: Iterable[int]) -> tor
 
 
 class StackedWeights(Protocol):
-    """Every head's ResBlock weights held in another form than a float tensor (quant.FP8HeadLinears)."""
+    """Every head's ResBlock weights held in another form than a float tensor (fp8.FP8HeadLinears)."""
 
     def layer(self, x: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """x [H, ..., d] -> (the input the layer's matmul reads, its weights [H, d, d] in x's dtype)."""
@@ -72,10 +72,11 @@ class MedusaHeads(Drafter):
         # The draft vocabulary [V'] and each head's lm_head rows for it [H, V', d] (set_draft_vocab).
         self.register_buffer("draft_ids", None, persistent=False)
         self.register_buffer("draft_lm_heads", None, persistent=False)
-        # Slots medusa_trt.quant fills when it swaps quantized forms in (instance attributes: nn.Module
-        # keeps an assigned module in _modules, which a class attribute would shadow). fp8: every
-        # head's ResBlock weights in another form (StackedWeights; w is then None). draft_int4: a
-        # module per head giving its draft-vocabulary logits, in place of the draft_lm_heads product.
+        # Slots medusa_trt.fp8 and medusa_trt.quant fill when they swap quantized forms in (instance
+        # attributes: nn.Module keeps an assigned module in _modules, which a class attribute would
+        # shadow). fp8: every head's ResBlock weights in another form (StackedWeights; w is then
+        # None). draft_int4: a module per head giving its draft-vocabulary logits, in place of the
+        # draft_lm_heads product.
         self.fp8: nn.Module | None = None
         self.draft_int4: nn.ModuleList | None = None
 

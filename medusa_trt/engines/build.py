@@ -172,14 +172,9 @@ def recorded_tree(opts: BuildOptions, config: dict) -> tuple[list[list[int]] | s
     file's name, a preset's name or "given")."""
     if opts.tree is None:
         return None
+    from medusa_trt.dynamic_spec import read_dynamic
     from medusa_trt.runtime.dynamic import dynamic_tree
-    from medusa_trt.tree import (
-        TreeError,
-        candidate_topk,
-        parse_medusa_choices,
-        read_dynamic,
-        validate_and_expand,
-    )
+    from medusa_trt.tree import TreeError, candidate_topk, read_tree
 
     heads = int(config.get("num_medusa_heads") or 0)
     if heads == 0:
@@ -194,7 +189,7 @@ def recorded_tree(opts: BuildOptions, config: dict) -> tuple[list[list[int]] | s
             dynamic_tree(parsed.text, heads, candidate_topk(int(config["vocab_size"])), limit)  # fits the engine
             spec = str(parsed)
             return spec, "per-step trees" if spec == str(opts.tree).strip() else f"{Path(str(opts.tree)).name}: {spec}"
-        nodes = validate_and_expand(parse_medusa_choices(opts.tree), heads, limit, int(config["vocab_size"]))
+        nodes = read_tree(opts.tree, heads, limit, int(config["vocab_size"]))
     except TreeError as e:
         raise BuildError(f"--tree: {e}") from None
     spec = str(opts.tree) if isinstance(opts.tree, (str, Path)) else "given"

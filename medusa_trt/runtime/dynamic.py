@@ -34,7 +34,7 @@ import torch
 
 from medusa_trt.datastore import Chain, Datastore
 from medusa_trt.drafters.base import topk_logp
-from medusa_trt.tree import read_dynamic
+from medusa_trt.dynamic_spec import read_dynamic
 
 MAX_NGRAM = 4  # longest n-gram looked up
 MAX_CONTEXT_DEPTH = 16  # deepest context chain offered (a loop continues periodically up to it)

@@ -34,20 +34,14 @@ from pathlib import Path
 
 import numpy as np
 
+from medusa_trt.dynamic_spec import dynamic_spec, parse_dynamic
 from medusa_trt.errors import MedusaTrtError
 from medusa_trt.runtime.chat import ChatError, encode_chat, parse_messages
 from medusa_trt.runtime.config import ACCEPTANCE, acceptance_setting_problem
 from medusa_trt.runtime.decoding import GenerationConfig, SequenceStats, generate, step_tree
 from medusa_trt.runtime.loading import load_backend, load_tokenizer, stop_tokens
 from medusa_trt.serving.triton_repo import MODEL_INPUTS
-from medusa_trt.tree import (
-    TreeError,
-    dynamic_spec,
-    parse_dynamic,
-    parse_medusa_choices,
-    preset_names,
-    validate_and_expand,
-)
+from medusa_trt.tree import TreeError, preset_names, read_tree
 
 log = logging.getLogger(__name__)
 
@@ -220,7 +214,7 @@ def parse_request(service: Service, inputs: Mapping[str, np.ndarray], index: int
                 tree = step_tree(info, spec)  # its slot cost: the spec's, else the default
                 nodes, depth = dynamic_spec(tree.budget, tree.slot_cost), tree.max_depth
             else:
-                nodes = validate_and_expand(parse_medusa_choices(spec), info.num_medusa_heads, info.max_draft_len)
+                nodes = read_tree(spec, info.num_medusa_heads, info.max_draft_len)
                 depth = max(len(p) for p in nodes)
         except TreeError as err:
             raise RequestError(f"medusa_choices{where}: {err}") from None

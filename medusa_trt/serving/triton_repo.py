@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from medusa_trt.checkpoint import validate_config
+from medusa_trt.dynamic_spec import read_dynamic
 from medusa_trt.engine_dir import ENGINE_JSON, MAX_BATCH_SIZE, EngineError, read_engine
 from medusa_trt.errors import MedusaTrtError, read_json_object
 from medusa_trt.outputs import atomic_output_dir
@@ -32,11 +33,9 @@ from medusa_trt.tree import (
     DEFAULT_TREE,
     TreeError,
     check_trtllm_ranks,
-    parse_medusa_choices,
-    read_dynamic,
+    read_tree,
     tree_for_engine,
     tree_to_brace,
-    validate_and_expand,
 )
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -475,10 +474,9 @@ def _default_tree(medusa_choices: object, info: EngineInfo | None) -> list[list[
         parsed = read_dynamic(spec)
         if parsed is not None:  # a tree file's spec as its text, the slot cost it records kept
             return str(parsed)
-        paths = parse_medusa_choices(spec)
         if info is None:  # no head count known: check the shape only
-            return validate_and_expand(paths, num_heads=max(len(p) for p in paths) if paths else 1)
-        return validate_and_expand(paths, info.num_heads, info.max_draft_len)
+            return read_tree(spec, None)
+        return read_tree(spec, info.num_heads, info.max_draft_len)
     except TreeError as err:
         where = f" for {info.directory} ({info.num_heads} heads, max_draft_len {info.max_draft_len})" if info else ""
         raise RepoError(f"default tree{where}: {err}") from None

@@ -60,7 +60,8 @@ def check_inputs(args) -> list[dict]:
         if folder is not None and not folder.is_dir():
             raise MedusaTrtError(f"{flag} {folder}: not a directory; expected a drafter's folder (medusa-convert --heads)")
     if args.medusa_choices is not None:
-        from medusa_trt.tree import parse_medusa_choices, read_dynamic
+        from medusa_trt.dynamic_spec import read_dynamic
+        from medusa_trt.tree import parse_medusa_choices
 
         if read_dynamic(args.medusa_choices) is None:
             parse_medusa_choices(args.medusa_choices)  # TreeError: the spec's syntax; its fit is the engine's

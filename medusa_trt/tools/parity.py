@@ -8,48 +8,8 @@ cache entries), the engine's fused step where it has one (its accepted path and 
 log-probabilities, against the reference's two-call step on the same tree), and whole greedy decodes. Logits are compared with polygraphy's comparator on the max absolute difference;
 decoded tokens must be equal. Works for any engine the runtime can open, not only ONNX Runtime.
 
-Tolerances (max |engine - reference| of base and Medusa logits; the reference always runs in
-float32 so the figure is the engine's own error):
-- float32: 1e-4. Both sides do the same float32 math in different orders; on the test models the
-  difference is ~1e-6, so 1e-4 catches any real mismatch (a wrong weight moves logits by >1e-2).
-- float16: 5e-2. Each layer's output is rounded to 11 mantissa bits (relative 4.9e-4, ~5e-3 at the
-  logit magnitudes of 10 seen in practice) and the rounding compounds over layers and the heads.
-- bfloat16: 2.5e-1. Same argument with 8 mantissa bits (relative 3.9e-3), i.e. 8x float16.
-These hold for logits up to LOGIT_SCALE (10) in magnitude; rounding error is relative, so for a
-model whose reference logits reach a larger peak the tolerance grows with it: tol * peak / 10
-(SmolLM2-135M, 30 layers, peak ~25: float32 differences up to 1.4e-4 seen, tolerance ~2.5e-4; a
-wrong weight still moves logits by >1e-2). `--atol` is used as given.
-Greedy tokens must match exactly in every dtype; in float16/bfloat16 a near-tie in the logits can
-legitimately flip a token, which the table shows as the first mismatching position.
-
-FP8 engines (engine.json has a `quantization` block) are compared with the FP8 reference (the
-reference model's fake quantization), which does the same arithmetic, but quantization makes the
-function discontinuous: an activation within rounding noise of an e4m3 rounding boundary can round
-to the neighbouring FP8 value on one side only (a 2^-3 relative step of one element), and that moves
-the rows reading it (the token, its tree descendants, later tokens attending to it) by up to ~1e-1
-(seen: 6.5e-2 on 5 rows of 192 in one tree step, 1e-6 everywhere else). So an FP8 output passes when
-its 90th-percentile |difference| is within the dtype's tolerance and its maximum within 0.25: a
-missing Q/DQ, a wrong scale or unquantized weights move every row, and fail the percentile.
-In float16/bfloat16 that rounding noise is the engine dtype's: ~1% of the FP8 roundings flip, and
-the engine is as far from the float32 FP8 reference (measured p90 6e-2, max 0.4) as FP8 is from no
-quantization (p90 1e-1), so no tolerance tells a right graph from a wrong one: FP8 parity is
-checked on float32 builds (medusa-build --dtype float32), and a float16 FP8 engine needs --atol.
-
-int4 engines (engine.json weights.format "int4") are compared with the int4 reference (the same
-dequantized weights; at accuracy level 4 the activations rounded to int8 per block). At level 0 only
-float rounding differs, and the float rule of the engine's dtype holds them. Every int8
-rounding of an activation is such a boundary, and the flips compound with depth: on SmolLM2-135M
-(30 layers, logit peak ~38 on the default prompts) a right engine is p90 0.39 / max 2.3 from its
-reference, against p90 >= 3.9 / max >= 14 for one quantized with another block size and >= 5.5 /
-15 for float32 weights (docs/benchmarks/issue-13-int4.md). So an int4 output passes when its p90 is within
-INT4_NOISE_PER_LAYER x layers (scaled with the peak like the tolerances: 1.7 there, 0.03 on a
-2-layer test model) and its maximum within INT4_MAX_FACTOR times that. Errors below that noise (one layer's weights 2% off: p90 0.41) pass.
-Greedy tokens may then part from the reference's at a near-tie: a plain decode that does is shown
-as DIVERGES (not PASS), and is allowed when the reference's top-2 margin at the first differing
-token is within that p90 bound (the row gives the token and the margin). Every bound is rounded to
-three significant digits once and printed as applied (docs/design.md, "medusa-check: the rules").
-What int4 must keep exactly is the engine's own consistency: its Medusa greedy decode must equal its
-own plain greedy decode token for token (engines/onnx/attention.py, row_exact attention).
+The rules each output is held to (the tolerance of each dtype, scaled with the reference's logit
+peak; the FP8, int4 and int8 rules; when greedy tokens may part) and why: tools/parity_rules.py.
 """
 
 from __future__ import annotations
@@ -66,14 +26,11 @@ import torch
 
 from medusa_trt.errors import MedusaTrtError
 from medusa_trt.runtime.backend import Backend, last_rows
+from medusa_trt.tools.parity_rules import FP8_QUANTILE, TOLERANCES, LogitsRule, logits_rule
 
 if TYPE_CHECKING:
     from medusa_trt.modeling import MedusaModel
 
-TOLERANCES = {"float32": 1e-4, "float16": 5e-2, "bfloat16": 2.5e-1}
-LOGIT_SCALE = 10.0  # the logit magnitude TOLERANCES are stated for (see the module docstring)
-FP8_QUANTILE, FP8_FLIP_BOUND = 0.9, 0.25  # FP8 engines: see the module docstring
-INT4_NOISE_PER_LAYER, INT4_MAX_FACTOR = 0.015, 5.0  # int4 engines: see the module docstring
 DEFAULT_PROMPTS = (
     "The quick brown fox jumps over the lazy dog.",
     "Medusa heads draft a tree; the base model verifies it.",
@@ -258,16 +215,15 @@ def run_check(engine_dir: str | Path, checkpoint: str | Path | None = None, prom
             chunk = ids[start:start + max_batch]
             label = f" [{start}:{start + len(chunk)}]" if len(ids) > max_batch else ""
             bar.set_description(f"prefill + {tree_steps} tree steps{label}")
-            bounds = _compare_steps(report, subject, reference, chunk, tree_steps, tol, label, fp8=fp8,
-                                    scale_tol=atol is None, int4_layers=int(engine["model"]["num_layers"]) if rounded else 0,
-                                    draft_vocab=draft)
-            noise = bounds[0]
+            rule = _compare_steps(report, subject, reference, chunk, tree_steps, tol, label, fp8=fp8,
+                                  scale_tol=atol is None, int4_layers=int(engine["model"]["num_layers"]) if rounded else 0,
+                                  draft_vocab=draft)
             bar.update()
             if fused:
                 bar.set_description(f"{tree_steps} fused steps{label}")
-                _compare_fused_steps(report, subject, reference, chunk, tree_steps, label, bounds)
+                _compare_fused_steps(report, subject, reference, chunk, tree_steps, label, rule)
                 bar.update()
-            _compare_decodes(report, subject, reference, chunk, max_new_tokens, start, tie=noise if rounded else None,
+            _compare_decodes(report, subject, reference, chunk, max_new_tokens, start, tie=rule.tol if rounded else None,
                              tick=lambda what, label=label: (bar.update(), bar.set_description(what + label)))
     except ValueError as e:  # the backends' limits: batch, sequence length, tree size
         raise CheckInputError(f"the prompts do not fit the engine: {e}") from None
@@ -377,11 +333,11 @@ class _Observed(Backend):
 
 def _compare_steps(report: CheckReport, subject, reference, prompts: list[list[int]], tree_steps: int,
                    tol: float, label: str, fp8: bool = False, scale_tol: bool = True, int4_layers: int = 0,
-                   draft_vocab: torch.Tensor | None = None) -> tuple[float, float | None]:
+                   draft_vocab: torch.Tensor | None = None) -> LogitsRule:
     """The decoding loop's prefill and greedy tree steps (runtime/steps.py), run on both backends
     at once (see _Observed) with the default tree cut to the engine; one polygraphy comparison.
-    `int4_layers`: the decoder depth of an int4 engine (0 otherwise). Returns the bounds applied:
-    (tol, None), or for a quantized engine (p90 bound, max bound)."""
+    `int4_layers`: the decoder depth of an int4 engine (0 otherwise). Returns the rule applied
+    (tools/parity_rules.py, logits_rule: the tolerance scaled with the reference's logit peak)."""
     from polygraphy.comparator import Comparator, IterationResult, RunResults
     from polygraphy.logger import G_LOGGER
 
@@ -409,19 +365,13 @@ def _compare_steps(report: CheckReport, subject, reference, prompts: list[list[i
     refs = [IterationResult(ref, runner_name="reference") for _, ref in both.outputs]
 
     peak = max(float(abs(r["logits"]).max()) for r in refs if "logits" in r)
-    scale = max(1.0, peak / LOGIT_SCALE) if scale_tol else 1.0  # rounding error is relative to the logits
-    tol = _sig3(tol * scale)  # the bound as printed is the bound applied (3 significant digits)
-    max_bound = FP8_FLIP_BOUND
-    if int4_layers:  # the tolerance, if given (--atol), stays the floor
-        tol, max_bound = int4_bounds(int4_layers, scale, floor=tol)
-    quantized = fp8 or int4_layers > 0
-    q = round(FP8_QUANTILE * 100)
-    rule = _rule(tol, max_bound if quantized else None)
+    rule = logits_rule(tol, peak, scale_tol=scale_tol, fp8=fp8, int4_layers=int4_layers)
+    tol, max_bound, q = rule.tol, rule.max_bound, round(FP8_QUANTILE * 100)
     report.tolerance = tol if report.rule == "" else max(report.tolerance, tol)
-    report.rule = _rule_in_words(rule, fp8, int4_layers, scale)
+    report.rule = rule.words
     results = RunResults([("engine", ours), ("reference", refs)])
     with G_LOGGER.verbosity(G_LOGGER.CRITICAL):  # our own table replaces polygraphy's log
-        accuracy = Comparator.compare_accuracy(results, compare_func=_max_abs_compare(tol, FP8_QUANTILE if quantized else None))
+        accuracy = Comparator.compare_accuracy(results, compare_func=rule.compare_func())
     if not hasattr(accuracy, "items"):  # polygraphy >= 0.50 returns one AccuracyResult per compare func
         accuracy = accuracy[0]
     per_iteration = next(iter(accuracy.values()))
@@ -430,18 +380,18 @@ def _compare_steps(report: CheckReport, subject, reference, prompts: list[list[i
             if name not in outputs:  # a drafter with a cache: logits and drafts in separate stages
                 continue
             result = outputs[name]
-            if quantized:  # the percentile is within tol (checked by polygraphy), the max within the flip bound
+            if rule.quantized:  # the percentile is within tol (checked by polygraphy), the max within the flip bound
                 p90 = float(result.quantile_absdiff)
                 passed = bool(result) and float(result.max_absdiff) <= max_bound
                 report.rows.append(CheckRow(stage, name, passed, float(result.max_absdiff), tol, f"p{q} {p90:.3g}",
-                                            rule, p90))
+                                            rule.text, p90))
             else:
-                report.rows.append(CheckRow(stage, name, bool(result), float(result.max_absdiff), tol, rule=rule))
-    return tol, (max_bound if quantized else None)
+                report.rows.append(CheckRow(stage, name, bool(result), float(result.max_absdiff), tol, rule=rule.text))
+    return rule
 
 
 def _compare_fused_steps(report: CheckReport, subject, reference, prompts: list[list[int]], tree_steps: int,
-                         label: str, bounds: tuple[float, float | None]) -> None:
+                         label: str, rule: LogitsRule) -> None:
     """The fused greedy step, which a greedy decode reaches without showing what it drafts (any
     drafts leave the tokens plain greedy's): one engine call verifies a tree, accepts and drafts the
     next, against the reference's two-call step on the same tree tokens. Rows per step: the
@@ -453,7 +403,7 @@ def _compare_fused_steps(report: CheckReport, subject, reference, prompts: list[
     from medusa_trt.runtime.steps import commit_path, prefill, verify
     from medusa_trt.tree import StepTree, tree_for_engine
 
-    tol, max_bound = bounds
+    tol, max_bound = rule.tol, rule.max_bound
     info = reference.info
     tree = StepTree.of(tree_for_engine(info.num_medusa_heads, info.max_draft_len), info.vocab_size)
     k, b = subject.fused_step_topk, len(prompts)
@@ -462,16 +412,15 @@ def _compare_fused_steps(report: CheckReport, subject, reference, prompts: list[
     prefill(subject, prompts)
     _, root, medusa = prefill(reference, prompts)
     mask = tree.mask.expand(b, -1, -1)
-    rule = _rule(tol, max_bound)
 
     def row(stage: str, output: str, diff: torch.Tensor) -> None:
         peak = float(diff.max())
         if max_bound is None:
-            report.rows.append(CheckRow(stage, output, peak <= tol, peak, tol, rule=rule))
+            report.rows.append(CheckRow(stage, output, peak <= tol, peak, tol, rule=rule.text))
             return
         p90 = float(diff.flatten().quantile(FP8_QUANTILE))
         report.rows.append(CheckRow(stage, output, p90 <= tol and peak <= max_bound, peak, tol,
-                                    f"p{round(FP8_QUANTILE * 100)} {p90:.3g}", rule, p90))
+                                    f"p{round(FP8_QUANTILE * 100)} {p90:.3g}", rule.text, p90))
 
     for step in range(tree_steps):
         stage = f"fused step {step + 1}{label}"
@@ -492,56 +441,6 @@ def _compare_fused_steps(report: CheckReport, subject, reference, prompts: list[
         at = ref.gather(-1, ids)
         row(stage, "draft log-probs", (logp.float() - at).abs())
         row(stage, "draft ranks", (at - ref.topk(k, dim=-1).values).abs())
-
-
-def _rule(tol: float, max_bound: float | None) -> str:
-    """A row's rule as printed: the max within tol, or (quantized) the p90 within tol and the max
-    within max_bound."""
-    if max_bound is None:
-        return f"max <= {tol:.3g}"
-    return f"p{round(FP8_QUANTILE * 100)} <= {tol:.3g} and max <= {max_bound:.3g}"
-
-
-def _sig3(x: float) -> float:
-    """x to 3 significant digits: a bound is applied as it is printed."""
-    return float(f"{x:.3g}")
-
-
-def int4_bounds(layers: int, scale: float, floor: float = 0.0) -> tuple[float, float]:
-    """The int4 rule's (p90, max) bounds on |engine - reference| after `layers` int4 layers, for
-    outputs `scale` times LOGIT_SCALE (at least 1; see the module docstring); `floor` bounds p90 below."""
-    p90 = max(floor, _sig3(INT4_NOISE_PER_LAYER * layers * scale))
-    return p90, _sig3(INT4_MAX_FACTOR * p90)
-
-
-def _rule_in_words(rule: str, fp8: bool, int4_layers: int, scale: float) -> str:
-    """The logits rule of the report (docs/design.md, medusa-check)."""
-    scaled = f" (scaled x{scale:.3g} with the reference's logit peak)" if scale > 1 else ""
-    if int4_layers:
-        return (f"{rule}: activations rounded to int8 (int4, int8), p90 bound {INT4_NOISE_PER_LAYER} per layer x {int4_layers} layers{scaled}, max bound "
-                f"{INT4_MAX_FACTOR:g} x the p90 bound; plain decodes may diverge from the reference only at a "
-                "near-tie (its top-2 margin within the p90 bound), Medusa decodes must equal the engine's plain one")
-    if fp8:
-        return f"{rule}: FP8, the dtype's tolerance on the p90{scaled}, max bound {FP8_FLIP_BOUND}"
-    return f"{rule}{scaled}"
-
-
-def _max_abs_compare(tol: float, quantile: float | None = None):
-    """Passes an output when max |engine - reference| <= tol (rtol 0: the relative test, which
-    polygraphy ORs with the absolute one, never passes on its own); with `quantile`, when that
-    quantile of |engine - reference| is (FP8, int4 and int8 engines)."""
-    try:
-        from polygraphy.comparator.compare import SimpleCompareFunc
-    except ImportError:  # polygraphy < 0.50
-        from polygraphy.comparator import CompareFunc
-
-        if quantile is not None:
-            return CompareFunc.simple(check_error_stat="quantile", error_quantile=quantile, atol={"": tol},
-                                      rtol={"": 0.0})
-        return CompareFunc.simple(check_error_stat="max", atol={"": tol}, rtol={"": 0.0})
-    if quantile is not None:
-        return SimpleCompareFunc(check_error_stat="quantile", error_quantile=quantile, atol={"": tol}, rtol={"": 0.0})
-    return SimpleCompareFunc(check_error_stat="max", atol={"": tol}, rtol={"": 0.0})
 
 
 def _compare_decodes(report: CheckReport, subject, reference, prompts: list[list[int]], max_new_tokens: int,

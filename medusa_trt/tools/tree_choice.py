@@ -3,8 +3,9 @@ budgets, each with the engine's own slot cost) and which of them it writes (runt
 
 from __future__ import annotations
 
+from medusa_trt.dynamic_spec import dynamic_spec
 from medusa_trt.tools.tree_measure import fit_line
-from medusa_trt.tree import candidate_topk, dynamic_spec
+from medusa_trt.tree import candidate_topk
 
 
 def budget_limit(info, max_nodes: int | None = None) -> int:

@@ -269,7 +269,7 @@ def tune(backend, calib: list[list[int]], *, max_nodes: int = 64, max_new_tokens
 
 
 def _tune(backend, calib, max_nodes, max_new_tokens, stop_token_ids, topk, reps, progress) -> dict:
-    from medusa_trt.tree import TreeError, main_chain, parse_medusa_choices, validate_and_expand
+    from medusa_trt.tree import TreeError, main_chain, read_tree
 
     info = backend.info
     max_nodes = min(max_nodes, info.max_draft_len)
@@ -278,7 +278,7 @@ def _tune(backend, calib, max_nodes, max_new_tokens, stop_token_ids, topk, reps,
     acc, seqs = measure_head_accuracy(backend, calib, max_new_tokens, stop_token_ids, topk, progress)
     reference = None
     try:
-        reference = validate_and_expand(parse_medusa_choices(DEFAULT_TREE), info.num_medusa_heads, info.max_draft_len)
+        reference = read_tree(DEFAULT_TREE, info.num_medusa_heads, info.max_draft_len)
         reference = main_chain(reference) if info.chains_only else reference  # what this engine would run
     except TreeError:
         pass  # fewer heads or a smaller max_draft_len than the reference tree needs: no comparison

@@ -18,8 +18,8 @@ from medusa_trt.cli.convert import main as convert_main
 from medusa_trt.converter.hf_base import TensorSource, find_weight_files
 from medusa_trt.converter.merge import convert
 from medusa_trt.converter.quantize import QuantOptions
+from medusa_trt.fp8 import FP8Linear
 from medusa_trt.modeling import MedusaModel
-from medusa_trt.quant import FP8Linear
 from medusa_trt.safetensors_io import SafetensorsFile
 
 E4M3_MAX = 448.0
@@ -420,7 +420,7 @@ def test_onnx_qdq_is_the_reference_arithmetic(tmp_path):
     import numpy as np
 
     from medusa_trt.engines.onnx.ops import export_dequant, export_fake_quant, fp8_translations
-    from medusa_trt.quant import fake_quant_fp8
+    from medusa_trt.fp8 import fake_quant_fp8
     from medusa_trt.runtime.ort.session import make_session
 
     scale = torch.tensor([0.01])

@@ -11,6 +11,7 @@ import random
 
 import pytest
 
+from medusa_trt.dynamic_spec import parse_dynamic, spec_cost
 from medusa_trt.runtime.decoding import GenerationConfig, decode
 from medusa_trt.runtime.dynamic import (
     MAX_NGRAM,
@@ -27,7 +28,7 @@ from medusa_trt.runtime.dynamic import (
     step_trees,
     worth,
 )
-from medusa_trt.tree import TreeError, parse_dynamic, spec_cost
+from medusa_trt.tree import TreeError
 from tests.runtime.test_decoding import EOS, oracle, prompts
 
 

@@ -244,7 +244,7 @@ def test_medusa_check_int4(ort_engine, tmp_path, kind):
 
 
 def test_medusa_check_int4_catches_wrong_weights(ort_engine, tmp_path):
-    """int4 parity is held to a noise bound, not the float32 tolerance (tools/parity.py): packed
+    """int4 parity is held to a noise bound, not the float32 tolerance (tools/parity_rules.py): packed
     weights of one matrix off by a few quantization steps must still fail it."""
     import shutil
 

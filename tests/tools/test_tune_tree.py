@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from medusa_trt.cli import tune_tree as tune_cli
+from medusa_trt.dynamic_spec import parse_dynamic, spec_cost
 from medusa_trt.tools import tree_choice as tc
 from medusa_trt.tools import tune_tree as ts
 from medusa_trt.tools.train_heads import rank_hits
@@ -27,7 +28,7 @@ from medusa_trt.tools.tune_tree import (
     joint_tree,
     simulate,
 )
-from medusa_trt.tree import build_tree, parse_dynamic, parse_medusa_choices, spec_cost
+from medusa_trt.tree import build_tree, parse_medusa_choices
 
 # Head k (row) rank r (column): P(rank-r token of head k is the greedy token). Chosen without ties.
 ACC = [[0.6, 0.2, 0.1],

@@ -16,7 +16,7 @@ from torch import nn
 
 from medusa_trt.drafters.base import Drafter, topk_logp
 from medusa_trt.drafters.medusa import MedusaHeads, resblocks
-from medusa_trt.quant import FP8Linear
+from medusa_trt.fp8 import FP8Linear
 
 
 def _head_branch(x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:

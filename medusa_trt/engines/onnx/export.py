@@ -95,16 +95,9 @@ from medusa_trt.engines.onnx.ops import (
 )
 from medusa_trt.engines.onnx.step import export_step
 from medusa_trt.engines.onnx.tracing import drop_stack_traces, one_torchlib_registry, quiet_exporter
+from medusa_trt.fp8 import FP8Module, dequantize_fp8, fake_quant_fp8
 from medusa_trt.modeling import MedusaModel, sliding_window_mask
-from medusa_trt.quant import (
-    FP8Module,
-    Int4Linear,
-    Int8Linear,
-    dequantize_fp8,
-    fake_quant_fp8,
-    int8_matmul,
-    nbits_matmul,
-)
+from medusa_trt.quant import Int4Linear, Int8Linear, int8_matmul, nbits_matmul
 from medusa_trt.tree import candidate_topk
 
 log = logging.getLogger(__name__)

@@ -17,17 +17,9 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from medusa_trt.fp8 import FP8Module, dequantize_fp8, fake_quant_fp8
 from medusa_trt.modeling import MedusaModel
-from medusa_trt.quant import (
-    INT8_MIN_SCALE,
-    FP8Module,
-    Int4Linear,
-    Int8Linear,
-    dequantize_fp8,
-    fake_quant_fp8,
-    int8_matmul,
-    nbits_matmul,
-)
+from medusa_trt.quant import INT8_MIN_SCALE, Int4Linear, Int8Linear, int8_matmul, nbits_matmul
 
 # -- FP8 as explicit QuantizeLinear/DequantizeLinear ------------------------------------------------
 

@@ -30,7 +30,8 @@ from medusa_trt.runtime.loading import load_backend
 from medusa_trt.runtime.steps import prefill
 from medusa_trt.runtime.torch_backend import TorchBackend
 from medusa_trt.tools.distill import Sample
-from medusa_trt.tools.parity import LOGIT_SCALE, int4_bounds, reference_model
+from medusa_trt.tools.parity import reference_model
+from medusa_trt.tools.parity_rules import LOGIT_SCALE, int4_bounds
 from medusa_trt.tools.train_drafter import TrainOptions, evaluate, save_amphista, train_drafter
 from medusa_trt.tools.train_heads import greedy_continuations, hidden_states
 from tests.runtime.test_decoding import oracle, prompts
@@ -171,7 +172,7 @@ def test_the_prefill_computes_the_last_logits_row_only_and_drafts_every_prompt_r
     assert torch.equal(root, ref_root)
     if engine == "float32":  # the reference's drafts, every prompt's (a wrong row would move them far)
         torch.testing.assert_close(drafts, ref_drafts, atol=1e-4, rtol=1e-4)
-    else:  # medusa-check's int4 rule (tools/parity.py), the drafter's 2 adaptation layers counted as layers
+    else:  # medusa-check's int4 rule (tools/parity_rules.py), the drafter's 2 adaptation layers counted as layers
         layers = read_engine(amphista.engines[engine])["model"]["num_layers"] + 2
         p90, most = int4_bounds(layers, max(1.0, ref_drafts.abs().max().item() / LOGIT_SCALE))
         err = (drafts - ref_drafts).abs().flatten()

@@ -26,7 +26,8 @@ from medusa_trt.modeling import MedusaModel
 from medusa_trt.quant import quantize_model_int4
 from medusa_trt.runtime.ort.backend import OrtBackend
 from medusa_trt.runtime.ort.session import make_session
-from medusa_trt.tools.parity import int4_bounds, reference_model
+from medusa_trt.tools.parity import reference_model
+from medusa_trt.tools.parity_rules import int4_bounds
 from tests.engines.onnx.test_export import ATOL, make_inputs, run_decoder
 
 INT4 = {"weights": "int4", "int4_block_size": 32}
