@@ -441,7 +441,7 @@ class StepTree:
     position_offsets: torch.Tensor  # [T]
     mask: torch.Tensor  # [T, T] bool
     retrieve: torch.Tensor  # [N, D+1] -1 padded
-    # within_block's cut trees by slot count, made once per request (at most one per size).
+    # within_block's and within_room's cut trees by slot count, made once per request (at most one per size).
     _cuts: dict[int, StepTree] = field(default_factory=dict, init=False, compare=False, repr=False)
 
     @classmethod
@@ -485,8 +485,19 @@ class StepTree:
         if block is None or self.num_slots == 1 or self.is_chain:
             return self
         room = min(block - n % block for n in lengths.tolist())
-        if room >= self.num_slots:
+        return self if room >= self.num_slots else self._cut_once(room)
+
+    def within_room(self, lengths: torch.Tensor, max_seq_len: int) -> StepTree:
+        """This step's tree near the engine's last position: the slots at positions below
+        `max_seq_len` after every sequence's committed `lengths` (its root at least, which the loop
+        guarantees: a sequence stops at max_new_tokens, and prompt + max_new_tokens fit). So a
+        decode that plain decoding fits runs with Medusa too, its last steps on shallower trees."""
+        room = max_seq_len - int(lengths.max())  # positions left, the root's included
+        if room > self.max_depth:
             return self
-        if room not in self._cuts:
-            self._cuts[room] = self.cut(room)
-        return self._cuts[room]
+        return self._cut_once(int((self.position_offsets < room).sum()))
+
+    def _cut_once(self, slots: int) -> StepTree:
+        if slots not in self._cuts:
+            self._cuts[slots] = self.cut(slots)
+        return self._cuts[slots]

@@ -102,12 +102,11 @@ def _main(argv: list[str] | None = None) -> int:
         backend = load_backend(args.engine, ort_options=ort_session_options(args))
         tree, described = resolve_tree(backend.info, args.medusa_choices)
         extra = {spec: also_mode(spec) for spec in args.also}
-        # Every tree that will run, checked before any work (a bad tree: one line, exit 2); the deepest
-        # is the room a prompt needs beside its new tokens, as in the decoder's own check.
-        depth = max(step_tree(backend.info, m["medusa_choices"], m["context_candidates"], m.get("slot_cost")).max_depth
-                    for m in [{"medusa_choices": tree, "context_candidates": args.context_candidates}, *extra.values()])
+        # Every tree that will run, checked before any work (a bad tree: one line, exit 2).
+        for m in [{"medusa_choices": tree, "context_candidates": args.context_candidates}, *extra.values()]:
+            step_tree(backend.info, m["medusa_choices"], m["context_candidates"], m.get("slot_cost"))
         tok = load_tokenizer(args.engine)
-        _, prompts = load_prompts(args.prompts, tok, args.limit, (args.max_new_tokens, backend.info.max_seq_len), depth)
+        _, prompts = load_prompts(args.prompts, tok, args.limit, (args.max_new_tokens, backend.info.max_seq_len))
         stops = stop_tokens(args.engine, tok)
         sampling = sampling_options(args)
         GenerationConfig(**sampling)  # bad values: one line, exit 2, before any work

@@ -37,7 +37,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=list(DTYPES),
                    help="compute dtype (default: float32 for --device cpu, the checkpoint's for cuda)")
     p.add_argument("--max-batch-size", type=int_up_to(MAX_BATCH_SIZE), default=8, help="largest batch the engine runs (default 8)")
-    p.add_argument("--max-seq-len", type=positive_int, help="prompt + generated + tree depth (default: the model's "
+    p.add_argument("--max-seq-len", type=positive_int, help="prompt + generated tokens (default: the model's "
                    "max_position_embeddings)")
     p.add_argument("--max-draft-len", type=int_up_to(MAX_DRAFT_LEN), help="largest Medusa tree, root excluded (default: the "
                    "checkpoint's max_draft_len)")

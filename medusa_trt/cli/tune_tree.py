@@ -26,7 +26,6 @@ from medusa_trt.cli.common import (
     run_cli,
     write_output_file,
 )
-from medusa_trt.dynamic_spec import dynamic_spec
 from medusa_trt.tools import tree_choice as tc
 from medusa_trt.tools import tune_tree as tt
 from medusa_trt.tools.tree_measure import BLOCK
@@ -88,16 +87,13 @@ def _main(argv: list[str] | None = None) -> int:
         tok = load_tokenizer(args.engine)
         room = (args.max_new_tokens, backend.info.max_seq_len)
         tc.check_budgets(args.budgets, backend.info)  # before the minutes of tuning
-        # Room for the trees each set of prompts decodes with, as the decoder counts it (check_room):
-        # calibration, the tuner's trees (as deep as the heads and --max-nodes allow); the measured
-        # comparison, every tree it runs. The comparison's prompts are read now too, not after the tuning.
-        depth = min(backend.info.num_medusa_heads, args.max_nodes)
-        _, calib = load_prompts(args.prompts, tok, args.limit, room, depth)
+        # Room for each prompt's new tokens, as the decoder counts it (check_room); the comparison's
+        # prompts are read now too, not after the tuning.
+        _, calib = load_prompts(args.prompts, tok, args.limit, room)
         _refuse_heldout(args.prompts, "--prompts")
         if not args.no_measure:
             data = args.eval_prompts or args.prompts
-            _, prompts = load_prompts(data, tok, args.eval_limit, room,
-                                      _deepest_tree(backend.info, args.max_nodes, args.budgets))
+            _, prompts = load_prompts(data, tok, args.eval_limit, room)
             _refuse_heldout(data, "--eval-prompts")
         stops = stop_tokens(args.engine, tok)
         result = tt.tune(backend, calib, max_nodes=args.max_nodes, max_new_tokens=args.max_new_tokens,
@@ -149,18 +145,6 @@ def _refuse_heldout(path: Path, flag: str) -> None:
         raise BenchError(f"{path}:{line}: {flag} row of source {source!r} is a held-out ShareGPT conversation "
                          f"({len(rows)} such rows; sha1 of the id % 10 == 0): held-out prompts only measure, "
                          "they never tune or pick a tree; expected tuning prompts such as prompts_calib.jsonl")
-
-
-def _deepest_tree(info, max_nodes: int, budgets: list[int] | None) -> int:
-    """The deepest tree the measured comparison decodes with: the tuned and reference trees are at
-    most as deep as the heads; the per-step trees as deep as their largest budget lets context
-    chains go."""
-    from medusa_trt.runtime.decoding import step_tree
-
-    largest = max(budgets, default=0) if budgets is not None else tc.budget_limit(info, max_nodes)
-    if largest < 1:
-        return info.num_medusa_heads
-    return max(info.num_medusa_heads, step_tree(info, dynamic_spec(largest)).max_depth)
 
 
 def _budgets(text: str) -> list[int]:

@@ -21,7 +21,7 @@ from medusa_trt.datastore import Datastore
 class ModelInfo:
     vocab_size: int
     num_medusa_heads: int
-    max_seq_len: int  # positions the model supports (prompt + generated + tree depth)
+    max_seq_len: int  # positions the model supports (prompt + generated; trees are cut to fit them)
     max_draft_len: int  # largest tree (nodes, root excluded) the engine was built for
     # A tree step's slots must stay inside one key_block-aligned block of the cache (the
     # row_exact_f32 attention, engines/onnx/attention.py); None: any tree is exact.

@@ -119,14 +119,15 @@ def check_prompts(prompts: object, vocab_size: int) -> None:
                              f"0..{vocab_size - 1}")
 
 
-def check_room(info: ModelInfo, prompts: list[list[int]], max_new_tokens: int, depth: int) -> int:
-    """Refuses a decode whose longest prompt, new tokens and one tree of `depth` pass the engine's
-    max_seq_len (ValueError), before any work (medusa-run prints its tree line only after it).
-    Returns the longest prompt's length."""
+def check_room(info: ModelInfo, prompts: list[list[int]], max_new_tokens: int) -> int:
+    """Refuses a decode whose longest prompt and new tokens pass the engine's max_seq_len
+    (ValueError), before any work (medusa-run prints its tree line only after it): plain decoding's
+    rule, which Medusa keeps by cutting its last steps' trees (StepTree.within_room). Returns the
+    longest prompt's length."""
     longest = max(len(p) for p in prompts)
-    if longest + max_new_tokens + depth > info.max_seq_len:
-        raise ValueError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) + tree depth ({depth}) "
-                         f"exceeds the model's maximum sequence length {info.max_seq_len}")
+    if longest + max_new_tokens > info.max_seq_len:
+        raise ValueError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
+                         f"maximum sequence length {info.max_seq_len}")
     return longest
 
 
@@ -168,13 +169,16 @@ def _generate(backend: Backend, prompts: list[list[int]], cfg: GenerationConfig,
     tree = step_tree(info, cfg.medusa_choices, cfg.context_candidates, cfg.slot_cost) if cfg.use_medusa else None
     plan = step_plan(backend, cfg, tree)
     depth = tree.max_depth if tree else 0
-    longest, n = check_room(info, prompts, cfg.max_new_tokens, depth), len(prompts)
+    longest, n = check_room(info, prompts, cfg.max_new_tokens), len(prompts)
     sampler = Sampler(cfg, _seeds(cfg, n, seeds)) if cfg.acceptance == "sample" else None
     stats = stats if stats is not None else [SequenceStats() for _ in prompts]
     width = tree.num_slots if tree else 1
-    if isinstance(tree, DynamicTree):  # the fused step pads every path to the heads' depth, and a drafter
-        width = max(width, tree.heads + 1)  # with a cache of its own appends that many rows (dynamic:1: 5 > 2)
-    backend.start(n, longest + cfg.max_new_tokens + width + 1)
+    if isinstance(tree, DynamicTree) and plan.kind == "fused":  # it pads every path to the heads' depth, and a
+        width = max(width, tree.heads + 1)  # drafter with a cache of its own appends that many rows (dynamic:1: 5 > 2)
+    # A step writes its slots after the committed rows, and a drafter with a cache of its own its
+    # padded path (width rows at most): within_room keeps every slot below max_seq_len, so no cache
+    # needs more than max_seq_len + width (a TensorRT engine's profile allows max_draft_len + 1 more).
+    backend.start(n, min(longest + cfg.max_new_tokens + 1, info.max_seq_len) + width)
 
     t0 = time.perf_counter()
     carry = plan.prefill(prompts, sampler)
@@ -189,7 +193,8 @@ def _generate(backend: Backend, prompts: list[list[int]], cfg: GenerationConfig,
     stop = set(cfg.stop_token_ids if cfg.stop_token_ids is not None else info.stop_token_ids)
     while len(active):
         t_step = time.perf_counter()
-        step = tree.within_block(backend.lengths, info.key_block) if tree is not None else None
+        step = tree.within_block(backend.lengths, info.key_block).within_room(backend.lengths, info.max_seq_len) \
+            if tree is not None else None
         emitted, accepted, carry = plan.step(step, carry, sampler)
         kept = accepted.tolist() if tree is not None else None
         elapsed = time.perf_counter() - t_step

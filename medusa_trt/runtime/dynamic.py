@@ -88,6 +88,14 @@ class DynamicTree:
             return self
         return DynamicTree(max(room - 1, 0), self.heads, self.topk, self.context, self.chains_only, self.slot_cost)
 
+    def within_room(self, lengths: torch.Tensor, max_seq_len: int) -> DynamicTree:
+        """This step's spec near the engine's last position (StepTree.within_room): a budget of the
+        positions left after the root, since a tree of n nodes is at most n deep."""
+        room = max_seq_len - int(lengths.max())
+        if room > self.max_depth:
+            return self
+        return DynamicTree(max(room - 1, 0), self.heads, self.topk, self.context, self.chains_only, self.slot_cost)
+
 
 def dynamic_tree(spec: object, heads: int, topk: int, max_draft_len: int, chains_only: bool = False,
                  context: bool = True, slot_cost: float | None = None) -> DynamicTree | None:

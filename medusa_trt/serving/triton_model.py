@@ -139,7 +139,6 @@ class Job:
     key: tuple  # rows with equal keys decode in one batched generate call
     stop_words: tuple[str, ...] = ()
     seed: int | None = None  # sample acceptance: this row's generator seed
-    depth: int = 0  # the tree's depth: what a batch holding this row needs beyond its prompts and max_tokens
     tokens: list[int] = field(default_factory=list)
     live: SequenceStats | None = None  # filled by generate while the group decodes
     final: SequenceStats | None = None  # snapshot when this row finished
@@ -212,19 +211,18 @@ def parse_request(service: Service, inputs: Mapping[str, np.ndarray], index: int
         try:
             if parse_dynamic(spec) is not None:  # a tree chosen per step: "dynamic:N[,cost=C]"
                 tree = step_tree(info, spec)  # its slot cost: the spec's, else the default
-                nodes, depth = dynamic_spec(tree.budget, tree.slot_cost), tree.max_depth
+                nodes = dynamic_spec(tree.budget, tree.slot_cost)
             else:
                 nodes = read_tree(spec, info.num_medusa_heads, info.max_draft_len)
-                depth = max(len(p) for p in nodes)
         except TreeError as err:
             raise RequestError(f"medusa_choices{where}: {err}") from None
         rank = 0 if isinstance(nodes, str) else max(max(p) for p in nodes)
         if rank >= info.vocab_size:
             raise RequestError(f"medusa_choices{where}: rank {rank} is beyond the vocabulary ({info.vocab_size} "
                                f"tokens); expected ranks < {info.vocab_size}")
-        if len(prompt) + max_tokens + depth > info.max_seq_len:
-            raise RequestError(f"text_input{where}: prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) + tree "
-                               f"depth ({depth}) exceeds the engine's max_seq_len {info.max_seq_len}")
+        if len(prompt) + max_tokens > info.max_seq_len:
+            raise RequestError(f"text_input{where}: prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) "
+                               f"exceeds the engine's max_seq_len {info.max_seq_len}")
         acceptance = one("acceptance")
         acceptance = _text("acceptance", acceptance, where) if acceptance is not None else s.acceptance
         if acceptance not in ACCEPTANCE:
@@ -262,8 +260,7 @@ def parse_request(service: Service, inputs: Mapping[str, np.ndarray], index: int
             acceptance = "greedy" if acceptance == "greedy" or temperature == 0 else "typical"
             knobs = None if acceptance == "greedy" else (temperature, threshold, alpha)  # typical knobs only
         key = (nodes if isinstance(nodes, str) else tuple(map(tuple, nodes)), acceptance, knobs, stop_ids)
-        jobs.append(Job(index, r, prompt, max_tokens, cfg, key, stop_words, seed if acceptance == "sample" else None,
-                        depth))
+        jobs.append(Job(index, r, prompt, max_tokens, cfg, key, stop_words, seed if acceptance == "sample" else None))
     return Parsed(jobs, stream)
 
 
@@ -271,7 +268,7 @@ def group_jobs(jobs: list[Job], max_batch: int | None = None, max_seq_len: int |
     """Jobs with the same key, in order of first appearance, each group cut into batches that one
     generate call runs, or it fails every row in it: at most `max_batch` rows (the engine's
     max_batch_size), and, with `max_seq_len`, the longest prompt + the largest max_tokens (a batch
-    runs to it) + the tree's depth within it. Each row fits alone (parse_request); two may not."""
+    runs to it) within it. Each row fits alone (parse_request); two may not."""
     groups: dict[tuple, list[Job]] = {}
     for job in jobs:
         groups.setdefault(job.key, []).append(job)
@@ -281,8 +278,7 @@ def group_jobs(jobs: list[Job], max_batch: int | None = None, max_seq_len: int |
         if len(batch) >= size:
             return False
         rows = [*batch, job]
-        return max_seq_len is None or (max(len(j.prompt) for j in rows) + max(j.max_tokens for j in rows)
-                                       + job.depth <= max_seq_len)
+        return max_seq_len is None or max(len(j.prompt) for j in rows) + max(j.max_tokens for j in rows) <= max_seq_len
 
     batches: list[list[Job]] = []
     for group in groups.values():

@@ -186,14 +186,17 @@ def write_triton_repo(
         raise RepoError(f"model name {model_name!r}: expected letters, digits, '_', '.' or '-'")
     batch = _check_batch(max_batch_size, info)
     tree = default_tree(medusa_choices, info)[0]
-    depth = dynamic_depth(tree, info) if isinstance(tree, str) else max(len(p) for p in tree)
-    room = info.max_seq_len - depth  # prompt + generated tokens must leave room for one tree
+    if isinstance(tree, str):
+        check_dynamic(tree, info)
+    # A request's prompt + max_tokens must fit max_seq_len (the model checks each); a tree's depth
+    # needs no room of its own: the decoder cuts the last steps' trees (StepTree.within_room).
+    room = info.max_seq_len
     max_input_len = room - 1 if max_input_len is None else max_input_len
     max_output_len = room - 1 if max_output_len is None else max_output_len
     for name, value in (("max_input_len", max_input_len), ("max_output_len", max_output_len)):
         if not 1 <= value < room:
             raise RepoError(f"{name} {value}: expected 1..{room - 1} ({info.directory} allows "
-                            f"{info.max_seq_len} positions, the default tree is {depth} deep)")
+                            f"{info.max_seq_len} positions)")
     if acceptance not in ("greedy", "typical", "sample"):
         raise RepoError(f"acceptance {acceptance!r}: expected 'greedy', 'typical' or 'sample'")
     if acceptance == "sample" and not temperature > 0:
@@ -459,16 +462,16 @@ def default_tree(medusa_choices: object, info: EngineInfo | None) -> tuple[list[
     return _default_tree(DEFAULT_TREE, info), DEFAULT_TREE
 
 
-def dynamic_depth(spec: str, info: EngineInfo) -> int:
-    """The deepest tree a "dynamic:N" default verifies on the engine (tree depth bounds the prompt)."""
+def check_dynamic(spec: str, info: EngineInfo) -> None:
+    """Refuses a "dynamic:N" default that the engine and its drafter cannot fill."""
     try:
-        return dynamic_tree(spec, info.num_heads, CANDIDATE_TOPK, info.max_draft_len).max_depth
+        dynamic_tree(spec, info.num_heads, CANDIDATE_TOPK, info.max_draft_len)
     except TreeError as err:
         raise RepoError(f"default tree for {info.directory}: {err}") from None
 
 
 def _default_tree(medusa_choices: object, info: EngineInfo | None) -> list[list[int]] | str:
-    """The nodes of a static default tree, or a "dynamic:N" spec as it is (checked by dynamic_depth)."""
+    """The nodes of a static default tree, or a "dynamic:N" spec as it is (checked by check_dynamic)."""
     spec = DEFAULT_TREE if medusa_choices is None else medusa_choices
     try:
         parsed = read_dynamic(spec)

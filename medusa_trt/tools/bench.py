@@ -366,12 +366,11 @@ def hf_generate(model_dir: Path, prompts: list[list[int]], max_new_tokens: int, 
 # -- prompts and the report -------------------------------------------------------------------
 
 
-def load_prompts(path: Path, tokenizer, limit: int | None = None, room: tuple[int, int] | None = None,
-                 depth: int = 1) -> tuple[list[str], list[list[int]]]:
+def load_prompts(path: Path, tokenizer, limit: int | None = None,
+                 room: tuple[int, int] | None = None) -> tuple[list[str], list[list[int]]]:
     """The prompts of a --prompts file, encoded. `room`: (max_new_tokens, the engine's max_seq_len);
-    a prompt with no room for its tokens and one tree of `depth` (the deepest that will run; the
-    decoder's own rule, decoding.check_room) is refused here, by its place in the file, rather than
-    as an anonymous prompt mid-run."""
+    a prompt with no room for its new tokens (the decoder's own rule, decoding.check_room) is refused
+    here, by its place in the file, rather than as an anonymous prompt mid-run."""
     from medusa_trt.data import DataError, read_prompts
 
     try:
@@ -385,10 +384,10 @@ def load_prompts(path: Path, tokenizer, limit: int | None = None, room: tuple[in
     if room is not None:
         new, most = room
         for i, p in enumerate(ids):
-            if len(p) + new + depth > most:
-                raise BenchError(f"{path}: prompt {i + 1} has {len(p)} tokens; with --max-new-tokens {new} and trees "
-                                 f"{depth} deep it needs {len(p) + new + depth} positions, more than the engine's "
-                                 f"max_seq_len {most} (shorter prompts, or fewer new tokens)")
+            if len(p) + new > most:
+                raise BenchError(f"{path}: prompt {i + 1} has {len(p)} tokens; with --max-new-tokens {new} it needs "
+                                 f"{len(p) + new} positions, more than the engine's max_seq_len {most} (shorter "
+                                 "prompts, or fewer new tokens)")
     return texts, ids
 
 

@@ -212,19 +212,27 @@ def test_medusa_run_cli(distilled, capsys):
     assert run_main(["--checkpoint", str(ckpt / "missing"), "--prompt", "x"]) == 2
 
 
-def test_fused_greedy_step_equals_the_unfused_loop(distilled, tmp_path):
+@pytest.fixture(scope="module")
+def distilled_engine(distilled, tmp_path_factory):
+    """The ONNX Runtime engine of distilled("llama"), built once for this file's engine tests."""
+    from medusa_trt.engines.build import build_engine
+    from medusa_trt.engines.options import BuildOptions
+
+    out = tmp_path_factory.mktemp("distilled") / "engine"
+    build_engine(BuildOptions(checkpoint=distilled("llama").ckpt, out=out, progress=False))
+    return out
+
+
+def test_fused_greedy_step_equals_the_unfused_loop(distilled, distilled_engine):
     """The ONNX Runtime engine's fused step (verify + accept + heads + next tree in one call) takes
     the same path as the loop's own acceptance: same tokens and statistics, batch 4, ragged prompts,
     one sequence ending early on a stop id; a tree shallower than the heads (the graph drafts with as
     many heads as the tree is deep); a tree with a rank beyond the graph's top-k falls back; trees
     chosen per step from the graph's top-k log-probs, with context candidates."""
-    from medusa_trt.engines.build import build_engine
-    from medusa_trt.engines.options import BuildOptions
     from medusa_trt.runtime.ort.backend import OrtBackend
 
     m = distilled("llama")
-    build_engine(BuildOptions(checkpoint=m.ckpt, out=tmp_path / "engine", progress=False))
-    backend = OrtBackend(tmp_path / "engine")
+    backend = OrtBackend(distilled_engine)
     assert backend.fused_step_topk == 10
     ps = prompts(12)
     full = [oracle(m.hf, p) for p in ps]
@@ -248,8 +256,78 @@ def test_fused_greedy_step_equals_the_unfused_loop(distilled, tmp_path):
                 [s.as_dict() | {"prefill_s": 0, "decode_s": 0} for s in unfused.stats], tree
         assert sum(s.accepted_draft_tokens for s in fused.stats) > 0
     # Heads past a tree's depth are skipped at run time: head h > 0 sits behind an If on depth > h.
-    step = onnx.load(str(tmp_path / "engine" / "model_step.onnx"), load_external_data=False)
+    step = onnx.load(str(distilled_engine / "model_step.onnx"), load_external_data=False)
     assert sum(n.op_type == "If" for n in step.graph.node) == backend.num_medusa_heads - 1 >= 2
+
+
+@pytest.mark.parametrize("kind", ["reference", "engine"])
+def test_medusa_decodes_what_plain_decoding_fits(kind, distilled, distilled_engine, monkeypatch):
+    """A decode needs room for its prompt and new tokens only, as plain decoding does: near
+    max_seq_len the loop cuts each step's tree to the slots below it (StepTree.within_room,
+    DynamicTree.within_room), and the tokens stay transformers' greedy ones. Here the limit is
+    lowered to the longest prompt + its new tokens exactly, so the last steps of every tree are cut,
+    down to the root alone; no position fed reaches the limit (the engine's forward would refuse it
+    too). Batched, ragged, fused and two-call steps, static and per-step trees, and a sampled decode
+    (any tree keeps sampling lossless)."""
+    import dataclasses
+
+    from medusa_trt.runtime.ort.backend import OrtBackend
+
+    m = distilled("llama")
+    backend = m.backend if kind == "reference" else OrtBackend(distilled_engine)
+    new = 24
+    ps = prompts(21, lengths=(30, 7, 19))
+    limit = max(map(len, ps)) + new
+    monkeypatch.setattr(backend, "info", dataclasses.replace(backend.info, max_seq_len=limit))
+    positions = []
+
+    def spy(run):
+        def seen(tokens, pos, *a, **k):
+            positions.append(int(pos.max()))
+            return run(tokens, pos, *a, **k)
+        return seen
+
+    for call in ("forward", "fused_step"):
+        monkeypatch.setattr(backend, call, spy(getattr(backend, call)))
+    expected = [oracle(m.hf, p, new) for p in ps]
+    fused_options = (10, None) if kind == "engine" else (None,)
+    try:
+        for tree in ("mc_sim_7b_63", [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]], "dynamic:8"):
+            cfg = GenerationConfig(max_new_tokens=new, medusa_choices=tree, stop_token_ids=(EOS,))
+            assert step_tree(backend.info, tree).max_depth >= 3  # the old rule (+ depth) refused these prompts
+            for topk in fused_options:
+                if kind == "engine":
+                    backend.fused_step_topk = topk
+                result = decode(backend, ps, cfg)
+                assert result.tokens == expected, (tree, topk)
+                assert sum(s.accepted_draft_tokens for s in result.stats) > 0
+        sampled = decode(backend, ps, GenerationConfig(max_new_tokens=new, acceptance="sample", temperature=0.8, seed=3,
+                                                       stop_token_ids=()))
+        assert [len(t) for t in sampled.tokens] == [new] * len(ps)
+        with pytest.raises(ValueError, match=f"max_new_tokens \\({new + 1}\\) exceeds"):
+            decode(backend, ps, GenerationConfig(max_new_tokens=new + 1))
+    finally:
+        if kind == "engine":
+            backend.fused_step_topk = 10
+    assert max(positions) == limit - 1
+
+
+def test_tree_cut_near_max_seq_len():
+    """within_room: the slots whose positions stay below max_seq_len after every sequence's prefix;
+    a per-step tree gets the budget of the positions left after the root."""
+    from medusa_trt.runtime.dynamic import DynamicTree
+    from medusa_trt.tree import StepTree, build_tree
+
+    tree = StepTree.of(build_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0]], 3, 8), 1000)
+    assert tree.within_room(torch.tensor([16]), 20) is tree  # positions 16..19
+    assert tree.within_room(torch.tensor([17]), 20).num_slots == 5  # depth 2 at most: root, [0], [1], [0,0], [1,0]
+    assert tree.within_room(torch.tensor([18, 3]), 20).num_slots == 3  # the longest prefix counts
+    assert tree.within_room(torch.tensor([19]), 20).num_slots == 1  # the root alone
+    assert tree.within_room(torch.tensor([18]), 20) is tree.within_room(torch.tensor([18]), 20)  # cut once
+    dyn = DynamicTree(budget=8, heads=3, topk=10, context=False)
+    assert dyn.within_room(torch.tensor([10]), 20) is dyn
+    assert dyn.within_room(torch.tensor([17]), 20).budget == 2
+    assert dyn.within_room(torch.tensor([19]), 20).budget == 0
 
 
 def test_draft_vocabulary_heads(distilled, tmp_path):

@@ -78,8 +78,8 @@ def test_python_repo_config_follows_triton_schema(tiny_merged, tmp_path):
     p = params(config)
     assert Path(p["engine_dir"]) == ckpt.resolve() and Path(p["engine_dir"]).is_absolute()
     assert p["acceptance"] == "greedy" and p["intra_op_threads"] == "1"
-    # prompt + output must leave room for the default tree (depth 4) in 512 positions
-    assert int(p["max_input_len"]) == int(p["max_output_len"]) == 512 - 4 - 1
+    # prompt + output fit 512 positions (each request is checked); a tree needs no room of its own
+    assert int(p["max_input_len"]) == int(p["max_output_len"]) == 512 - 1
     assert "medusa_trt" in imports_of(out / "medusa" / "1" / "model.py")
 
 
@@ -249,7 +249,7 @@ def test_bad_engine_dirs_give_clear_errors(tiny_merged, tiny_base, tmp_path):
         write_triton_repo(tiny_merged(), tmp_path / "repo", medusa_choices="[[0, 0, 0, 0, 0, 0]]")
     with pytest.raises(RepoError, match="model name"):
         write_triton_repo(tiny_merged(), tmp_path / "repo", model_name="a/b")
-    with pytest.raises(RepoError, match="max_input_len 600: expected 1..507"):
+    with pytest.raises(RepoError, match="max_input_len 600: expected 1..511"):
         write_triton_repo(tiny_merged(), tmp_path / "repo", max_input_len=600)
     assert not (tmp_path / "repo").exists()
 
@@ -272,7 +272,7 @@ def test_engine_json_limits(tiny_merged, ort_engine, tmp_path):
     assert params(parse_config(cut / "medusa" / "config.pbtxt"))["medusa_choices"].count("{") == 20
     out = write_triton_repo(engine, tmp_path / "repo", medusa_choices="[[0], [0, 0], [1]]")
     config = parse_config(out / "medusa" / "config.pbtxt")
-    assert config.max_batch_size == 4 and params(config)["max_input_len"] == str(128 - 2 - 1)
+    assert config.max_batch_size == 4 and params(config)["max_input_len"] == str(128 - 1)
     with pytest.raises(RepoError, match="max_batch_size 8: expected 1..4"):
         write_triton_repo(engine, tmp_path / "repo2", medusa_choices="[[0]]", max_batch_size=8)
 

@@ -134,10 +134,9 @@ def test_per_prompt_speedup_is_a_tokens_per_s_ratio(monkeypatch):
     assert row["plain_tokens_per_s"] == 128.0
 
 
-def test_prompts_need_room_for_the_deepest_tree(tiny_merged, tmp_path, capsys):
-    """The decoder's rule (prompt + new tokens + tree depth), checked before any decoding and
-    naming the file and the prompt, for the tree and every --also tree."""
-    from medusa_trt.runtime.dynamic import MAX_CONTEXT_DEPTH
+def test_prompts_need_room_for_their_new_tokens(tiny_merged, tmp_path, capsys, monkeypatch):
+    """The decoder's rule (prompt + new tokens <= max_seq_len, whatever the trees: it cuts the last
+    steps' trees), checked before any decoding and naming the file and the prompt."""
     from medusa_trt.runtime.loading import load_tokenizer
 
     ckpt = tiny_merged("llama")
@@ -146,12 +145,18 @@ def test_prompts_need_room_for_the_deepest_tree(tiny_merged, tmp_path, capsys):
     n = len(load_tokenizer(ckpt).encode(text))
     prompts = tmp_path / "p.txt"
     prompts.write_text(f"a b c\n{text}\n")
-    new = most - n - 2  # room for the root and one node, not for a tree 3 deep
-    args = ["--engine", str(ckpt), "--prompts", str(prompts), "--no-hf", "--quiet", "--max-new-tokens", str(new)]
-    assert bench_cli.main([*args, "--medusa-choices", "[[0], [0, 0], [0, 0, 0]]"]) == 2
-    assert f"{prompts}: prompt 2 has {n} tokens; with --max-new-tokens {new} and trees 3 deep" in capsys.readouterr().err
-    assert bench_cli.main([*args, "--medusa-choices", "[[0]]", "--also", "dynamic:32"]) == 2
-    assert f"and trees {MAX_CONTEXT_DEPTH} deep" in capsys.readouterr().err
+    args = ["--engine", str(ckpt), "--prompts", str(prompts), "--no-hf", "--quiet", "--medusa-choices",
+            "[[0], [0, 0], [0, 0, 0]]", "--also", "dynamic:32"]
+    assert bench_cli.main([*args, "--max-new-tokens", str(most - n + 1)]) == 2
+    assert f"{prompts}: prompt 2 has {n} tokens; with --max-new-tokens {most - n + 1} it needs {most + 1} positions, " \
+        f"more than the engine's max_seq_len {most}" in capsys.readouterr().err
+
+    def reached(*a, **k):  # the room check passed: the decodes would start here
+        raise SystemExit(7)
+
+    monkeypatch.setattr(bench_cli, "compare", reached)
+    with pytest.raises(SystemExit, match="7"):
+        bench_cli.main([*args, "--max-new-tokens", str(most - n)])
 
 
 def test_hf_model_dir_follows_engine_and_checkpoint(tiny_merged, ort_engine, tiny_base):

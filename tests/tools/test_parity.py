@@ -142,7 +142,7 @@ def test_bad_inputs_exit_2(ort_engine, tmp_path, capsys):
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["--max-new-tokens", "0"], "--max-new-tokens 0: expected a positive integer"),
-    (["--max-new-tokens", "5000"], "max_new_tokens (5000) + tree depth (0) exceeds the model's maximum sequence length 512"),
+    (["--max-new-tokens", "5000"], "max_new_tokens (5000) exceeds the model's maximum sequence length 512"),
     (["--device", "cuda"], "device 'cuda' keeps the KV cache in torch CUDA tensors, but this torch"),
 ])
 def test_bad_options_exit_2(ort_engine, argv, message, capsys):

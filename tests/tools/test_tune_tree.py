@@ -235,9 +235,11 @@ def test_cli_writes_a_loadable_tree_and_warns_for_random_heads(tiny_merged, tmp_
         assert key in result["predicted"]
     assert {"tuned", "mc_sim_7b_63", "plain_tokens_per_s"} <= set(result["measured"])
     assert result["measured"]["tuned"]["equal_to_plain"]
-    # Random heads predict nothing: no tree is predicted to beat plain decoding. The recommendation
-    # follows the measurement (a per-step tree's context chains may still pay on a repetitive output).
-    assert result["predicted"]["tuned"]["speedup_vs_plain"] < 1
+    # Random heads predict nothing: no head's draft at any rank is right in 10% of steps, whatever
+    # tree the tuner picks (its predicted speedup also divides by measured step times, which a
+    # loaded machine makes noisy: 1.72 was seen). The recommendation follows the measurement (a
+    # per-step tree's context chains may still pay on a repetitive output).
+    assert max(max(row) for row in result["head_accuracy"]["rank_accuracy"]) < 0.1
     m = result["measured"]
     faster = m["tuned" if result["choice"]["chosen"] == "static" else spec]["tokens_per_s"] > m["plain_tokens_per_s"]
     assert result["recommendation"] == ("medusa" if faster else "plain")
@@ -333,14 +335,13 @@ def test_cli_refuses_an_out_it_cannot_read_back(tmp_path, capsys):
 
 
 def test_cli_checks_every_prompt_file_before_tuning(tiny_merged, tmp_path, capsys, monkeypatch):
-    """--eval-prompts, and room for the trees each prompt file decodes with (the decoder's rule:
-    prompt + new tokens + tree depth), are checked before the minutes of tuning, by file and prompt."""
-    from medusa_trt.runtime.dynamic import MAX_CONTEXT_DEPTH
+    """--eval-prompts, and each prompt's room for its new tokens (the decoder's rule: prompt + new
+    tokens <= max_seq_len), are checked before the minutes of tuning, by file and prompt."""
     from medusa_trt.runtime.loading import load_backend, load_tokenizer
 
     monkeypatch.setattr(ts, "tune", lambda *a, **k: pytest.fail("tuned before the prompts were checked"))
     ckpt = tiny_merged("llama")
-    most, heads = (lambda info: (info.max_seq_len, info.num_medusa_heads))(load_backend(ckpt).info)
+    most = load_backend(ckpt).info.max_seq_len
     text = "hello " * 50
     n = len(load_tokenizer(ckpt).encode(text))
     short, long = tmp_path / "short.txt", tmp_path / "long.txt"
@@ -350,16 +351,15 @@ def test_cli_checks_every_prompt_file_before_tuning(tiny_merged, tmp_path, capsy
     base = ["--engine", str(ckpt), "--out", str(out), "--quiet"]
     assert tune_cli.main([*base, "--prompts", str(short), "--eval-prompts", str(tmp_path / "missing.jsonl")]) == 2
     assert "missing.jsonl: file not found" in capsys.readouterr().err
-    # Calibration: trees as deep as the heads; one position more than the root alone needs.
-    new = most - n - heads + 1
+    # Calibration, and the measured comparison: one position more than the prompt and its new tokens.
+    new = most - n + 1
     assert tune_cli.main([*base, "--prompts", str(long), "--max-new-tokens", str(new), "--no-measure"]) == 2
-    assert f"{long}: prompt 2 has {n} tokens; with --max-new-tokens {new} and trees {heads} deep" \
+    assert f"{long}: prompt 2 has {n} tokens; with --max-new-tokens {new} it needs {most + 1} positions" \
         in capsys.readouterr().err
-    # The measured comparison: per-step trees' context chains go deeper than the heads.
-    new = most - n - heads
     assert tune_cli.main([*base, "--prompts", str(short), "--eval-prompts", str(long), "--max-new-tokens",
                           str(new), "--budgets", "32"]) == 2
-    assert f"{long}: prompt 2 has {n} tokens; with --max-new-tokens {new} and trees {MAX_CONTEXT_DEPTH} deep" in capsys.readouterr().err
+    assert f"{long}: prompt 2 has {n} tokens; with --max-new-tokens {new} it needs {most + 1} positions" \
+        in capsys.readouterr().err
     # Held-out ShareGPT conversations (the issue's rule) never tune or pick a tree, in either file.
     rows = [{"text": "a b c", "kind": "chat", "source": "I7GJBvO_0"}, {"text": "d e", "kind": "code", "source": "x.py"},
             {"text": "f g", "kind": "chat", "source": "gt6zkh9_0"}]  # the last hashes to 0 mod 10

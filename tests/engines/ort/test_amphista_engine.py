@@ -114,15 +114,17 @@ def test_per_step_trees_narrower_than_the_drafters_heads(amphista):
     """dynamic:1 and dynamic:2 on the fused step: it pads each path to the heads' depth (4 + 1 rows),
     which the drafter's cache takes, so a decode's cache holds that many rows beyond the prompt and
     its new tokens, not the tree's 2 or 3 slots (dynamic:1 overflowed it). Also at the engine's
-    exact room, and batched."""
+    exact room for the prompt and its new tokens, where the last steps' trees are cut (and the
+    drafter's padded rows run past max_seq_len), and batched; there a static tree too."""
     backend = load_backend(amphista.engines["float32"])
-    for depth in (1, 2):
-        tree = f"dynamic:{depth}"
-        exact = prompts(14, lengths=[backend.info.max_seq_len - 40 - depth])  # room for 40 tokens and the tree
-        for batch in (prompts(13, lengths=[3, 9]), exact):
+    batches = (prompts(14, lengths=[backend.info.max_seq_len - 40, 5]),  # room for 40 tokens, none for a tree
+               prompts(13, lengths=[3, 9]))
+    plain = [decode(backend, b, GenerationConfig(max_new_tokens=40, use_medusa=False, stop_token_ids=())).tokens
+             for b in batches]
+    for tree, runs in (("dynamic:1", 2), ("dynamic:2", 2), ("dynamic:8", 1), (TREE, 1)):
+        for batch, want in list(zip(batches, plain, strict=True))[:runs]:
             spec = decode(backend, batch, GenerationConfig(max_new_tokens=40, medusa_choices=tree, stop_token_ids=()))
-            plain = decode(backend, batch, GenerationConfig(max_new_tokens=40, use_medusa=False, stop_token_ids=()))
-            assert spec.tokens == plain.tokens, (tree, [len(p) for p in batch])
+            assert spec.tokens == want, (tree, [len(p) for p in batch])
 
 
 def test_amphista_on_a_qwen2_base_with_a_sliding_window(tiny_base, tmp_path):
