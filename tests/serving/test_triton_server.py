@@ -339,10 +339,10 @@ def test_load_16_clients_x_8_requests(served):
 BAD = [
     (dict(CASES[0], medusa_choices="[[0], [0, 0, 0, 0, 0, 0]]"), "medusa_choices.*depth 6 exceeds num_heads=4"),
     (dict(CASES[0], medusa_choices="not a tree"), "medusa_choices.*expected a preset name"),
-    (dict(CASES[0], text="x" * 600), "prompt is 602 tokens; .* at most 507"),
+    (dict(CASES[0], text="x" * 600), "prompt is 602 tokens; .* at most 511"),
     (dict(CASES[0], text="y" * 300, max_tokens=300), r"exceeds the engine's max_seq_len 512"),
-    (dict(CASES[0], max_tokens=-3), "max_tokens: -3; expected 1..507"),
-    (dict(CASES[0], max_tokens=0), "max_tokens: 0; expected 1..507"),
+    (dict(CASES[0], max_tokens=-3), "max_tokens: -3; expected 1..511"),
+    (dict(CASES[0], max_tokens=0), "max_tokens: 0; expected 1..511"),
     (dict(CASES[0], acceptance="sampling"), "acceptance: 'sampling'; expected one of greedy, typical, sample"),
     (dict(CASES[0], temperature=-1.0), "temperature: -1.0; expected a finite value >= 0"),
     (dict(CASES[0], end_id=9999), r"end_id: 9999; expected a token id in 0..255"),
