@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -86,7 +86,7 @@ class DynamicTree:
         room = min(block - n % block for n in lengths.tolist())
         if room >= self.num_slots:
             return self
-        return DynamicTree(max(room - 1, 0), self.heads, self.topk, self.context, self.chains_only, self.slot_cost)
+        return replace(self, budget=max(room - 1, 0))
 
     def within_room(self, lengths: torch.Tensor, max_seq_len: int) -> DynamicTree:
         """This step's spec near the engine's last position (StepTree.within_room): a budget of the
@@ -94,7 +94,7 @@ class DynamicTree:
         room = max_seq_len - int(lengths.max())
         if room > self.max_depth:
             return self
-        return DynamicTree(max(room - 1, 0), self.heads, self.topk, self.context, self.chains_only, self.slot_cost)
+        return replace(self, budget=max(room - 1, 0))
 
 
 def dynamic_tree(spec: object, heads: int, topk: int, max_draft_len: int, chains_only: bool = False,
