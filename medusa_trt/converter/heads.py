@@ -12,10 +12,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from medusa_trt.checkpoint import check_draft_vocab, medusa_linear_prefix, medusa_lm_head
 from medusa_trt.converter.hf_base import (
+    FP8_DTYPES,
     BaseModel,
     ConvertError,
     Piece,
@@ -266,7 +265,7 @@ def _check_shapes(heads: MedusaHeads, base: BaseModel) -> None:
         elif param == "bias" and shape != (d,):
             raise ConvertError(f"{where} has shape {list(shape)}: head hidden size does not match the base "
                                f"hidden_size {d} ({cfg_path}); expected [{d}]")
-        fp8 = heads.source.dtypes[name] in (torch.float8_e4m3fn, torch.float8_e5m2)
+        fp8 = heads.source.dtypes[name] in FP8_DTYPES
         if param == "weight" and fp8 and (h, layer, "weight_scale") not in heads.keys:
             raise ConvertError(f"{where} is FP8 but has no weight_scale to dequantize it with")
 

@@ -34,6 +34,7 @@ class ConvertError(CheckpointError):
 KNOWN_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                        "Qwen2ForCausalLM": "qwen2"}
 TRTLLM_MODEL_TYPE = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # codes, weights only with their scale
 _DTYPE_ALIASES = {"float16": "float16", "fp16": "float16", "half": "float16", "bfloat16": "bfloat16",
                   "bf16": "bfloat16", "float32": "float32", "fp32": "float32", "float": "float32"}
 
@@ -151,8 +152,18 @@ class TensorSource:
 
 def find_weight_files(directory: Path) -> list[Path] | None:
     """The weight files of an HF model dir, or None when it has none we can read."""
-    for index_name, single in (("model.safetensors.index.json", "model.safetensors"),
-                               ("pytorch_model.bin.index.json", "pytorch_model.bin")):
+    layout = weight_layout(directory)
+    return None if layout is None else layout[0]
+
+
+def weight_layout(directory: Path) -> tuple[list[Path], Path | None] | None:
+    """(the weight files, the index naming them or None) of an HF model dir, in transformers' order
+    (modeling_utils): model.safetensors, its index, pytorch_model.bin, its index. A dir holding both
+    a single file and an index loads the single file there, so it does here."""
+    for single, index_name in (("model.safetensors", "model.safetensors.index.json"),
+                               ("pytorch_model.bin", "pytorch_model.bin.index.json")):
+        if (directory / single).is_file():
+            return [directory / single], None
         index_path = directory / index_name
         if index_path.exists():
             weight_map = read_json(index_path).get("weight_map")
@@ -168,22 +179,15 @@ def find_weight_files(directory: Path) -> list[Path] | None:
                 if not path.is_file():
                     raise ConvertError(f"{index_path}: shard {shard!r} listed in weight_map is missing")
                 files.append(path)
-            return files
-        if (directory / single).is_file():
-            return [directory / single]
+            return files, index_path
     return None
 
 
-def check_index(directory: Path, source: TensorSource) -> None:
+def check_index(index_path: Path, source: TensorSource) -> None:
     """Every tensor an index lists must be in the shard it names."""
-    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
-        index_path = directory / index_name
-        if index_path.exists():
-            for name, shard in read_json(index_path)["weight_map"].items():
-                if source.where.get(name) != directory / shard:
-                    raise ConvertError(f"{index_path}: lists tensor {name!r} in {shard}, "
-                                       f"but that shard does not hold it")
-            return
+    for name, shard in read_json(index_path)["weight_map"].items():
+        if source.where.get(name) != index_path.parent / shard:
+            raise ConvertError(f"{index_path}: lists tensor {name!r} in {shard}, but that shard does not hold it")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -215,13 +219,15 @@ def read_base(base_dir: Path) -> BaseModel:
     model_type = base_model_type(hf_config, config_path)
     generation = _read_generation_config(base_dir / "generation_config.json")
     check_base_config(hf_config, config_path, generation)
-    files = find_weight_files(base_dir)
-    if files is None:
+    layout = weight_layout(base_dir)
+    if layout is None:
         raise ConvertError(f"{base_dir}: no weights found; expected model.safetensors, "
                            f"model.safetensors.index.json, pytorch_model.bin or pytorch_model.bin.index.json")
+    files, index_path = layout
     weights = TensorSource.open(files)
     try:
-        check_index(base_dir, weights)
+        if index_path is not None:
+            check_index(index_path, weights)
     except BaseException:
         weights.close()
         raise
@@ -282,7 +288,8 @@ def normalize_rope(hf_config: dict, path: Path) -> tuple[float, dict | None]:
                                f"supported; expected one {{rope_theta, rope_type}} object")
         theta = req(params, "rope_theta", float, "rope_parameters.", positive=True, default=theta)
         scaling, where = params, "rope_parameters."
-    else:
+    else:  # transformers reads a rope_theta inside rope_scaling over the top-level one
+        theta = req(legacy, "rope_theta", float, "rope_scaling.", positive=True, default=theta)
         scaling, where = legacy, "rope_scaling."
     rope_type = (req(scaling, "rope_type", str, where, default=None) or req(scaling, "type", str, where, default=None)
                  or "default")
@@ -443,16 +450,18 @@ class Piece:
     scales: tuple[str | None, ...] = ()  # per key: a scale tensor to dequantize FP8 with
 
     def check(self, what: str) -> None:
-        for key, shape in zip(self.keys, self.shapes, strict=True):
+        for i, (key, shape) in enumerate(zip(self.keys, self.shapes, strict=True)):
             if key not in self.source:
                 raise ConvertError(f"{what}: tensor {key!r} not found in {_files(self.source)}")
             if self.source.shapes[key] != shape:
                 raise ConvertError(f"{self.source.where[key]}: tensor {key!r} has shape "
                                    f"{list(self.source.shapes[key])}, expected {list(shape)} for {what}")
             dtype = self.source.dtypes.get(key)
-            if dtype is not None and not dtype.is_floating_point:  # a cast would turn its codes into weights
-                raise ConvertError(f"{self.source.where[key]}: tensor {key!r} has dtype {str(dtype).removeprefix('torch.')}, "
-                                   f"expected floating-point weights for {what}")
+            unscaled_fp8 = dtype in FP8_DTYPES and not (self.scales and self.scales[i])
+            if dtype is not None and (not dtype.is_floating_point or unscaled_fp8):  # a cast would turn codes into weights
+                raise ConvertError(f"{self.source.where[key]}: tensor {key!r} has dtype {str(dtype).removeprefix('torch.')}"
+                                   f"{' and no scale' if unscaled_fp8 else ''}, expected floating-point weights for "
+                                   f"{what}{' (convert from the unquantized model)' if unscaled_fp8 else ''}")
 
     def load(self, dtype: torch.dtype) -> torch.Tensor:
         parts = []

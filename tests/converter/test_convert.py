@@ -235,6 +235,37 @@ def test_rope_scaling_both_config_forms(tmp_path, tiny_base, tiny_heads, scaling
     assert config["rotary_scaling"] == expected and config["rotary_base"] == 5e5
 
 
+def test_a_rope_theta_inside_rope_scaling_is_the_one_transformers_reads(tmp_path):
+    """An older config whose rope_scaling holds its own rope_theta: transformers takes it over the
+    top-level one (or the default), so the converter does."""
+    from transformers import AutoConfig
+
+    from medusa_trt.converter.hf_base import normalize_rope
+
+    base = tmp_path / "config.json"
+    for top in ({}, {"rope_theta": 1e6}):
+        cfg = {"model_type": "llama", **top, "rope_scaling": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}}
+        base.write_text(json.dumps(cfg))
+        hf = AutoConfig.from_pretrained(tmp_path).rope_parameters
+        assert normalize_rope(cfg, base) == (hf["rope_theta"], {"type": "linear", "factor": 2.0}) and hf["rope_theta"] == 5e5
+
+
+def test_a_single_weight_file_beside_an_index_is_the_one_transformers_loads(tmp_path, tiny_base, tiny_heads):
+    """A base dir with both model.safetensors and an index naming other shards (a re-saved model):
+    transformers loads model.safetensors, so the merged weights are its."""
+    from transformers import AutoModelForCausalLM
+
+    base = _copy_base(tiny_base, tmp_path)
+    state = load_file(base / "model.safetensors")
+    save_file({k: v + 1 for k, v in state.items()}, base / "model-00001-of-00001.safetensors")
+    (base / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: "model-00001-of-00001.safetensors" for k in state}}))
+    convert(base, tiny_heads("medusa_v1", tiny_base("llama")), tmp_path / "out", progress=False)
+    _, w = merged(tmp_path / "out")
+    hf = AutoModelForCausalLM.from_pretrained(base).model.embed_tokens.weight
+    assert torch.equal(w["transformer.vocab_embedding.weight"], hf) and torch.equal(hf, state["model.embed_tokens.weight"])
+
+
 def test_rope_scaling_beside_rope_parameters_as_transformers_reads_it(tmp_path, tiny_base, tiny_heads, capsys):
     """A transformers 5 config (rope_parameters) with a rope_scaling block added, as model cards tell
     users to: transformers applies rope_scaling whole (convert_rope_params_to_dict), so the
@@ -484,7 +515,7 @@ def _edit_config(directory: Path, **changes) -> None:
 BAD_INPUTS = ["missing_base", "base_without_config", "base_without_weights", "missing_shard", "missing_heads",
               "heads_dir_empty", "unknown_arch", "yarn_rope", "head_hidden_mismatch", "head_vocab_mismatch",
               "truncated_safetensors", "garbage_header", "unplaceable_head_key", "missing_bias",
-              "unplaceable_base_key", "base_head_shape", "nonempty_out", "out_contains_base",
+              "unplaceable_base_key", "fp8_base_without_scale", "base_head_shape", "nonempty_out", "out_contains_base",
               "heads_pt_not_a_pickle", "base_bin_random_bytes", "index_shard_not_a_name", "base_is_a_file",
               "out_is_a_symlink", "heads_dir_with_two_drafters"]
 
@@ -587,6 +618,12 @@ def test_bad_input(tmp_path, tiny_base, tiny_heads, capsys, case):
         state["model.layers.0.self_attn.q_norm.weight"] = torch.ones(16)
         save_file(state, base / "model.safetensors")
         expect = [str(base / "model.safetensors"), "'model.layers.0.self_attn.q_norm.weight'", "cannot place"]
+    elif case == "fp8_base_without_scale":  # its codes cast as they are would be weights ~1000x off
+        base = _copy_base(tiny_base, tmp_path)
+        state = load_file(base / "model.safetensors")
+        state["model.layers.0.mlp.down_proj.weight"] = state["model.layers.0.mlp.down_proj.weight"].to(torch.float8_e4m3fn)
+        save_file(state, base / "model.safetensors")
+        expect = [str(base / "model.safetensors"), "'model.layers.0.mlp.down_proj.weight'", "float8_e4m3fn and no scale"]
     elif case == "base_head_shape":
         base = _copy_base(tiny_base, tmp_path)
         _edit_config(base, intermediate_size=96)
