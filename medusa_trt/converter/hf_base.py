@@ -35,6 +35,11 @@ KNOWN_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistr
                        "Qwen2ForCausalLM": "qwen2"}
 TRTLLM_MODEL_TYPE = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # codes, weights only with their scale
+# What transformers' config classes (MistralConfig, Qwen2Config) give a key that config.json leaves out,
+# where it differs from the fallbacks below (LlamaConfig's): a Mistral config without `sliding_window`
+# still slides over 4096 positions in transformers.
+HF_DEFAULTS = {"mistral": {"sliding_window": 4096, "max_position_embeddings": 131072},
+               "qwen2": {"max_position_embeddings": 32768}}
 _DTYPE_ALIASES = {"float16": "float16", "fp16": "float16", "half": "float16", "bfloat16": "bfloat16",
                   "bf16": "bfloat16", "float32": "float32", "fp32": "float32", "float": "float32"}
 
@@ -360,7 +365,7 @@ def check_base_config(c: dict, path: Path, generation: dict | None = None) -> No
 def base_config(base: BaseModel) -> dict:
     """The TensorRT-LLM config keys that describe the base model (its values checked by
     check_base_config when the base was read)."""
-    c, path = base.hf_config, base.config_path
+    c, path = {**HF_DEFAULTS.get(base.model_type, {}), **base.hf_config}, base.config_path
     nq = c["num_attention_heads"]
     nkv = c.get("num_key_value_heads") or nq
     head_size = c.get("head_dim") or c["hidden_size"] // nq

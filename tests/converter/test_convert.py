@@ -330,6 +330,26 @@ def test_sliding_window_as_transformers_reads_it(tmp_path, tiny_base):
         window_of("qwen2", use_sliding_window=True, sliding_window=8, layer_types=[sliding])
 
 
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+def test_keys_a_config_leaves_out_are_transformers_defaults(tmp_path, tiny_base, arch):
+    """A config.json without `sliding_window` or `max_position_embeddings` gets what transformers'
+    config class gives it (MistralConfig: a 4096 window, 131072 positions; Qwen2Config: 32768)."""
+    from transformers import AutoConfig
+
+    from medusa_trt.converter.hf_base import base_config, read_base
+
+    base = tmp_path / arch
+    shutil.copytree(tiny_base(arch), base)
+    cfg = json.loads((base / "config.json").read_text())
+    for key in ("sliding_window", "max_position_embeddings"):
+        cfg.pop(key, None)
+    (base / "config.json").write_text(json.dumps(cfg))
+    out, hf = base_config(read_base(base)), AutoConfig.from_pretrained(base)
+    assert out["max_position_embeddings"] == hf.max_position_embeddings
+    window = hf.sliding_window if arch == "mistral" else None  # Qwen2's applies only with use_sliding_window
+    assert out["sliding_window"] == window and (arch != "mistral" or window == 4096)
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_output_dtype(tmp_path, tiny_base, tiny_heads, dtype):
     base = tiny_base("llama")

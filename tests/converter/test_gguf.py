@@ -142,3 +142,6 @@ def test_a_mistral_gguf_slides_only_where_the_file_says(tmp_path, window):
     llama = {"sliding_window": None}
     gguf_window(llama, inspect_gguf(write_gguf(tmp_path / "l.gguf")))  # llama: no window, nothing changes
     assert llama == {"sliding_window": None}
+    named = MistralConfig().to_dict()  # a "llama" file named "mistral": transformers makes it a MistralConfig
+    gguf_window(named, inspect_gguf(write_gguf(tmp_path / "n.gguf")))
+    assert named["sliding_window"] is None
