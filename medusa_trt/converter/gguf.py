@@ -173,7 +173,7 @@ def gguf_window(hf_config: dict, info: dict) -> None:
     else none. transformers fills a "mistral" GGUF's config from MistralConfig, whose default window
     (4096) the file never stated; llama.cpp writes Mistral 7B v0.1 as "llama" and attends without a
     window, so a window the file does not name is not there."""
-    if info["architecture"] == "mistral" or hf_config.get("model_type") == "mistral":  # a "llama" file named mistral too
+    if hf_config.get("model_type") == "mistral":  # a "mistral" file, or a "llama" one named mistral
         hf_config["sliding_window"] = info["sliding_window"]
 
 

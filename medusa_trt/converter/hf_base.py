@@ -462,11 +462,13 @@ class Piece:
                 raise ConvertError(f"{self.source.where[key]}: tensor {key!r} has shape "
                                    f"{list(self.source.shapes[key])}, expected {list(shape)} for {what}")
             dtype = self.source.dtypes.get(key)
-            unscaled_fp8 = dtype in FP8_DTYPES and not (self.scales and self.scales[i])
-            if dtype is not None and (not dtype.is_floating_point or unscaled_fp8):  # a cast would turn codes into weights
-                raise ConvertError(f"{self.source.where[key]}: tensor {key!r} has dtype {str(dtype).removeprefix('torch.')}"
-                                   f"{' and no scale' if unscaled_fp8 else ''}, expected floating-point weights for "
-                                   f"{what}{' (convert from the unquantized model)' if unscaled_fp8 else ''}")
+            name = str(dtype).removeprefix("torch.")
+            if dtype is not None and not dtype.is_floating_point:  # a cast would turn its codes into weights
+                raise ConvertError(f"{self.source.where[key]}: tensor {key!r} has dtype {name}, expected "
+                                   f"floating-point weights for {what}")
+            if dtype in FP8_DTYPES and not (self.scales and self.scales[i]):  # so would one of FP8 codes
+                raise ConvertError(f"{self.source.where[key]}: tensor {key!r} has dtype {name} and no scale, expected "
+                                   f"floating-point weights for {what} (convert from the unquantized model)")
 
     def load(self, dtype: torch.dtype) -> torch.Tensor:
         parts = []

@@ -279,37 +279,32 @@ def test_medusa_decodes_what_plain_decoding_fits(kind, distilled, distilled_engi
     ps = prompts(21, lengths=(30, 7, 19))
     limit = max(map(len, ps)) + new
     monkeypatch.setattr(backend, "info", dataclasses.replace(backend.info, max_seq_len=limit))
-    positions = []
+    positions: dict[str, list[int]] = {"forward": [], "fused_step": []}  # the largest position of each call
 
-    def spy(run):
+    def spy(call, run):
         def seen(tokens, pos, *a, **k):
-            positions.append(int(pos.max()))
+            positions[call].append(int(pos.max()))
             return run(tokens, pos, *a, **k)
         return seen
 
-    for call in ("forward", "fused_step"):
-        monkeypatch.setattr(backend, call, spy(getattr(backend, call)))
+    for call in positions:
+        monkeypatch.setattr(backend, call, spy(call, getattr(backend, call)))
     expected = [oracle(m.hf, p, new) for p in ps]
-    fused_options = (10, None) if kind == "engine" else (None,)
-    try:
-        for tree in ("mc_sim_7b_63", [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]], "dynamic:8"):
-            cfg = GenerationConfig(max_new_tokens=new, medusa_choices=tree, stop_token_ids=(EOS,))
-            assert step_tree(backend.info, tree).max_depth >= 3  # the old rule (+ depth) refused these prompts
-            for topk in fused_options:
-                if kind == "engine":
-                    backend.fused_step_topk = topk
-                result = decode(backend, ps, cfg)
-                assert result.tokens == expected, (tree, topk)
-                assert sum(s.accepted_draft_tokens for s in result.stats) > 0
-        sampled = decode(backend, ps, GenerationConfig(max_new_tokens=new, acceptance="sample", temperature=0.8, seed=3,
-                                                       stop_token_ids=()))
-        assert [len(t) for t in sampled.tokens] == [new] * len(ps)
-        with pytest.raises(ValueError, match=f"max_new_tokens \\({new + 1}\\) exceeds"):
-            decode(backend, ps, GenerationConfig(max_new_tokens=new + 1))
-    finally:
-        if kind == "engine":
-            backend.fused_step_topk = 10
-    assert max(positions) == limit - 1
+    for tree in ("mc_sim_7b_63", [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]], "dynamic:8"):
+        cfg = GenerationConfig(max_new_tokens=new, medusa_choices=tree, stop_token_ids=(EOS,))
+        assert step_tree(backend.info, tree).max_depth >= 3  # the old rule (+ depth) refused these prompts
+        for topk in (10, None) if kind == "engine" else (None,):  # the engine: fused, then two-call steps
+            monkeypatch.setattr(backend, "fused_step_topk", topk)
+            result = decode(backend, ps, cfg)
+            assert result.tokens == expected, (tree, topk)
+            assert sum(s.accepted_draft_tokens for s in result.stats) > 0
+    sampled = decode(backend, ps, GenerationConfig(max_new_tokens=new, acceptance="sample", temperature=0.8, seed=3,
+                                                   stop_token_ids=()))
+    assert [len(t) for t in sampled.tokens] == [new] * len(ps)
+    with pytest.raises(ValueError, match=f"max_new_tokens \\({new + 1}\\) exceeds"):
+        decode(backend, ps, GenerationConfig(max_new_tokens=new + 1))
+    assert max(positions["forward"] + positions["fused_step"]) == limit - 1
+    assert (max(positions["fused_step"]) == limit - 1) if kind == "engine" else not positions["fused_step"]
 
 
 def test_tree_cut_near_max_seq_len():
